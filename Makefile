@@ -1,0 +1,31 @@
+# One command sets up and runs the demo; one sets up and runs every test.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.quantship-installed
+
+.PHONY: demo test install lint bench clean
+
+demo: $(STAMP)
+	$(VENV)/bin/quantship demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[fastai,test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench docs
+
+bench: $(STAMP)
+	$(PY) bench/latency.py
+	$(PY) bench/pipeline.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,48 @@
+"""quantship: a PyTorch model to a deployable INT8 file, every claim checked on the file itself.
+
+Public names are loaded lazily so that ``import quantship`` (and ``quantship --help``) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (one place; `dir(quantship)` lists these)
+_PUBLIC: dict[str, str] = {
+    "QuantSpec": "quantship.precision",
+    "quant_spec": "quantship.precision",
+    "resolve_spec": "quantship.precision",
+    "precision_table": "quantship.precision",
+    "SUPPORT_MATRIX": "quantship.precision",
+    "PRESETS": "quantship.precision",
+    "Quantizer": "quantship.quantize",
+    "QuantizeCallback": "quantship.quantize.callback",
+    "state_dict_size": "quantship.quantize.sizes",
+    "export_qdq": "quantship.export",
+    "export_onnx": "quantship.export",
+    "ONNXModel": "quantship.export",
+    "verify_onnx": "quantship.export",
+    "qdq_stats": "quantship.inspect",
+    "QDQStats": "quantship.inspect",
+    "verify_qdq": "quantship.inspect",
+    "compare_logits": "quantship.inspect",
+    "quant_spec_of_file": "quantship.inspect",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quantship' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,3 @@
+from quantship.cli.main import main
+
+raise SystemExit(main())

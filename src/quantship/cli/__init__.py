@@ -1,0 +1,1 @@
+"""The ``quantship`` command line: one module per subcommand, heavy imports inside commands."""

@@ -1,0 +1,73 @@
+"""Entry point: parse the subcommand, import its module only when it runs.
+
+Exit codes: 0 ok, 1 a check failed, 2 bad input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module under quantship.cli, one-line help). The one list of subcommands.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "quantize the built-in reference task end to end and print one table"),
+    "quantize": ("quantize", "quantize a PyTorch model, export QDQ ONNX, check it against a target"),
+    "quantize-onnx": ("quantize_onnx", "quantize a float ONNX file for a target (ONNX Runtime's quantizer)"),
+    "inspect": ("inspect_cmd", "report what an ONNX file contains (format, memory, scales)"),
+    "check": ("check", "check an ONNX file against a deployment target's rules"),
+    "compare": ("compare", "float vs INT8 vs target execution, in output LSB"),
+    "precision": ("precision_cmd", "print the support matrix and the deployment presets"),
+}
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported in one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from quantship import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="quantship",
+        description="PyTorch to deployable INT8 QDQ ONNX, with every claim checked on the file.",
+    )
+    parser.add_argument("--version", action="version", version=f"quantship {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            mod = importlib.import_module(f"quantship.cli.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"quantship.cli.{module}":
+                raise
+            p.set_defaults(_missing=True)
+            continue
+        mod.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if getattr(args, "_missing", False):
+        print(f"quantship {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(f"quantship.cli.{args._module}")
+    try:
+        return int(mod.run(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError, IsADirectoryError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"quantship {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Built-in examples: small models and the reference task (scikit-learn digits)."""

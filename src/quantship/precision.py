@@ -1,0 +1,409 @@
+"""The precision grammar: one frozen record of a request, one support matrix, one validator.
+
+Every request is checked against ``SUPPORT_MATRIX`` before any work happens. A request that no
+backend can honour is refused with a ``ValueError`` naming the argument, the value, the backend,
+and the backends that can honour it. Nothing is ever replaced by a nearby precision.
+
+This module imports nothing else from quantship (see STYLE.md: imports flow one way).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
+
+FLOAT_BITS = 16  # "stays floating point" in a label: W8A16 is INT8 weight-only
+SPEC_ATTRIBUTE = "_quantship_spec"  # where a produced model carries its QuantSpec
+METADATA_KEY = "quantship.spec"  # the ONNX metadata_props key that carries it in a file
+
+PLACEMENTS = ("per_op", "skip_conv_add")
+ACT_OBSERVERS = ("histogram", "minmax", "percentile", "mse")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One precision a backend can apply: a row of the support matrix."""
+
+    backend: str
+    method: str
+    weight_bits: int
+    act_bits: int
+    qschemes: tuple[str, ...]  # first is the default
+    symmetric: tuple[bool, ...]  # first is the default
+    layer_bits: bool  # accepts a per-layer ``weight_bits`` dict
+    exports: bool  # ``export_qdq`` can write it
+    act_observers: tuple[str | None, ...] = (None,)  # first is the default
+    default_group_size: int | None = None
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"W{self.weight_bits}A{self.act_bits}"
+
+
+_FX_NOTE = "FX graph mode (torch.ao, deprecated upstream); affine observers, uint8 activations"
+_PT2E_NOTE = "quantship's own annotator on torchao pt2e; the one cell export_qdq writes"
+
+
+def _fx_rows(backend: str, qschemes: tuple[str, ...]) -> list[Cell]:
+    return [
+        Cell(backend, method, 8, 8, qschemes, (False,), True, False, note=_FX_NOTE)
+        for method in ("static", "dynamic", "qat")
+    ]
+
+
+# The support matrix: the one table every validation, refusal and printout reads.
+SUPPORT_MATRIX: tuple[Cell, ...] = (
+    Cell("pt2e", "static", 8, 8, ("per_channel", "per_tensor"), (True, False), False, True,
+         ACT_OBSERVERS, note=_PT2E_NOTE),
+    Cell("pt2e", "qat", 8, 8, ("per_channel", "per_tensor"), (True, False), False, True,
+         ("minmax",), note="pt2e quantization-aware training (QuantizeCallback)"),
+    *_fx_rows("x86", ("per_channel", "per_tensor")),
+    *_fx_rows("fbgemm", ("per_channel", "per_tensor")),
+    *_fx_rows("onednn", ("per_channel", "per_tensor")),
+    *_fx_rows("qnnpack", ("per_tensor",)),
+    Cell("torchao", "int8_weight_only", 8, 16, ("per_channel", "per_group"), (True,), True, False,
+         note="activations stay float; per-layer dict over Linear layers"),
+    Cell("torchao", "int8_dynamic", 8, 8, ("per_channel",), (True,), False, False,
+         note="int8 weights, activation scales computed at run time"),
+    Cell("torchao", "int4_weight_only", 4, 16, ("per_group",), (True,), False, False,
+         default_group_size=128, note="grouped int4 weights (IntxWeightOnlyConfig, CPU kernels)"),
+)
+
+BACKENDS: tuple[str, ...] = tuple(dict.fromkeys(c.backend for c in SUPPORT_MATRIX))
+FX_BACKENDS: tuple[str, ...] = ("x86", "fbgemm", "onednn", "qnnpack")
+
+
+def _cells(backend: str | None = None, method: str | None = None) -> list[Cell]:
+    return [
+        c for c in SUPPORT_MATRIX
+        if (backend is None or c.backend == backend) and (method is None or c.method == method)
+    ]
+
+
+def _backends_where(pred) -> list[str]:
+    return list(dict.fromkeys(c.backend for c in SUPPORT_MATRIX if pred(c)))
+
+
+def _can(names: list[str]) -> str:
+    if not names:
+        return "No backend can honour it."
+    return "The backend(s) that can: " + ", ".join(repr(n) for n in names) + "."
+
+
+def _can_at(cell: Cell, accepts) -> str:
+    """Backends honouring ``accepts`` at the cell's precision, else at any other precision."""
+    same = _backends_where(lambda c: c.label == cell.label and accepts(c))
+    if same:
+        return _can(same)
+    other = [c for c in SUPPORT_MATRIX if accepts(c)]
+    if not other:
+        return f"No backend can honour it (at {cell.label} or any other precision)."
+    found = ", ".join(f"{c.backend!r} at {c.label}" for c in {(c.backend, c.label): c for c in other}.values())
+    return f"No {cell.label} backend can honour it; at another precision: {found}."
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A resolved precision request: frozen, hashable, comparable.
+
+    ``layer_bits`` is a sorted tuple of ``(layer name, bits)`` pairs; ``skip_activations`` a
+    sorted tuple of module names. Build one with ``resolve_spec`` (or ``Quantizer``), which
+    validates it against the support matrix.
+    """
+
+    backend: str
+    method: str
+    weight_bits: int
+    act_bits: int
+    qscheme: str
+    symmetric: bool
+    group_size: int | None = None
+    layer_bits: tuple[tuple[str, int], ...] | None = None
+    qdq_placement: str | None = None
+    skip_activations: tuple[str, ...] | None = None
+    engine: str | None = None
+    act_observer: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``W{w}A{a}``; 16 means the tensor stays floating point."""
+        return f"W{self.weight_bits}A{self.act_bits}"
+
+    @property
+    def cell(self) -> Cell:
+        for c in _cells(self.backend, self.method):
+            return c
+        raise ValueError(f"no support-matrix cell for backend={self.backend!r} method={self.method!r}")
+
+    @property
+    def exports(self) -> bool:
+        """Whether ``export_qdq`` can write this precision as QDQ ONNX."""
+        return self.cell.exports
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict in field order (lists for the tuple fields)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "layer_bits" and value is not None:
+                value = {name: bits for name, bits in value}
+            elif f.name == "skip_activations" and value is not None:
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict())
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "QuantSpec":
+        """Rebuild a spec from ``as_dict()`` output (e.g. read back from an ONNX file)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown QuantSpec field(s) {sorted(unknown)}; known: {sorted(known)}")
+        kwargs = dict(data)
+        if kwargs.get("layer_bits") is not None:
+            kwargs["layer_bits"] = tuple(sorted((str(k), int(v)) for k, v in kwargs["layer_bits"].items()))
+        if kwargs.get("skip_activations") is not None:
+            kwargs["skip_activations"] = tuple(kwargs["skip_activations"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "QuantSpec":
+        return cls.from_dict(json.loads(text))
+
+
+def _resolve_method(backend: str, method: str | None, weight_bits: int | None, act_bits: int | None) -> Cell:
+    """Pick the matrix cell for (backend, method, widths), refusing impossible combinations."""
+    rows = _cells(backend)
+    methods = list(dict.fromkeys(c.method for c in rows))
+    if method is not None and method not in methods:
+        others = _backends_where(lambda c: c.method == method)
+        raise ValueError(
+            f"method={method!r} is not available with backend={backend!r}. "
+            f"Valid methods for {backend!r}: {methods}. {_can(others)}"
+        )
+    candidates = [c for c in rows if method is None or c.method == method]
+    if weight_bits is not None:
+        candidates = [c for c in candidates if c.weight_bits == weight_bits]
+    if act_bits is not None:
+        candidates = [c for c in candidates if c.act_bits == act_bits]
+    if not candidates:
+        w = weight_bits if weight_bits is not None else "?"
+        a = act_bits if act_bits is not None else "?"
+        wanted = f"W{w}A{a}"
+        any_backend = _backends_where(
+            lambda c: (weight_bits is None or c.weight_bits == weight_bits)
+            and (act_bits is None or c.act_bits == act_bits)
+        )
+        if not any_backend:
+            known = sorted({c.label for c in SUPPORT_MATRIX})
+            raise ValueError(
+                f"weight_bits={weight_bits}, act_bits={act_bits}: no backend runs {wanted}. "
+                f"Supported precisions: {known} (16 = stays floating point)."
+            )
+        offered = sorted({f"{c.label} ({c.method})" for c in rows})
+        what = f"method={method!r} " if method else ""
+        raise ValueError(
+            f"backend={backend!r} {what}cannot run {wanted} (weight_bits={weight_bits}, "
+            f"act_bits={act_bits}); it offers {offered}. {_can(any_backend)}"
+        )
+    return candidates[0]
+
+
+def resolve_spec(
+    backend: str = "pt2e",
+    method: str | None = None,
+    *,
+    weight_bits: int | Mapping[str, int] | None = None,
+    act_bits: int | None = None,
+    qscheme: str | None = None,
+    symmetric: bool | None = None,
+    group_size: int | None = None,
+    qdq_placement: str | None = None,
+    skip_activations: Iterable[str] | None = None,
+    act_observer: str | None = None,
+) -> QuantSpec:
+    """Validate a request against the support matrix and return the resolved ``QuantSpec``.
+
+    ``None`` means "the cell's default". Raises ``ValueError`` naming the argument, the value,
+    the backend, and the backends that can honour the request.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a quantship backend; valid backends: {list(BACKENDS)}")
+
+    layer_bits: tuple[tuple[str, int], ...] | None = None
+    if isinstance(weight_bits, Mapping):
+        if not weight_bits:
+            raise ValueError("weight_bits={} is empty: give an int, or a dict {layer name: 8 or 16}")
+        bad = {k: v for k, v in weight_bits.items() if not isinstance(k, str) or v not in (8, FLOAT_BITS)}
+        if bad:
+            raise ValueError(
+                f"weight_bits dict entries {bad} are invalid: keys are layer names (str), values are 8 "
+                f"(quantize) or {FLOAT_BITS} (leave float)"
+            )
+        layer_bits = tuple(sorted((k, int(v)) for k, v in weight_bits.items()))
+        weight_bits = 8
+    elif weight_bits is not None and (isinstance(weight_bits, bool) or not isinstance(weight_bits, int)):
+        raise TypeError(f"weight_bits={weight_bits!r} must be an int or a dict {{layer name: bits}}")
+    if act_bits is not None and (isinstance(act_bits, bool) or not isinstance(act_bits, int)):
+        raise TypeError(f"act_bits={act_bits!r} must be an int (8, or 16 for float activations)")
+
+    cell = _resolve_method(backend, method, weight_bits, act_bits)
+    where = f"backend={backend!r} {cell.label} ({cell.method})"
+
+    if layer_bits is not None and not cell.layer_bits:
+        raise ValueError(
+            f"{where} cannot honour a per-layer weight_bits dict. "
+            f"{_can(_backends_where(lambda c: c.layer_bits))}"
+        )
+
+    if qscheme is None:
+        qscheme = cell.qschemes[0]
+    elif qscheme not in cell.qschemes:
+        known = sorted({q for c in SUPPORT_MATRIX for q in c.qschemes})
+        if qscheme not in known:
+            raise ValueError(f"qscheme={qscheme!r} is unknown; valid values: {known}")
+        raise ValueError(
+            f"{where} cannot honour qscheme={qscheme!r}; it offers {list(cell.qschemes)}. "
+            f"{_can_at(cell, lambda c: qscheme in c.qschemes)}"
+        )
+
+    if symmetric is None:
+        symmetric = cell.symmetric[0]
+    elif not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric={symmetric!r} must be True or False")
+    elif symmetric not in cell.symmetric:
+        why = (
+            "its observers are affine by construction: activations carry a non-zero zero-point"
+            if cell.symmetric == (False,)
+            else "its kernels are symmetric only"
+        )
+        raise ValueError(
+            f"{where} cannot honour symmetric={symmetric}: {why}. "
+            f"{_can_at(cell, lambda c: symmetric in c.symmetric)}"
+        )
+
+    if qscheme == "per_group":
+        if group_size is None:
+            group_size = cell.default_group_size or 128
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size & (group_size - 1):
+            raise ValueError(f"group_size={group_size!r} must be a positive power of two (e.g. 32, 64, 128)")
+    elif group_size is not None:
+        raise ValueError(
+            f"group_size={group_size} only applies to qscheme='per_group'; {where} resolved "
+            f"qscheme={qscheme!r}. {_can(_backends_where(lambda c: 'per_group' in c.qschemes))}"
+        )
+
+    pt2e_only = lambda c: c.backend == "pt2e"  # noqa: E731
+    if backend == "pt2e":
+        qdq_placement = "per_op" if qdq_placement is None else qdq_placement
+        if qdq_placement not in PLACEMENTS:
+            raise ValueError(f"qdq_placement={qdq_placement!r} is unknown; valid values: {list(PLACEMENTS)}")
+    elif qdq_placement is not None:
+        raise ValueError(
+            f"qdq_placement={qdq_placement!r}: {where} does not let you place Q/DQ pairs. "
+            f"{_can(_backends_where(pt2e_only))}"
+        )
+
+    skip: tuple[str, ...] | None = None
+    if skip_activations is not None:
+        if isinstance(skip_activations, str):
+            raise TypeError(f"skip_activations={skip_activations!r} must be a list of module names, not a string")
+        skip = tuple(sorted(dict.fromkeys(skip_activations)))
+        if not all(isinstance(s, str) and s for s in skip):
+            raise TypeError(f"skip_activations={list(skip)} must hold non-empty module names (str)")
+        if backend != "pt2e":
+            raise ValueError(
+                f"skip_activations={list(skip)}: {where} cannot keep chosen activations float. "
+                f"{_can(_backends_where(pt2e_only))}"
+            )
+        if not skip:
+            skip = None
+
+    if act_observer is None:
+        act_observer = cell.act_observers[0]
+    elif act_observer not in cell.act_observers:
+        if act_observer not in ACT_OBSERVERS:
+            raise ValueError(f"act_observer={act_observer!r} is unknown; valid values: {list(ACT_OBSERVERS)}")
+        offered = [o for o in cell.act_observers if o]
+        offers = f"it offers {offered}" if offered else "it uses its backend's own default observers"
+        raise ValueError(
+            f"{where} cannot honour act_observer={act_observer!r}; {offers}. "
+            f"{_can(_backends_where(lambda c: act_observer in c.act_observers))}"
+        )
+
+    engine = backend if backend in FX_BACKENDS else None
+    return QuantSpec(
+        backend=backend, method=cell.method, weight_bits=cell.weight_bits, act_bits=cell.act_bits,
+        qscheme=qscheme, symmetric=symmetric, group_size=group_size, layer_bits=layer_bits,
+        qdq_placement=qdq_placement, skip_activations=skip, engine=engine, act_observer=act_observer,
+    )
+
+
+def precision_table() -> str:
+    """The support matrix as a Markdown table (the one printed in the docs)."""
+    head = "| backend | method | label | qscheme (first = default) | symmetric | per-layer weight_bits | exports | notes |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    rows = [
+        f"| `{c.backend}` | {c.method} | {c.label} | {', '.join(c.qschemes)} | "
+        f"{', '.join(str(s) for s in c.symmetric)} | {'yes' if c.layer_bits else 'no'} | "
+        f"{'yes' if c.exports else 'no'} | {c.note} |"
+        for c in SUPPORT_MATRIX
+    ]
+    return "\n".join([head, rule, *rows])
+
+
+def tag_model(model: Any, spec: QuantSpec) -> Any:
+    """Attach ``spec`` to a produced model so the precision travels with it."""
+    setattr(model, SPEC_ATTRIBUTE, spec)
+    return model
+
+
+def quant_spec(model: Any) -> QuantSpec | None:
+    """The ``QuantSpec`` a quantship ``Quantizer``/``QuantizeCallback`` attached to ``model``.
+
+    Returns ``None`` for a model quantship did not produce (documented: no error is raised, so
+    callers can test ``quant_spec(m) is None``).
+    """
+    spec = getattr(model, SPEC_ATTRIBUTE, None)
+    return spec if isinstance(spec, QuantSpec) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployment presets: one table, each a spec plus export options, read by Quantizer.for_target
+# and export_qdq(target=...). The rules a target applies to a *file* live in inspect/rules.py.
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A deployment preset: the request to quantize with, and how to write the file."""
+
+    target: str
+    spec_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    activation_dtype: str = "int8"
+    check_target: str = ""  # the deployability rule set the file must pass
+    why: str = ""
+
+
+PRESETS: tuple[Preset, ...] = (
+    Preset("onnxruntime-cpu", {"backend": "pt2e", "symmetric": False}, "uint8", "onnxruntime",
+           "uint8 affine activations let ONNX Runtime fuse every Conv/Gemm/Add into integer kernels"),
+    Preset("tensorrt", {"backend": "pt2e", "symmetric": True}, "int8", "tensorrt",
+           "TensorRT accepts only int8 with zero-point 0"),
+    Preset("openvino", {"backend": "pt2e", "symmetric": False}, "uint8", "openvino",
+           "uint8 activation files compile on CPU without a precision hint"),
+    Preset("tigris", {"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"}, "int8", "tigris",
+           "per-tensor int8 activations, fully quantized: one dtype for the whole plan"),
+)
+
+
+def preset(target: str) -> Preset:
+    """The preset for a deployment target; unknown targets are refused with the list."""
+    for p in PRESETS:
+        if p.target == target:
+            return p
+    raise ValueError(f"target={target!r} has no preset; valid targets: {[p.target for p in PRESETS]}")

@@ -1,0 +1,109 @@
+"""Calibration data: whatever the user has, turned into a list of equal-sized input batches.
+
+Accepted: one tensor (a single batch), an iterable of tensors, of ``(x, y)`` tuples or lists, a
+torch ``DataLoader``, or fastai ``DataLoaders`` (its training loader) / ``DataLoader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
+    # fastai yields TensorImage & co.; a plain tensor keeps torch.export away from subclasses
+    if type(x) is not torch.Tensor:
+        x = x.as_subclass(torch.Tensor)
+    return x.detach().cpu()
+
+
+def input_of(batch: object) -> torch.Tensor:
+    """The model input of one batch: the tensor itself, or the first item of ``(x, y)``."""
+    if isinstance(batch, torch.Tensor):
+        return _as_plain_tensor(batch)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return _as_plain_tensor(batch[0])
+    raise TypeError(
+        f"a calibration batch must be a tensor or an (x, y) tuple whose x is a tensor, got "
+        f"{type(batch).__name__}; pass an iterable of tensors, a DataLoader, or fastai DataLoaders"
+    )
+
+
+def _loader_of(data: object) -> Iterable:
+    # fastai DataLoaders: calibrate on the training loader (fastai drops its last batch there)
+    if hasattr(data, "train") and hasattr(data, "valid") and not isinstance(data, torch.Tensor):
+        return data.train
+    return data
+
+
+def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
+    """Read whole batches until ``max_samples`` would be exceeded; refuse mixed batch sizes.
+
+    Everything is read before any model work, so a bad loader fails fast.
+    """
+    if data is None:
+        raise ValueError(
+            "calibration_dl is required for static quantization: pass an iterable of input batches "
+            "(tensors or (x, y) tuples), a DataLoader, or fastai DataLoaders"
+        )
+    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
+        raise ValueError(f"max_calibration_samples={max_samples!r} must be a positive integer")
+    if isinstance(data, torch.Tensor):
+        data = [data]
+    loader = _loader_of(data)
+    if not isinstance(loader, Iterable):
+        raise TypeError(
+            f"calibration_dl of type {type(data).__name__} is not iterable; pass a list of tensors, "
+            "a DataLoader, or fastai DataLoaders"
+        )
+
+    batches: list[torch.Tensor] = []
+    seen = 0
+    for batch in loader:
+        x = input_of(batch)
+        if x.dim() == 0:
+            raise ValueError("a calibration batch is a 0-d tensor; batches need a leading batch dimension")
+        n = x.shape[0]
+        if batches and seen + n > max_samples:
+            break
+        if not batches and n > max_samples:
+            raise ValueError(
+                f"the first calibration batch holds {n} samples, more than max_calibration_samples="
+                f"{max_samples}; raise max_calibration_samples to at least {n} or use smaller batches "
+                "(the graph is captured at the batch size, so batches are never cut)"
+            )
+        batches.append(x)
+        seen += n
+        if seen >= max_samples:
+            break
+    if not batches:
+        raise ValueError("calibration_dl yielded no batch: give it at least one input batch")
+    sizes = sorted({b.shape[0] for b in batches}, reverse=True)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"calibration batches have more than one batch size ({', '.join(map(str, sizes))}): pt2e "
+            f"captures the model at one batch size with torch.export. Drop the last batch "
+            f"(DataLoader(drop_last=True)) or choose a batch size that divides the dataset."
+        )
+    shapes = {tuple(b.shape[1:]) for b in batches}
+    if len(shapes) > 1:
+        raise ValueError(f"calibration batches have different sample shapes {sorted(shapes)}; use one shape")
+    return batches
+
+
+def run_batches(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool = False,
+                description: str = "calibrating") -> None:
+    """Feed every batch through ``model`` without gradients, with a progress bar when verbose."""
+    with torch.no_grad():
+        if not verbose:
+            for x in batches:
+                model(x)
+            return
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task(description, total=sum(b.shape[0] for b in batches))
+            for x in batches:
+                model(x)
+                bar.advance(task, x.shape[0])

@@ -1,0 +1,110 @@
+"""``Quantizer``: name a precision, get it validated, apply it to a model.
+
+The request is validated against the support matrix at construction (``precision.resolve_spec``),
+before any model is seen. ``quantize`` returns a new model tagged with the spec; the input model
+is never modified.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from quantship.precision import QuantSpec, preset, resolve_spec, tag_model
+
+# backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
+_BACKEND_MODULES = {
+    "pt2e": "quantship.quantize.pt2e",
+    "x86": "quantship.quantize.fx",
+    "fbgemm": "quantship.quantize.fx",
+    "qnnpack": "quantship.quantize.fx",
+    "onednn": "quantship.quantize.fx",
+    "torchao": "quantship.quantize.torchao_backend",
+}
+_NEEDS_CALIBRATION = {"static"}
+
+
+class Quantizer:
+    """A validated precision request and the verb that applies it.
+
+    >>> Quantizer(backend='pt2e').spec.label
+    'W8A8'
+    """
+
+    def __init__(
+        self,
+        backend: str = "pt2e",
+        method: str | None = None,
+        *,
+        weight_bits: int | Mapping[str, int] | None = None,
+        act_bits: int | None = None,
+        qscheme: str | None = None,
+        symmetric: bool | None = None,
+        group_size: int | None = None,
+        qdq_placement: str | None = None,
+        skip_activations: Iterable[str] | None = None,
+        act_observer: str | None = None,
+        verbose: bool = False,
+    ):
+        self.spec: QuantSpec = resolve_spec(
+            backend, method, weight_bits=weight_bits, act_bits=act_bits, qscheme=qscheme,
+            symmetric=symmetric, group_size=group_size, qdq_placement=qdq_placement,
+            skip_activations=skip_activations, act_observer=act_observer,
+        )
+        self.verbose = verbose
+        self.target: str | None = None
+        if self.spec.backend == "pt2e" and not self.spec.symmetric:
+            warnings.warn(
+                "symmetric=False: activations are affine, so the exported file will carry non-zero "
+                "zero-points (TensorRT refuses them; ONNX Runtime CPU runs them fastest as uint8)",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    @classmethod
+    def for_target(cls, target: str, *, verbose: bool = False, **overrides: Any) -> Quantizer:
+        """The deployment preset for ``target`` (see ``precision.PRESETS``), with optional overrides."""
+        p = preset(target)
+        kwargs = {**p.spec_kwargs, **overrides}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate
+            q = cls(verbose=verbose, **kwargs)
+        q.target = target
+        return q
+
+    def __repr__(self) -> str:
+        return f"Quantizer({self.spec.label}, {self.spec.as_dict()})"
+
+    def _log(self, message: str) -> None:
+        if self.verbose:
+            print(message, flush=True)
+
+    def quantize(
+        self,
+        model: torch.nn.Module,
+        calibration_dl: object = None,
+        max_calibration_samples: int = 100,
+    ) -> torch.nn.Module:
+        """Return a quantized copy of ``model`` tagged with ``self.spec`` (``quant_spec(result)``)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"quantize() needs a torch.nn.Module, got {type(model).__name__}")
+        spec = self.spec
+        if spec.method == "qat":
+            raise ValueError(
+                f"method='qat' with backend={spec.backend!r} trains through fake-quantizers inside a "
+                "fit: use quantship.QuantizeCallback(quantizer) with a fastai Learner, not quantize()"
+            )
+        batches = None
+        if spec.method in _NEEDS_CALIBRATION:
+            from quantship.quantize.calibration import collect_batches
+
+            batches = collect_batches(calibration_dl, max_calibration_samples)
+        elif calibration_dl is not None:
+            self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
+        backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
+        quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose)
+        return tag_model(quantized, spec)

@@ -1,0 +1,148 @@
+"""pt2e with quantship's annotator on torch 2.14 / torchao 0.18."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from quantship import Quantizer, quant_spec
+from tests.graph_counts import activation_zero_points, float_weighted_ops, op_counts, qd
+
+
+def _assert_fully_int8(q, n_weighted):
+    counts = op_counts(q)
+    assert counts[qd.dequantize_per_channel.default] == n_weighted
+    zps = activation_zero_points(q)
+    assert zps and all(z == 0 for z in zps)
+    assert float_weighted_ops(q) == []
+    assert quant_spec(q).label == "W8A8"
+
+
+@pytest.mark.slow
+def test_resnet18_fully_quantized(resnet18_pt2e):
+    # 20 convolutions + the fc layer, each with one weight scale per output channel
+    _assert_fully_int8(resnet18_pt2e, 21)
+    # every activation tensor between ops carries a pair (33 Q measured on torch 2.14)
+    assert op_counts(resnet18_pt2e)[qd.quantize_per_tensor.default] == 33
+
+
+@pytest.mark.slow
+def test_resnet18_close_to_float(resnet18, resnet18_pt2e, resnet18_sample):
+    with torch.no_grad():
+        ref, out = resnet18(resnet18_sample), resnet18_pt2e(resnet18_sample)
+    # untrained net: logits are tiny, so compare relative to their spread
+    assert (out - ref).abs().max() < 0.2 * ref.abs().max() + 0.05
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_fully_quantized():
+    from torchvision.models import mobilenet_v2
+
+    torch.manual_seed(0)
+    model = mobilenet_v2(weights=None).eval()
+    calib = [torch.randn(2, 3, 96, 96) for _ in range(2)]
+    q = Quantizer().quantize(model, calib)
+    _assert_fully_int8(q, 53)  # 52 convolutions + the classifier
+
+
+def test_small_residual_net(residual_net):
+    calib = [torch.randn(4, 1, 8, 8) for _ in range(3)]
+    before = {k: v.clone() for k, v in residual_net.state_dict().items()}
+    q = Quantizer().quantize(residual_net, calib)
+    _assert_fully_int8(q, 3)
+    assert op_counts(q)[torch.ops.aten.add.Tensor] == 1
+    # the input model is untouched: same class, same weights
+    assert type(residual_net).__name__ == "ResidualNet"
+    for k, v in residual_net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert quant_spec(residual_net) is None
+
+
+def test_per_tensor_has_no_per_channel(residual_net):
+    q = Quantizer(qscheme="per_tensor").quantize(residual_net, [torch.randn(4, 1, 8, 8)])
+    counts = op_counts(q)
+    assert counts[qd.dequantize_per_channel.default] == 0
+    assert float_weighted_ops(q) == []
+
+
+def test_affine_has_nonzero_zero_points(residual_net):
+    with pytest.warns(UserWarning, match="non-zero zero-points"):
+        quantizer = Quantizer(symmetric=False)
+    q = quantizer.quantize(residual_net, [torch.randn(4, 1, 8, 8) + 1.0])
+    assert any(z != 0 for z in activation_zero_points(q))
+
+
+def test_mixed_batch_sizes_refused_before_work(residual_net, monkeypatch):
+    import quantship.quantize.pt2e as pt2e
+
+    def boom(*a, **k):
+        raise AssertionError("capture must not run")
+
+    monkeypatch.setattr(pt2e, "capture", boom)
+    with pytest.raises(ValueError) as info:
+        Quantizer().quantize(residual_net, [torch.randn(8, 1, 8, 8), torch.randn(6, 1, 8, 8)])
+    msg = str(info.value)
+    assert "batch" in msg and "8" in msg and "6" in msg and "drop" in msg.lower()
+
+
+def test_calibration_inputs_accepted(residual_net):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,))
+    as_tuples = [(x[:4], y[:4]), (x[4:8], y[4:8])]
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    for data in (x[:4], as_tuples, loader):
+        q = Quantizer().quantize(residual_net, data)
+        assert quant_spec(q).label == "W8A8"
+
+
+def test_max_calibration_samples_caps(monkeypatch, residual_net):
+    from quantship.quantize.calibration import collect_batches
+
+    batches = collect_batches([torch.randn(4, 1, 8, 8) for _ in range(10)], 9)
+    assert len(batches) == 2
+    with pytest.raises(ValueError, match="max_calibration_samples=2"):
+        collect_batches([torch.randn(4, 1, 8, 8)], 2)
+
+
+def test_calibration_refusals(residual_net):
+    with pytest.raises(ValueError, match="calibration_dl is required"):
+        Quantizer().quantize(residual_net)
+    with pytest.raises(TypeError, match="calibration batch must be a tensor"):
+        Quantizer().quantize(residual_net, ["not a tensor"])
+    with pytest.raises(ValueError, match="yielded no batch"):
+        Quantizer().quantize(residual_net, [])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        Quantizer().quantize("model.pt", [torch.randn(1)])
+
+
+def test_qat_method_points_to_callback(residual_net):
+    with pytest.raises(ValueError, match="QuantizeCallback"):
+        Quantizer(method="qat").quantize(residual_net, [torch.randn(4, 1, 8, 8)])
+
+
+def test_capture_failure_named():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent Python control flow: torch.export cannot trace it
+                return self.fc(x)
+            return -self.fc(x)
+
+    with pytest.raises(ValueError, match="could not capture DataDependent with torch.export"):
+        Quantizer().quantize(DataDependent().eval(), [torch.randn(2, 4)])
+
+
+def test_no_weighted_layer_is_an_error():
+    model = nn.Sequential(nn.ReLU(), nn.Flatten()).eval()
+    with pytest.raises(ValueError, match="no integer weight"):
+        Quantizer().quantize(model, [torch.randn(2, 4)])
+
+
+def test_verbose_reports(residual_net, capsys):
+    Quantizer(verbose=True).quantize(residual_net, [torch.randn(4, 1, 8, 8)])
+    out = capsys.readouterr().out
+    assert "capturing the model with torch.export at batch size 4" in out
+    assert "calibrating on 4 sample(s)" in out
