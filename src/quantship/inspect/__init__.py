@@ -1,0 +1,30 @@
+"""Read ONNX files and say what they contain: counts, verification, deployability, memory.
+
+Names are resolved lazily so reading a file never imports torch unless a function needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "qdq_stats": "quantship.inspect.stats",
+    "QDQStats": "quantship.inspect.stats",
+    "quant_spec_of_file": "quantship.inspect.stats",
+    "verify_qdq": "quantship.inspect.verify",
+    "compare_logits": "quantship.inspect.verify",
+    "output_scales": "quantship.inspect.lsb",
+    "lsb_error": "quantship.inspect.lsb",
+    "LSBError": "quantship.inspect.lsb",
+    "wilson_interval": "quantship.inspect.intervals",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quantship.inspect' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
