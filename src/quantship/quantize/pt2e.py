@@ -59,6 +59,7 @@ def quantize_pt2e(
     verbose: bool = False,
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``."""
+    from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     check_module_names(model, spec.skip_activations)
@@ -74,6 +75,8 @@ def quantize_pt2e(
     log("pt2e: converting to a quantized graph")
     converted = convert_pt2e(prepared)
     check_converted(converted)
+    # users call .eval() on what they get back; make that a supported no-op-like switch
+    allow_exported_model_train_eval(converted)
     return converted
 
 
