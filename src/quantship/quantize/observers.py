@@ -1,0 +1,149 @@
+"""Activation observers that clip outliers: ``act_observer='percentile'`` and ``'mse'``.
+
+Both keep torchao's running histogram of everything seen during calibration (``HistogramObserver``
+combines batches whose ranges differ) and only change how a range is chosen from it:
+
+- ``PercentileObserver``: the range ends at a percentile of what was seen: 99.99th of ``|x|``
+  (symmetric), or the [0.01, 99.99] percentiles (affine). A handful of outliers stop setting
+  the scale of every other value.
+- ``MSEObserver``: the clipping range whose expected quantization error over the histogram is
+  smallest (rounding noise inside the range, clipping error outside it), found by a grid search.
+
+Each works for symmetric and affine int8 per-tensor activations and, like every observer, is a
+plain module (picklable, deep-copyable). ``OBSERVERS`` maps the spec name to the class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchao.quantization.pt2e import HistogramObserver
+
+
+def _bins(obs: HistogramObserver) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left edges, right edges and counts of the observer's histogram (float64)."""
+    hist = obs.histogram.detach().double()
+    lo, hi = float(obs.min_val), float(obs.max_val)
+    edges = torch.linspace(lo, hi, hist.numel() + 1, dtype=torch.float64)
+    return edges[:-1], edges[1:], hist
+
+
+def _has_spread(obs: HistogramObserver) -> bool:
+    """True when a histogram was recorded over a non-empty range."""
+    lo, hi = float(obs.min_val), float(obs.max_val)
+    return lo != float("inf") and hi > lo and float(obs.histogram.sum()) > 0
+
+
+def _quantile(left: torch.Tensor, right: torch.Tensor, counts: torch.Tensor, q: float) -> float:
+    """The value below which a fraction ``q`` of the histogram's mass lies (linear within a bin)."""
+    cdf = torch.cumsum(counts, 0)
+    target = q * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype)).item())
+    i = min(i, counts.numel() - 1)
+    below = float(cdf[i - 1]) if i > 0 else 0.0
+    inside = float(counts[i])
+    frac = 0.0 if inside == 0 else (target - below) / inside
+    return float(left[i] + frac * (right[i] - left[i]))
+
+
+class PercentileObserver(HistogramObserver):
+    """Clips the range at a percentile of all calibration values (99.99 by default).
+
+    Symmetric: the ``percentile`` of ``|x|`` sets ``max |x|``. Affine: the range is
+    [``100 - percentile``, ``percentile``] percentiles of ``x``. Never wider than min/max.
+    """
+
+    def __init__(self, *args, percentile: float = 99.99, **kwargs) -> None:
+        if not 50.0 < percentile <= 100.0:
+            raise ValueError(f"percentile={percentile!r} must lie in (50, 100], e.g. 99.99")
+        super().__init__(*args, **kwargs)
+        self.percentile = float(percentile)
+
+    def clipping_range(self) -> tuple[float, float]:
+        """The (min, max) handed to the scale/zero-point formula."""
+        lo, hi = float(self.min_val), float(self.max_val)
+        if not _has_spread(self):
+            return lo, hi
+        left, right, counts = _bins(self)
+        q = self.percentile / 100.0
+        if self.qscheme == torch.per_tensor_symmetric:
+            # the histogram of |x|: fold each bin onto its absolute range
+            a_left = torch.where(left >= 0, left, torch.where(right <= 0, -right, torch.zeros_like(left)))
+            a_right = torch.maximum(left.abs(), right.abs())
+            order = torch.argsort(a_right)
+            t = _quantile(a_left[order], a_right[order], counts[order], q)
+            return max(lo, -t), min(hi, t)
+        return max(lo, _quantile(left, right, counts, 1.0 - q)), min(hi, _quantile(left, right, counts, q))
+
+    @torch.jit.export
+    def calculate_qparams(self):
+        if float(self.min_val) == float("inf"):
+            return super().calculate_qparams()  # nothing seen: torchao's default and warning
+        lo, hi = self.clipping_range()
+        return self._calculate_qparams(torch.tensor(lo), torch.tensor(hi))
+
+    def extra_repr(self) -> str:
+        return f"percentile={self.percentile}, {super().extra_repr()}"
+
+
+class MSEObserver(HistogramObserver):
+    """Chooses the clipping range that minimises the expected quantization MSE over the histogram.
+
+    For a candidate range the error of a bin inside it is the rounding noise ``scale**2 / 12``;
+    a bin outside it costs its squared distance to the range end. Candidates shrink the observed
+    range in ``n_candidates`` steps down to ``min_fraction`` of it (both ends independently when
+    affine).
+    """
+
+    def __init__(self, *args, n_candidates: int = 100, min_fraction: float = 0.01, **kwargs) -> None:
+        if n_candidates < 2:
+            raise ValueError(f"n_candidates={n_candidates!r} must be at least 2")
+        if not 0.0 < min_fraction < 1.0:
+            raise ValueError(f"min_fraction={min_fraction!r} must lie in (0, 1), e.g. 0.01")
+        super().__init__(*args, **kwargs)
+        self.n_candidates = int(n_candidates)
+        self.min_fraction = float(min_fraction)
+
+    def _errors(self, lows: torch.Tensor, highs: torch.Tensor) -> torch.Tensor:
+        """Expected total squared error for each (low, high) candidate pair (vectors of length K)."""
+        left, right, counts = _bins(self)
+        centres = (left + right) / 2
+        n_levels = float(self.quant_max - self.quant_min)
+        if self.qscheme == torch.per_tensor_symmetric:
+            scale = torch.maximum(-lows, highs) * 2 / n_levels
+        else:
+            scale = (highs - lows) / n_levels
+        c = centres.unsqueeze(0)
+        below = (lows.unsqueeze(1) - c).clamp(min=0)
+        above = (c - highs.unsqueeze(1)).clamp(min=0)
+        inside = (below == 0) & (above == 0)
+        per_bin = torch.where(inside, (scale**2 / 12).unsqueeze(1), below**2 + above**2)
+        return (per_bin * counts.unsqueeze(0)).sum(1)
+
+    def clipping_range(self) -> tuple[float, float]:
+        """The (min, max) handed to the scale/zero-point formula."""
+        lo, hi = float(self.min_val), float(self.max_val)
+        if not _has_spread(self):
+            return lo, hi
+        lo_neg, hi_pos = min(lo, 0.0), max(hi, 0.0)
+        fractions = torch.linspace(self.min_fraction, 1.0, self.n_candidates, dtype=torch.float64)
+        if self.qscheme == torch.per_tensor_symmetric:
+            t = fractions * max(-lo_neg, hi_pos)
+            lows, highs = torch.where(torch.tensor(lo_neg < 0), -t, torch.zeros_like(t)), t
+        else:
+            grid_lo, grid_hi = torch.meshgrid(fractions * lo_neg, fractions * hi_pos, indexing="ij")
+            lows, highs = grid_lo.reshape(-1), grid_hi.reshape(-1)
+        best = int(torch.argmin(self._errors(lows, highs)))
+        return max(lo, float(lows[best])), min(hi, float(highs[best]))
+
+    @torch.jit.export
+    def calculate_qparams(self):
+        if float(self.min_val) == float("inf"):
+            return super().calculate_qparams()
+        lo, hi = self.clipping_range()
+        return self._calculate_qparams(torch.tensor(lo), torch.tensor(hi))
+
+    def extra_repr(self) -> str:
+        return f"n_candidates={self.n_candidates}, {super().extra_repr()}"
+
+
+OBSERVERS = {"percentile": PercentileObserver, "mse": MSEObserver}
