@@ -10,8 +10,9 @@ This module imports nothing else from quantship (see STYLE.md: imports flow one 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 FLOAT_BITS = 16  # "stays floating point" in a label: W8A16 is INT8 weight-only
 SPEC_ATTRIBUTE = "_quantship_spec"  # where a produced model carries its QuantSpec
@@ -158,7 +159,7 @@ class QuantSpec:
         return json.dumps(self.as_dict())
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "QuantSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantSpec:
         """Rebuild a spec from ``as_dict()`` output (e.g. read back from an ONNX file)."""
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -172,7 +173,7 @@ class QuantSpec:
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> "QuantSpec":
+    def from_json(cls, text: str) -> QuantSpec:
         return cls.from_dict(json.loads(text))
 
 

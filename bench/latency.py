@@ -1,0 +1,221 @@
+"""ONNX Runtime CPU latency: FP32 vs each quantship preset vs ONNX Runtime's own quantize_static.
+
+Every file of one (model, batch) case is timed in ONE process, interleaved round by round, after a
+warm-up, so the ratios are measured side by side. It also reads what ONNX Runtime really runs
+(its optimized graph) and counts the fused kernels. Results go to stdout and to BENCHMARKS.md.
+
+    python bench/latency.py [--models resnet18 mobilenet_v2] [--batches 1 8] [--runs 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import platform
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+warnings.filterwarnings("ignore")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    name: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    speedup: float
+    census: dict
+    size_mb: float
+
+
+def _census(path: Path) -> dict:
+    """Count the kernels ONNX Runtime's optimized graph uses for this file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        so.log_severity_level = 3
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        ops = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    convs = ops["QLinearConv"] + ops["Conv"] + ops["FusedConv"]
+    return {
+        "fused_conv": ops["QLinearConv"], "total_conv": convs, "QGemm": ops["QGemm"],
+        "QLinearAdd": ops["QLinearAdd"], "float_Gemm": ops["Gemm"] + ops["FusedGemm"],
+    }
+
+
+def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], symmetric_s8: bool) -> Path:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    pre = out.with_suffix(".pre.onnx")
+    quant_pre_process(str(fp32), str(pre))
+    name = ort.InferenceSession(str(pre), providers=["CPUExecutionProvider"]).get_inputs()[0].name
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter([{name: c} for c in calib])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    if symmetric_s8:
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    else:  # ONNX Runtime's defaults
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ)
+    return out
+
+
+def _files_for(model_name: str, batch: int, workdir: Path, calib_batches: int) -> dict[str, Path]:
+    import torchvision
+
+    from quantship import Quantizer, export_onnx, export_qdq
+    from quantship.precision import PRESETS
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, model_name)(weights=None).eval()
+    gen = torch.Generator().manual_seed(1)
+    calib = [torch.randn(batch, 3, 224, 224, generator=gen) for _ in range(calib_batches)]
+    sample = torch.randn(batch, 3, 224, 224, generator=gen)
+    files: dict[str, Path] = {}
+    files["FP32"] = export_onnx(model, sample, workdir / f"{model_name}_b{batch}_fp32.onnx", dynamic_batch=False)
+    by_graph: dict[str, tuple[list[str], Path]] = {}  # identical graphs are timed once
+    for p in PRESETS:
+        qmodel = Quantizer.for_target(p.target).quantize(model, calib, max_calibration_samples=batch * calib_batches)
+        path = export_qdq(qmodel, sample, workdir / f"{model_name}_b{batch}_{p.target}.onnx", target=p.target)
+        digest = hashlib.sha256(onnx.load(str(path)).graph.SerializeToString()).hexdigest()
+        by_graph.setdefault(digest, ([], path))[0].append(p.target)
+    for targets, path in by_graph.values():
+        files["quantship " + " = ".join(targets)] = path
+    np_calib = [c.numpy() for c in calib]
+    files["ORT quantize_static defaults"] = _ort_quantize(
+        files["FP32"], workdir / f"{model_name}_b{batch}_ort_default.onnx", np_calib, symmetric_s8=False)
+    files["ORT quantize_static s8 symmetric"] = _ort_quantize(
+        files["FP32"], workdir / f"{model_name}_b{batch}_ort_s8.onnx", np_calib, symmetric_s8=True)
+    return files
+
+
+def _time(files: dict[str, Path], batch: int, runs: int, warmup: int) -> dict[str, list[float]]:
+    x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
+    sessions = {}
+    for name, path in files.items():
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    feeds = {n: {s.get_inputs()[0].name: x} for n, s in sessions.items()}
+    for _ in range(warmup):
+        for n, s in sessions.items():
+            s.run(None, feeds[n])
+    times: dict[str, list[float]] = {n: [] for n in sessions}
+    order = list(sessions)
+    for r in range(runs):
+        for n in order[r % len(order):] + order[:r % len(order)]:  # rotate who goes first
+            t0 = time.perf_counter()
+            sessions[n].run(None, feeds[n])
+            times[n].append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def _size_mb(path: Path) -> float:
+    total = path.stat().st_size
+    data = path.with_name(path.name + ".data")
+    if data.exists():
+        total += data.stat().st_size
+    return total / 1e6
+
+
+def run_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int) -> list[Row]:
+    files = _files_for(model_name, batch, workdir, calib_batches)
+    times = _time(files, batch, runs, warmup)
+    fp32 = float(np.median(times["FP32"]))
+    rows = []
+    for name, path in files.items():
+        t = times[name]
+        rows.append(Row(model_name, batch, name, float(np.median(t)), float(np.min(t)), float(np.max(t)),
+                        fp32 / float(np.median(t)), _census(path), _size_mb(path)))
+    return rows
+
+
+def _header() -> str:
+    cpu = "unknown"
+    flags: set[str] = set()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")))
+    except (OSError, StopIteration):
+        pass
+    import torchao
+
+    import quantship
+
+    wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_tile"]
+    return "\n".join([
+        f"- CPU: {cpu}; {len(__import__('os').sched_getaffinity(0))} cores available",
+        f"- CPU flags: {', '.join(f for f in wanted if f in flags) or 'none of ' + ', '.join(wanted)}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, torchao {torchao.__version__}, "
+        f"onnx {onnx.__version__}, onnxruntime {ort.__version__}, quantship {quantship.__version__}",
+        f"- measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    ])
+
+
+def _table(rows: list[Row]) -> str:
+    lines = ["| model | batch | file | median ms | min-max ms | speedup vs FP32 | fused Conv | QGemm | QLinearAdd | size MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.census
+        lines.append(
+            f"| {r.model} | {r.batch} | {r.name} | {r.median_ms:.1f} | {r.min_ms:.1f}-{r.max_ms:.1f} | "
+            f"{r.speedup:.2f}x | {c['fused_conv']}/{c['total_conv']} | {c['QGemm']} | {c['QLinearAdd']} | "
+            f"{r.size_mb:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--calib-batches", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.runs < 20:
+        print(f"note: --runs {args.runs} is below the 20 interleaved runs the benchmark promises")
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name in args.models:
+            for batch in args.batches:
+                print(f"[{model_name} batch {batch}] quantizing, exporting, timing {args.runs} rounds...", flush=True)
+                rows += run_case(model_name, batch, args.runs, args.warmup, Path(tmp), args.calib_batches)
+                print(_table([r for r in rows if r.model == model_name and r.batch == batch]), flush=True)
+    text = "\n".join([
+        "# Benchmarks", "",
+        "Generated by `python bench/latency.py`; do not edit by hand. ONNX Runtime CPU execution provider,",
+        "default session options; untrained torchvision models (`weights=None`, seed 0) at 224x224,",
+        f"random calibration ({args.calib_batches} batches). Each (model, batch) case: {args.warmup} warm-up",
+        f"runs, then {args.runs} interleaved rounds in one process; median and min-max per file. `fused Conv`",
+        "counts QLinearConv over all convolutions in ONNX Runtime's optimized graph.", "",
+        _header(), "", _table(rows), "",
+    ])
+    args.out.write_text(text)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
