@@ -1,0 +1,119 @@
+"""The torchao backend: weight-only INT8/INT4 and dynamic INT8 on Linear layers via ``quantize_``.
+
+One config per method, applied to a deepcopy with ``torchao.quantization.quantize_``:
+
+- ``int8_weight_only`` (W8A16): int8 weights per output channel or per group; a per-layer
+  ``weight_bits`` dict (8 or 16) selects which Linear layers are quantized;
+- ``int4_weight_only`` (W4A16): grouped int4 weights with ``IntxWeightOnlyConfig``, which has CPU
+  kernels here (``Int4WeightOnlyConfig`` needs CUDA or mslk);
+- ``int8_dynamic`` (W8A8): int8 weights, activation scales computed at run time.
+
+Only ``nn.Linear`` layers are touched; the result is checked to hold quantized weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from quantship.precision import FLOAT_BITS, QuantSpec
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` of the model, by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def selected_layers(model: nn.Module, spec: QuantSpec) -> list[str]:
+    """Names of the Linear layers the spec quantizes; refuse names that are not Linear layers."""
+    linears = linear_layers(model)
+    if not linears:
+        raise ValueError(
+            f"backend='torchao' method={spec.method!r}: {type(model).__name__} has no nn.Linear layer, "
+            "so nothing would be quantized (torchao's configs here apply to Linear weights). For "
+            "convolutional models use backend='pt2e' (static W8A8) or an FX backend."
+        )
+    bits = dict(spec.layer_bits or ())
+    unknown = [name for name in bits if name not in linears]
+    if unknown:
+        raise ValueError(
+            f"weight_bits dict names {unknown}, which are not nn.Linear layers of "
+            f"{type(model).__name__}; the torchao per-layer dict covers Linear layers only: "
+            f"{sorted(linears)[:12]}"
+        )
+    chosen = [name for name in linears if bits.get(name, spec.weight_bits) != FLOAT_BITS]
+    if not chosen:
+        raise ValueError(
+            f"weight_bits={dict(bits)} keeps every Linear layer float (16): nothing to quantize; "
+            "give at least one layer 8"
+        )
+    return chosen
+
+
+def check_group_size(model: nn.Module, names: list[str], group_size: int | None) -> None:
+    """Refuse a group size that does not divide a quantized layer's input features."""
+    if group_size is None:
+        return
+    linears = linear_layers(model)
+    bad = {n: linears[n].in_features for n in names if linears[n].in_features % group_size}
+    if bad:
+        raise ValueError(
+            f"group_size={group_size} does not divide the input features of {bad}; choose a group "
+            "size that divides every quantized layer's in_features (e.g. 32 or 64), or leave those "
+            "layers float with a weight_bits dict"
+        )
+
+
+def make_config(spec: QuantSpec) -> Any:
+    """The torchao config that applies ``spec``."""
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+    )
+    from torchao.quantization.granularity import PerGroup, PerRow
+
+    if spec.method == "int8_weight_only":
+        granularity = PerGroup(spec.group_size) if spec.qscheme == "per_group" else PerRow()
+        return Int8WeightOnlyConfig(granularity=granularity)
+    if spec.method == "int4_weight_only":
+        return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(spec.group_size or 128))
+    if spec.method == "int8_dynamic":
+        return Int8DynamicActivationInt8WeightConfig()
+    raise ValueError(
+        f"method={spec.method!r} is not a torchao method; valid: 'int8_weight_only', "
+        "'int4_weight_only', 'int8_dynamic'"
+    )
+
+
+def quantized_layers(model: nn.Module) -> list[str]:
+    """Linear layers whose weight is a torchao quantized tensor."""
+    from torchao.utils import TorchAOBaseTensor
+
+    return [n for n, m in linear_layers(model).items() if isinstance(m.weight, TorchAOBaseTensor)]
+
+
+def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | None,
+             *, log: Callable[[str], None], verbose: bool = False) -> nn.Module:
+    """Backend entry point used by ``Quantizer``: a quantized copy of ``model`` (no calibration)."""
+    from torchao.quantization import quantize_
+
+    names = selected_layers(model, spec)
+    group_size = spec.group_size if spec.qscheme == "per_group" else None
+    check_group_size(model, names, group_size)
+    work = copy.deepcopy(model).eval()
+    wanted = set(names)
+    config = make_config(spec)
+    log(f"torchao: {type(config).__name__} on {len(names)} Linear layer(s)")
+    quantize_(work, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in wanted)
+    done = set(quantized_layers(work))
+    if done != wanted:
+        raise ValueError(
+            f"torchao {spec.method} quantized {sorted(done)} but {sorted(wanted)} were asked; "
+            "refusing a partial result"
+        )
+    return work
