@@ -1,0 +1,75 @@
+"""Load an ONNX file for reading, refusing anything that is not a complete model.
+
+Every refusal is a ``ValueError`` or ``FileNotFoundError`` whose first line says what is wrong
+with the file, so the CLI can print it as one line (exit code 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+
+def _external_files(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
+    """(tensor name, location, bytes needed) for every initializer stored outside the file."""
+    needed = []
+    for tensor in model.graph.initializer:
+        if uses_external_data(tensor):
+            info = ExternalDataInfo(tensor)
+            end = (info.offset or 0) + (info.length or 0)
+            needed.append((tensor.name, info.location, end))
+    return needed
+
+
+def check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> None:
+    """Refuse a model whose external weight file is missing or shorter than the model says."""
+    for name, location, end in _external_files(model):
+        data_file = base_dir / location
+        if not data_file.is_file():
+            raise FileNotFoundError(
+                f"{path}: its weights live in the external data file {location!r}, which is missing "
+                f"(expected at {data_file}); copy it next to the model"
+            )
+        size = data_file.stat().st_size
+        if end > size:
+            raise ValueError(
+                f"{path}: external data file {location!r} is truncated ({size} bytes, tensor {name!r} "
+                f"needs {end}); copy it again"
+            )
+
+
+def load_onnx(path: str | Path) -> onnx.ModelProto:
+    """Read ``path`` as a complete ONNX model (external weights included) or refuse it in one line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give the path of an .onnx file")
+    data = path.read_bytes()
+    if not data:
+        raise ValueError(f"{path} is empty (0 bytes); it is not an ONNX model")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as exc:  # protobuf raises DecodeError (and RuntimeWarning subclasses) here
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(
+            f"{path} is not an ONNX model, or is truncated: the protobuf does not parse ({reason})"
+        ) from None
+    if model.ir_version <= 0 or not model.HasField("graph"):
+        raise ValueError(f"{path} is not an ONNX model: no IR version or no graph in it")
+    if len(model.graph.node) == 0:
+        raise ValueError(f"{path}: the ONNX graph is empty (no nodes); there is nothing to run")
+    check_external_data(model, path.parent, path)
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read its external data ({exc})") from None
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path} is not a valid ONNX model (truncated or corrupt?): {first}") from None
+    return model

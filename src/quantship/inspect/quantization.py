@@ -1,0 +1,163 @@
+"""What a file's quantization is, read off its nodes: format, Q/DQ pairs, float leftovers.
+
+One pass produces ``QuantFacts``; the file report prints them and the deployability rules judge
+them, so both always agree about what the file contains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name
+
+# ONNX Runtime's operator-oriented format: integer kernels with the scales as inputs
+QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "QOrderedMatMul",
+                           "ConvInteger", "MatMulInteger"})
+# activation scales computed while the model runs
+DYNAMIC_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM",
+                         "MatMulIntegerToFloat"})
+NOT_COMPUTE = frozenset({QUANTIZE, DEQUANTIZE, "Constant"}) | SHAPE_ONLY
+FORMATS = ("QDQ", "QOperator", "dynamic", "float", "mixed")
+
+
+def node_label(node: onnx.NodeProto, index: int) -> str:
+    """A node's name, or ``OpType#index`` when the file left it unnamed."""
+    return node.name or f"{node.op_type}#{index}"
+
+
+@dataclass(frozen=True)
+class QDQNode:
+    """One QuantizeLinear/DequantizeLinear: what it quantizes and how it is stored."""
+
+    node: str
+    op_type: str
+    tensor: str  # the float tensor (Q input, DQ output)
+    role: str  # "activation", "weight" or "bias"
+    dtype: str  # stored integer type
+    per_channel: bool
+    static: bool  # scale (and zero-point) are constants in the file
+    scale: float | None  # per-tensor scale value
+    zero_points: tuple[int, ...]  # distinct zero-point values (empty when not static)
+
+
+@dataclass
+class QuantFacts:
+    """Everything the rules and the report need to know about a file's quantization."""
+
+    format: str
+    opset: int | None
+    qdq: list[QDQNode] = field(default_factory=list)
+    qoperator_nodes: list[str] = field(default_factory=list)
+    dynamic_nodes: list[str] = field(default_factory=list)
+    float_tensors: list[str] = field(default_factory=list)
+    float_operators: list[str] = field(default_factory=list)
+    convs_without_kernel_shape: list[str] = field(default_factory=list)
+    biases: list[tuple[str, str, str]] = field(default_factory=list)  # (node, tensor, stored dtype)
+
+    def of_role(self, role: str) -> list[QDQNode]:
+        return [q for q in self.qdq if q.role == role]
+
+    @property
+    def activation_dtypes(self) -> list[str]:
+        return sorted({q.dtype for q in self.of_role("activation")})
+
+
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The declared version of the default ONNX domain (None when the file declares none)."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return int(entry.version)
+    return None
+
+
+def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
+    x = node.input[0]
+    scale_name = node.input[1] if len(node.input) > 1 else ""
+    zp_name = node.input[2] if len(node.input) > 2 else ""
+    static = scale_name in view.constant and (not zp_name or zp_name in view.constant)
+    if node.op_type == DEQUANTIZE:
+        tensor, dtype = node.output[0], dtype_name(view.elem_type.get(x, 0))
+    else:
+        tensor = x
+        out_dtype = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
+        dtype = dtype_name(view.elem_type.get(zp_name, 0) if zp_name else out_dtype or onnx.TensorProto.UINT8)
+    if x in view.constant:
+        users = view.consumer_nodes(node.output[0])
+        is_bias = node.op_type == DEQUANTIZE and any(
+            u.op_type in ("Conv", "Gemm", "ConvTranspose") and len(u.input) > 2 and u.input[2] == node.output[0]
+            for u in users)
+        role = "bias" if is_bias else "weight"
+    else:
+        role = "activation"
+    scale = view.value(scale_name) if scale_name else None
+    per_channel = scale is not None and scale.size > 1 or (scale is None and bool(view.shape.get(scale_name)))
+    zero = view.value(zp_name) if zp_name else np.zeros(1, dtype=np.int64)
+    return QDQNode(
+        node=node_label(node, index), op_type=node.op_type, tensor=tensor, role=role, dtype=dtype,
+        per_channel=bool(per_channel), static=static,
+        scale=float(scale.reshape(-1)[0]) if scale is not None and scale.size == 1 else None,
+        zero_points=tuple(sorted({int(v) for v in zero.reshape(-1)})) if zero is not None else (),
+    )
+
+
+def _float_leftovers(view: GraphView) -> tuple[list[str], list[str]]:
+    """Activations computed in float outside any Q/DQ pair, and the operators that compute on them."""
+    tensors: dict[str, None] = {}
+    operators: dict[str, None] = {}
+    for index, node in enumerate(view.nodes):
+        if node.op_type in NOT_COMPUTE or all(o in view.constant for o in node.output if o):
+            continue
+        label = node_label(node, index)
+        for name in ([] if view.fused_into_producer(node) else node.input):
+            if not name or name in view.constant or not view.is_float(name):
+                continue
+            origin = view.through_shape_ops_up(name)
+            source = view.node_of(origin)
+            if source is None or source.op_type != DEQUANTIZE:
+                tensors[origin] = None
+                operators[label] = None
+        for name in node.output:
+            if not name or not view.is_float(name):
+                continue
+            for _, consumer in view.through_shape_ops_down(name):
+                if consumer is None or consumer.op_type != QUANTIZE:
+                    tensors[name] = None
+                    operators[label] = None
+    return list(tensors), list(operators)
+
+
+def quant_facts(view: GraphView) -> QuantFacts:
+    """Read the quantization of the graph in ``view``."""
+    facts = QuantFacts(format="float", opset=default_opset(view.model))
+    for index, node in enumerate(view.nodes):
+        label = node_label(node, index)
+        if node.op_type in (QUANTIZE, DEQUANTIZE):
+            facts.qdq.append(_qdq_node(view, node, index))
+        elif node.op_type in DYNAMIC_OPS:
+            facts.dynamic_nodes.append(label)
+        elif node.op_type.startswith("QLinear") or node.op_type in QOPERATOR_OPS:
+            facts.qoperator_nodes.append(label)
+        if node.op_type in ("Conv", "ConvTranspose") and not any(a.name == "kernel_shape" for a in node.attribute):
+            facts.convs_without_kernel_shape.append(label)
+        if node.op_type in ("Conv", "Gemm", "ConvTranspose") and len(node.input) > 2 and node.input[2]:
+            bias = view.through_shape_ops_up(node.input[2])
+            source = view.node_of(bias)
+            stored = (dtype_name(view.elem_type.get(source.input[0], 0))
+                      if source is not None and source.op_type == DEQUANTIZE
+                      else dtype_name(view.elem_type.get(bias, 0)))
+            facts.biases.append((label, bias, stored))
+    facts.float_tensors, facts.float_operators = _float_leftovers(view)
+    if facts.dynamic_nodes:
+        facts.format = "dynamic"
+    elif facts.qoperator_nodes:
+        facts.format = "QOperator"
+    elif not facts.qdq:
+        facts.format = "float"
+    elif facts.float_tensors or not facts.of_role("activation"):
+        facts.format = "mixed"
+    else:
+        facts.format = "QDQ"
+    return facts

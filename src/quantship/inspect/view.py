@@ -1,0 +1,161 @@
+"""An indexed, shape-inferred view of an ONNX graph: who produces and consumes each tensor.
+
+Every reader in ``inspect`` (format, rules, memory) walks the same view, so a tensor is classified
+(constant, activation, dtype, shape) in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+QUANTIZE = "QuantizeLinear"
+DEQUANTIZE = "DequantizeLinear"
+# ops that only relabel shape: their output shares storage with their input
+SHAPE_ONLY = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+# activations a runtime fuses into the operator that feeds them (pt2e annotates conv+relu as one)
+FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                         onnx.TensorProto.BFLOAT16})
+
+
+def dtype_name(elem_type: int) -> str:
+    """``int8``, ``float32``... for an ONNX element type (``undefined`` when unknown)."""
+    if not elem_type:
+        return "undefined"
+    return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type)) if elem_type != onnx.TensorProto.BFLOAT16 else "bfloat16"
+
+
+def dtype_size(elem_type: int) -> int:
+    """Bytes per element of an ONNX element type (0 when unknown)."""
+    if not elem_type:
+        return 0
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        return 2
+    return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+
+
+@dataclass
+class GraphView:
+    """Indexes over one ONNX graph; build it with ``GraphView.of(model)``."""
+
+    model: onnx.ModelProto
+    nodes: list[onnx.NodeProto]
+    producer: dict[str, int] = field(default_factory=dict)  # tensor -> node index
+    consumers: dict[str, list[int]] = field(default_factory=dict)
+    initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
+    constant: set[str] = field(default_factory=set)  # computed from constants only
+    elem_type: dict[str, int] = field(default_factory=dict)
+    shape: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> GraphView:
+        graph = model.graph
+        view = cls(model=model, nodes=list(graph.node))
+        view.initializers = {t.name: t for t in graph.initializer}
+        view.inputs = [i.name for i in graph.input if i.name not in view.initializers]
+        view.outputs = [o.name for o in graph.output]
+        for index, node in enumerate(view.nodes):
+            for name in node.output:
+                if name:
+                    view.producer[name] = index
+            for name in node.input:
+                if name:
+                    view.consumers.setdefault(name, []).append(index)
+        view._infer_types(model)
+        view.constant = set(view.initializers)
+        for node in view.topological():
+            ins = [n for n in node.input if n]
+            if all(n in view.constant for n in ins):
+                view.constant.update(n for n in node.output if n)
+        return view
+
+    def _infer_types(self, model: onnx.ModelProto) -> None:
+        """Element types and static shapes, with unset input dimensions taken as 1."""
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        for value in probe.graph.input:
+            for dim in value.type.tensor_type.shape.dim:
+                if not dim.HasField("dim_value"):
+                    dim.dim_value = 1
+        try:
+            probe = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
+        except Exception:  # inference is best effort: unknown shapes are reported, not fatal
+            pass
+        graph = probe.graph
+        for value in [*graph.input, *graph.value_info, *graph.output]:
+            tensor_type = value.type.tensor_type
+            if tensor_type.elem_type:
+                self.elem_type.setdefault(value.name, tensor_type.elem_type)
+            if tensor_type.HasField("shape"):
+                dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+                self.shape.setdefault(value.name, None if None in dims else tuple(dims))
+        for name, tensor in self.initializers.items():
+            self.elem_type[name] = tensor.data_type
+            self.shape[name] = tuple(tensor.dims)
+
+    def topological(self) -> list[onnx.NodeProto]:
+        """Nodes in the file's order (``onnx.checker`` has already required it to be topological)."""
+        return self.nodes
+
+    def node_of(self, tensor: str) -> onnx.NodeProto | None:
+        index = self.producer.get(tensor)
+        return None if index is None else self.nodes[index]
+
+    def consumer_nodes(self, tensor: str) -> list[onnx.NodeProto]:
+        return [self.nodes[i] for i in self.consumers.get(tensor, [])]
+
+    def value(self, tensor: str) -> np.ndarray | None:
+        """The value of an initializer or ``Constant`` output (None for anything computed)."""
+        if tensor in self.initializers:
+            return numpy_helper.to_array(self.initializers[tensor])
+        node = self.node_of(tensor)
+        if node is not None and node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+        return None
+
+    def is_float(self, tensor: str) -> bool:
+        return self.elem_type.get(tensor) in FLOAT_TYPES
+
+    def through_shape_ops_up(self, tensor: str) -> str:
+        """Follow shape-only producers back to the tensor that holds the values."""
+        node = self.node_of(tensor)
+        while node is not None and node.op_type in SHAPE_ONLY and node.input:
+            tensor = node.input[0]
+            node = self.node_of(tensor)
+        return tensor
+
+    def fused_into_producer(self, node: onnx.NodeProto) -> bool:
+        """Whether ``node`` is an activation fused into the computing op that feeds only it."""
+        if node.op_type not in FUSED_ACTIVATIONS or not node.input:
+            return False
+        source = self.node_of(node.input[0])
+        return (source is not None and source.op_type not in (QUANTIZE, DEQUANTIZE)
+                and len(self.consumers.get(node.input[0], [])) == 1)
+
+    def through_shape_ops_down(self, tensor: str) -> list[tuple[str, onnx.NodeProto | None]]:
+        """Every (tensor, consumer) the values reach, looking through shape-only consumers
+        and through an activation fused into the op that produced ``tensor``.
+
+        A graph output reached this way is reported with consumer ``None``.
+        """
+        found: list[tuple[str, onnx.NodeProto | None]] = []
+        stack = [tensor]
+        while stack:
+            current = stack.pop()
+            if current in self.outputs:
+                found.append((current, None))
+            for node in self.consumer_nodes(current):
+                passes = node.op_type in SHAPE_ONLY or self.fused_into_producer(node)
+                if passes and node.input and node.input[0] == current:
+                    stack.extend(o for o in node.output if o)
+                else:
+                    found.append((current, node))
+        return found
