@@ -1,0 +1,119 @@
+"""``activation_dtype='uint8'``: activation Q/DQ pairs move to uint8 with zero-point z + 128, same scale.
+
+Weight pairs (a DequantizeLinear reading a stored tensor) keep their int8 zero-point. The move is
+exact: saturate(round(x/s) + z + 128, 0, 255) is saturate(round(x/s) + z, -128, 127) + 128, the same
+integers read unsigned, and DequantizeLinear subtracts the shifted zero-point back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from quantship.inspect.stats import QDQ_OPS, constant_values
+
+SHIFT = 128
+
+
+class ActivationDtypeRefused(ValueError):
+    """The graph has an activation pair the uint8 rewrite cannot move exactly."""
+
+
+def _is_stored(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def _int8_zero_point(node: ir.Node) -> np.ndarray:
+    zp = node.inputs[2] if len(node.inputs) > 2 else None
+    if zp is None or zp.const_value is None:
+        raise ActivationDtypeRefused(f"{node.op_type} {node.name!r} has no constant zero-point to shift")
+    array = zp.const_value.numpy()
+    if array.dtype != np.int8:
+        raise ActivationDtypeRefused(f"{node.op_type} {node.name!r} has a {array.dtype} zero-point; only "
+                                     "int8 activation pairs are moved to uint8")
+    return array
+
+
+def to_uint8_activations(model: ir.Model) -> int:
+    """Rewrite every activation Q/DQ pair in place; returns the number of nodes moved."""
+    graph = model.graph
+    shifted: dict[str, ir.Value] = {}
+    old_zero_points: list[ir.Value] = []
+
+    def uint8_of(node: ir.Node) -> ir.Value:
+        zp = node.inputs[2]
+        if zp.name not in shifted:
+            array = (_int8_zero_point(node).astype(np.int16) + SHIFT).astype(np.uint8)
+            new = ir.Value(name=f"{zp.name}_uint8", const_value=ir.tensor(array, name=f"{zp.name}_uint8"))
+            graph.register_initializer(new)
+            shifted[zp.name] = new
+            old_zero_points.append(zp)
+        return shifted[zp.name]
+
+    n_moved = 0
+    for node in list(graph):
+        if node.op_type == "QuantizeLinear":
+            if _is_stored(node.inputs[0]):
+                raise ActivationDtypeRefused(f"QuantizeLinear {node.name!r} quantizes a stored tensor; "
+                                             "weights are expected stored as int8 already")
+            old = node.inputs[2]
+            node.replace_input_with(2, uint8_of(node))
+            out = node.outputs[0]
+            if out.is_graph_output():
+                raise ActivationDtypeRefused(f"QuantizeLinear {node.name!r} feeds a graph output directly")
+            out.dtype = ir.DataType.UINT8
+            n_moved += 1
+            for consumer in {use.node for use in out.uses()}:
+                if consumer.op_type != "DequantizeLinear":
+                    raise ActivationDtypeRefused(
+                        f"{consumer.op_type} {consumer.name!r} reads the int8 output of QuantizeLinear "
+                        f"{node.name!r} directly; only DequantizeLinear consumers can be moved to uint8")
+                dq_zp = consumer.inputs[2]
+                if dq_zp is not old and not np.array_equal(_int8_zero_point(consumer), old.const_value.numpy()):
+                    raise ActivationDtypeRefused(f"DequantizeLinear {consumer.name!r} does not use the zero-point "
+                                                 f"of its QuantizeLinear {node.name!r}")
+                consumer.replace_input_with(2, node.inputs[2])
+                n_moved += 1
+        elif node.op_type == "DequantizeLinear":
+            source = node.inputs[0].producer()
+            if not _is_stored(node.inputs[0]) and (source is None or source.op_type != "QuantizeLinear"):
+                raise ActivationDtypeRefused(f"DequantizeLinear {node.name!r} reads neither a stored weight nor a "
+                                             "QuantizeLinear; its dtype cannot be moved safely")
+    for zp in old_zero_points:
+        if not zp.uses() and zp.name in graph.initializers:
+            del graph.initializers[zp.name]
+    return n_moved
+
+
+def _pairs(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return list(model.graph.node)
+
+
+def check_read_back(before: onnx.ModelProto, after: onnx.ModelProto) -> int:
+    """Node by node: only activation zero-points changed, each to z + 128 as uint8; returns nodes moved."""
+    a_nodes, b_nodes = _pairs(before), _pairs(after)
+    if [n.op_type for n in a_nodes] != [n.op_type for n in b_nodes]:
+        raise ActivationDtypeRefused("uint8 read-back: the operator sequence changed")
+    a_consts, b_consts = constant_values(before), constant_values(after)
+    moved = 0
+    for old, new in zip(a_nodes, b_nodes):
+        same_io = list(old.output) == list(new.output) and old.attribute == new.attribute
+        if old.op_type not in QDQ_OPS:
+            if not same_io or list(old.input) != list(new.input):
+                raise ActivationDtypeRefused(f"uint8 read-back: {old.op_type} {old.name!r} changed")
+            continue
+        if not same_io or list(old.input[:2]) != list(new.input[:2]):
+            raise ActivationDtypeRefused(f"uint8 read-back: {old.op_type} {old.name!r} changed beyond its zero-point")
+        if not np.array_equal(a_consts[old.input[1]], b_consts[new.input[1]]):
+            raise ActivationDtypeRefused(f"uint8 read-back: the scale of {old.op_type} {old.name!r} changed")
+        zp_old, zp_new = a_consts[old.input[2]], b_consts[new.input[2]]
+        if zp_new.dtype == np.int8:
+            if old.input[0] not in a_consts or not np.array_equal(zp_old, zp_new):
+                raise ActivationDtypeRefused(f"uint8 read-back: activation {old.op_type} {old.name!r} is still int8")
+            continue
+        if zp_new.dtype != np.uint8 or not np.array_equal(zp_old.astype(np.int16) + SHIFT, zp_new.astype(np.int16)):
+            raise ActivationDtypeRefused(f"uint8 read-back: {old.op_type} {old.name!r} zero-point is not z + 128")
+        moved += 1
+    return moved
