@@ -18,6 +18,19 @@ _PUBLIC = {
     "lsb_error": "quantship.inspect.lsb",
     "LSBError": "quantship.inspect.lsb",
     "wilson_interval": "quantship.inspect.intervals",
+    "inspect_file": "quantship.inspect.graph",
+    "FileReport": "quantship.inspect.graph",
+    "load_onnx": "quantship.inspect.loading",
+    "check_file": "quantship.inspect.check",
+    "CheckReport": "quantship.inspect.check",
+    "Finding": "quantship.inspect.check",
+    "TARGETS": "quantship.inspect.rules",
+    "RULES": "quantship.inspect.rules",
+    "run_consumer": "quantship.inspect.consumers",
+    "RunResult": "quantship.inspect.consumers",
+    "tigris_analyze": "quantship.inspect.consumers",
+    "compare_files": "quantship.inspect.compare",
+    "CompareReport": "quantship.inspect.compare",
 }
 
 __all__ = list(_PUBLIC)

@@ -79,7 +79,8 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     zp_name = node.input[2] if len(node.input) > 2 else ""
     static = scale_name in view.constant and (not zp_name or zp_name in view.constant)
     if node.op_type == DEQUANTIZE:
-        tensor, dtype = node.output[0], dtype_name(view.elem_type.get(x, 0))
+        stored = view.elem_type.get(x, 0) or (view.elem_type.get(zp_name, 0) if zp_name else 0)
+        tensor, dtype = node.output[0], dtype_name(stored)
     else:
         tensor = x
         out_dtype = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)

@@ -1,0 +1,27 @@
+"""``quantship compare FLOAT.onnx INT8.onnx [--target X]``: the three-way check in output LSB."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("float_file", help="the float ONNX file (the reference)")
+    parser.add_argument("int8_file", help="the INT8 QDQ file made from it")
+    parser.add_argument("--target", default="tigris", choices=("onnxruntime", "tensorrt", "openvino", "tigris"),
+                        help="the runtime whose execution of the INT8 file is compared (default tigris)")
+    parser.add_argument("--n", type=int, default=20, help="number of seeded inputs (default 20)")
+    parser.add_argument("--json", action="store_true", help="print the versioned JSON report")
+
+
+def run(args: argparse.Namespace) -> int:
+    from quantship.inspect.compare import compare_files
+
+    report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n)
+    if args.json:
+        print(report.to_json())
+        return 0
+    print(f"{report.n_inputs} inputs, errors in the INT8 file's output LSB")
+    for row in report.rows:
+        print(f"  {row}")
+    return 0

@@ -1,0 +1,106 @@
+"""``check_file``: will a target accept this file, and if not, why and how to fix it.
+
+Static findings come from the rule tables in ``rules``; with ``run=True`` the consumer itself
+is run where it can run here (``consumers``) and its result joins the report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantship.inspect.graph import FileReport, report_of
+from quantship.inspect.loading import load_onnx
+from quantship.inspect.quantization import QuantFacts, quant_facts
+from quantship.inspect.rules import RULES, Target
+from quantship.inspect.rules import target as get_target
+from quantship.inspect.view import GraphView
+
+REPORT_VERSION = 1
+_SHOWN = 6  # offenders quoted in a message; the full list is in ``offending``
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One broken rule: which, how bad, what it hits, and the fix."""
+
+    rule: str
+    severity: str  # "error": the target refuses the file; "warning": it runs, but hear this
+    message: str
+    offending: list[str]
+    fix: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class CheckReport:
+    """The verdict for one file and one target; ``as_dict()`` is the versioned JSON form."""
+
+    path: str
+    target: str
+    format: str
+    findings: list[Finding]
+    runs: list[Any] = field(default_factory=list)  # consumers.RunResult, when run=True
+    report: FileReport | None = None
+    version: int = REPORT_VERSION
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        """True when the target will accept the file: no error finding and no failed run."""
+        return not self.errors and all(r.ok for r in self.runs if r.ran)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "report": "quantship-check", "version": self.version, "path": self.path,
+            "target": self.target, "ok": self.ok, "format": self.format,
+            "findings": [f.as_dict() for f in self.findings],
+            "runs": [r.as_dict() for r in self.runs],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+
+def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Finding | None:
+    rule = RULES[rule_id]
+    offending = rule.offenders(facts, tgt)
+    if not offending:
+        return None
+    what = ", ".join(offending[:_SHOWN]) + (f", ... ({len(offending) - _SHOWN} more)" if len(offending) > _SHOWN else "")
+    # a warning means this target runs the file: the requirement is other runtimes'
+    who = tgt.consumer if severity == "error" else "portable runtimes (TensorRT, OpenVINO, TiGrIS)"
+    message = rule.message.format(consumer=who, n=len(offending), what=what,
+                                  low=tgt.opset[0], high=tgt.opset[1])
+    if severity == "warning":
+        message = f"{tgt.consumer} runs this file, but: {message}"
+    return Finding(rule_id, severity, message, list(offending), rule.fix)
+
+
+def findings_for(facts: QuantFacts, target_name: str) -> list[Finding]:
+    """Apply ``target_name``'s rule table to ``facts`` (errors first, in table order)."""
+    tgt = get_target(target_name)
+    found = [_finding(r, "error", facts, tgt) for r in tgt.errors]
+    found += [_finding(r, "warning", facts, tgt) for r in tgt.warnings]
+    return [f for f in found if f is not None]
+
+
+def check_file(path: str | Path, target: str, run: bool = False, n_inputs: int = 20) -> CheckReport:
+    """Check ``path`` against ``target``'s rules; with ``run`` also run the consumer on it."""
+    get_target(target)  # refuse an unknown target before reading anything
+    view = GraphView.of(load_onnx(path))
+    facts = quant_facts(view)
+    report = CheckReport(str(path), target, facts.format, findings_for(facts, target),
+                         report=report_of(view, facts, str(path)))
+    if run:
+        from quantship.inspect.consumers import run_consumer
+
+        report.runs.append(run_consumer(path, target, n_inputs=n_inputs))
+    return report

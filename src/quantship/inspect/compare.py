@@ -1,0 +1,98 @@
+"""The three-way check: float file in ONNX Runtime, INT8 file in ONNX Runtime, INT8 file in a target.
+
+Row 1 (INT8 ORT vs float) is what quantization cost; row 2 (target vs INT8 ORT) is what the
+runtime adds. Both in the INT8 file's output LSB, on the same seeded inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantship.inspect.consumers import (
+    lsb_between,
+    random_inputs,
+    run_onnxruntime,
+    run_openvino,
+    run_tigris,
+)
+from quantship.inspect.loading import load_onnx
+from quantship.inspect.lsb import output_scales
+from quantship.inspect.rules import target as get_target
+
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One comparison: candidate vs reference, in output LSB (None when it could not run)."""
+
+    label: str
+    max_lsb: float | None
+    mean_lsb: float | None
+    note: str = ""
+
+    def __str__(self) -> str:
+        if self.max_lsb is None:
+            return f"{self.label:<38}: not run ({self.note})"
+        return f"{self.label:<38}: max {self.max_lsb:.1f} LSB, mean {self.mean_lsb:.2f} LSB"
+
+
+@dataclass
+class CompareReport:
+    """The two rows of the three-way check and what they were measured on."""
+
+    float_path: str
+    int8_path: str
+    target: str
+    n_inputs: int
+    rows: list[CompareRow] = field(default_factory=list)
+    version: int = REPORT_VERSION
+
+    def as_dict(self) -> dict:
+        out = {"report": "quantship-compare", **asdict(self)}
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+
+def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "tigris",
+                  n_inputs: int = 20, seed: int = 0) -> CompareReport:
+    """Run the three-way check; outputs are matched by position, the INT8 file's scales give the LSB."""
+    tgt = get_target(target)
+    if n_inputs < 1:
+        raise ValueError(f"n_inputs={n_inputs}: compare needs at least one input")
+    float_model, int8_model = load_onnx(float_path), load_onnx(int8_path)
+    scales = list(output_scales(int8_model).values())
+    if not any(scales):
+        raise ValueError(f"{int8_path}: no output is produced by a per-tensor DequantizeLinear, so there is "
+                         "no output LSB to measure in; is it the INT8 file?")
+    if len(float_model.graph.output) != len(int8_model.graph.output):
+        raise ValueError(f"the float file has {len(float_model.graph.output)} outputs and the INT8 file "
+                         f"{len(int8_model.graph.output)}: they are not the same model")
+    feeds = random_inputs(int8_model, n_inputs, seed)
+    float_names = [i.name for i in float_model.graph.input if i.name not in {t.name for t in float_model.graph.initializer}]
+    float_feeds = [dict(zip(float_names, feed.values())) for feed in feeds]
+    reference = run_onnxruntime(float_path, float_feeds, optimize=False)
+    int8_ort = run_onnxruntime(int8_path, feeds, optimize=False)
+    report = CompareReport(str(float_path), str(int8_path), target, n_inputs)
+    report.rows.append(CompareRow("ONNX Runtime int8 vs float", *lsb_between(reference, int8_ort, scales)))
+    label = f"{tgt.consumer} vs ONNX Runtime int8"
+    try:
+        if target == "openvino":
+            candidate = run_openvino(int8_path, feeds)
+        elif target == "tigris":
+            candidate = run_tigris(int8_path, feeds, int8_model)
+        elif target == "onnxruntime":
+            candidate = run_onnxruntime(int8_path, feeds, optimize=True)
+            label = "ONNX Runtime optimized vs literal int8"
+        else:
+            report.rows.append(CompareRow(label, None, None, f"{tgt.consumer} cannot run on this machine"))
+            return report
+    except Exception as exc:  # the target refusing the file is a result, not a crash
+        report.rows.append(CompareRow(label, None, None, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__))
+        return report
+    report.rows.append(CompareRow(label, *lsb_between(int8_ort, candidate, scales)))
+    return report

@@ -1,0 +1,194 @@
+"""Run a file in the runtimes that will consume it, where they can run here.
+
+ONNX Runtime loads and runs it; OpenVINO compiles it on CPU (f32 inference precision: s8 QDQ
+files do not compile otherwise on AMX CPUs) and runs it; TiGrIS compiles a plan with its CLI and
+runs it on its host runtime (NHWC inputs). Each run is compared with ONNX Runtime executing the
+QDQ graph literally (no graph optimizations), in output LSB.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from quantship.inspect.lsb import lsb_error, output_scales
+from quantship.inspect.rules import target as get_target
+
+Inputs = dict[str, np.ndarray]
+TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack of memory
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one consumer did with the file, and how far its outputs are from ONNX Runtime's."""
+
+    consumer: str
+    ran: bool  # False: could not run here (``detail`` says why)
+    ok: bool  # ran, produced outputs, and stayed within ``tolerance_lsb`` of ONNX Runtime
+    detail: str
+    n_inputs: int = 0
+    max_lsb: float | None = None
+    mean_lsb: float | None = None
+    tolerance_lsb: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        if not self.ran:
+            return f"{self.consumer}: not run ({self.detail})"
+        head = f"{self.consumer}: {'ok' if self.ok else 'FAILED'}"
+        if self.max_lsb is not None:
+            head += (f", max {self.max_lsb:.1f} LSB, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
+                     f"on {self.n_inputs} inputs (tolerance {self.tolerance_lsb:g})")
+        return f"{head}; {self.detail}" if self.detail else head
+
+
+def random_inputs(model: onnx.ModelProto, n: int, seed: int = 0) -> list[Inputs]:
+    """``n`` seeded standard-normal feeds for the graph inputs (unset dimensions taken as 1)."""
+    rng = np.random.default_rng(seed)
+    initializers = {t.name for t in model.graph.initializer}
+    specs = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in tensor_type.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        if not np.issubdtype(dtype, np.floating):
+            raise ValueError(f"input {value.name!r} is {dtype}: only float inputs can be fed random data")
+        specs.append((value.name, shape, dtype))
+    return [{name: rng.standard_normal(shape).astype(dtype) for name, shape, dtype in specs} for _ in range(n)]
+
+
+def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = False) -> list[list[np.ndarray]]:
+    """Outputs (in graph order) for each feed; ``optimize=False`` runs the QDQ graph literally."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return [session.run(None, feed) for feed in feeds]
+
+
+def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]]:
+    """Compile on CPU with f32 inference precision and run each feed."""
+    import openvino as ov
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+    results = []
+    for feed in feeds:
+        out = request.infer(feed)
+        results.append([np.array(out[port]) for port in compiled.outputs])
+    return results
+
+
+def tigris_executable() -> str | None:
+    """The ``tigris`` CLI installed beside this Python, else on PATH."""
+    beside = Path(sys.executable).parent / "tigris"
+    return str(beside) if beside.exists() else shutil.which("tigris")
+
+
+def _tigris(*args: str) -> subprocess.CompletedProcess:
+    exe = tigris_executable()
+    if exe is None:
+        raise FileNotFoundError("the tigris CLI is not installed (pip install tigris-ml)")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+
+
+def tigris_analyze(path: str | Path, memory: str = TIGRIS_MEMORY) -> dict:
+    """``tigris analyze --json`` on the file, parsed."""
+    done = _tigris("analyze", str(path), "-m", memory, "--json")
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise ValueError(f"tigris analyze failed: {_last_line(done)}") from None
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (done.stderr + "\n" + done.stdout).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.lower().startswith("error")]
+    return (errors or lines or [f"exit code {done.returncode}"])[-1]
+
+
+def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) -> list[list[np.ndarray]]:
+    """Compile a plan with the tigris CLI, then run it on the host runtime with NHWC inputs."""
+    from tigris.runtime import Session
+
+    names = [o.name for o in model.graph.output]
+    with tempfile.TemporaryDirectory(prefix="quantship-tigris-") as tmp:
+        plan = Path(tmp) / "plan.tgrs"
+        done = _tigris("compile", str(path), "-m", TIGRIS_MEMORY, "-o", str(plan))
+        if done.returncode != 0 or not plan.exists():
+            raise RuntimeError(f"tigris compile refused the file: {_last_line(done)}")
+        results = []
+        with Session(plan) as session:
+            for feed in feeds:
+                nhwc = {k: np.ascontiguousarray(v.transpose(0, 2, 3, 1)) if v.ndim == 4 else v
+                        for k, v in feed.items()}
+                out = session.run(nhwc)
+                results.append([out[n].transpose(0, 3, 1, 2) if out[n].ndim == 4 else out[n] for n in names])
+        return results
+
+
+def lsb_between(reference: list[list[np.ndarray]], candidate: list[list[np.ndarray]],
+                scales: list[float | None]) -> tuple[float | None, float | None]:
+    """Max and mean disagreement over all feeds and quantized outputs, in output LSB."""
+    maxima, means = [], []
+    for ref_outs, cand_outs in zip(reference, candidate):
+        for ref, cand, scale in zip(ref_outs, cand_outs, scales):
+            if scale:
+                err = lsb_error(ref, np.asarray(cand).reshape(np.shape(ref)), scale)
+                maxima.append(err.max_lsb)
+                means.append(err.mean_lsb)
+    if not maxima:
+        return None, None
+    return max(maxima), float(np.mean(means))
+
+
+def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 0) -> RunResult:
+    """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime."""
+    tgt = get_target(target)
+    model = onnx.load(str(path), load_external_data=False)
+    runners: dict[str, Callable[[list[Inputs]], list[list[np.ndarray]]]] = {
+        "onnxruntime": lambda feeds: run_onnxruntime(path, feeds, optimize=True),
+        "openvino": lambda feeds: run_openvino(path, feeds),
+        "tigris": lambda feeds: run_tigris(path, feeds, model),
+    }
+    if target not in runners:
+        return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked statically only")
+    try:
+        feeds = random_inputs(model, n_inputs, seed)
+        reference = run_onnxruntime(path, feeds, optimize=False)
+    except Exception as exc:  # the reference itself fails: the file does not run at all
+        return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}")
+    try:
+        outputs = runners[target](feeds)
+    except ModuleNotFoundError as exc:
+        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed")
+    except Exception as exc:
+        return RunResult(tgt.consumer, True, False, _first(exc), n_inputs)
+    scales = list(output_scales(model).values())
+    max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
+    ok = max_lsb is None or max_lsb <= tgt.lsb_tolerance
+    detail = "" if max_lsb is not None else "outputs are float (no output scale): not compared in LSB"
+    if target == "onnxruntime":
+        detail = detail or "default optimizations vs the literal QDQ graph"
+    return RunResult(tgt.consumer, True, ok, detail, n_inputs, max_lsb, mean_lsb, tgt.lsb_tolerance)
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__

@@ -1,0 +1,151 @@
+"""Deployability rules as data: one table of rules, one table per target saying which apply.
+
+A rule reads ``QuantFacts`` and returns the offending nodes/tensors (empty when the file passes).
+A target lists the rules that make it refuse a file ("error") and those that only deserve a
+remark ("warning"), plus its opset range and the integer types it accepts. Nothing else in
+quantship restates these facts (SPEC §5; presets in ``quantship.precision`` point here by name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from quantship.inspect.quantization import QuantFacts
+
+PER_CHANNEL_MIN_OPSET = 13  # `axis` on Q/DQ arrived in opset 13
+
+
+@dataclass(frozen=True)
+class Target:
+    """A consumer of QDQ files and what it needs from one."""
+
+    name: str
+    consumer: str  # how the runtime calls itself
+    opset: tuple[int, int]  # inclusive range of the default-domain opset it loads
+    activation_dtypes: tuple[str, ...]
+    weight_dtypes: tuple[str, ...]
+    errors: tuple[str, ...]  # rule ids that make the target refuse the file
+    warnings: tuple[str, ...] = ()  # rule ids it tolerates but a user should hear about
+    source: str = ""  # where the facts come from
+    lsb_tolerance: float = 0.0  # a run agreeing with ONNX Runtime this closely is accepted
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One requirement: what it checks, how it fails, and the fix a user can apply."""
+
+    id: str
+    requirement: str
+    message: str  # format fields: {consumer}, {n}, {what}
+    fix: str
+    offenders: Callable[[QuantFacts, Target], list[str]]
+
+
+def _opset_offenders(facts: QuantFacts, target: Target) -> list[str]:
+    if facts.opset is None:
+        return []
+    low, high = target.opset
+    found = [f"opset {facts.opset}"] if not low <= facts.opset <= high else []
+    if facts.opset < PER_CHANNEL_MIN_OPSET:
+        found += [q.node for q in facts.qdq if q.per_channel]
+    return found
+
+
+def _dtype_offenders(role: str, allowed_of: Callable[[Target], tuple[str, ...]]):
+    def offenders(facts: QuantFacts, target: Target) -> list[str]:
+        return [f"{q.node} ({q.dtype})" for q in facts.of_role(role) if q.dtype not in allowed_of(target)]
+    return offenders
+
+
+RULES: dict[str, Rule] = {r.id: r for r in (
+    Rule("opset_declared", "the file declares a default-domain opset",
+         "the file declares no opset for the default ONNX domain; {consumer} cannot tell which operator "
+         "versions it holds", "re-export the model (every ONNX exporter declares one)",
+         lambda f, t: ["opset_import"] if f.opset is None else []),
+    Rule("opset_range", "opset inside the target's range (per-channel Q/DQ needs opset >= 13)",
+         "{consumer} loads opsets {low}-{high} and per-channel Q/DQ needs opset >= 13: {what}",
+         "re-export at a supported opset, or convert with onnx.version_converter.convert_version",
+         _opset_offenders),
+    Rule("quantized", "the file is quantized at all",
+         "the file holds no quantization (no Q/DQ pairs): {consumer} would run it in float, not INT8",
+         "quantize it: quantship quantize, or ONNX Runtime quantize_static(..., quant_format=QuantFormat.QDQ)",
+         lambda f, t: ["graph"] if f.format == "float" else []),
+    Rule("qdq_format", "QDQ format (no QLinear*/QGemm/ConvInteger/MatMulInteger operators)",
+         "{n} operator(s) in QOperator/integer form ({what}): {consumer} needs QDQ format with static "
+         "scales (QuantizeLinear/DequantizeLinear around float operators)",
+         "re-quantize statically in QDQ format: quantize_static(..., quant_format=QuantFormat.QDQ), "
+         "or quantship export_qdq",
+         lambda f, t: list(f.qoperator_nodes)),
+    Rule("static_scales", "static scales: every scale and zero-point is a constant in the file",
+         "{n} node(s) compute quantization scales at run time ({what}): dynamic quantization; "
+         "{consumer} needs QDQ format with static scales stored in the file",
+         "quantize statically with calibration data: quantize_static(..., quant_format=QuantFormat.QDQ) "
+         "instead of quantize_dynamic",
+         lambda f, t: list(f.dynamic_nodes) + [q.node for q in f.qdq if not q.static]),
+    Rule("fully_quantized", "fully quantized: every activation between a Q/DQ pair",
+         "{n} activation(s) stay float outside any Q/DQ pair ({what}): the graph mixes float and "
+         "integer, which {consumer} cannot run as one INT8 plan",
+         "quantize the operators that produce these tensors (usually ones the quantizer skipped or "
+         "does not support); the fix is upstream in the quantizer",
+         lambda f, t: list(f.float_tensors) if f.format in ("QDQ", "mixed") else []),
+    Rule("per_tensor_activations", "activations quantized per tensor",
+         "{n} activation Q/DQ node(s) are per-channel ({what}); {consumer} needs one scale per activation",
+         "quantize activations per tensor (per-channel scales belong to weights only)",
+         lambda f, t: [q.node for q in f.of_role("activation") if q.per_channel]),
+    Rule("activation_dtype", "activation integer type accepted by the target",
+         "{n} activation Q/DQ node(s) use a type {consumer} does not accept ({what})",
+         "quantize activations to int8 (symmetric, zero-point 0), e.g. export_qdq(activation_dtype='int8')",
+         _dtype_offenders("activation", lambda t: (*t.activation_dtypes, "undefined"))),
+    Rule("weight_dtype", "weight integer type accepted by the target",
+         "{n} weight Q/DQ node(s) use a type {consumer} does not accept ({what})",
+         "quantize weights to int8",
+         _dtype_offenders("weight", lambda t: (*t.weight_dtypes, "undefined"))),
+    Rule("int32_bias", "a quantized bias is int32",
+         "{n} bias(es) are quantized to a type other than int32 ({what}); integer kernels accumulate "
+         "in int32, so {consumer} cannot place them",
+         "leave the bias float or quantize it to int32 at scale input_scale * weight_scale",
+         lambda f, t: [f"{node}:{tensor} ({dtype})" for node, tensor, dtype in f.biases
+                       if dtype.startswith(("int", "uint")) and dtype != "int32"]),
+    Rule("zero_point_zero", "every zero-point is 0 (symmetric)",
+         "{n} Q/DQ node(s) have a non-zero zero-point ({what}); {consumer} supports symmetric "
+         "quantization only",
+         "quantize symmetrically (int8, zero-point 0): Quantizer(backend='pt2e', symmetric=True) "
+         "and export_qdq(activation_dtype='int8')",
+         lambda f, t: [f"{q.node} (zero-point {','.join(map(str, q.zero_points[:3]))})"
+                       for q in f.qdq if any(z != 0 for z in q.zero_points)]),
+    Rule("conv_kernel_shape", "every Conv carries kernel_shape",
+         "{n} Conv node(s) have no kernel_shape attribute ({what}); {consumer}'s ONNX parser needs it",
+         "write kernel_shape from the weight's spatial dims (quantship export_qdq does this)",
+         lambda f, t: list(f.convs_without_kernel_shape)),
+)}
+
+_ALL_QDQ = ("opset_declared", "opset_range", "quantized", "qdq_format", "static_scales")
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("onnxruntime", "ONNX Runtime", (10, 26), ("int8", "uint8", "int16", "uint16"),
+           ("int8", "uint8", "int16", "uint16", "int4", "uint4"),
+           errors=("opset_declared", "opset_range", "int32_bias"),
+           warnings=("quantized", "qdq_format", "static_scales", "fully_quantized"),
+           source="runs QOperator, dynamic and mixed files; QDQ is what other runtimes share",
+           lsb_tolerance=4.0),
+    Target("tensorrt", "TensorRT", (9, 25), ("int8",), ("int8",),
+           errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
+                   "weight_dtype", "int32_bias", "zero_point_zero", "conv_kernel_shape"),
+           source="TensorRT ONNX opset guide (opsets 9-25); explicit quantization: int8, zero-point 0"),
+    Target("openvino", "OpenVINO", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
+           errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized",),
+           source="runs partially quantized QDQ graphs (float parts stay float)", lsb_tolerance=2.0),
+    Target("tigris", "TiGrIS", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
+           errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
+                   "weight_dtype", "int32_bias"),
+           source="TiGrIS quantization guide: QDQ, static, fully quantized; uint8 restated as int8",
+           lsb_tolerance=4.0),
+)}
+
+
+def target(name: str) -> Target:
+    """The rule table for ``name``; unknown targets are refused with the list."""
+    if name not in TARGETS:
+        raise ValueError(f"target={name!r} is unknown; valid targets: {list(TARGETS)}")
+    return TARGETS[name]
