@@ -145,6 +145,11 @@ class QuantshipQuantizer(Quantizer):
         names = self.spec.skip_activations or ()
         return bool(names) and _under(module_path(node), names)
 
+    def _quantizable_input(self, arg: object) -> bool:
+        """A float tensor not produced under a ``skip_activations`` module (those stay float even
+        where a quantized op outside the module reads them)."""
+        return _is_float_tensor(arg) and not (arg.op == "call_function" and self._skipped(arg))
+
     @staticmethod
     def _mark(node: Node, inputs: dict | None = None, output=None) -> None:
         node.meta["quantization_annotation"] = QuantizationAnnotation(
@@ -207,7 +212,7 @@ class QuantshipQuantizer(Quantizer):
                 chain = self._weighted_partition(node)
                 x, w = node.args[0], node.args[1]
                 inputs = {w: weight} if isinstance(w, Node) else {}
-                if not skipped and _is_float_tensor(x):
+                if not skipped and self._quantizable_input(x):
                     inputs[x] = act
                 out = None if (skipped or chain[-1] in cleared_conv_outputs) else act
                 self._mark(node, inputs, out if len(chain) == 1 else None)
@@ -224,7 +229,7 @@ class QuantshipQuantizer(Quantizer):
                 act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
                 inputs = {}
                 for arg in node.args[:2]:
-                    if _is_float_tensor(arg) and arg not in cleared_conv_outputs:
+                    if self._quantizable_input(arg) and arg not in cleared_conv_outputs:
                         inputs[arg] = act
                     elif arg in cleared_conv_outputs:
                         self.report.n_skipped_conv_add += 1
@@ -243,14 +248,14 @@ class QuantshipQuantizer(Quantizer):
                 self._mark(node, inputs, SharedQuantizationSpec((first, node)))
             elif target in SHARED_SCALE_OPS:
                 x = node.args[0]
-                if not _is_float_tensor(x) or not _is_float_tensor(node):
-                    continue
+                if not self._quantizable_input(x) or not _is_float_tensor(node):
+                    continue  # float in, float out: a quantized consumer quantizes the result
                 self._mark(node, {x: act}, SharedQuantizationSpec((x, node)))
             elif target in OWN_SCALE_OPS:
                 x = node.args[0]
                 if not _is_float_tensor(x):
                     continue
-                self._mark(node, {x: act}, act)
+                self._mark(node, {x: act} if self._quantizable_input(x) else {}, act)
             elif target is not operator.getitem and _is_float_tensor(node):
                 name = str(target)
                 self.report.unannotated_ops[name] = self.report.unannotated_ops.get(name, 0) + 1
