@@ -173,12 +173,8 @@ def test_skip_activations_layer4_only(small_resnet18, small_calib, per_op, tmp_p
     removed = set(before) - set(after)
     assert removed and all(_is_under(before[n], "layer4") for n in removed), {n: before[n] for n in removed}
     assert set(after) <= set(before)  # nothing new quantized elsewhere
-    # under layer4, only its output stays quantized: read by the (quantized) pooling outside it
-    users = {n.name: [u for u in n.users] for n in q.graph.nodes}
-    for name, path in after.items():
-        if _is_under(path, "layer4"):
-            assert all(not _is_under(module_path(u), "layer4") for u in users[name] if u.op == "call_function"
-                       and u.target is not torch.ops.quantized_decomposed.quantize_per_tensor.default), name
+    # no tensor produced under layer4 is quantized, not even where the pooling outside reads it
+    assert not [n for n, path in after.items() if _is_under(path, "layer4")]
     # the file shows exactly those pairs gone; layer4 weights stay per-channel int8
     assert base["n_quantize"] - counts["n_quantize"] == len(removed)
     assert base["n_dequantize"] - counts["n_dequantize"] == len(removed)

@@ -1,0 +1,289 @@
+"""Per-layer quantization error: where in the graph a pt2e model loses its signal.
+
+A *layer output* here is a tensor the converted graph quantizes: the result of an annotated
+partition (conv or linear with its folded batch-norm and fused ReLU, an add with its ReLU, a
+pooling...), taken after its quantize -> dequantize pair, so the figure includes the rounding of
+that output. The float reference is the same tensor in the float model captured the same way
+(node names match; a batch-norm that pt2e folded into its convolution is applied on the float
+side). SQNR = 10 log10(sum ref^2 / sum (ref - quantized)^2), accumulated over all inputs.
+
+Errors compound: a layer's figure includes everything upstream of it, which is what a user who
+chooses layers to keep in float needs (``suggest_skip``, ``measure_skip``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from quantship.quantize.annotator import BATCH_NORM_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
+
+qd = torch.ops.quantized_decomposed
+_QUANTIZE = {qd.quantize_per_tensor.default, qd.quantize_per_tensor.tensor}
+_DEQUANTIZE = {qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor}
+
+
+def sqnr_db(signal_energy: float, noise_energy: float) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when the two agree exactly)."""
+    if noise_energy == 0:
+        return math.inf
+    if signal_energy == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal_energy / noise_energy)
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """One quantized layer output: graph position, names, and its SQNR against float."""
+
+    order: int
+    node: str
+    module: str
+    op: str
+    sqnr_db: float
+
+
+@dataclass
+class LayerErrorReport:
+    """SQNR of every quantized layer output, in graph order, plus the model output's."""
+
+    rows: list[LayerError]
+    output_sqnr_db: float
+    n_samples: int
+    unmatched: list[str] = field(default_factory=list)
+
+    def worst(self, k: int = 3) -> list[LayerError]:
+        """The ``k`` rows with the lowest SQNR, worst first."""
+        return sorted(self.rows, key=lambda r: r.sqnr_db)[:k]
+
+    def as_dict(self) -> dict:
+        return {"version": 1, "n_samples": self.n_samples, "output_sqnr_db": self.output_sqnr_db,
+                "rows": [asdict(r) for r in self.rows], "worst": [r.node for r in self.worst()],
+                "unmatched": list(self.unmatched)}
+
+    def to_markdown(self, worst: int = 3) -> str:
+        """A table in graph order; the ``worst`` lowest-SQNR rows are marked."""
+        marked = {r.node for r in self.worst(worst)}
+        lines = ["| # | node | module | op | SQNR (dB) |", "|---:|---|---|---|---:|"]
+        for r in self.rows:
+            flag = " **worst**" if r.node in marked else ""
+            lines.append(f"| {r.order} | {r.node} | {r.module or '(top)'} | {r.op} | {r.sqnr_db:.1f}{flag} |")
+        lines.append(f"\nmodel output SQNR: {self.output_sqnr_db:.1f} dB over {self.n_samples} sample(s)")
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path, worst: int = 3) -> Path:
+        """Write a PNG bar chart of SQNR per layer (graph order), the worst layers named."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        marked = {r.node for r in self.worst(worst)}
+        values = [r.sqnr_db if math.isfinite(r.sqnr_db) else 99.0 for r in self.rows]
+        colours = ["tab:red" if r.node in marked else "tab:blue" for r in self.rows]
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(self.rows) + 2), 3.6))
+        ax.bar(range(len(values)), values, color=colours)
+        for i, r in enumerate(self.rows):
+            if r.node in marked:
+                ax.annotate(r.module or r.node, (i, values[i]), rotation=60, fontsize=7,
+                            textcoords="offset points", xytext=(0, 3))
+        ax.axhline(self.output_sqnr_db, color="grey", linestyle="--", linewidth=1, label="model output")
+        ax.set_xlabel("quantized layer output (graph order)")
+        ax.set_ylabel("SQNR vs float (dB)")
+        ax.set_title(f"Per-layer SQNR, {self.n_samples} samples (worst in red)")
+        ax.legend(loc="lower left", fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+class _Recorder(Interpreter):
+    """Runs a graph and keeps the values of the nodes named in ``keep``."""
+
+    def __init__(self, gm: GraphModule, keep: set[str]):
+        super().__init__(gm)
+        self.keep, self.values = keep, {}
+
+    def run_node(self, n: Node):
+        out = super().run_node(n)
+        if n.name in self.keep:
+            self.values[n.name] = out.detach().double() if isinstance(out, torch.Tensor) else out
+        return out
+
+
+def _quantized_outputs(gm: GraphModule) -> list[tuple[Node, Node]]:
+    """(producer, dequantize-after-its-quantize) for every quantized non-input tensor, graph order."""
+    pairs = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _QUANTIZE:
+            continue
+        producer = node.args[0]
+        if not isinstance(producer, Node) or producer.op == "placeholder":
+            continue
+        dq = next((u for u in node.users if u.op == "call_function" and u.target in _DEQUANTIZE), None)
+        if dq is not None:
+            pairs.append((producer, dq))
+    return pairs
+
+
+def _float_equivalent(node: Node) -> Node:
+    """The float-graph node holding what pt2e's folded graph computes at ``node`` (after its BN)."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op == "call_function" and (user.target in BATCH_NORM_OPS or user.target is operator.getitem):
+            node = user
+        else:
+            break
+    return node
+
+
+def skip_name(node: Node) -> str:
+    """The module name that ``skip_activations`` needs to keep this output in float.
+
+    A ReLU fused into a conv/linear or an add belongs to that op's annotation, so the name is the
+    producing op's module.
+    """
+    if node.target in FUSABLE_ACTIVATIONS and isinstance(node.args[0], Node):
+        head = node.args[0]
+        if head.op == "call_function" and (head.target in WEIGHTED_OPS or "add" in str(head.target)):
+            return module_path(head)
+    return module_path(node)
+
+
+def _as_batches(inputs: torch.Tensor | Iterable) -> list[torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    batches = [b[0] if isinstance(b, (tuple, list)) else b for b in inputs]
+    if not batches or not all(isinstance(b, torch.Tensor) for b in batches):
+        raise TypeError("inputs must be a tensor or an iterable of tensors / (x, y) tuples at the captured batch size")
+    return batches
+
+
+def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
+                inputs: torch.Tensor | Iterable) -> LayerErrorReport:
+    """SQNR of every quantized layer output of a pt2e model against its float model, same inputs.
+
+    ``inputs``: a tensor or batches at the batch size the quantized model was captured with.
+    """
+    from quantship.quantize.pt2e import capture
+
+    if not isinstance(quantized_model, GraphModule) or not _quantized_outputs(quantized_model):
+        raise ValueError(
+            f"quantized_model ({type(quantized_model).__name__}) has no quantize/dequantize pair: "
+            "pass the result of Quantizer(backend='pt2e').quantize(...)"
+        )
+    batches = _as_batches(inputs)
+    float_graph = capture(copy.deepcopy(float_model).eval(), batches[0])
+    by_name = {n.name: n for n in float_graph.graph.nodes}
+    pairs, unmatched = [], []
+    for producer, dq in _quantized_outputs(quantized_model):
+        if producer.name in by_name:
+            pairs.append((producer, dq, _float_equivalent(by_name[producer.name])))
+        else:
+            unmatched.append(producer.name)
+    if not pairs:
+        raise ValueError("no quantized tensor of quantized_model matches a node of float_model: "
+                         "pass the float model that was quantized, unmodified")
+    signal = [0.0] * len(pairs)
+    noise = [0.0] * len(pairs)
+    out_signal = out_noise = 0.0
+    n_samples = 0
+    with torch.no_grad():
+        for x in batches:
+            qrec = _Recorder(quantized_model, {dq.name for _, dq, _ in pairs})
+            frec = _Recorder(float_graph, {f.name for _, _, f in pairs})
+            q_out, f_out = qrec.run(x), frec.run(x)
+            for i, (_, dq, f) in enumerate(pairs):
+                ref, got = frec.values[f.name], qrec.values[dq.name]
+                signal[i] += float((ref * ref).sum())
+                noise[i] += float(((ref - got) ** 2).sum())
+            ref_out, got_out = _first_tensor(f_out).double(), _first_tensor(q_out).double()
+            out_signal += float((ref_out * ref_out).sum())
+            out_noise += float(((ref_out - got_out) ** 2).sum())
+            n_samples += x.shape[0]
+    rows = [
+        LayerError(order=i, node=p.name, module=skip_name(p), op=str(getattr(p.target, "__name__", p.target)),
+                   sqnr_db=sqnr_db(signal[i], noise[i]))
+        for i, (p, _, _) in enumerate(pairs)
+    ]
+    return LayerErrorReport(rows, sqnr_db(out_signal, out_noise), n_samples, unmatched)
+
+
+def _first_tensor(out) -> torch.Tensor:
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.detach()
+
+
+def suggest_skip(report: LayerErrorReport, k: int = 1) -> list[str]:
+    """Module names for ``skip_activations`` covering the ``k`` worst layers (top-level ops skipped)."""
+    if k < 1:
+        raise ValueError(f"k={k!r}: ask for at least one layer (k >= 1)")
+    names: list[str] = []
+    for row in sorted(report.rows, key=lambda r: r.sqnr_db):
+        if row.module and row.module not in names:
+            names.append(row.module)
+        if len(names) == k:
+            break
+    return names
+
+
+@dataclass(frozen=True)
+class SkipEffect:
+    """What keeping ``names`` in float buys: model-output SQNR and accuracy, before and after."""
+
+    names: tuple[str, ...]
+    sqnr_before_db: float
+    sqnr_after_db: float
+    correct_before: int | None
+    correct_after: int | None
+    n: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_skip(model: torch.nn.Module, calib: Sequence, eval_inputs: Sequence, names: Sequence[str],
+                 **quantizer_kwargs) -> SkipEffect:
+    """Quantize ``model`` with and without ``skip_activations=names`` and measure both on ``eval_inputs``.
+
+    ``eval_inputs``: tensors, or ``(x, y)`` tuples (then accuracy is counted too), at the
+    calibration batch size.
+    """
+    from quantship.quantize.quantizer import Quantizer
+
+    if not names:
+        raise ValueError("names is empty: pass module names to keep in float, e.g. suggest_skip(report, k)")
+    base = Quantizer(backend="pt2e", **quantizer_kwargs).quantize(model, calib)
+    skip = Quantizer(backend="pt2e", skip_activations=list(names), **quantizer_kwargs).quantize(model, calib)
+    labelled = all(isinstance(b, (tuple, list)) for b in eval_inputs)
+    model = model.eval()
+    energy = {"ref": 0.0, "base": 0.0, "skip": 0.0}
+    correct = {"base": 0, "skip": 0}
+    n = 0
+    with torch.no_grad():
+        for batch in eval_inputs:
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+            ref = model(x).double()
+            energy["ref"] += float((ref * ref).sum())
+            for key, qm in (("base", base), ("skip", skip)):
+                out = qm(x).double()
+                energy[key] += float(((out - ref) ** 2).sum())
+                if labelled:
+                    correct[key] += int((out.argmax(-1) == batch[1]).sum())
+            n += x.shape[0]
+    return SkipEffect(
+        names=tuple(names), sqnr_before_db=sqnr_db(energy["ref"], energy["base"]),
+        sqnr_after_db=sqnr_db(energy["ref"], energy["skip"]),
+        correct_before=correct["base"] if labelled else None,
+        correct_after=correct["skip"] if labelled else None, n=n,
+    )
