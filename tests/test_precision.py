@@ -130,6 +130,8 @@ REFUSALS = [
     (dict(backend="x86", act_observer="minmax"), r"act_observer='minmax'.*default observers.*'pt2e'"),
     (dict(backend="pt2e", weight_bits=8, act_bits=16), r"backend='pt2e' cannot run W8A16.*'torchao'"),
     (dict(backend="qnnpack", weight_bits=4, act_bits=16), r"backend='qnnpack' cannot run W4A16.*'torchao'"),
+    (dict(backend="x86", reduce_range=True), r"backend='x86'.*reduce_range=True.*'pt2e'"),
+    (dict(backend="torchao", method="int4_weight_only", reduce_range=True), r"reduce_range=True.*'pt2e' at W8A8"),
 ]
 
 
@@ -147,6 +149,7 @@ def test_refusals(kwargs, pattern):
         (dict(act_bits=8.0), r"act_bits=8.0 must be an int"),
         (dict(symmetric="yes"), r"symmetric='yes' must be True or False"),
         (dict(skip_activations="layer4"), r"must be a list of module names"),
+        (dict(reduce_range=1), r"reduce_range=1 must be True or False"),
     ],
 )
 def test_type_refusals(kwargs, pattern):

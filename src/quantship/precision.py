@@ -35,6 +35,7 @@ class Cell:
     layer_bits: bool  # accepts a per-layer ``weight_bits`` dict
     exports: bool  # ``export_qdq`` can write it
     act_observers: tuple[str | None, ...] = (None,)  # first is the default
+    reduce_range: tuple[bool, ...] = (False,)  # 7-bit weights ([-63, 63]) allowed; first is the default
     default_group_size: int | None = None
     note: str = ""
 
@@ -57,9 +58,9 @@ def _fx_rows(backend: str, qschemes: tuple[str, ...]) -> list[Cell]:
 # The support matrix: the one table every validation, refusal and printout reads.
 SUPPORT_MATRIX: tuple[Cell, ...] = (
     Cell("pt2e", "static", 8, 8, ("per_channel", "per_tensor"), (True, False), False, True,
-         ACT_OBSERVERS, note=_PT2E_NOTE),
+         ACT_OBSERVERS, (False, True), note=_PT2E_NOTE),
     Cell("pt2e", "qat", 8, 8, ("per_channel", "per_tensor"), (True, False), False, True,
-         ("minmax",), note="pt2e quantization-aware training (QuantizeCallback)"),
+         ("minmax",), (False, True), note="pt2e quantization-aware training (QuantizeCallback)"),
     *_fx_rows("x86", ("per_channel", "per_tensor")),
     *_fx_rows("fbgemm", ("per_channel", "per_tensor")),
     *_fx_rows("onednn", ("per_channel", "per_tensor")),
@@ -126,6 +127,7 @@ class QuantSpec:
     skip_activations: tuple[str, ...] | None = None
     engine: str | None = None
     act_observer: str | None = None
+    reduce_range: bool = False  # weights use 7 bits, [-63, 63] (no u8s8 saturation on x86 without VNNI)
 
     @property
     def label(self) -> str:
@@ -227,6 +229,7 @@ def resolve_spec(
     qdq_placement: str | None = None,
     skip_activations: Iterable[str] | None = None,
     act_observer: str | None = None,
+    reduce_range: bool | None = None,
 ) -> QuantSpec:
     """Validate a request against the support matrix and return the resolved ``QuantSpec``.
 
@@ -337,22 +340,34 @@ def resolve_spec(
             f"{_can(_backends_where(lambda c: act_observer in c.act_observers))}"
         )
 
+    if reduce_range is None:
+        reduce_range = cell.reduce_range[0]
+    elif not isinstance(reduce_range, bool):
+        raise TypeError(f"reduce_range={reduce_range!r} must be True or False")
+    elif reduce_range not in cell.reduce_range:
+        raise ValueError(
+            f"{where} cannot honour reduce_range={reduce_range} (7-bit weights). "
+            f"{_can_at(cell, lambda c: reduce_range in c.reduce_range)}"
+        )
+
     engine = backend if backend in FX_BACKENDS else None
     return QuantSpec(
         backend=backend, method=cell.method, weight_bits=cell.weight_bits, act_bits=cell.act_bits,
         qscheme=qscheme, symmetric=symmetric, group_size=group_size, layer_bits=layer_bits,
         qdq_placement=qdq_placement, skip_activations=skip, engine=engine, act_observer=act_observer,
+        reduce_range=reduce_range,
     )
 
 
 def precision_table() -> str:
     """The support matrix as a Markdown table (the one printed in the docs)."""
-    head = "| backend | method | label | qscheme (first = default) | symmetric | per-layer weight_bits | exports | notes |"
-    rule = "|---|---|---|---|---|---|---|---|"
+    head = ("| backend | method | label | qscheme (first = default) | symmetric | per-layer weight_bits | "
+            "reduce_range | exports | notes |")
+    rule = "|---|---|---|---|---|---|---|---|---|"
     rows = [
         f"| `{c.backend}` | {c.method} | {c.label} | {', '.join(c.qschemes)} | "
         f"{', '.join(str(s) for s in c.symmetric)} | {'yes' if c.layer_bits else 'no'} | "
-        f"{'yes' if c.exports else 'no'} | {c.note} |"
+        f"{'optional' if True in c.reduce_range else 'no'} | {'yes' if c.exports else 'no'} | {c.note} |"
         for c in SUPPORT_MATRIX
     ]
     return "\n".join([head, rule, *rows])
@@ -391,11 +406,12 @@ class Preset:
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("onnxruntime-cpu", {"backend": "pt2e", "symmetric": False}, "uint8", "onnxruntime",
-           "uint8 affine activations let ONNX Runtime fuse every Conv/Gemm/Add into integer kernels"),
+    Preset("onnxruntime-cpu", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8", "onnxruntime",
+           "uint8 affine activations let ONNX Runtime fuse every Conv/Gemm/Add into integer kernels; "
+           "7-bit weights keep its u8s8 kernels from saturating on x86 CPUs without VNNI"),
     Preset("tensorrt", {"backend": "pt2e", "symmetric": True}, "int8", "tensorrt",
            "TensorRT accepts only int8 with zero-point 0"),
-    Preset("openvino", {"backend": "pt2e", "symmetric": False}, "uint8", "openvino",
+    Preset("openvino", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8", "openvino",
            "uint8 activation files compile on CPU without a precision hint"),
     Preset("tigris", {"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"}, "int8", "tigris",
            "per-tensor int8 activations, fully quantized: one dtype for the whole plan"),

@@ -146,3 +146,12 @@ def test_verbose_reports(residual_net, capsys):
     out = capsys.readouterr().out
     assert "capturing the model with torch.export at batch size 4" in out
     assert "calibrating on 4 sample(s)" in out
+
+
+def test_reduce_range_keeps_weights_within_63(residual_net):
+    q = Quantizer(reduce_range=True).quantize(residual_net, [torch.randn(4, 1, 8, 8)])
+    for node in q.graph.nodes:
+        if node.op == "call_function" and node.target == qd.dequantize_per_channel.default:
+            w = getattr(q, node.args[0].target)
+            assert w.abs().max() <= 63 and node.args[4:6] == (-63, 63)
+    assert quant_spec(q).reduce_range is True

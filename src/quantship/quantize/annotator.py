@@ -41,6 +41,8 @@ from torchao.quantization.pt2e.quantizer import (
 from quantship.precision import QuantSpec
 
 aten = torch.ops.aten
+WEIGHT_BOUND = 127  # int8 weights in [-127, 127]: symmetric, zero-point 0
+WEIGHT_BOUND_REDUCED = 63  # reduce_range: u8 x s8 pairs stay below 2**15 (no vpmaddubsw saturation)
 
 # -- operator tables (the one place that says which aten op belongs to which role) -------------
 WEIGHTED_OPS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.linear.default}
@@ -137,7 +139,8 @@ class QuantshipQuantizer(Quantizer):
             observer = MovingAverageMinMaxObserver if self.is_qat else MinMaxObserver
             qscheme, axis = torch.per_tensor_symmetric, None
         ctr = FusedMovingAvgObsFakeQuantize.with_args(observer=observer) if self.is_qat else observer
-        return QuantizationSpec(dtype=torch.int8, quant_min=-127, quant_max=127, qscheme=qscheme,
+        bound = WEIGHT_BOUND_REDUCED if self.spec.reduce_range else WEIGHT_BOUND
+        return QuantizationSpec(dtype=torch.int8, quant_min=-bound, quant_max=bound, qscheme=qscheme,
                                 ch_axis=axis, observer_or_fake_quant_ctr=ctr)
 
     # -- annotation ------------------------------------------------------------------------

@@ -48,12 +48,13 @@ class Quantizer:
         qdq_placement: str | None = None,
         skip_activations: Iterable[str] | None = None,
         act_observer: str | None = None,
+        reduce_range: bool | None = None,
         verbose: bool = False,
     ):
         self.spec: QuantSpec = resolve_spec(
             backend, method, weight_bits=weight_bits, act_bits=act_bits, qscheme=qscheme,
             symmetric=symmetric, group_size=group_size, qdq_placement=qdq_placement,
-            skip_activations=skip_activations, act_observer=act_observer,
+            skip_activations=skip_activations, act_observer=act_observer, reduce_range=reduce_range,
         )
         self.verbose = verbose
         self.target: str | None = None

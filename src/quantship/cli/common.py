@@ -1,0 +1,83 @@
+"""What the report-printing subcommands share: calibration options, quiet/JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calib", required=True, metavar="DATA",
+                        help=".npy/.npz array (N x C x H x W) or a folder of images")
+    parser.add_argument("--key", help="array name inside a .npz file")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="calibration and capture batch size (the file runs at this batch size)")
+    parser.add_argument("--max-samples", type=int, default=100, help="calibration samples used at most")
+    parser.add_argument("--resize", type=int, default=256, help="image folders: shorter side resized to this")
+    parser.add_argument("--crop", type=int, default=224, help="image folders: centre crop size")
+    parser.add_argument("--mean", type=float, nargs=3, default=None, help="image folders: normalisation mean")
+    parser.add_argument("--std", type=float, nargs=3, default=None, help="image folders: normalisation std")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one machine-readable JSON report")
+    parser.add_argument("--quiet", action="store_true", help="print only the final report")
+
+
+def read_calibration(args: argparse.Namespace):
+    from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, read_calibration
+
+    prep = Preprocessing(resize=args.resize, crop=args.crop, mean=tuple(args.mean or IMAGENET_MEAN),
+                         std=tuple(args.std or IMAGENET_STD))
+    return read_calibration(args.calib, key=args.key, prep=prep, batch_size=args.batch_size,
+                            max_samples=args.max_samples)
+
+
+def file_size(path: Path) -> int:
+    """Bytes of an ONNX file plus the external-data files it references (not stray neighbours)."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in model.graph.initializer if uses_external_data(tensor)
+        for entry in tensor.external_data if entry.key == "location"
+    }
+    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in locations)
+
+
+def verdict_line(report) -> str:
+    if report.ok:
+        return "accepted"
+    return "REFUSED: " + "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
+
+
+class Output:
+    """Progress lines unless --quiet/--json; the final report as a table or as JSON."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.json = bool(getattr(args, "json", False))
+        self.quiet = bool(getattr(args, "quiet", False)) or self.json
+        self.verbose = not self.quiet
+
+    def say(self, message: str) -> None:
+        if not self.quiet:
+            print(message, flush=True)
+
+    def report(self, data: dict[str, Any], rows: list[tuple[str, str]], title: str = "quantship") -> None:
+        if self.json:
+            print(json.dumps(data, indent=2, default=str))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in rows:
+            table.add_row(key, value)
+        Console().print(table)

@@ -1,0 +1,70 @@
+"""``quantship quantize``: a PyTorch model to a checked QDQ ONNX file for a deployment target."""
+
+from __future__ import annotations
+
+import argparse
+
+from quantship.cli import common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory")
+    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL")
+    parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
+    parser.add_argument("--target", default="onnxruntime-cpu",
+                        help="deployment preset: onnxruntime-cpu (default), tensorrt, openvino, tigris")
+    parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
+    parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
+    common.add_calibration_arguments(parser)
+    common.add_output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+
+    from quantship import Quantizer, quant_spec
+    from quantship.cli.main import UsageError
+    from quantship.cli.sources import load_model
+    from quantship.export import export_qdq
+    from quantship.inspect.check import check_file
+    from quantship.inspect.stats import qdq_stats
+    from quantship.inspect.verify import compare_logits
+    from quantship.precision import preset
+
+    ui = common.Output(args)
+    target = preset(args.target)  # unknown target -> ValueError -> exit 2
+    if args.backend != "pt2e":
+        raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "
+                         "models stay in PyTorch (use the Python API for them)")
+    if args.opset not in (17, 18):
+        raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
+    model = load_model(args.model, args.weights)
+    batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
+    ui.say(f"calibration: {len(batches)} batch(es) of {batches[0].shape[0]} from {args.calib}")
+    overrides = {"qscheme": args.qscheme} if args.qscheme else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
+        qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples)
+        path = export_qdq(qmodel, batches[0], args.out, target=target.target, opset_version=args.opset)
+        error = compare_logits(qmodel, path, batches[0])
+    stats = qdq_stats(path)
+    verdict = check_file(path, target.check_target)
+    result = {
+        "version": 1, "model": args.model, "target": target.target, "path": str(path),
+        "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
+        "size_bytes": common.file_size(path), "qdq_stats": stats.as_dict(),
+        "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
+    }
+    ui.report(result, [
+        ("file", f"{path} ({common.file_size(path) / 1e6:.2f} MB)"),
+        ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
+        ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
+                         f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
+        ("ORT vs torch INT8", str(error)),
+        (f"check {target.check_target}", common.verdict_line(verdict)),
+    ])
+    return 0 if verdict.ok else 1
