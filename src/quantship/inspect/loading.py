@@ -65,8 +65,9 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
     check_external_data(model, path.parent, path)
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read its external data ({exc})") from None
+    except Exception as exc:  # onnx raises OSError, ValueError or its own ValidationError here
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: cannot read its external data ({first})") from None
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as exc:
