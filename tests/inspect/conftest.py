@@ -88,7 +88,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
 def ort_files(tmp_path_factory) -> dict[str, Path]:
     """ONNX Runtime quantizer outputs from SmallNet: QDQ uint8, QOperator, dynamic, Conv-only."""
     from onnxruntime.quantization import (
-        CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static,
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
