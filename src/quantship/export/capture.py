@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,15 +41,20 @@ def dynamo_export(
     import torch
 
     inputs = as_inputs(sample)
+    if hasattr(model, "eval"):
+        model.eval()  # export what inference runs (a pt2e graph accepts .eval() as a supported switch)
     dynamic_shapes = None
     if dynamic_batch:
         dynamic_shapes = tuple({0: torch.export.Dim.DYNAMIC} for _ in inputs)
-    program = torch.onnx.export(
-        model, inputs, None, dynamo=True, opset_version=opset_version, verbose=False,
-        dynamic_shapes=dynamic_shapes,
-        input_names=list(input_names) if input_names else None,
-        output_names=list(output_names) if output_names else None,
-    )
+    with warnings.catch_warnings():
+        # a pt2e graph has no train/eval modules: its `training` flag is not what inference runs
+        warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
+        program = torch.onnx.export(
+            model, inputs, None, dynamo=True, opset_version=opset_version, verbose=False,
+            dynamic_shapes=dynamic_shapes,
+            input_names=list(input_names) if input_names else None,
+            output_names=list(output_names) if output_names else None,
+        )
     if program is None:
         raise RuntimeError("torch.onnx.export returned no ONNX program")
     return program.model_proto

@@ -99,17 +99,22 @@ def _check_opset(opset_version: int) -> None:
 def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
             input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> onnx.ModelProto:
     """The graph as the dynamo exporter produces it (opset 18, or the higher opset asked for)."""
-    proto = capture.dynamo_export(
-        model, sample, opset_version=max(opset_version, capture.EXPORTER_OPSET), dynamic_batch=dynamic_batch,
-        input_names=input_names, output_names=output_names,
-    )
-    if dynamic_batch and not capture.batch_dim_is_dynamic(proto):
-        batch = capture.as_inputs(sample)[0].shape[0]
-        raise ExportRefused(
-            f"dynamic_batch=True: the exporter kept the batch dimension fixed at {batch}, because the pt2e "
-            "graph was captured by torch.export at that batch size and its shapes are baked in. Export with "
-            f"dynamic_batch=False and run the file at batch {batch} (or quantize at the batch size you serve)."
+    batch = capture.as_inputs(sample)[0].shape[0]
+    fixed = (f"dynamic_batch=True: the batch dimension stays fixed at {batch}, because the pt2e graph was "
+             "captured by torch.export at that batch size and its shapes are baked in. Export with "
+             f"dynamic_batch=False and run the file at batch {batch} (or quantize at the batch size you serve).")
+    try:
+        proto = capture.dynamo_export(
+            model, sample, opset_version=max(opset_version, capture.EXPORTER_OPSET), dynamic_batch=dynamic_batch,
+            input_names=input_names, output_names=output_names,
         )
+    except Exception as exc:  # the exporter raises many types; name the step and keep the cause
+        if dynamic_batch:
+            raise ExportRefused(f"{fixed} (torch.export: {str(exc).strip().splitlines()[0][:300]})") from exc
+        raise ExportRefused(f"the dynamo ONNX exporter failed on {type(model).__name__}: "
+                            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
+    if dynamic_batch and not capture.batch_dim_is_dynamic(proto):
+        raise ExportRefused(fixed)
     return proto
 
 

@@ -1,0 +1,221 @@
+"""export_qdq on a small residual CNN (32x32): rewrites, refusals, atomicity, metadata."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import quantship.export.artifact as artifact
+import quantship.export.postconditions as postconditions
+import quantship.export.qdq as qdq
+from quantship import Quantizer, export_qdq, qdq_stats, quant_spec, quant_spec_of_file
+from quantship.examples.models import TinyResNet
+from quantship.inspect.verify import ort_session, run_session
+from quantship.precision import SPEC_ATTRIBUTE, resolve_spec, tag_model
+
+
+def _outputs(path, x: torch.Tensor) -> np.ndarray:
+    return run_session(ort_session(path), [x.numpy()])[0]
+
+
+def _only(tmp_path, *names):
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+def test_opset17_is_lowered_and_exact(tiny_pt2e, tiny_calib, tiny_qdq, tmp_path):
+    p18 = tiny_qdq
+    p17 = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m17.onnx", opset_version=17)
+    m17 = onnx.load(str(p17))
+    assert {o.domain: o.version for o in m17.opset_import}[""] == 17
+    onnx.checker.check_model(m17)
+    (mean,) = [n for n in m17.graph.node if n.op_type == "ReduceMean"]
+    assert list(mean.input) == [mean.input[0]] and [a.name for a in mean.attribute if a.name == "axes"] == ["axes"]
+    assert len(m17.graph.initializer) == len(onnx.load(str(p18)).graph.initializer) - 1  # the axes constant
+    assert _outputs(p17, tiny_calib[1]).tobytes() == _outputs(p18, tiny_calib[1]).tobytes()
+
+
+def test_affine_spec_as_uint8_is_exact(tiny_affine_pt2e, tiny_calib, tmp_path):
+    p8 = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "a8.onnx")
+    pu = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "au8.onnx", activation_dtype="uint8")
+    s8, su = qdq_stats(p8), qdq_stats(pu)
+    assert s8.n_nonzero_zero_point > 0 and s8.n_uint8 == 0
+    assert su.n_uint8 == s8.n_quantize + s8.n_dequantize - s8.n_per_channel
+    assert su.n_per_channel == s8.n_per_channel
+    for x in tiny_calib:
+        assert _outputs(pu, x).tobytes() == _outputs(p8, x).tobytes()
+
+
+def test_metadata_round_trips(tiny_pt2e, tiny_qdq):
+    assert quant_spec_of_file(tiny_qdq) == quant_spec(tiny_pt2e)
+    props = {p.key: p.value for p in onnx.load(str(tiny_qdq)).metadata_props}
+    assert props["quantship.activation_dtype"] == "int8" and "quantship.target" not in props
+
+
+def test_target_sets_activation_dtype_and_is_recorded(tiny_pt2e, tiny_calib, tmp_path, reuse_produced):
+    path = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "u.onnx", target="onnxruntime-cpu")
+    stats = qdq_stats(path)
+    assert stats.n_uint8 > 0 and stats.n_nonzero_zero_point == stats.n_uint8
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert props["quantship.target"] == "onnxruntime-cpu" and props["quantship.activation_dtype"] == "uint8"
+    assert quant_spec_of_file(path) == quant_spec(tiny_pt2e)
+    with pytest.raises(ValueError, match="conflicts with target='tensorrt'"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "c.onnx", target="tensorrt", activation_dtype="uint8")
+    _only(tmp_path, "u.onnx")
+
+
+def test_skip_conv_add_leaves_bare_edges(tiny_calib, tmp_path):
+    torch.manual_seed(0)
+    model = Quantizer(backend="pt2e", qdq_placement="skip_conv_add").quantize(TinyResNet().eval(), tiny_calib)
+    stats = qdq_stats(export_qdq(model, tiny_calib[0], tmp_path / "skip.onnx"))
+    assert stats.n_unquantized_conv_add == 2  # TinyResNet has two residual additions
+    assert stats.n_nonzero_zero_point == 0
+
+
+def test_dynamic_batch_is_refused_for_a_pt2e_graph(tiny_pt2e, tiny_calib, tmp_path):
+    with pytest.raises(ValueError, match="batch dimension stays fixed at 8"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "d.onnx", dynamic_batch=True)
+    _only(tmp_path)
+
+
+@pytest.mark.parametrize("spec_kwargs, words", [
+    ({"backend": "torchao", "method": "int8_weight_only"}, ["W8A16", "'torchao'", "weight-only"]),
+    ({"backend": "torchao", "method": "int4_weight_only"}, ["W4A16", "INT4"]),
+    ({"backend": "torchao", "method": "int8_dynamic"}, ["W8A8", "run time"]),
+    ({"backend": "x86"}, ["W8A8", "'x86'", "FX"]),
+])
+def test_unexportable_specs_are_refused(spec_kwargs, words, tmp_path):
+    model = tag_model(torch.nn.Linear(4, 2), resolve_spec(**spec_kwargs))
+    with pytest.raises(ValueError) as info:
+        export_qdq(model, torch.randn(1, 4), tmp_path / "x.onnx")
+    for word in [*words, "Quantizer(backend='pt2e')"]:
+        assert word in str(info.value)
+    _only(tmp_path)
+
+
+def test_float_and_untagged_models_are_refused(tiny_pt2e, tiny_calib, tmp_path):
+    with pytest.raises(ValueError, match="export_onnx"):
+        export_qdq(TinyResNet().eval(), tiny_calib[0], tmp_path / "f.onnx")
+    untagged = copy.copy(tiny_pt2e)  # a GraphModule copy does not carry the tag along
+    if SPEC_ATTRIBUTE in vars(untagged):
+        object.__delattr__(untagged, SPEC_ATTRIBUTE)
+    assert quant_spec(untagged) is None and quant_spec(tiny_pt2e) is not None
+    with pytest.raises(ValueError, match="no quantship spec"):
+        export_qdq(untagged, tiny_calib[0], tmp_path / "u.onnx")
+    _only(tmp_path)
+
+
+def test_injected_failure_keeps_nothing_and_spares_an_existing_file(tiny_pt2e, tiny_calib, tmp_path, monkeypatch,
+                                                                    reuse_produced):
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"an older artifact")
+
+    def broken(model, ctx):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES[:2], broken, *qdq.PASSES[2:]))
+    with pytest.raises(RuntimeError, match="injected"):
+        export_qdq(tiny_pt2e, tiny_calib[0], target)
+    assert target.read_bytes() == b"an older artifact"
+    _only(tmp_path, "m.onnx")
+
+
+def test_external_data_is_written_atomically(tiny_pt2e, tiny_calib, tmp_path, monkeypatch, reuse_produced):
+    monkeypatch.setattr(artifact, "EXTERNAL_DATA_THRESHOLD", 0)
+    path = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "ext.onnx")
+    _only(tmp_path, "ext.onnx", "ext.onnx.data")
+    assert _outputs(path, tiny_calib[0]).shape == (8, 10)
+
+    def failing_post_condition(*args, **kwargs):
+        raise postconditions.ExportRefused("injected post-condition failure")
+
+    monkeypatch.setattr(qdq, "check_file", failing_post_condition)
+    with pytest.raises(ValueError, match="injected"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "gone.onnx")
+    _only(tmp_path, "ext.onnx", "ext.onnx.data")
+
+
+def test_post_condition_refuses_a_file_that_contradicts_the_spec(tiny_pt2e, tiny_calib, tmp_path, monkeypatch,
+                                                                 reuse_produced):
+    real = postconditions.qdq_stats
+
+    def with_a_nonzero_zero_point(path):
+        stats = real(path)
+        return type(stats)(**{**stats.as_dict(), "n_nonzero_zero_point": 1})
+
+    monkeypatch.setattr(postconditions, "qdq_stats", with_a_nonzero_zero_point)
+    with pytest.raises(ValueError, match="non-zero zero-point"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "p.onnx")
+    _only(tmp_path)
+
+
+def _runtime_axes_model() -> onnx.ModelProto:
+    """ReduceMean whose axes are computed while the graph runs: Shape(Shape(x)) - 1 == [3]."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Shape", ["shape"], ["rank"]),
+        helper.make_node("Sub", ["rank", "one"], ["axes"]),
+        helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1, name="runtime_mean"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 1, 32, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor("one", TensorProto.INT64, [1], [1])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_runtime_reduce_axes_are_refused_by_name(tiny_pt2e, tiny_calib, tmp_path, monkeypatch):
+    monkeypatch.setattr(qdq, "produce", lambda *a, **k: _runtime_axes_model())
+    with pytest.raises(ValueError, match="ReduceMean 'runtime_mean' reads its axes from 'axes'"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "r.onnx", opset_version=17)
+    _only(tmp_path)
+
+
+def test_an_op_needing_opset18_is_refused_by_name():
+    import onnx_ir as ir
+
+    from quantship.export.opset import OpsetRefused, lower_opset
+
+    graph = helper.make_graph(
+        [helper.make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2, name="halves")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "ab"],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    with pytest.raises(OpsetRefused, match="Split 'halves' needs opset 18"):
+        lower_opset(model, 17)
+
+
+def test_kernel_shape_is_restored_from_the_weight(tiny_qdq):
+    import onnx_ir as ir
+
+    from quantship.export.kernel_shape import write_kernel_shapes
+
+    proto = onnx.load(str(tiny_qdq))
+    expected = {n.name: [a for a in n.attribute if a.name == "kernel_shape"][0].ints for n in proto.graph.node
+                if n.op_type == "Conv"}
+    for node in proto.graph.node:
+        if node.op_type == "Conv":
+            kept = [a for a in node.attribute if a.name != "kernel_shape"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    model = ir.from_proto(proto)
+    assert write_kernel_shapes(model) == len(expected) == 6
+    restored = {n.name: list(n.attributes["kernel_shape"].as_ints()) for n in model.graph if n.op_type == "Conv"}
+    assert restored == {k: list(v) for k, v in expected.items()}
+
+
+def test_unequal_or_bad_arguments_refused_before_work(tiny_pt2e, tiny_calib, tmp_path):
+    with pytest.raises(ValueError, match="activation_dtype='int4'"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "a.onnx", activation_dtype="int4")
+    with pytest.raises(ValueError, match="opset_version=16"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "b.onnx", opset_version=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _only(tmp_path)
