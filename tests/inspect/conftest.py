@@ -34,7 +34,8 @@ class SmallNet(nn.Module):
 def export_pt2e(model: nn.Module, calib: list[torch.Tensor], path: Path) -> Path:
     from quantship import Quantizer
 
-    quantized = Quantizer(backend="pt2e").quantize(model, calib).eval()
+    quantized = Quantizer(backend="pt2e").quantize(model, calib)
+    quantized.eval()  # pt2e's GraphModule accepts eval() (returning None) and exports in eval mode
     torch.onnx.export(quantized, (calib[0],), str(path), dynamo=True, opset_version=18, verbose=False)
     return path
 
