@@ -1,0 +1,70 @@
+"""Running the consumers: TiGrIS plan and OpenVINO against ONNX Runtime, in output LSB.
+
+Reference: ONNX Runtime running the QDQ graph literally (ORT_DISABLE_ALL), 20 seeded inputs, on
+the reference task's trained TinyResNet (pt2e INT8, 1x1x32x32). Measured on this machine:
+  TiGrIS host runtime: max 1.0 LSB, mean 0.16 LSB.
+  OpenVINO (CPU, f32 precision hint): max 34 LSB, mean 10.2 LSB; ONNX Runtime's own optimized
+  session lands at max 30 LSB on the same file (its fused QLinearConv diverges first, at the Conv
+  that feeds the first residual Add), while the literal graph stays within 2.75 LSB of the float
+  model on held-out digits. The 2-LSB OpenVINO target is therefore not met: see the xfail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from quantship.inspect.check import check_file
+from quantship.inspect.consumers import run_consumer, tigris_executable
+
+N_INPUTS = 20
+
+
+@pytest.mark.slow
+def test_tigris_plan_runs_within_4_lsb(digits_files):
+    if tigris_executable() is None:
+        pytest.skip("tigris CLI not installed")
+    report = check_file(digits_files["int8"], "tigris", run=True, n_inputs=N_INPUTS)
+    (result,) = report.runs
+    assert result.ran and result.n_inputs == N_INPUTS, result
+    assert result.max_lsb is not None and result.max_lsb <= 4.0, result
+    assert report.ok
+
+
+@pytest.mark.slow
+def test_openvino_compiles_and_runs(digits_files):
+    if importlib.util.find_spec("openvino") is None:
+        pytest.skip("openvino not installed")
+    result = run_consumer(digits_files["int8"], "openvino", n_inputs=N_INPUTS)
+    assert result.ran and result.max_lsb is not None, result
+    assert result.ok == (result.max_lsb <= 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: OpenVINO (like ORT's optimized session) diverges from the "
+                   "literal QDQ graph by ~34 LSB on int8 symmetric activations on this CPU")
+def test_openvino_within_2_lsb(digits_files):
+    if importlib.util.find_spec("openvino") is None:
+        pytest.skip("openvino not installed")
+    result = run_consumer(digits_files["int8"], "openvino", n_inputs=N_INPUTS)
+    assert result.max_lsb <= 2.0, result
+
+
+def test_tensorrt_is_not_run_here(ort_files):
+    result = run_consumer(ort_files["uint8"], "tensorrt")
+    assert not result.ran and "statically" in result.detail
+
+
+def test_onnxruntime_runs_qoperator_file(ort_files):
+    result = run_consumer(ort_files["qoperator"], "onnxruntime", n_inputs=3)
+    assert result.ran and result.ok
+
+
+def test_tigris_refuses_qoperator_file_when_run(ort_files):
+    if tigris_executable() is None:
+        pytest.skip("tigris CLI not installed")
+    report = check_file(ort_files["qoperator"], "tigris", run=True, n_inputs=2)
+    (result,) = report.runs
+    assert result.ran and not result.ok and "tigris compile" in result.detail
+    assert not report.ok
