@@ -90,3 +90,12 @@ def test_uint8_at_opset17(resnet18_pt2e, resnet18_sample, resnet18_qdq, tmp_path
     # exact: the same bytes as the opset-18 int8 file
     assert _run(path, resnet18_sample)[0].tobytes() == _run(resnet18_qdq, resnet18_sample)[0].tobytes()
     assert output_scales(path) == output_scales(resnet18_qdq)
+
+
+def test_untrained_resnet18_agreement_is_flagged_vacuous(resnet18_pt2e, resnet18_qdq, resnet18_sample):
+    from quantship import verify_qdq
+
+    # untrained (BatchNorm at init): every input gets the same class, so agreement proves nothing
+    with pytest.warns(UserWarning, match="vacuous"):
+        agreement = verify_qdq(resnet18_pt2e, resnet18_qdq, resnet18_sample)
+    assert agreement == 1.0

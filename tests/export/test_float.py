@@ -1,0 +1,96 @@
+"""export_onnx, ONNXModel and verify_onnx: the float path, optionally quantized by ONNX Runtime."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from quantship import ONNXModel, export_onnx, verify_onnx
+from quantship.examples.models import TinyResNet
+
+
+@pytest.mark.slow
+def test_resnet18_float_file_verifies_and_runs_at_any_batch(resnet18, resnet18_sample, resnet18_fp32):
+    model = onnx.load(str(resnet18_fp32), load_external_data=False)
+    assert {o.domain: o.version for o in model.opset_import}[""] == 17
+    assert verify_onnx(resnet18, resnet18_fp32, resnet18_sample)
+    session = ONNXModel(resnet18_fp32)
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(batch))
+        out = session(x)
+        assert out.shape == (batch, 1000)
+        with torch.no_grad():
+            assert torch.allclose(out, resnet18(x), rtol=1e-3, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def resnet18_64():
+    from torchvision.models import resnet18 as build
+
+    torch.manual_seed(0)
+    return build(weights=None).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_resnet18_ort_quantized_files_run(resnet18_64, mode, tmp_path):
+    g = torch.Generator().manual_seed(4)
+    calib = [torch.randn(4, 3, 64, 64, generator=g) for _ in range(2)]
+    path = export_onnx(resnet18_64, calib[0], tmp_path / f"r_{mode}.onnx", quantize=True, quantize_mode=mode,
+                       calibration_data=calib if mode == "static" else None)
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    integer_ops = {"DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"} if mode == "dynamic" else {"QuantizeLinear"}
+    assert ops & integer_ops
+    out = ONNXModel(path)(torch.randn(2, 3, 64, 64))
+    assert out.shape == (2, 1000) and torch.isfinite(out).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"r_{mode}.onnx"]
+
+
+def test_pt2e_model_is_refused_with_a_pointer(tiny_pt2e, tiny_calib, tmp_path):
+    with pytest.raises(ValueError, match="export_qdq"):
+        export_onnx(tiny_pt2e, tiny_calib[0], tmp_path / "x.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+class TwoHeads(torch.nn.Module):
+    """Two inputs, two outputs: ONNXModel must pass both ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(5, 2)
+
+    def forward(self, x, y):
+        return self.a(x), self.b(y) + self.a(x).sum(-1, keepdim=True)
+
+
+def test_multiple_inputs_and_outputs(tmp_path):
+    torch.manual_seed(0)
+    model = TwoHeads().eval()
+    sample = (torch.randn(2, 4), torch.randn(2, 5))
+    path = export_onnx(model, sample, tmp_path / "two.onnx", input_names=["x", "y"], output_names=["p", "q"])
+    runner = ONNXModel(path)
+    assert runner.input_names == ["x", "y"] and runner.output_names == ["p", "q"]
+    p, q = runner(*sample)
+    assert p.shape == (2, 3) and q.shape == (2, 2)
+    assert verify_onnx(model, path, sample)
+    with pytest.raises(ValueError, match="takes 2 input"):
+        runner(sample[0])
+
+
+def test_verify_onnx_notices_a_different_model(tmp_path):
+    torch.manual_seed(0)
+    model, other = TinyResNet().eval(), TinyResNet().eval()
+    x = torch.randn(2, 1, 32, 32)
+    path = export_onnx(model, x, tmp_path / "t.onnx", dynamic_batch=False)
+    assert verify_onnx(model, path, x)
+    assert not verify_onnx(other, path, x)
+
+
+def test_static_quantization_needs_data(tmp_path):
+    with pytest.raises(ValueError, match="calibration_data"):
+        export_onnx(TinyResNet().eval(), torch.randn(1, 1, 32, 32), tmp_path / "s.onnx", quantize=True,
+                    quantize_mode="static")
+    with pytest.raises(ValueError, match="quantize_mode='bogus'"):
+        export_onnx(TinyResNet().eval(), torch.randn(1, 1, 32, 32), tmp_path / "s.onnx", quantize=True,
+                    quantize_mode="bogus")

@@ -1,0 +1,85 @@
+"""verify_qdq and compare_logits on the reference task: a trained model whose predictions vary."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from quantship import Quantizer, export_qdq
+from quantship.examples import digits
+from quantship.inspect.intervals import format_accuracy, wilson_interval
+from quantship.inspect.verify import compare_logits, ort_session, run_session, split_batches, verify_qdq
+
+BATCH = 40  # divides the 360 held-out inputs: the pt2e graph runs at one batch size
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The trained digits model, its pt2e quantization, and the exported QDQ file."""
+    split = digits.load_split()
+    model = digits.trained_model()
+    calib = [split.x_train[i:i + BATCH] for i in range(0, 4 * BATCH, BATCH)]
+    quantized = Quantizer(backend="pt2e").quantize(model, calib, max_calibration_samples=4 * BATCH)
+    path = export_qdq(quantized, split.x_test[:BATCH], tmp_path_factory.mktemp("digits") / "digits_qdq.onnx")
+    return split, model, quantized, path
+
+
+@pytest.mark.slow
+def test_agreement_on_the_held_out_split(task):
+    split, model, quantized, path = task
+    n_batches = len(split.y_test) // BATCH
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # predictions vary: no vacuity warning may fire
+        agreement = verify_qdq(quantized, path, split.x_test, n_batches=n_batches)
+    with torch.no_grad():
+        classes = torch.cat([quantized(b) for b in split_batches(split.x_test, n_batches)]).argmax(-1)
+    assert len(split.y_test) >= 300
+    assert classes.unique().numel() == 10  # the check is informative: every class is predicted
+    print(f"verify_qdq agreement on {len(split.y_test)} held-out digits: {agreement:.4f}")
+    assert agreement >= 0.99
+
+    # accuracy of the float model and of the INT8 file, each k/n with its Wilson interval
+    k_fp32, n = digits.evaluate(model, split.x_test, split.y_test)
+    session = ort_session(path)
+    preds = np.concatenate([run_session(session, [b.numpy()])[0].argmax(-1)
+                            for b in split_batches(split.x_test, n_batches)])
+    k_int8 = int((preds == split.y_test.numpy()).sum())
+    print("FP32 torch:", format_accuracy(k_fp32, n))
+    print("INT8 file (ORT):", format_accuracy(k_int8, n))
+    lo, _ = wilson_interval(k_int8, n)
+    assert lo >= 0.9  # a trained model: the file is accurate, not just agreeing on noise
+
+    error = compare_logits(quantized, path, split.x_test, n_batches=n_batches)
+    print("compare_logits:", error)
+    assert error.max_lsb <= 2.0 + 1e-4 and error.n_values == 3600
+
+
+def test_unequal_batches_are_refused(task):
+    split, _, quantized, path = task
+    with pytest.raises(ValueError, match="divisors of 360"):
+        verify_qdq(quantized, path, split.x_test, n_batches=7)
+    with pytest.raises(ValueError, match="exported at batch size 40"):
+        verify_qdq(quantized, path, split.x_test, n_batches=4)
+
+
+def test_constant_predictions_warn_that_the_check_is_vacuous(task):
+    split, _, _, path = task
+
+    class Constant(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.one_hot(torch.full((x.shape[0],), 3), 10).float()
+
+    with pytest.warns(UserWarning, match="vacuous"):
+        verify_qdq(Constant(), path, split.x_test[:2 * BATCH], n_batches=2)
+
+
+def test_compare_logits_needs_a_quantized_output(task, tmp_path):
+    from quantship import export_onnx
+
+    split, model, _, _ = task
+    float_path = export_onnx(model, split.x_test[:BATCH], tmp_path / "f.onnx", dynamic_batch=False)
+    with pytest.raises(ValueError, match="no quantization step"):
+        compare_logits(model, float_path, split.x_test[:BATCH])
