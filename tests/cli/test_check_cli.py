@@ -1,0 +1,98 @@
+"""quantship inspect / check on the command line: exit codes 0 / 1 / 2, JSON, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from quantship.cli.main import main
+from quantship.inspect.consumers import tigris_executable
+from tests.inspect.conftest import SmallNet, export_pt2e
+
+
+@pytest.fixture(scope="module")
+def small_files(tmp_path_factory):
+    """A pt2e INT8 SmallNet file and the same file with every Conv's kernel_shape removed."""
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randn(1, 3, 32, 32, generator=g) for _ in range(4)]
+    good = export_pt2e(SmallNet().eval(), calib, root / "small_int8.onnx")
+    model = onnx.load(str(good))
+    for node in model.graph.node:
+        if node.op_type == "Conv":
+            kept = [a for a in node.attribute if a.name != "kernel_shape"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    stripped = root / "small_no_kernel_shape.onnx"
+    onnx.save(model, str(stripped))
+    return {"good": good, "stripped": stripped}
+
+
+def test_check_exit_codes(small_files, capsys):
+    assert main(["check", str(small_files["good"]), "--target", "tigris"]) == 0
+    assert main(["check", str(small_files["stripped"]), "--target", "tensorrt"]) == 1
+    out = capsys.readouterr().out
+    assert "conv_kernel_shape" in out and "fix:" in out
+
+
+def test_check_json(small_files, capsys):
+    assert main(["check", str(small_files["stripped"]), "--target", "tensorrt", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["version"] == 1 and data["ok"] is False and data["findings"][0]["rule"] == "conv_kernel_shape"
+
+
+def test_check_run_tigris(small_files, capsys):
+    if tigris_executable() is None:
+        pytest.skip("tigris CLI not installed")
+    assert main(["check", str(small_files["good"]), "--target", "tigris", "--run", "--n", "5"]) == 0
+    assert "run TiGrIS: ok" in capsys.readouterr().out
+
+
+def test_inspect_human_and_json(small_files, capsys):
+    assert main(["inspect", str(small_files["good"])]) == 0
+    out = capsys.readouterr().out
+    assert "QDQ" in out and "naive peak" in out and "stored as int8" in out
+    assert main(["inspect", str(small_files["good"]), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["version"] == 1 and data["format"] == "QDQ"
+
+
+def _garbage(kind: str, small_files, tmp_path):
+    path = tmp_path / f"{kind}.onnx"
+    if kind == "not_onnx":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    elif kind == "truncated":
+        data = small_files["good"].read_bytes()
+        path.write_bytes(data[: len(data) * 2 // 3])
+        shutil.copy(small_files["good"].with_name(small_files["good"].name + ".data"), tmp_path)
+    elif kind == "missing_external_data":
+        shutil.copy(small_files["good"], path)
+    elif kind == "empty_graph":
+        onnx.save(helper.make_model(helper.make_graph([], "g", [], []),
+                                    opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["not_onnx", "truncated", "missing_external_data", "empty_graph"])
+@pytest.mark.parametrize("command", [["inspect"], ["check", "--target", "tigris"]])
+def test_garbage_is_one_line_exit_2(small_files, tmp_path, capsys, kind, command):
+    path = _garbage(kind, small_files, tmp_path)
+    assert main([command[0], str(path), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "error:" in err and "Traceback" not in err
+
+
+def test_garbage_through_a_subprocess(small_files, tmp_path):
+    path = _garbage("truncated", small_files, tmp_path)
+    done = subprocess.run([sys.executable, "-m", "quantship", "check", str(path), "--target", "tensorrt"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
