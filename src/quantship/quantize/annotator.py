@@ -229,6 +229,8 @@ class QuantshipQuantizer(Quantizer):
                 self.report.skipped_nodes.append(node.name)
                 continue
             if target in BINARY_OPS:
+                if not _is_float_tensor(node):
+                    continue  # e.g. BatchNorm's num_batches_tracked += 1 in a training capture
                 act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
                 inputs = {}
                 for arg in node.args[:2]:

@@ -46,7 +46,7 @@ def say_fx_is_deprecated() -> None:
             "quantship: the FX backends use torch.ao.quantization.quantize_fx, deprecated upstream "
             "(it still works on this torch); for an exportable INT8 file use backend='pt2e'",
             UserWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
 
 
