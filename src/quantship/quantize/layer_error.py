@@ -94,6 +94,7 @@ class LayerErrorReport:
             if r.node in marked:
                 ax.annotate(r.module or r.node, (i, values[i]), rotation=60, fontsize=7,
                             textcoords="offset points", xytext=(0, 3))
+        ax.margins(y=0.25)
         ax.axhline(self.output_sqnr_db, color="grey", linestyle="--", linewidth=1, label="model output")
         ax.set_xlabel("quantized layer output (graph order)")
         ax.set_ylabel("SQNR vs float (dB)")
