@@ -80,8 +80,10 @@ def test_dynamic_linear_lstm(backend):
     torch.manual_seed(0)
     model = SeqNet().eval()
     q = Quantizer(backend, "dynamic").quantize(model)
-    kinds = {type(m).__name__ for m in q.modules()}
-    assert {"DynamicQuantizedLSTM", "DynamicQuantizedLinear"} <= kinds
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    assert isinstance(q.lstm, nnqd.LSTM) and isinstance(q.fc, nnqd.Linear)
+    assert sorted(fx.quantized_modules(q)) == ["fc", "lstm"]
     assert quant_spec(q).method == "dynamic" and quant_spec(q).engine == backend
     x = torch.randn(3, 5, 8)
     with torch.no_grad():

@@ -138,10 +138,13 @@ def dynamic_qconfig_mapping(spec: QuantSpec) -> Any:
 
 def quantized_modules(model: nn.Module) -> list[str]:
     """Names of the quantized (static or dynamic) modules in a converted model."""
-    return [
-        name for name, m in model.named_modules()
-        if type(m).__module__.startswith(_QUANTIZED_NAMESPACES) and not list(m.children())
-    ]
+    names: list[str] = []
+    for name, m in model.named_modules():  # parents come first: keep the outermost only
+        if any(name.startswith(n + ".") for n in names):
+            continue  # packed-parameter children of a quantized module
+        if type(m).__module__.startswith(_QUANTIZED_NAMESPACES):
+            names.append(name)
+    return names
 
 
 def check_converted(model: nn.Module, spec: QuantSpec) -> list[str]:
