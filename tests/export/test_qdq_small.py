@@ -219,3 +219,27 @@ def test_unequal_or_bad_arguments_refused_before_work(tiny_pt2e, tiny_calib, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _only(tmp_path)
+
+
+def test_uint8_read_back_refuses_an_incomplete_rewrite(tiny_pt2e, tiny_calib, tmp_path, monkeypatch, reuse_produced):
+    monkeypatch.setattr(qdq, "to_uint8_activations", lambda model: 0)  # a rewrite that forgot its job
+    with pytest.raises(ValueError, match="still int8"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "u.onnx", activation_dtype="uint8")
+    _only(tmp_path)
+
+
+def test_uint8_refuses_an_integer_tensor_read_by_another_op():
+    import onnx_ir as ir
+
+    from quantship.export.activations import ActivationDtypeRefused, to_uint8_activations
+
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], name="q"),
+         helper.make_node("Identity", ["q"], ["y"], name="raw_reader")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT8, [2])],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]), helper.make_tensor("zp", TensorProto.INT8, [], [0])],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    with pytest.raises(ActivationDtypeRefused, match="Identity 'raw_reader'"):
+        to_uint8_activations(model)

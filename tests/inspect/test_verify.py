@@ -34,10 +34,7 @@ def test_agreement_on_the_held_out_split(task):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # predictions vary: no vacuity warning may fire
         agreement = verify_qdq(quantized, path, split.x_test, n_batches=n_batches)
-    with torch.no_grad():
-        classes = torch.cat([quantized(b) for b in split_batches(split.x_test, n_batches)]).argmax(-1)
     assert len(split.y_test) >= 300
-    assert classes.unique().numel() == 10  # the check is informative: every class is predicted
     print(f"verify_qdq agreement on {len(split.y_test)} held-out digits: {agreement:.4f}")
     assert agreement >= 0.99
 
@@ -47,6 +44,7 @@ def test_agreement_on_the_held_out_split(task):
     preds = np.concatenate([run_session(session, [b.numpy()])[0].argmax(-1)
                             for b in split_batches(split.x_test, n_batches)])
     k_int8 = int((preds == split.y_test.numpy()).sum())
+    assert np.unique(preds).size == 10  # the agreement is informative: every class is predicted
     print("FP32 torch:", format_accuracy(k_fp32, n))
     print("INT8 file (ORT):", format_accuracy(k_int8, n))
     lo, _ = wilson_interval(k_int8, n)
