@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from onnx import helper
 
 from quantship.cli.main import main
 from quantship.inspect.consumers import tigris_executable
-from tests.inspect.conftest import SmallNet, export_pt2e
+from tests.inspect.conftest import SmallNet, export_pt2e, with_external_data
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +71,9 @@ def _garbage(kind: str, small_files, tmp_path):
     elif kind == "truncated":
         data = small_files["good"].read_bytes()
         path.write_bytes(data[: len(data) * 2 // 3])
-        shutil.copy(small_files["good"].with_name(small_files["good"].name + ".data"), tmp_path)
     elif kind == "missing_external_data":
-        shutil.copy(small_files["good"], path)
+        with_external_data(small_files["good"], path)
+        path.with_name(path.name + ".data").unlink()
     elif kind == "empty_graph":
         onnx.save(helper.make_model(helper.make_graph([], "g", [], []),
                                     opset_imports=[helper.make_opsetid("", 18)]), str(path))

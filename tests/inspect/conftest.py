@@ -1,8 +1,8 @@
 """Model files for the inspect tests, each built once per session into a temporary directory.
 
-pt2e files are exported with ``torch.onnx.export(dynamo=True, opset_version=18)`` directly
-(``quantship.export.export_qdq`` had not landed when these tests were written). ONNX Runtime's
-quantizer makes the QOperator, dynamic, partial and uint8 files from a small float model.
+pt2e files are written by ``quantship.export.export_qdq`` (int8, and uint8 activations with
+zero-point 128). ONNX Runtime's quantizer makes the QOperator, dynamic, partial and uint8 files
+from a small float model.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
 import torch.nn as nn
@@ -31,13 +30,28 @@ class SmallNet(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
 
 
-def export_pt2e(model: nn.Module, calib: list[torch.Tensor], path: Path) -> Path:
+def quantize_pt2e(model: nn.Module, calib: list[torch.Tensor]) -> nn.Module:
     from quantship import Quantizer
 
-    quantized = Quantizer(backend="pt2e").quantize(model, calib)
-    quantized.eval()  # pt2e's GraphModule accepts eval() (returning None) and exports in eval mode
-    torch.onnx.export(quantized, (calib[0],), str(path), dynamo=True, opset_version=18, verbose=False)
-    return path
+    return Quantizer(backend="pt2e").quantize(model, calib)
+
+
+def export_pt2e(model: nn.Module, calib: list[torch.Tensor], path: Path, *, quantized: nn.Module | None = None,
+                activation_dtype: str | None = None) -> Path:
+    """Quantize with pt2e (unless ``quantized`` is given) and write the file with export_qdq."""
+    from quantship.export import export_qdq
+
+    quantized = quantized if quantized is not None else quantize_pt2e(model, calib)
+    return Path(export_qdq(quantized, calib[0], path, activation_dtype=activation_dtype))
+
+
+def with_external_data(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` whose weights live in ``<dst name>.data`` beside it."""
+    import onnx
+
+    onnx.save(onnx.load(str(src)), str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=dst.name + ".data", size_threshold=0)
+    return dst
 
 
 def export_float(model: nn.Module, sample: torch.Tensor, path: Path) -> Path:
@@ -46,32 +60,9 @@ def export_float(model: nn.Module, sample: torch.Tensor, path: Path) -> Path:
     return path
 
 
-def to_uint8_activations(src: Path, dst: Path) -> Path:
-    """Restate every activation Q/DQ pair (int8, zero-point 0) as uint8 with zero-point 128."""
-    from quantship.inspect.loading import load_onnx
-    from quantship.inspect.view import GraphView
-
-    model = load_onnx(src)
-    view = GraphView.of(model)
-    inits = {t.name: t for t in model.graph.initializer}
-    done = set()
-    for node in model.graph.node:
-        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.input[0] not in view.constant:
-            name = node.input[2]
-            if name in done:
-                continue
-            value = onnx.numpy_helper.to_array(inits[name]) if name in inits else None
-            assert value is not None and value.dtype == np.int8 and not value.any()
-            inits[name].CopyFrom(onnx.numpy_helper.from_array(np.full(value.shape, 128, np.uint8), name))
-            done.add(name)
-    del model.graph.value_info[:]
-    onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
-    return dst
-
-
 @pytest.fixture(scope="session")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """pt2e MobileNetV2 (96x96) and ResNet-18 (64x64) files, batch 1, and a uint8 restatement."""
+    """pt2e MobileNetV2 (96x96) and ResNet-18 (64x64) files, batch 1, and ResNet-18 with uint8 activations."""
     from torchvision.models import mobilenet_v2, resnet18
 
     root = tmp_path_factory.mktemp("pt2e")
@@ -80,8 +71,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
         calib = [torch.randn(1, 3, size, size, generator=g) for _ in range(4)]
-        out[name] = export_pt2e(build(weights=None).eval(), calib, root / f"{name}.onnx")
-    out["resnet18_uint8"] = to_uint8_activations(out["resnet18"], root / "resnet18_uint8.onnx")
+        quantized = quantize_pt2e(build(weights=None).eval(), calib)
+        out[name] = export_pt2e(None, calib, root / f"{name}.onnx", quantized=quantized)
+    out["resnet18_uint8"] = export_pt2e(None, calib, root / "resnet18_uint8.onnx", quantized=quantized,
+                                        activation_dtype="uint8")
     return out
 
 

@@ -47,7 +47,7 @@ def test_conv_without_kernel_shape_fails_tensorrt_only(files, tmp_path):
     assert check_file(path, "tigris").ok
 
 
-def test_uint8_restated_file_fails_tensorrt_passes_tigris(files):
+def test_export_qdq_uint8_file_fails_tensorrt_passes_tigris(files):
     trt = check_file(files["resnet18_uint8"], "tensorrt")
     rules = {f.rule: f for f in trt.errors}
     assert not trt.ok and {"zero_point_zero", "activation_dtype"} <= set(rules)
