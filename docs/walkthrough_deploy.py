@@ -1,0 +1,61 @@
+"""Walk-through 3: one trained model, four runtimes. A preset per target, its check, the three-way check.
+
+Run it:  .venv/bin/python docs/walkthrough_deploy.py [--out-dir DIR]
+
+The model is the reference task's CNN (scikit-learn digits). For each deployment target quantship
+picks the precision that target runs (its preset), writes the file, checks the file against the
+target's rules, runs the target where it runs on this machine, and compares float vs INT8 vs
+target in output LSB. TensorRT needs a GPU: its rules are checked statically.
+"""
+
+import argparse
+import tempfile
+import warnings
+from pathlib import Path
+
+from quantship import Quantizer, export_onnx, export_qdq, qdq_stats
+from quantship.examples import digits
+from quantship.inspect.check import check_file
+from quantship.inspect.compare import compare_files
+from quantship.precision import PRESETS
+
+BATCH = 40
+
+
+def main(out_dir: Path) -> None:
+    model = digits.trained_model()
+    split = digits.load_split()
+    calibration = [split.x_train[i:i + BATCH] for i in range(0, 200, BATCH)]
+    fp32 = export_onnx(model, split.x_test[:BATCH], out_dir / "digits_fp32.onnx", dynamic_batch=False)
+    for p in PRESETS:
+        print(f"\n== {p.target}: {p.why}")
+        qmodel = Quantizer.for_target(p.target).quantize(model, calibration, max_calibration_samples=200)
+        int8 = export_qdq(qmodel, split.x_test[:BATCH], out_dir / f"digits_{p.target}.onnx", target=p.target)
+        stats = qdq_stats(int8)
+        print(f"file: {int8.name}, {stats.n_uint8} uint8 Q/DQ, {stats.n_nonzero_zero_point} non-zero zero-points")
+        report = check_file(int8, p.check_target, run=True)
+        print(f"check {p.check_target}: {'accepted' if report.ok else 'REFUSED'}")
+        for finding in report.findings:
+            print(f"  [{finding.severity}] {finding.rule}: {finding.message}")
+        for run in report.runs:
+            print(f"  run {run}")
+        for row in compare_files(fp32, int8, target=p.check_target, n_inputs=20).rows:
+            print(f"  {row}")
+    # the same file is not good for every target: the ORT preset's uint8 file against TensorRT's rules
+    ort_file = out_dir / "digits_onnxruntime-cpu.onnx"
+    trt = check_file(ort_file, "tensorrt")
+    print(f"\nonnxruntime-cpu file checked against tensorrt: {'accepted' if trt.ok else 'REFUSED'} "
+          f"({', '.join(sorted({f.rule for f in trt.errors}))})")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        main(args.out_dir)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            main(Path(tmp))
