@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from quantship.quantize.annotator import BATCH_NORM_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
+from quantship.quantize.annotator import BATCH_NORM_OPS, BINARY_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
 
 qd = torch.ops.quantized_decomposed
 _QUANTIZE = {qd.quantize_per_tensor.default, qd.quantize_per_tensor.tensor}
@@ -155,7 +155,7 @@ def skip_name(node: Node) -> str:
     """
     if node.target in FUSABLE_ACTIVATIONS and isinstance(node.args[0], Node):
         head = node.args[0]
-        if head.op == "call_function" and (head.target in WEIGHTED_OPS or "add" in str(head.target)):
+        if head.op == "call_function" and head.target in (WEIGHTED_OPS | BINARY_OPS):
             return module_path(head)
     return module_path(node)
 
