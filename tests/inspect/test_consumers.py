@@ -6,7 +6,9 @@ the reference task's trained TinyResNet (pt2e INT8, 1x1x32x32). Measured on this
   OpenVINO (CPU, f32 precision hint): max 34 LSB, mean 10.2 LSB; ONNX Runtime's own optimized
   session lands at max 30 LSB on the same file (its fused QLinearConv diverges first, at the Conv
   that feeds the first residual Add), while the literal graph stays within 2.75 LSB of the float
-  model on held-out digits. The 2-LSB OpenVINO target is therefore not met: see the xfail.
+  model on held-out digits. Cause: this CPU (AMD EPYC, AVX2, no VNNI) runs u8s8 int8 kernels whose
+  int16 pair sums saturate with weights using the full +-127 range. The same file with 7-bit
+  weights: OpenVINO max 2.0 LSB (mean 0.31), ORT optimized max 1.0 LSB.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def test_openvino_compiles_and_runs(digits_files):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured: OpenVINO (like ORT's optimized session) diverges from the "
-                   "literal QDQ graph by ~34 LSB on int8 symmetric activations on this CPU")
+@pytest.mark.xfail(strict=True, reason="measured: on this AVX2 CPU without VNNI, OpenVINO's (and ORT's optimized) "
+                   "u8s8 kernels saturate with 8-bit weights: ~34 LSB from the literal QDQ graph")
 def test_openvino_within_2_lsb(digits_files):
     if importlib.util.find_spec("openvino") is None:
         pytest.skip("openvino not installed")
@@ -68,3 +70,35 @@ def test_tigris_refuses_qoperator_file_when_run(ort_files):
     (result,) = report.runs
     assert result.ran and not result.ok and "tigris compile" in result.detail
     assert not report.ok
+
+
+def _seven_bit_weights(src, dst):
+    """The same file with int8 weights halved (+-63) and their scales doubled."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        weight = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if weight is not None and weight.data_type == onnx.TensorProto.INT8:
+            w = numpy_helper.to_array(weight).astype(np.int32)
+            scale = numpy_helper.to_array(inits[node.input[1]])
+            weight.CopyFrom(numpy_helper.from_array(np.clip(np.round(w / 2), -63, 63).astype(np.int8), weight.name))
+            inits[node.input[1]].CopyFrom(numpy_helper.from_array((scale * 2).astype(np.float32), node.input[1]))
+    onnx.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.slow
+def test_openvino_within_2_lsb_with_7bit_weights(digits_files, tmp_path):
+    if importlib.util.find_spec("openvino") is None:
+        pytest.skip("openvino not installed")
+    path = _seven_bit_weights(digits_files["int8"], tmp_path / "seven_bit.onnx")
+    before = {f.rule for f in check_file(digits_files["int8"], "openvino").findings}
+    report = check_file(path, "openvino", run=True, n_inputs=N_INPUTS)
+    assert "weight_range_7bit" in before and "weight_range_7bit" not in {f.rule for f in report.findings}
+    (result,) = report.runs
+    assert result.ran and result.max_lsb <= 2.0, result
+    assert report.ok

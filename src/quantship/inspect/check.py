@@ -76,7 +76,8 @@ def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Fin
         return None
     what = ", ".join(offending[:_SHOWN]) + (f", ... ({len(offending) - _SHOWN} more)" if len(offending) > _SHOWN else "")
     # a warning means this target runs the file: the requirement is other runtimes'
-    who = tgt.consumer if severity == "error" else "portable runtimes (TensorRT, OpenVINO, TiGrIS)"
+    who = tgt.consumer if severity == "error" or rule_id == "weight_range_7bit" else \
+        "portable runtimes (TensorRT, OpenVINO, TiGrIS)"
     message = rule.message.format(consumer=who, n=len(offending), what=what,
                                   low=tgt.opset[0], high=tgt.opset[1])
     if severity == "warning":

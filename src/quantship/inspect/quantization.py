@@ -41,6 +41,7 @@ class QDQNode:
     static: bool  # scale (and zero-point) are constants in the file
     scale: float | None  # per-tensor scale value
     zero_points: tuple[int, ...]  # distinct zero-point values (empty when not static)
+    max_abs_int: int | None = None  # largest |stored integer| of a constant (weight) input
 
 
 @dataclass
@@ -96,11 +97,15 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     scale = view.value(scale_name) if scale_name else None
     per_channel = scale is not None and scale.size > 1 or (scale is None and bool(view.shape.get(scale_name)))
     zero = view.value(zp_name) if zp_name else np.zeros(1, dtype=np.int64)
+    stored = view.value(x) if node.op_type == DEQUANTIZE and x in view.initializers else None
+    max_abs = int(np.abs(stored.astype(np.int64) - (zero.astype(np.int64).reshape(-1)[0] if zero is not None and zero.size == 1 else 0)).max()) \
+        if stored is not None and stored.size and np.issubdtype(stored.dtype, np.integer) else None
     return QDQNode(
         node=node_label(node, index), op_type=node.op_type, tensor=tensor, role=role, dtype=dtype,
         per_channel=bool(per_channel), static=static,
         scale=float(scale.reshape(-1)[0]) if scale is not None and scale.size == 1 else None,
         zero_points=tuple(sorted({int(v) for v in zero.reshape(-1)})) if zero is not None else (),
+        max_abs_int=max_abs,
     )
 
 

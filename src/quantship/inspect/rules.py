@@ -114,6 +114,13 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "and export_qdq(activation_dtype='int8')",
          lambda f, t: [f"{q.node} (zero-point {','.join(map(str, q.zero_points[:3]))})"
                        for q in f.qdq if any(z != 0 for z in q.zero_points)]),
+    Rule("weight_range_7bit", "int8 weights within +-63 (no u8s8 overflow on x86 CPUs without VNNI)",
+         "{n} int8 weight tensor(s) use values beyond +-63 ({what}); on x86 CPUs without VNNI "
+         "(AVX2, AVX-512 without VNNI) {consumer}'s u8s8 integer kernels can saturate their int16 "
+         "intermediate sums, so its outputs drift from the QDQ graph by many LSB",
+         "deploy on a CPU with VNNI/AMX, or quantize weights to 7 bits (reduce_range) for such CPUs",
+         lambda f, t: [f"{q.node} (|w| up to {q.max_abs_int})" for q in f.of_role("weight")
+                       if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63]),
     Rule("conv_kernel_shape", "every Conv carries kernel_shape",
          "{n} Conv node(s) have no kernel_shape attribute ({what}); {consumer}'s ONNX parser needs it",
          "write kernel_shape from the weight's spatial dims (quantship export_qdq does this)",
@@ -126,14 +133,14 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("onnxruntime", "ONNX Runtime", (10, 26), ("int8", "uint8", "int16", "uint16"),
            ("int8", "uint8", "int16", "uint16", "int4", "uint4"),
            errors=("opset_declared", "opset_range", "int32_bias"),
-           warnings=("quantized", "qdq_format", "static_scales", "fully_quantized"),
+           warnings=("quantized", "qdq_format", "static_scales", "fully_quantized", "weight_range_7bit"),
            source="runs QOperator, dynamic and mixed files; QDQ is what other runtimes share"),
     Target("tensorrt", "TensorRT", (9, 25), ("int8",), ("int8",),
            errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
                    "weight_dtype", "int32_bias", "zero_point_zero", "conv_kernel_shape"),
            source="TensorRT ONNX opset guide (opsets 9-25); explicit quantization: int8, zero-point 0"),
     Target("openvino", "OpenVINO", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
-           errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized",),
+           errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized", "weight_range_7bit"),
            source="runs partially quantized QDQ graphs (float parts stay float)", lsb_tolerance=2.0),
     Target("tigris", "TiGrIS", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
            errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
