@@ -38,8 +38,38 @@ def check_file(path: Path, spec: QuantSpec, *, activation_dtype: str, opset_vers
     if spec.qdq_placement == "per_op" and not spec.skip_activations and stats.n_unquantized_conv_add:
         problems.append(f"qdq_placement='per_op' but {stats.n_unquantized_conv_add} conv->add edge(s) carry no "
                         "Q/DQ pair")
+    if spec.reduce_range:
+        widest = _widest_weight(path)
+        if widest > 63:
+            problems.append(f"a weight reaches {widest} although reduce_range=True keeps weights in [-63, 63]")
     if quant_spec_of_file(path) != spec:
         problems.append("the spec read back from metadata_props differs from the model's")
     if problems:
         raise ExportRefused(f"the produced file does not match {spec.label} ({spec.as_dict()}): " + "; ".join(problems))
     return stats
+
+
+def _widest_weight(path: Path) -> int:
+    """The largest |value| among the stored integer tensors that DequantizeLinear reads directly."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    stored = {t.name: t for t in model.graph.initializer}
+    widest = 0
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in stored:
+            values = numpy_helper.to_array(stored[node.input[0]])
+            if values.dtype.kind in "iu" and values.size:
+                widest = max(widest, int(abs(values.astype("int64")).max()))
+    return widest
+
+
+def check_target(path: Path, target: str) -> None:
+    """Refuse a file that the preset's own deployment target would not accept (static rules)."""
+    from quantship.inspect.check import check_file as check_deployable
+    from quantship.precision import preset
+
+    report = check_deployable(path, preset(target).check_target)
+    if not report.ok:
+        reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
+        raise ExportRefused(f"the file written for target={target!r} fails {report.target}'s rules: {reasons}")

@@ -28,7 +28,7 @@ from quantship.export.checks import (
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
-from quantship.export.postconditions import check_file
+from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.precision import QuantSpec
 
@@ -134,7 +134,8 @@ def export_qdq(
 
     ``activation_dtype``: ``'int8'`` (default; zero-point as quantized) or ``'uint8'`` (activation
     zero-points shifted by 128, same scales; weights stay int8). ``target`` takes the activation
-    dtype from the deployment preset and records the target. Refusals raise ``ValueError`` and
+    dtype from the deployment preset, records the target, and refuses a file that target's rules
+    would not accept. Refusals raise ``ValueError`` and
     leave nothing at ``path`` (a file already there is kept as it was).
     """
     spec = exportable_spec(model)
@@ -152,5 +153,7 @@ def export_qdq(
         final = ir.to_proto(model_ir)
         artifact.save_model(final, staged)
         check_file(staged, spec, activation_dtype=dtype, opset_version=opset_version)
+        if target is not None:
+            check_target(staged, target)
         check_runs_optimized(staged, inputs, "the written file")
     return Path(path).expanduser().resolve()
