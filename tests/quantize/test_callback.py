@@ -148,3 +148,15 @@ def test_qat_fit_x86_and_pt2e_accuracy(split):
     # a QAT model that lost the task would sit far below the float one: its interval must reach 0.9
     for name, (k, n) in results.items():
         assert wilson_interval(k, n)[1] > 0.9, name
+
+
+def test_missing_fastai_names_the_extra():
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['fastai'] = None; sys.modules['fastai.callback.core'] = None\n"
+        "import quantship\n"
+        "try:\n    quantship.QuantizeCallback\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install 'quantship[fastai]'" in out.stdout

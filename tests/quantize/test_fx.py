@@ -130,3 +130,13 @@ def test_deprecation_said_once_and_upstream_silenced(residual_net, monkeypatch):
     ours = [w for w in caught if "deprecated upstream" in str(w.message)]
     upstream = [w for w in caught if "torch.ao.quantization is deprecated" in str(w.message)]
     assert len(ours) == 1 and upstream == []
+
+
+def test_per_tensor_qscheme_on_x86(residual_net):
+    calib = [torch.randn(4, 1, 8, 8) for _ in range(2)]
+    q = Quantizer("x86", "static", qscheme="per_tensor").quantize(residual_net, calib)
+    qschemes = {m.weight().qscheme() for _, m in q.named_modules() if hasattr(m, "weight") and callable(m.weight)}
+    assert qschemes == {torch.per_tensor_affine}
+    per_channel = Quantizer("x86", "static").quantize(residual_net, calib)
+    assert {m.weight().qscheme() for _, m in per_channel.named_modules()
+            if hasattr(m, "weight") and callable(m.weight)} == {torch.per_channel_affine}
