@@ -42,3 +42,22 @@ def test_compare_cli_prints_two_rows(digits_files, capsys):
 def test_compare_refuses_a_float_second_file(digits_files):
     with pytest.raises(ValueError, match="LSB"):
         compare_files(digits_files["float"], digits_files["float"])
+
+
+def test_compare_on_real_inputs_is_far_smaller_than_on_noise(digits_files, tmp_path, capsys):
+    """Random inputs overstate what quantization costs a model calibrated on real data."""
+    import numpy as np
+
+    from quantship.examples.digits import load_split
+
+    real = load_split().x_test[:24].numpy()
+    on_real = compare_files(digits_files["float"], digits_files["int8"], target="onnxruntime", inputs=real)
+    on_noise = compare_files(digits_files["float"], digits_files["int8"], target="onnxruntime", n_inputs=24)
+    assert on_real.n_inputs == 24  # batch 1 file: one feed per image
+    assert on_real.rows[0].max_lsb < on_noise.rows[0].max_lsb
+    np.save(tmp_path / "x.npy", real)
+    assert main(["compare", str(digits_files["float"]), str(digits_files["int8"]), "--target", "onnxruntime",
+                 "--inputs", str(tmp_path / "x.npy")]) == 0
+    assert "24 batches from" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="do not fit"):
+        compare_files(digits_files["float"], digits_files["int8"], inputs=np.zeros((4, 3, 32, 32), np.float32))

@@ -10,7 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from quantship.inspect.consumers import (
+    array_inputs,
     lsb_between,
     random_inputs,
     run_onnxruntime,
@@ -59,8 +62,12 @@ class CompareReport:
 
 
 def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "tigris",
-                  n_inputs: int = 20, seed: int = 0) -> CompareReport:
-    """Run the three-way check; outputs are matched by position, the INT8 file's scales give the LSB."""
+                  n_inputs: int = 20, seed: int = 0, inputs: np.ndarray | None = None) -> CompareReport:
+    """Run the three-way check; outputs are matched by position, the INT8 file's scales give the LSB.
+
+    ``inputs`` (N x ... array, cut at the file's batch size) replaces the seeded random inputs:
+    random data overstates what quantization costs a model calibrated on real data.
+    """
     tgt = get_target(target)
     if n_inputs < 1:
         raise ValueError(f"n_inputs={n_inputs}: compare needs at least one input")
@@ -72,7 +79,8 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
     if len(float_model.graph.output) != len(int8_model.graph.output):
         raise ValueError(f"the float file has {len(float_model.graph.output)} outputs and the INT8 file "
                          f"{len(int8_model.graph.output)}: they are not the same model")
-    feeds = random_inputs(int8_model, n_inputs, seed)
+    feeds = random_inputs(int8_model, n_inputs, seed) if inputs is None else array_inputs(int8_model, inputs)
+    n_inputs = len(feeds)
     float_names = [i.name for i in float_model.graph.input if i.name not in {t.name for t in float_model.graph.initializer}]
     float_feeds = [dict(zip(float_names, feed.values())) for feed in feeds]
     reference = run_onnxruntime(float_path, float_feeds, optimize=False)

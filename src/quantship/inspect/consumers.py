@@ -71,6 +71,26 @@ def random_inputs(model: onnx.ModelProto, n: int, seed: int = 0) -> list[Inputs]
     return [{name: rng.standard_normal(shape).astype(dtype) for name, shape, dtype in specs} for _ in range(n)]
 
 
+def array_inputs(model: onnx.ModelProto, array: np.ndarray) -> list[Inputs]:
+    """Feeds cut from a user's array (N x ...) at the file's batch size, for a single-input graph.
+
+    A remainder that does not fill a batch is left out.
+    """
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [v for v in model.graph.input if v.name not in initializers]
+    if len(inputs) != 1:
+        raise ValueError(f"the file has {len(inputs)} inputs: --inputs feeds single-input graphs only")
+    dims = inputs[0].type.tensor_type.shape.dim
+    shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in dims]
+    if len(shape) != array.ndim or any(s is not None and s != a for s, a in zip(shape[1:], array.shape[1:])):
+        raise ValueError(f"inputs of shape {list(array.shape)} do not fit the file's input {shape} (None = any)")
+    batch = shape[0] or 1
+    if len(array) < batch:
+        raise ValueError(f"{len(array)} input(s) is fewer than the file's batch size {batch}")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(inputs[0].type.tensor_type.elem_type)
+    return [{inputs[0].name: array[i:i + batch].astype(dtype)} for i in range(0, len(array) - batch + 1, batch)]
+
+
 def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = False) -> list[list[np.ndarray]]:
     """Outputs (in graph order) for each feed; ``optimize=False`` runs the QDQ graph literally."""
     import onnxruntime as ort
