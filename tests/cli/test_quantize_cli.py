@@ -1,0 +1,115 @@
+"""The command line as a user meets it: quantize, quantize-onnx, demo, and bad input (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from quantship.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def calib_npy(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "cal.npy"
+    np.save(path, np.random.default_rng(0).standard_normal((8, 3, 64, 64)).astype(np.float32))
+    return path
+
+
+@pytest.mark.slow
+def test_quantize_torchvision_resnet18_passes_check(calib_npy, tmp_path, capsys):
+    out = tmp_path / "r18.onnx"
+    code = main(["quantize", "torchvision:resnet18", "--calib", str(calib_npy), "--out", str(out),
+                 "--target", "onnxruntime-cpu", "--batch-size", "4", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and out.is_file()
+    assert report["check"]["ok"] is True and report["qdq_stats"]["n_per_channel"] == 21
+    assert report["spec"]["reduce_range"] is True and report["qdq_stats"]["n_uint8"] > 0
+    assert main(["check", str(out), "--target", "onnxruntime"]) == 0
+
+
+def test_quantize_python_factory_and_weights(tmp_path, capsys):
+    src = tmp_path / "mymodel.py"
+    src.write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))\n"
+    )
+    from quantship.cli.sources import load_model
+
+    weights = tmp_path / "w.pt"
+    torch.save(load_model(f"{src}:build").state_dict(), weights)
+    calib = tmp_path / "c.npz"
+    np.savez(calib, images=np.random.default_rng(1).standard_normal((4, 3, 16, 16)).astype(np.float32))
+    out = tmp_path / "m.onnx"
+    code = main(["quantize", f"{src}:build", "--weights", str(weights), "--calib", str(calib), "--out", str(out),
+                 "--target", "tensorrt", "--batch-size", "2", "--quiet"])
+    assert code == 0 and out.is_file()
+    assert "check tensorrt" in capsys.readouterr().out
+
+
+def test_quantize_onnx_for_tigris_fits(tmp_path, capsys):
+    from quantship.inspect.consumers import tigris_analyze, tigris_executable
+
+    if tigris_executable() is None:
+        pytest.skip("the tigris CLI (tigris-ml) is not installed")
+    from torchvision.models import mobilenet_v2
+
+    from quantship import export_onnx
+
+    torch.manual_seed(0)
+    fp32 = export_onnx(mobilenet_v2(weights=None).eval(), torch.randn(1, 3, 96, 96), tmp_path / "mv2.onnx",
+                       dynamic_batch=False)
+    cal = tmp_path / "cal.npy"
+    np.save(cal, np.random.default_rng(0).standard_normal((8, 3, 96, 96)).astype(np.float32))
+    out = tmp_path / "mv2_int8.onnx"
+    assert main(["quantize-onnx", str(fp32), "--calib", str(cal), "--out", str(out), "--target", "tigris",
+                 "--quiet"]) == 0
+    analysis = tigris_analyze(out)
+    assert analysis and "error" not in json.dumps(analysis).lower()[:200]
+    done = subprocess.run([tigris_executable(), "compile", str(out), "-m", "256K", "-o",
+                           str(tmp_path / "plan.tgrs")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr or done.stdout
+
+
+BAD_INPUT = [
+    (["quantize", "torchvision:resnet18", "--calib", "missing.npy", "--out", "x.onnx"], "does not exist"),
+    (["quantize", "torchvision:notamodel", "--calib", "CAL", "--out", "x.onnx"], "unknown torchvision model"),
+    (["quantize", "resnet18", "--calib", "CAL", "--out", "x.onnx"], "must be torchvision:NAME"),
+    (["quantize", "torchvision:resnet18", "--calib", "CAL", "--out", "x.onnx", "--target", "tpu"], "no preset"),
+    (["quantize", "torchvision:resnet18", "--calib", "BAD", "--out", "x.onnx"], "expected N x C x H x W"),
+    (["quantize-onnx", "missing.onnx", "--calib", "CAL", "--out", "x.onnx"], "missing.onnx"),
+    (["check", "missing.onnx", "--target", "tigris"], "missing.onnx"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[" ".join(a[:2]) + " " + m for a, m in BAD_INPUT])
+def test_bad_input_exit_2_one_line(argv, message, calib_npy, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "bad.npy", np.zeros((8, 64), np.float32))
+    argv = [{"CAL": str(calib_npy), "BAD": str(tmp_path / "bad.npy")}.get(a, a) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_bad_input_through_a_real_process(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "quantship", "quantize", "torchvision:nope", "--calib",
+                           str(tmp_path / "none.npy"), "--out", str(tmp_path / "x.onnx")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_help_imports_nothing_heavy():
+    """--help answers at once because torch/onnx are imported inside the commands, never at parse time."""
+    code = ("import sys; from quantship.cli.main import build_parser; build_parser().format_help(); "
+            "heavy = sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'torchvision', 'numpy') if m in sys.modules); "
+            "print(','.join(heavy))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "", done.stdout + done.stderr
