@@ -39,6 +39,7 @@ class Row:
     speedup: float
     census: dict
     size_mb: float
+    parity: str = ""
 
 
 def _census(path: Path) -> dict:
@@ -56,7 +57,7 @@ def _census(path: Path) -> dict:
     }
 
 
-def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], symmetric_s8: bool) -> Path:
+def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], recipe: str) -> Path:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -71,19 +72,23 @@ def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], symmetric_s8: 
         def get_next(self):
             return next(self.items, None)
 
-    if symmetric_s8:
+    if recipe == "s8":
         quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
                         extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    elif recipe == "u8 per-channel reduce_range":  # ORT's own answer to u8s8 saturation on AVX2
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        reduce_range=True)
     else:  # ONNX Runtime's defaults
         quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ)
     return out
 
 
-def _files_for(model_name: str, batch: int, workdir: Path, calib_batches: int) -> dict[str, Path]:
+def _files_for(model_name: str, batch: int, workdir: Path, calib_batches: int) -> tuple[dict[str, Path], dict[str, str]]:
     import torchvision
 
     from quantship import Quantizer, export_onnx, export_qdq
+    from quantship.inspect.verify import compare_logits
     from quantship.precision import PRESETS
 
     torch.manual_seed(0)
@@ -93,20 +98,25 @@ def _files_for(model_name: str, batch: int, workdir: Path, calib_batches: int) -
     sample = torch.randn(batch, 3, 224, 224, generator=gen)
     files: dict[str, Path] = {}
     files["FP32"] = export_onnx(model, sample, workdir / f"{model_name}_b{batch}_fp32.onnx", dynamic_batch=False)
-    by_graph: dict[str, tuple[list[str], Path]] = {}  # identical graphs are timed once
+    by_graph: dict[str, tuple[list[str], Path, str]] = {}  # identical graphs are timed once
     for p in PRESETS:
         qmodel = Quantizer.for_target(p.target).quantize(model, calib, max_calibration_samples=batch * calib_batches)
         path = export_qdq(qmodel, sample, workdir / f"{model_name}_b{batch}_{p.target}.onnx", target=p.target)
         digest = hashlib.sha256(onnx.load(str(path)).graph.SerializeToString()).hexdigest()
-        by_graph.setdefault(digest, ([], path))[0].append(p.target)
-    for targets, path in by_graph.values():
-        files["quantship " + " = ".join(targets)] = path
+        if digest not in by_graph:
+            literal = compare_logits(qmodel, path, sample).max_lsb
+            fused = compare_logits(qmodel, path, sample, optimized=True).max_lsb
+            by_graph[digest] = ([], path, f"{literal:.0f} / {fused:.0f}")
+        by_graph[digest][0].append(p.target)
+    parity: dict[str, str] = {}
+    for targets, path, lsb in by_graph.values():
+        name = "quantship " + " = ".join(targets)
+        files[name], parity[name] = path, lsb
     np_calib = [c.numpy() for c in calib]
-    files["ORT quantize_static defaults"] = _ort_quantize(
-        files["FP32"], workdir / f"{model_name}_b{batch}_ort_default.onnx", np_calib, symmetric_s8=False)
-    files["ORT quantize_static s8 symmetric"] = _ort_quantize(
-        files["FP32"], workdir / f"{model_name}_b{batch}_ort_s8.onnx", np_calib, symmetric_s8=True)
-    return files
+    for recipe in ("defaults", "u8 per-channel reduce_range", "s8"):
+        files[f"ORT quantize_static {recipe}"] = _ort_quantize(
+            files["FP32"], workdir / f"{model_name}_b{batch}_ort_{recipe.replace(' ', '_')}.onnx", np_calib, recipe)
+    return files, parity
 
 
 def _time(files: dict[str, Path], batch: int, runs: int, warmup: int) -> dict[str, list[float]]:
@@ -139,14 +149,14 @@ def _size_mb(path: Path) -> float:
 
 
 def run_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int) -> list[Row]:
-    files = _files_for(model_name, batch, workdir, calib_batches)
+    files, parity = _files_for(model_name, batch, workdir, calib_batches)
     times = _time(files, batch, runs, warmup)
     fp32 = float(np.median(times["FP32"]))
     rows = []
     for name, path in files.items():
         t = times[name]
         rows.append(Row(model_name, batch, name, float(np.median(t)), float(np.min(t)), float(np.max(t)),
-                        fp32 / float(np.median(t)), _census(path), _size_mb(path)))
+                        fp32 / float(np.median(t)), _census(path), _size_mb(path), parity.get(name, "")))
     return rows
 
 
@@ -174,14 +184,15 @@ def _header() -> str:
 
 
 def _table(rows: list[Row]) -> str:
-    lines = ["| model | batch | file | median ms | min-max ms | speedup vs FP32 | fused Conv | QGemm | QLinearAdd | size MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | file | median ms | min-max ms | speedup vs FP32 | fused Conv | QGemm | QLinearAdd "
+             "| size MB | LSB vs torch (literal / fused) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.census
         lines.append(
             f"| {r.model} | {r.batch} | {r.name} | {r.median_ms:.1f} | {r.min_ms:.1f}-{r.max_ms:.1f} | "
             f"{r.speedup:.2f}x | {c['fused_conv']}/{c['total_conv']} | {c['QGemm']} | {c['QLinearAdd']} | "
-            f"{r.size_mb:.1f} |")
+            f"{r.size_mb:.1f} | {r.parity or '-'} |")
     return "\n".join(lines)
 
 
@@ -209,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         "default session options; untrained torchvision models (`weights=None`, seed 0) at 224x224,",
         f"random calibration ({args.calib_batches} batches). Each (model, batch) case: {args.warmup} warm-up",
         f"runs, then {args.runs} interleaved rounds in one process; median and min-max per file. `fused Conv`",
-        "counts QLinearConv over all convolutions in ONNX Runtime's optimized graph.", "",
+        "counts QLinearConv over all convolutions in ONNX Runtime's optimized graph. `LSB vs torch`: max error",
+        "of the file against the torch quantized model on the sample batch, in output LSB, with ORT's",
+        "optimizations off (the file read literally) and on (the fused integer kernels).", "",
         _header(), "", _table(rows), "",
     ])
     args.out.write_text(text)
