@@ -7,13 +7,11 @@ FX x86 QAT, and pt2e QAT. The pt2e result is the graph `export_qdq` writes; it i
 checked against PyTorch in output LSB. Accuracy is reported as k/n with a Wilson interval.
 """
 
-import argparse
 import copy
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
+from _walkthrough import run
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.torch_core import set_seed
@@ -68,13 +66,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out-dir", type=Path)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.out_dir:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        main(args.out_dir)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            main(Path(tmp))
+    run(main)

@@ -8,12 +8,11 @@ are about the graph and the file, not about accuracy. Accuracy is the demo's job
 (`quantship demo`, a CNN trained on scikit-learn's digits).
 """
 
-import argparse
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+from _walkthrough import run
 from torchvision.models import resnet18
 
 from quantship import Quantizer, export_onnx, export_qdq, qdq_stats, quant_spec, verify_qdq
@@ -68,13 +67,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out-dir", type=Path)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    if args.out_dir:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        main(args.out_dir)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            main(Path(tmp))
+    run(main)
