@@ -217,6 +217,19 @@ def _resolve_method(backend: str, method: str | None, weight_bits: int | None, a
     return candidates[0]
 
 
+def _resolve_flag(name: str, value: bool | None, cell: Cell, column: str, where: str, why: str) -> bool:
+    """A boolean request checked against one column of the cell (``None`` = the cell's default)."""
+    allowed: tuple[bool, ...] = getattr(cell, column)
+    if value is None:
+        return allowed[0]
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")
+    if value not in allowed:
+        raise ValueError(f"{where} cannot honour {name}={value}: {why}. "
+                         f"{_can_at(cell, lambda c: value in getattr(c, column))}")
+    return value
+
+
 def resolve_spec(
     backend: str = "pt2e",
     method: str | None = None,
@@ -276,20 +289,9 @@ def resolve_spec(
             f"{_can_at(cell, lambda c: qscheme in c.qschemes)}"
         )
 
-    if symmetric is None:
-        symmetric = cell.symmetric[0]
-    elif not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric={symmetric!r} must be True or False")
-    elif symmetric not in cell.symmetric:
-        why = (
-            "its observers are affine by construction: activations carry a non-zero zero-point"
-            if cell.symmetric == (False,)
-            else "its kernels are symmetric only"
-        )
-        raise ValueError(
-            f"{where} cannot honour symmetric={symmetric}: {why}. "
-            f"{_can_at(cell, lambda c: symmetric in c.symmetric)}"
-        )
+    symmetric = _resolve_flag("symmetric", symmetric, cell, "symmetric", where, (
+        "its observers are affine by construction: activations carry a non-zero zero-point"
+        if cell.symmetric == (False,) else "its kernels are symmetric only"))
 
     if qscheme == "per_group":
         if group_size is None:
@@ -340,15 +342,8 @@ def resolve_spec(
             f"{_can(_backends_where(lambda c: act_observer in c.act_observers))}"
         )
 
-    if reduce_range is None:
-        reduce_range = cell.reduce_range[0]
-    elif not isinstance(reduce_range, bool):
-        raise TypeError(f"reduce_range={reduce_range!r} must be True or False")
-    elif reduce_range not in cell.reduce_range:
-        raise ValueError(
-            f"{where} cannot honour reduce_range={reduce_range} (7-bit weights). "
-            f"{_can_at(cell, lambda c: reduce_range in c.reduce_range)}"
-        )
+    reduce_range = _resolve_flag("reduce_range", reduce_range, cell, "reduce_range", where,
+                                 "it has no 7-bit weight option")
 
     engine = backend if backend in FX_BACKENDS else None
     return QuantSpec(
