@@ -53,7 +53,8 @@ def file_size(path: Path) -> int:
 def verdict_line(report) -> str:
     if report.ok:
         return "accepted"
-    return "REFUSED: " + "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
+    # compact: the rule and how many nodes it hits; `quantship check` prints the full findings
+    return "REFUSED: " + ", ".join(f"{f.rule} ({len(f.offending)})" for f in report.errors)
 
 
 class Output:
