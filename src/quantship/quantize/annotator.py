@@ -214,9 +214,11 @@ class QuantshipQuantizer(Quantizer):
             if target in WEIGHTED_OPS:
                 chain = self._weighted_partition(node)
                 x, w = node.args[0], node.args[1]
-                inputs = {w: weight} if isinstance(w, Node) else {}
-                if not skipped and self._quantizable_input(x):
-                    inputs[x] = act
+                # Order matters: torchao's QAT conv-bn fusion re-keys this map by position
+                # (first entry = activation, second = weight); a float activation is an explicit None.
+                inputs = {x: act if not skipped and self._quantizable_input(x) else None}
+                if isinstance(w, Node):
+                    inputs[w] = weight
                 out = None if (skipped or chain[-1] in cleared_conv_outputs) else act
                 self._mark(node, inputs, out if len(chain) == 1 else None)
                 for later in chain[1:]:
