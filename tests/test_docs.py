@@ -40,3 +40,4 @@ def test_walkthrough_qat(tmp_path):
         pytest.fail("docs/walkthrough_qat.py is missing")
     out = _run("walkthrough_qat.py", tmp_path)
     assert "method': 'qat'" in out and "Wilson 95%" in out
+    assert "'n_per_channel': 7" in out  # 6 convs + head: weights per channel, activations per tensor
