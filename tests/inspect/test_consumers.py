@@ -43,14 +43,29 @@ def test_openvino_compiles_and_runs(digits_files):
     assert result.ok == (result.max_lsb <= 2.0)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured: on this AVX2 CPU without VNNI, OpenVINO's (and ORT's optimized) "
-                   "u8s8 kernels saturate with 8-bit weights: ~34 LSB from the literal QDQ graph")
-def test_openvino_within_2_lsb(digits_files):
+def test_openvino_within_2_lsb_with_8bit_weights(digits_files):
+    """Full-range int8 weights: within 2 LSB on a VNNI CPU; on AVX2 without VNNI the u8s8 kernels
+    saturate (measured ~34 LSB), which is why the openvino preset uses 7-bit weights."""
     if importlib.util.find_spec("openvino") is None:
         pytest.skip("openvino not installed")
+    flags = _cpu_flags()
+    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)  # u8 x s8 accumulated in 32 bits
+    if not vnni and "avx2" not in flags:
+        pytest.skip("not an x86 CPU with AVX2: the u8s8 saturation case does not apply")
     result = run_consumer(digits_files["int8"], "openvino", n_inputs=N_INPUTS)
-    assert result.max_lsb <= 2.0, result
+    if vnni:
+        assert result.max_lsb <= 2.0, result
+    else:  # vpmaddubsw sums u8 x s8 pairs in int16: full-range weights saturate
+        assert result.max_lsb > 2.0, f"expected saturation on this AVX2 CPU without VNNI, got {result}"
 
 
 def test_tensorrt_is_not_run_here(ort_files):
