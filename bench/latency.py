@@ -10,7 +10,6 @@ warm-up, so the ratios are measured side by side. It also reads what ONNX Runtim
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
 import platform
 import tempfile
@@ -44,12 +43,9 @@ class Row:
 
 def _census(path: Path) -> dict:
     """Count the kernels ONNX Runtime's optimized graph uses for this file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        so = ort.SessionOptions()
-        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
-        so.log_severity_level = 3
-        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        ops = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    from quantship.inspect.consumers import ort_optimized_ops
+
+    ops = ort_optimized_ops(path)
     convs = ops["QLinearConv"] + ops["Conv"] + ops["FusedConv"]
     return {
         "fused_conv": ops["QLinearConv"], "total_conv": convs, "QGemm": ops["QGemm"],
@@ -57,30 +53,30 @@ def _census(path: Path) -> dict:
     }
 
 
+def _ort_recipes() -> dict[str, dict]:
+    """ONNX Runtime quantize_static settings compared against quantship's presets (all QDQ)."""
+    from onnxruntime.quantization import QuantType
+
+    return {
+        "defaults": {},
+        # ORT's own answer to u8s8 saturation on AVX2
+        "u8 per-channel reduce_range": {"per_channel": True, "reduce_range": True},
+        "s8": {"activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8, "per_channel": True,
+               "extra_options": {"ActivationSymmetric": True, "WeightSymmetric": True}},
+    }
+
+
 def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], recipe: str) -> Path:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantFormat, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from quantship.export.onnx_float import CalibrationReader
 
     pre = out.with_suffix(".pre.onnx")
     quant_pre_process(str(fp32), str(pre))
-    name = ort.InferenceSession(str(pre), providers=["CPUExecutionProvider"]).get_inputs()[0].name
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter([{name: c} for c in calib])
-
-        def get_next(self):
-            return next(self.items, None)
-
-    if recipe == "s8":
-        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
-    elif recipe == "u8 per-channel reduce_range":  # ORT's own answer to u8s8 saturation on AVX2
-        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        reduce_range=True)
-    else:  # ONNX Runtime's defaults
-        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ)
+    name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
+    quantize_static(str(pre), str(out), CalibrationReader(calib, name), quant_format=QuantFormat.QDQ,
+                    **_ort_recipes()[recipe])
     return out
 
 
@@ -113,7 +109,7 @@ def _files_for(model_name: str, batch: int, workdir: Path, calib_batches: int) -
         name = "quantship " + " = ".join(targets)
         files[name], parity[name] = path, lsb
     np_calib = [c.numpy() for c in calib]
-    for recipe in ("defaults", "u8 per-channel reduce_range", "s8"):
+    for recipe in _ort_recipes():
         files[f"ORT quantize_static {recipe}"] = _ort_quantize(
             files["FP32"], workdir / f"{model_name}_b{batch}_ort_{recipe.replace(' ', '_')}.onnx", np_calib, recipe)
     return files, parity
@@ -161,17 +157,12 @@ def run_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path,
 
 
 def _header() -> str:
-    cpu = "unknown"
-    flags: set[str] = set()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        flags = set(next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")))
-    except (OSError, StopIteration):
-        pass
     import torchao
 
     import quantship
+    from quantship.inspect.consumers import cpu_info
+
+    cpu, flags = cpu_info()
 
     wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_tile"]
     return "\n".join([

@@ -14,6 +14,7 @@ from onnx import helper
 from quantship.cli.main import main
 from quantship.inspect.consumers import tigris_executable
 from tests.inspect.conftest import SmallNet, export_pt2e, with_external_data
+from tests.onnx_edits import strip_kernel_shape
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +26,7 @@ def small_files(tmp_path_factory):
     calib = [torch.randn(1, 3, 32, 32, generator=g) for _ in range(4)]
     good = export_pt2e(SmallNet().eval(), calib, root / "small_int8.onnx")
     model = onnx.load(str(good))
-    for node in model.graph.node:
-        if node.op_type == "Conv":
-            kept = [a for a in node.attribute if a.name != "kernel_shape"]
-            del node.attribute[:]
-            node.attribute.extend(kept)
+    strip_kernel_shape(model)
     stripped = root / "small_no_kernel_shape.onnx"
     onnx.save(model, str(stripped))
     return {"good": good, "stripped": stripped}

@@ -18,6 +18,7 @@ from quantship import Quantizer, export_qdq, qdq_stats, quant_spec, quant_spec_o
 from quantship.examples.models import TinyResNet
 from quantship.inspect.verify import ort_session, run_session
 from quantship.precision import SPEC_ATTRIBUTE, resolve_spec, tag_model
+from tests.onnx_edits import strip_kernel_shape
 
 
 def _outputs(path, x: torch.Tensor) -> np.ndarray:
@@ -200,11 +201,7 @@ def test_kernel_shape_is_restored_from_the_weight(tiny_qdq):
     proto = onnx.load(str(tiny_qdq))
     expected = {n.name: [a for a in n.attribute if a.name == "kernel_shape"][0].ints for n in proto.graph.node
                 if n.op_type == "Conv"}
-    for node in proto.graph.node:
-        if node.op_type == "Conv":
-            kept = [a for a in node.attribute if a.name != "kernel_shape"]
-            del node.attribute[:]
-            node.attribute.extend(kept)
+    strip_kernel_shape(proto)
     model = ir.from_proto(proto)
     assert write_kernel_shapes(model) == len(expected) == 6
     restored = {n.name: list(n.attributes["kernel_shape"].as_ints()) for n in model.graph if n.op_type == "Conv"}

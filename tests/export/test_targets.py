@@ -1,6 +1,5 @@
 """Deployment presets: each preset's file passes its own target's rules, and fuses where it should."""
 
-import collections
 
 import onnx
 import pytest
@@ -8,29 +7,17 @@ import torch
 
 from quantship import Quantizer, export_qdq, qdq_stats
 from quantship.inspect.check import check_file
+from quantship.inspect.consumers import ort_optimized_ops
 from quantship.inspect.verify import compare_logits, ort_session
 from quantship.precision import PRESETS
 
 
-def _optimized_census(path, tmp_path):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
-
-
 @pytest.fixture(scope="module")
-def resnet18_small():
-    from torchvision.models import resnet18
-
-    torch.manual_seed(0)
-    model = resnet18(weights=None).eval()
+def resnet18_small(resnet18):
+    """The session's untrained ResNet-18 with 64x64 calibration batches and a sample."""
     g = torch.Generator().manual_seed(3)
     calib = [torch.randn(2, 3, 64, 64, generator=g) for _ in range(3)]
-    return model, calib, torch.randn(2, 3, 64, 64, generator=g)
+    return resnet18, calib, torch.randn(2, 3, 64, 64, generator=g)
 
 
 @pytest.mark.slow
@@ -57,7 +44,7 @@ def test_preset_file_passes_its_target(target, resnet18_small, tmp_path):
     error = compare_logits(qmodel, path, torch.cat([sample] * 4), n_batches=4)
     assert error.max_lsb <= 3.0 + 1e-4, str(error)
     if target == "onnxruntime-cpu":
-        census = _optimized_census(path, tmp_path)
+        census = ort_optimized_ops(path)
         # every convolution and the classifier run as integer kernels, every residual add too
         assert census["QLinearConv"] == 20 and census["Conv"] == 0, census
         assert census["QGemm"] == 1 and census["QLinearAdd"] == 8, census

@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 
 from quantship.inspect.check import check_file
-from quantship.inspect.consumers import run_consumer, tigris_executable
+from quantship.inspect.consumers import cpu_info, run_consumer, tigris_executable
 
 N_INPUTS = 20
 
@@ -43,21 +43,13 @@ def test_openvino_compiles_and_runs(digits_files):
     assert result.ok == (result.max_lsb <= 2.0)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 @pytest.mark.slow
 def test_openvino_within_2_lsb_with_8bit_weights(digits_files):
     """Full-range int8 weights: within 2 LSB on a VNNI CPU; on AVX2 without VNNI the u8s8 kernels
     saturate (measured ~34 LSB), which is why the openvino preset uses 7-bit weights."""
     if importlib.util.find_spec("openvino") is None:
         pytest.skip("openvino not installed")
-    flags = _cpu_flags()
+    _, flags = cpu_info()
     vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)  # u8 x s8 accumulated in 32 bits
     if not vnni and "avx2" not in flags:
         pytest.skip("not an x86 CPU with AVX2: the u8s8 saturation case does not apply")

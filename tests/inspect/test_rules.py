@@ -9,6 +9,7 @@ import pytest
 
 from quantship.inspect.check import check_file
 from quantship.inspect.rules import RULES, TARGETS
+from tests.onnx_edits import strip_kernel_shape
 
 ALL_TARGETS = ["onnxruntime", "tensorrt", "openvino", "tigris"]
 
@@ -32,13 +33,7 @@ def test_our_pt2e_files_pass_every_target(files, name, target):
 
 def test_conv_without_kernel_shape_fails_tensorrt_only(files, tmp_path):
     model = onnx.load(str(files["resnet18"]))
-    stripped = 0
-    for node in model.graph.node:
-        if node.op_type == "Conv":
-            kept = [a for a in node.attribute if a.name != "kernel_shape"]
-            stripped += len(node.attribute) - len(kept)
-            del node.attribute[:]
-            node.attribute.extend(kept)
+    stripped = strip_kernel_shape(model)
     path = tmp_path / "no_kernel_shape.onnx"
     onnx.save(model, str(path), save_as_external_data=True, location="no_kernel_shape.onnx.data")
     trt = check_file(path, "tensorrt")

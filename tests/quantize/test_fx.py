@@ -15,14 +15,6 @@ BACKENDS = ("x86", "fbgemm", "onednn", "qnnpack")
 
 
 @pytest.fixture(scope="module")
-def resnet18_64():
-    from torchvision.models import resnet18
-
-    torch.manual_seed(0)
-    return resnet18(weights=None).eval()
-
-
-@pytest.fixture(scope="module")
 def calib_64():
     g = torch.Generator().manual_seed(1)
     return [torch.randn(4, 3, 64, 64, generator=g) for _ in range(2)]
@@ -53,10 +45,10 @@ class ConvOnly(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_resnet18_static_each_backend(backend, resnet18_64, calib_64):
+def test_resnet18_static_each_backend(backend, resnet18, calib_64):
     engine_before = torch.backends.quantized.engine
-    before = {k: v.clone() for k, v in resnet18_64.state_dict().items()}
-    q = Quantizer(backend, "static").quantize(resnet18_64, calib_64)
+    before = {k: v.clone() for k, v in resnet18.state_dict().items()}
+    q = Quantizer(backend, "static").quantize(resnet18, calib_64)
     assert torch.backends.quantized.engine == engine_before  # restored
     spec = quant_spec(q)
     assert (spec.label, spec.symmetric, spec.engine, spec.method) == ("W8A8", False, backend, "static")
@@ -66,12 +58,12 @@ def test_resnet18_static_each_backend(backend, resnet18_64, calib_64):
     assert len(fx.quantized_modules(q)) == 21
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref, out = resnet18_64(x), q(x)
+        ref, out = resnet18(x), q(x)
     err = (out - ref).abs().max().item()
     print(f"{backend}: max |int8 - fp32| = {err:.4f} (fp32 max |logit| {ref.abs().max().item():.3f})")
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert err < 0.2 * ref.abs().max().item() + 0.05  # untrained net: relative to the logit range
-    for k, v in resnet18_64.state_dict().items():  # input untouched
+    for k, v in resnet18.state_dict().items():  # input untouched
         assert torch.equal(v, before[k]), k
 
 

@@ -84,32 +84,24 @@ def quantize(model, calib, **kwargs):
 
 # -- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def small_resnet18():
-    from torchvision.models import resnet18
-
-    torch.manual_seed(0)
-    return resnet18(weights=None).eval()
-
-
-@pytest.fixture(scope="module")
 def small_calib():
     g = torch.Generator().manual_seed(1)
     return [torch.randn(2, 3, 64, 64, generator=g) for _ in range(2)]
 
 
 @pytest.fixture(scope="module")
-def per_op(small_resnet18, small_calib, tmp_path_factory):
-    q = quantize(small_resnet18, small_calib)
+def per_op(resnet18, small_calib, tmp_path_factory):
+    q = quantize(resnet18, small_calib)
     path = export_file(q, small_calib[0], tmp_path_factory.mktemp("per_op") / "per_op.onnx")
     return q, path, stats(path)
 
 
 # -- skip_conv_add ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_skip_conv_add_resnet18(small_resnet18, small_calib, per_op, tmp_path, capsys):
+def test_skip_conv_add_resnet18(resnet18, small_calib, per_op, tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = Quantizer(qdq_placement="skip_conv_add", verbose=True).quantize(small_resnet18, small_calib)
+        q = Quantizer(qdq_placement="skip_conv_add", verbose=True).quantize(resnet18, small_calib)
     assert "cleared 8 of 8 addition(s)" in capsys.readouterr().out
     skip = stats(export_file(q, small_calib[0], tmp_path / "skip.onnx"))
     base = per_op[2]
@@ -164,8 +156,8 @@ def _is_under(path: str, name: str) -> bool:
 
 
 @pytest.mark.slow
-def test_skip_activations_layer4_only(small_resnet18, small_calib, per_op, tmp_path):
-    q = quantize(small_resnet18, small_calib, skip_activations=["layer4"])
+def test_skip_activations_layer4_only(resnet18, small_calib, per_op, tmp_path):
+    q = quantize(resnet18, small_calib, skip_activations=["layer4"])
     counts = stats(export_file(q, small_calib[0], tmp_path / "skip_layer4.onnx"))
     base_q, _, base = per_op
     before, after = _quantized_producers(base_q), _quantized_producers(q)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 
@@ -33,21 +32,6 @@ def read_calibration(args: argparse.Namespace):
                          std=tuple(args.std or IMAGENET_STD))
     return read_calibration(args.calib, key=args.key, prep=prep, batch_size=args.batch_size,
                             max_samples=args.max_samples)
-
-
-def file_size(path: Path) -> int:
-    """Bytes of an ONNX file plus the external-data files it references (not stray neighbours)."""
-    import onnx
-    from onnx.external_data_helper import uses_external_data
-
-    path = Path(path)
-    model = onnx.load(str(path), load_external_data=False)
-    locations = {
-        entry.value
-        for tensor in model.graph.initializer if uses_external_data(tensor)
-        for entry in tensor.external_data if entry.key == "location"
-    }
-    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in locations)
 
 
 def verdict_line(report) -> str:

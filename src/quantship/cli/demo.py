@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from quantship.export import export_onnx, export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.intervals import format_accuracy
+    from quantship.inspect.loading import file_size
     from quantship.inspect.rules import TARGETS
     from quantship.inspect.stats import qdq_stats
     from quantship.inspect.verify import compare_logits, verify_qdq
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     fp32_acc = digits.evaluate(model, split.x_test, split.y_test)
     int8_acc = digits.evaluate(qmodel, split.x_test, split.y_test, batch_size=BATCH)
     file_acc = _ort_accuracy(int8_path, split.x_test, split.y_test)
-    fp32_size, int8_size = common.file_size(fp32_path), common.file_size(int8_path)
+    fp32_size, int8_size = file_size(fp32_path), file_size(int8_path)
     stats = qdq_stats(int8_path)
     fp32_ms, int8_ms, speedup = _latency_ratio(fp32_path, int8_path, split.x_test[:BATCH].numpy(), args.runs)
     verdicts = {t: check_file(int8_path, t) for t in TARGETS}

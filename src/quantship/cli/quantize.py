@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
+    from quantship.inspect.loading import file_size
     from quantship.inspect.stats import qdq_stats
     from quantship.inspect.verify import compare_logits
     from quantship.precision import preset
@@ -52,15 +53,16 @@ def run(args: argparse.Namespace) -> int:
         path = export_qdq(qmodel, batches[0], args.out, target=target.target, opset_version=args.opset)
         error = compare_logits(qmodel, path, batches[0])
     stats = qdq_stats(path)
+    size = file_size(path)
     verdict = check_file(path, target.check_target)
     result = {
         "version": 1, "model": args.model, "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
-        "size_bytes": common.file_size(path), "qdq_stats": stats.as_dict(),
+        "size_bytes": size, "qdq_stats": stats.as_dict(),
         "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
     }
     ui.report(result, [
-        ("file", f"{path} ({common.file_size(path) / 1e6:.2f} MB)"),
+        ("file", f"{path} ({size / 1e6:.2f} MB)"),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),

@@ -49,13 +49,14 @@ def run(args: argparse.Namespace) -> int:
 
     import onnx
     import onnx_ir as ir
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from quantship.cli.main import UsageError
     from quantship.export.kernel_shape import write_kernel_shapes
+    from quantship.export.onnx_float import CalibrationReader
     from quantship.inspect.check import check_file
-    from quantship.inspect.loading import load_onnx
+    from quantship.inspect.loading import file_size, load_onnx
     from quantship.inspect.stats import qdq_stats
     from quantship.precision import preset
 
@@ -76,17 +77,10 @@ def run(args: argparse.Namespace) -> int:
         quant_pre_process(args.float_model, str(pre))
         name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
 
-        class Reader(CalibrationDataReader):
-            def __init__(self):
-                self._items = iter({name: b} for b in batches)
-
-            def get_next(self):
-                return next(self._items, None)
-
         ui.say(f"quantizing with ONNX Runtime: QDQ, static, {activation} activations"
                f"{' (symmetric)' if symmetric else ''}, int8 weights per {'tensor' if args.per_tensor else 'channel'}")
         quantize_static(
-            str(pre), str(staged), Reader(), quant_format=QuantFormat.QDQ,
+            str(pre), str(staged), CalibrationReader(batches, name), quant_format=QuantFormat.QDQ,
             activation_type=getattr(QuantType, activation), weight_type=QuantType.QInt8,
             per_channel=not args.per_tensor,
             extra_options={"ForceQuantizeNoInputCheck": True, "ActivationSymmetric": symmetric,
@@ -103,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"version": 1, "input": args.float_model, "target": target.target, "path": str(out) if kept else None,
               "kernel_shape_written": written, "qdq_stats": stats.as_dict(), "check": verdict.as_dict()}
     ui.report(result, [
-        ("file", f"{out} ({common.file_size(out) / 1e6:.2f} MB)" if kept else "nothing written (refused)"),
+        ("file", f"{out} ({file_size(out) / 1e6:.2f} MB)" if kept else "nothing written (refused)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_uint8} uint8"),
         (f"check {target.check_target}", common.verdict_line(verdict)),

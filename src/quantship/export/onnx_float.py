@@ -64,8 +64,11 @@ def _optimize(src: Path, dst: Path) -> None:
     ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
 
 
-class _Calibration:
-    """An ONNX Runtime ``CalibrationDataReader`` over tensors or ``(x, y)`` batches."""
+class CalibrationReader:
+    """An ONNX Runtime ``CalibrationDataReader`` over tensors, arrays or ``(x, y)`` batches.
+
+    Shared by every caller of ``onnxruntime.quantization.quantize_static`` in quantship.
+    """
 
     def __init__(self, data: Iterable, input_name: str):
         self._batches = iter(data)
@@ -90,7 +93,7 @@ def _quantize(src: Path, dst: Path, mode: str, calibration_data: Iterable | None
     quant_pre_process(str(src), str(pre))
     name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
     quantize_static(
-        str(pre), str(dst), _Calibration(calibration_data, name), quant_format=QuantFormat.QDQ,
+        str(pre), str(dst), CalibrationReader(calibration_data, name), quant_format=QuantFormat.QDQ,
         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
         extra_options={"ForceQuantizeNoInputCheck": True},
     )

@@ -8,6 +8,7 @@ QDQ graph literally (no graph optimizations), in output LSB.
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import subprocess
@@ -89,6 +90,33 @@ def array_inputs(model: onnx.ModelProto, array: np.ndarray) -> list[Inputs]:
         raise ValueError(f"{len(array)} input(s) is fewer than the file's batch size {batch}")
     dtype = onnx.helper.tensor_dtype_to_np_dtype(inputs[0].type.tensor_type.elem_type)
     return [{inputs[0].name: array[i:i + batch].astype(dtype)} for i in range(0, len(array) - batch + 1, batch)]
+
+
+def ort_optimized_ops(path: str | Path) -> collections.Counter:
+    """What ONNX Runtime really runs: operator counts of the graph it builds at its default level."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return collections.Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """This CPU's model name and feature flags (Linux /proc/cpuinfo; ``('unknown', set())`` elsewhere).
+
+    x86 int8 kernels differ by flag: with VNNI/AMX u8 x s8 products accumulate in 32 bits; with
+    AVX2 alone they pass through saturating int16 pair sums.
+    """
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown", set()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return name, set(flags)
 
 
 def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = False) -> list[list[np.ndarray]]:

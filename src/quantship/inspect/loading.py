@@ -23,6 +23,14 @@ def _external_files(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
     return needed
 
 
+def file_size(path: str | Path) -> int:
+    """Bytes of an ONNX file plus the external-data files it references (not stray neighbours)."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {location for _, location, _ in _external_files(model)}
+    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in locations)
+
+
 def check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> None:
     """Refuse a model whose external weight file is missing or shorter than the model says."""
     for name, location, end in _external_files(model):
