@@ -30,6 +30,15 @@ _PUBLIC: dict[str, str] = {
     "verify_qdq": "quantship.inspect",
     "compare_logits": "quantship.inspect",
     "quant_spec_of_file": "quantship.inspect",
+    "quant_target": "quantship.precision",
+    "target_names": "quantship.precision",
+    # the error vocabulary (quantship.errors): every one a ValueError
+    "QuantshipError": "quantship.errors",
+    "SpecRefused": "quantship.errors",
+    "DataRefused": "quantship.errors",
+    "ExportRefused": "quantship.errors",
+    "TargetRefused": "quantship.errors",
+    "FileRefused": "quantship.errors",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -4,18 +4,21 @@ Every request is checked against ``SUPPORT_MATRIX`` before any work happens. A r
 backend can honour is refused with a ``ValueError`` naming the argument, the value, the backend,
 and the backends that can honour it. Nothing is ever replaced by a nearby precision.
 
-This module imports nothing else from quantship (see STYLE.md: imports flow one way).
+This module imports only ``quantship.errors`` from quantship (see STYLE.md: imports flow one way).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from quantship.errors import SpecRefused, TargetRefused
 
 FLOAT_BITS = 16  # "stays floating point" in a label: W8A16 is INT8 weight-only
 SPEC_ATTRIBUTE = "_quantship_spec"  # where a produced model carries its QuantSpec
+TARGET_ATTRIBUTE = "_quantship_target"  # and the deployment preset it was made for
 METADATA_KEY = "quantship.spec"  # the ONNX metadata_props key that carries it in a file
 
 PLACEMENTS = ("per_op", "skip_conv_add")
@@ -138,7 +141,7 @@ class QuantSpec:
     def cell(self) -> Cell:
         for c in _cells(self.backend, self.method):
             return c
-        raise ValueError(f"no support-matrix cell for backend={self.backend!r} method={self.method!r}")
+        raise SpecRefused(f"no support-matrix cell for backend={self.backend!r} method={self.method!r}")
 
     @property
     def exports(self) -> bool:
@@ -166,7 +169,7 @@ class QuantSpec:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown QuantSpec field(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise SpecRefused(f"unknown QuantSpec field(s) {sorted(unknown)}; known: {sorted(known)}")
         kwargs = dict(data)
         if kwargs.get("layer_bits") is not None:
             kwargs["layer_bits"] = tuple(sorted((str(k), int(v)) for k, v in kwargs["layer_bits"].items()))
@@ -185,7 +188,7 @@ def _resolve_method(backend: str, method: str | None, weight_bits: int | None, a
     methods = list(dict.fromkeys(c.method for c in rows))
     if method is not None and method not in methods:
         others = _backends_where(lambda c: c.method == method)
-        raise ValueError(
+        raise SpecRefused(
             f"method={method!r} is not available with backend={backend!r}. "
             f"Valid methods for {backend!r}: {methods}. {_can(others)}"
         )
@@ -204,13 +207,13 @@ def _resolve_method(backend: str, method: str | None, weight_bits: int | None, a
         )
         if not any_backend:
             known = sorted({c.label for c in SUPPORT_MATRIX})
-            raise ValueError(
+            raise SpecRefused(
                 f"weight_bits={weight_bits}, act_bits={act_bits}: no backend runs {wanted}. "
                 f"Supported precisions: {known} (16 = stays floating point)."
             )
         offered = sorted({f"{c.label} ({c.method})" for c in rows})
         what = f"method={method!r} " if method else ""
-        raise ValueError(
+        raise SpecRefused(
             f"backend={backend!r} {what}cannot run {wanted} (weight_bits={weight_bits}, "
             f"act_bits={act_bits}); it offers {offered}. {_can(any_backend)}"
         )
@@ -225,7 +228,7 @@ def _resolve_flag(name: str, value: bool | None, cell: Cell, column: str, where:
     if not isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be True or False")
     if value not in allowed:
-        raise ValueError(f"{where} cannot honour {name}={value}: {why}. "
+        raise SpecRefused(f"{where} cannot honour {name}={value}: {why}. "
                          f"{_can_at(cell, lambda c: value in getattr(c, column))}")
     return value
 
@@ -250,15 +253,15 @@ def resolve_spec(
     the backend, and the backends that can honour the request.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not a quantship backend; valid backends: {list(BACKENDS)}")
+        raise SpecRefused(f"backend={backend!r} is not a quantship backend; valid backends: {list(BACKENDS)}")
 
     layer_bits: tuple[tuple[str, int], ...] | None = None
     if isinstance(weight_bits, Mapping):
         if not weight_bits:
-            raise ValueError("weight_bits={} is empty: give an int, or a dict {layer name: 8 or 16}")
+            raise SpecRefused("weight_bits={} is empty: give an int, or a dict {layer name: 8 or 16}")
         bad = {k: v for k, v in weight_bits.items() if not isinstance(k, str) or v not in (8, FLOAT_BITS)}
         if bad:
-            raise ValueError(
+            raise SpecRefused(
                 f"weight_bits dict entries {bad} are invalid: keys are layer names (str), values are 8 "
                 f"(quantize) or {FLOAT_BITS} (leave float)"
             )
@@ -273,7 +276,7 @@ def resolve_spec(
     where = f"backend={backend!r} {cell.label} ({cell.method})"
 
     if layer_bits is not None and not cell.layer_bits:
-        raise ValueError(
+        raise SpecRefused(
             f"{where} cannot honour a per-layer weight_bits dict. "
             f"{_can(_backends_where(lambda c: c.layer_bits))}"
         )
@@ -283,8 +286,8 @@ def resolve_spec(
     elif qscheme not in cell.qschemes:
         known = sorted({q for c in SUPPORT_MATRIX for q in c.qschemes})
         if qscheme not in known:
-            raise ValueError(f"qscheme={qscheme!r} is unknown; valid values: {known}")
-        raise ValueError(
+            raise SpecRefused(f"qscheme={qscheme!r} is unknown; valid values: {known}")
+        raise SpecRefused(
             f"{where} cannot honour qscheme={qscheme!r}; it offers {list(cell.qschemes)}. "
             f"{_can_at(cell, lambda c: qscheme in c.qschemes)}"
         )
@@ -297,9 +300,9 @@ def resolve_spec(
         if group_size is None:
             group_size = cell.default_group_size or 128
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size & (group_size - 1):
-            raise ValueError(f"group_size={group_size!r} must be a positive power of two (e.g. 32, 64, 128)")
+            raise SpecRefused(f"group_size={group_size!r} must be a positive power of two (e.g. 32, 64, 128)")
     elif group_size is not None:
-        raise ValueError(
+        raise SpecRefused(
             f"group_size={group_size} only applies to qscheme='per_group'; {where} resolved "
             f"qscheme={qscheme!r}. {_can(_backends_where(lambda c: 'per_group' in c.qschemes))}"
         )
@@ -308,9 +311,9 @@ def resolve_spec(
     if backend == "pt2e":
         qdq_placement = "per_op" if qdq_placement is None else qdq_placement
         if qdq_placement not in PLACEMENTS:
-            raise ValueError(f"qdq_placement={qdq_placement!r} is unknown; valid values: {list(PLACEMENTS)}")
+            raise SpecRefused(f"qdq_placement={qdq_placement!r} is unknown; valid values: {list(PLACEMENTS)}")
     elif qdq_placement is not None:
-        raise ValueError(
+        raise SpecRefused(
             f"qdq_placement={qdq_placement!r}: {where} does not let you place Q/DQ pairs. "
             f"{_can(_backends_where(pt2e_only))}"
         )
@@ -323,7 +326,7 @@ def resolve_spec(
         if not all(isinstance(s, str) and s for s in skip):
             raise TypeError(f"skip_activations={list(skip)} must hold non-empty module names (str)")
         if backend != "pt2e":
-            raise ValueError(
+            raise SpecRefused(
                 f"skip_activations={list(skip)}: {where} cannot keep chosen activations float. "
                 f"{_can(_backends_where(pt2e_only))}"
             )
@@ -334,10 +337,10 @@ def resolve_spec(
         act_observer = cell.act_observers[0]
     elif act_observer not in cell.act_observers:
         if act_observer not in ACT_OBSERVERS:
-            raise ValueError(f"act_observer={act_observer!r} is unknown; valid values: {list(ACT_OBSERVERS)}")
+            raise SpecRefused(f"act_observer={act_observer!r} is unknown; valid values: {list(ACT_OBSERVERS)}")
         offered = [o for o in cell.act_observers if o]
         offers = f"it offers {offered}" if offered else "it uses its backend's own default observers"
-        raise ValueError(
+        raise SpecRefused(
             f"{where} cannot honour act_observer={act_observer!r}; {offers}. "
             f"{_can(_backends_where(lambda c: act_observer in c.act_observers))}"
         )
@@ -368,10 +371,18 @@ def precision_table() -> str:
     return "\n".join([head, rule, *rows])
 
 
-def tag_model(model: Any, spec: QuantSpec) -> Any:
-    """Attach ``spec`` to a produced model so the precision travels with it."""
+def tag_model(model: Any, spec: QuantSpec, target: str | None = None) -> Any:
+    """Attach ``spec`` (and the deployment preset it was made for) to a produced model, so the
+    precision and the target travel with it to ``export_qdq``."""
     setattr(model, SPEC_ATTRIBUTE, spec)
+    setattr(model, TARGET_ATTRIBUTE, canonical_target(target) if target is not None else None)
     return model
+
+
+def quant_target(model: Any) -> str | None:
+    """The deployment preset a model was quantized for (``Quantizer.for_target``), else ``None``."""
+    name = getattr(model, TARGET_ATTRIBUTE, None)
+    return name if isinstance(name, str) else None
 
 
 def quant_spec(model: Any) -> QuantSpec | None:
@@ -413,9 +424,38 @@ PRESETS: tuple[Preset, ...] = (
 )
 
 
+# Other spellings of a target, accepted by every command and function that takes one.
+TARGET_ALIASES: Mapping[str, str] = {"onnxruntime": "onnxruntime-cpu"}
+
+
+def target_names() -> tuple[str, ...]:
+    """Every accepted target name: the presets, then their aliases (the one registry the CLI reads)."""
+    return (*(p.target for p in PRESETS), *TARGET_ALIASES)
+
+
+def canonical_target(name: str) -> str:
+    """The preset name for ``name`` (an alias resolves to its preset); unknown names are refused."""
+    if isinstance(name, str):
+        if any(p.target == name for p in PRESETS):
+            return name
+        if name in TARGET_ALIASES:
+            return TARGET_ALIASES[name]
+    raise TargetRefused(f"target={name!r} is unknown; valid targets: {list(target_names())}")
+
+
 def preset(target: str) -> Preset:
-    """The preset for a deployment target; unknown targets are refused with the list."""
-    for p in PRESETS:
-        if p.target == target:
-            return p
-    raise ValueError(f"target={target!r} has no preset; valid targets: {[p.target for p in PRESETS]}")
+    """The preset for a deployment target (or one of its aliases); unknown targets are refused."""
+    name = canonical_target(target)
+    return next(p for p in PRESETS if p.target == name)
+
+
+def file_settings(p: Preset) -> tuple:
+    """What decides the file a preset writes: the resolved spec and every export option."""
+    options = tuple(sorted((k, v) for k, v in asdict(p).items() if k not in ("target", "spec_kwargs", "check_target", "why")))
+    return (resolve_spec(**p.spec_kwargs), options)
+
+
+def same_file_as(target: str) -> list[str]:
+    """The other presets that write exactly the same file as ``target`` (same spec, same options)."""
+    mine = file_settings(preset(target))
+    return [p.target for p in PRESETS if p.target != canonical_target(target) and file_settings(p) == mine]

@@ -7,6 +7,14 @@ import json
 from typing import Any
 
 
+def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None, help: str) -> None:
+    """``--target``: every command accepts every name of the one target registry (and its aliases)."""
+    from quantship.precision import target_names
+
+    parser.add_argument("--target", default=default, required=default is None, choices=target_names(),
+                        metavar="TARGET", help=f"{help}; one of {', '.join(target_names())}")
+
+
 def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib", required=True, metavar="DATA",
                         help=".npy/.npz array (N x C x H x W) or a folder of images")

@@ -16,8 +16,7 @@ BATCH = 40  # divides the 360 held-out images; the graph is captured at this bat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="onnxruntime-cpu",
-                        help="deployment preset (onnxruntime-cpu, tensorrt, openvino, tigris)")
+    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
     parser.add_argument("--out-dir", default="quantship-demo", help="where the FP32 and INT8 files are written")
     parser.add_argument("--runs", type=int, default=20, help="interleaved timed runs per file")
     common.add_output_arguments(parser)

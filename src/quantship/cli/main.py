@@ -1,6 +1,7 @@
 """Entry point: parse the subcommand, import its module only when it runs.
 
-Exit codes: 0 ok, 1 a check failed, 2 bad input (one line on stderr, no traceback).
+Exit codes: 0 ok, 1 a check failed, 2 bad input or a refusal (one line on stderr, no traceback
+unless ``--debug``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="PyTorch to deployable INT8 QDQ ONNX, with every claim checked on the file.",
     )
     parser.add_argument("--version", action="version", version=f"quantship {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -48,6 +50,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _describe(exc: BaseException) -> str:
+    from quantship.errors import QuantshipError, cause, one_line
+
+    if isinstance(exc, (UsageError, QuantshipError)):
+        return one_line(exc)
+    if isinstance(exc, PermissionError):
+        return f"permission denied: {exc.filename or one_line(exc)}"
+    if isinstance(exc, (ValueError, OSError)):
+        return one_line(exc)
+    return f"{cause(exc)} (unexpected; run with --debug for the traceback)"
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout was closed by the reader (``quantship ... | head``): stop without a traceback."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -57,16 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
-    mod = importlib.import_module(f"quantship.cli.{args._module}")
     try:
-        return int(mod.run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError, IsADirectoryError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"quantship {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        mod = importlib.import_module(f"quantship.cli.{args._module}")
+        code = int(mod.run(args) or 0)
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"quantship {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except Exception as exc:  # the one place an error becomes an exit code; no traceback unless --debug
+        if args.debug:
+            raise
+        print(f"quantship {args.command}: error: {_describe(exc)}", file=sys.stderr)
+        return 2  # bad input, a refusal, or anything else: one line, never a traceback
 
 
 if __name__ == "__main__":

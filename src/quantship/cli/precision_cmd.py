@@ -13,20 +13,25 @@ def run(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from quantship.precision import PRESETS, SUPPORT_MATRIX, precision_table
+    from quantship import __version__
+    from quantship.precision import PRESETS, SUPPORT_MATRIX, TARGET_ALIASES, precision_table, same_file_as
 
     if args.json:
         print(json.dumps({
-            "version": 1,
+            "version": __version__,
             "matrix": [asdict(c) | {"label": c.label} for c in SUPPORT_MATRIX],
-            "presets": [asdict(p) for p in PRESETS],
+            "presets": [asdict(p) | {"same_graph_as": same_file_as(p.target)} for p in PRESETS],
+            "target_aliases": dict(TARGET_ALIASES),
         }, indent=2))
         return 0
     print(precision_table())
     print()
-    print("| target preset | request | activations in file | checked against |")
-    print("|---|---|---|---|")
+    print("| target preset | request | activations in file | checked against | writes the same graph as |")
+    print("|---|---|---|---|---|")
     for p in PRESETS:
         request = ", ".join(f"{k}={v!r}" for k, v in p.spec_kwargs.items())
-        print(f"| `{p.target}` | {request} | {p.activation_dtype} | {p.check_target} |")
+        twins = ", ".join(f"`{t}`" for t in same_file_as(p.target)) or "no other preset"
+        print(f"| `{p.target}` | {request} | {p.activation_dtype} | {p.check_target} | {twins} |")
+    aliases = ", ".join(f"`{a}` = `{t}`" for a, t in TARGET_ALIASES.items())
+    print(f"\nEvery command's --target accepts every name above; aliases: {aliases}.")
     return 0

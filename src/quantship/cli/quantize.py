@@ -11,8 +11,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory")
     parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
-    parser.add_argument("--target", default="onnxruntime-cpu",
-                        help="deployment preset: onnxruntime-cpu (default), tensorrt, openvino, tigris")
+    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")

@@ -23,8 +23,7 @@ _SETTINGS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("float_model", metavar="FLOAT.onnx", help="the float ONNX model to quantize")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
-    parser.add_argument("--target", default="onnxruntime-cpu", choices=sorted(_SETTINGS),
-                        help="deployment preset (default onnxruntime-cpu)")
+    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
     parser.add_argument("--per-tensor", action="store_true", help="per-tensor weights (default per channel)")
     parser.add_argument("--keep-refused", action="store_true",
                         help="keep the file even when the target's check refuses it")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from quantship.cli.main import UsageError
+from quantship.errors import one_line
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -72,8 +73,7 @@ def load_model(spec: str, weights: str | None = None):
             state = torch.load(wpath, map_location="cpu", weights_only=True)
             model.load_state_dict(state)
         except Exception as exc:  # torch raises RuntimeError/UnpicklingError for mismatches
-            first = str(exc).strip().splitlines()[0]
-            raise UsageError(f"cannot load {weights} into {spec}: {first}") from None
+            raise UsageError(f"cannot load {weights} into {spec}: {one_line(exc)}") from None
     return model.eval()
 
 

@@ -11,13 +11,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship.errors import ActivationDtypeRefused
 from quantship.inspect.stats import QDQ_OPS, constant_values
 
 SHIFT = 128
-
-
-class ActivationDtypeRefused(ValueError):
-    """The graph has an activation pair the uint8 rewrite cannot move exactly."""
 
 
 def _is_stored(value: ir.Value) -> bool:

@@ -7,11 +7,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.errors import ExportRefused, one_line
 from quantship.inspect.verify import ort_session, run_session
-
-
-class ExportRefused(ValueError):
-    """A rewrite or a post-condition did not hold on the produced graph; nothing was written."""
 
 
 def run_unoptimized(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -24,7 +21,7 @@ def check_model(model: onnx.ModelProto, what: str) -> None:
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
-        raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {str(exc).splitlines()[0]}") from exc
+        raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
 
 
 def check_identical(model: onnx.ModelProto, reference: list[np.ndarray], inputs: list[np.ndarray], what: str) -> None:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from quantship.errors import KernelShapeRefused
+
 # ops a Conv weight may pass through on its way from the stored integer tensor
 _WEIGHT_CHAIN = frozenset({"DequantizeLinear", "QuantizeLinear", "Identity", "Cast"})
-
-
-class KernelShapeRefused(ValueError):
-    """A Conv's weight shape cannot be read from the file, or contradicts its kernel_shape."""
 
 
 def _weight_shape(value: ir.Value) -> tuple[int, ...] | None:

@@ -11,16 +11,14 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
+from quantship.errors import OpsetRefused
+
 # operators whose only change at opset 18 is axes: attribute -> optional input
 AXES_MOVED_AT_18 = frozenset({
     "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
     "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
 })
 LOWEST_OPSET = 17
-
-
-class OpsetRefused(ValueError):
-    """The graph cannot declare the requested opset without changing what it computes."""
 
 
 def _since(op_type: str, opset: int) -> int | None:

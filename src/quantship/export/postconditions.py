@@ -6,7 +6,7 @@ from pathlib import Path
 
 import onnx
 
-from quantship.export.checks import ExportRefused
+from quantship.errors import ExportRefused
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import QuantSpec
 

@@ -30,7 +30,7 @@ from quantship.export.metadata import write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
-from quantship.precision import QuantSpec
+from quantship.precision import QuantSpec, preset, quant_target
 
 
 @dataclass
@@ -135,10 +135,16 @@ def export_qdq(
     ``activation_dtype``: ``'int8'`` (default; zero-point as quantized) or ``'uint8'`` (activation
     zero-points shifted by 128, same scales; weights stay int8). ``target`` takes the activation
     dtype from the deployment preset, records the target, and refuses a file that target's rules
-    would not accept. Refusals raise ``ValueError`` and
+    would not accept; when not given, the preset the model was quantized for
+    (``Quantizer.for_target``) is used. Refusals raise ``quantship.errors.ExportRefused`` (a
+    ``ValueError``) and
     leave nothing at ``path`` (a file already there is kept as it was).
     """
     spec = exportable_spec(model)
+    if target is None:  # the preset the model was quantized for travels with it, unless an explicit
+        travelled = quant_target(model)  # activation_dtype asks for another file
+        if travelled is not None and activation_dtype in (None, preset(travelled).activation_dtype):
+            target = travelled
     dtype = resolve_activation_dtype(activation_dtype, target)
     _check_opset(opset_version)
     with artifact.atomic_destination(path) as staged:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from quantship.errors import ExportRefused
 from quantship.precision import QuantSpec, preset, quant_spec
 
 ACTIVATION_DTYPES = ("int8", "uint8")
@@ -34,12 +35,12 @@ def exportable_spec(model: Any) -> QuantSpec:
     spec = quant_spec(model)
     if spec is None:
         if has_pt2e_ops(model):
-            raise ValueError(
+            raise ExportRefused(
                 "export_qdq: this graph carries pt2e quantize/dequantize operators but no quantship spec, "
                 "so the file could not say what precision it holds. Quantize it with "
                 "quantship.Quantizer(backend='pt2e') (which tags the result), then export it."
             )
-        raise ValueError(
+        raise ExportRefused(
             f"export_qdq: {type(model).__name__} carries no quantship precision spec: it is a float model "
             "(or was quantized outside quantship). Export a float model with quantship.export_onnx, or "
             "quantize it first with quantship.Quantizer(backend='pt2e')."
@@ -50,7 +51,7 @@ def exportable_spec(model: Any) -> QuantSpec:
     if why is None:  # the FX backends
         why = (f"FX graph mode ({spec.backend}) converts to affine uint8 quantized kernels that the dynamo "
                "exporter cannot translate into a QDQ graph")
-    raise ValueError(
+    raise ExportRefused(
         f"export_qdq cannot write this model: it was quantized {spec.label} ({spec.method}) with "
         f"backend={spec.backend!r}. {why}. Quantize with quantship.Quantizer(backend='pt2e') for a graph "
         "export_qdq can write."
@@ -60,12 +61,12 @@ def exportable_spec(model: Any) -> QuantSpec:
 def resolve_activation_dtype(activation_dtype: str | None, target: str | None) -> str:
     """``activation_dtype`` as given, else the target preset's, else ``'int8'``; conflicts are refused."""
     if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"activation_dtype={activation_dtype!r} is not supported; valid values: {list(ACTIVATION_DTYPES)}")
+        raise ExportRefused(f"activation_dtype={activation_dtype!r} is not supported; valid values: {list(ACTIVATION_DTYPES)}")
     if target is None:
         return activation_dtype or "int8"
     wanted = preset(target).activation_dtype
     if activation_dtype is not None and activation_dtype != wanted:
-        raise ValueError(
+        raise ExportRefused(
             f"activation_dtype={activation_dtype!r} conflicts with target={target!r}, whose preset writes "
             f"{wanted!r} activations: drop one of the two arguments"
         )

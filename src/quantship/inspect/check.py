@@ -95,7 +95,7 @@ def findings_for(facts: QuantFacts, target_name: str) -> list[Finding]:
 
 def check_file(path: str | Path, target: str, run: bool = False, n_inputs: int = 20) -> CheckReport:
     """Check ``path`` against ``target``'s rules; with ``run`` also run the consumer on it."""
-    get_target(target)  # refuse an unknown target before reading anything
+    target = get_target(target).name  # refuse an unknown target before reading anything; resolve aliases
     view = GraphView.of(load_onnx(path))
     facts = quant_facts(view)
     report = CheckReport(str(path), target, facts.format, findings_for(facts, target),

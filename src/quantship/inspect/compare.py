@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from quantship.errors import one_line
 from quantship.inspect.consumers import (
     array_inputs,
     lsb_between,
@@ -69,6 +70,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
     random data overstates what quantization costs a model calibrated on real data.
     """
     tgt = get_target(target)
+    target = tgt.name  # an alias or preset name reads its rule table's name
     if n_inputs < 1:
         raise ValueError(f"n_inputs={n_inputs}: compare needs at least one input")
     float_model, int8_model = load_onnx(float_path), load_onnx(int8_path)
@@ -100,7 +102,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
             report.rows.append(CompareRow(label, None, None, f"{tgt.consumer} cannot run on this machine"))
             return report
     except Exception as exc:  # the target refusing the file is a result, not a crash
-        report.rows.append(CompareRow(label, None, None, str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__))
+        report.rows.append(CompareRow(label, None, None, one_line(exc, 200)))
         return report
     report.rows.append(CompareRow(label, *lsb_between(int8_ort, candidate, scales)))
     return report

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.errors import cause
 from quantship.inspect.lsb import lsb_error, output_scales
 from quantship.inspect.rules import target as get_target
 
@@ -210,6 +211,7 @@ def lsb_between(reference: list[list[np.ndarray]], candidate: list[list[np.ndarr
 def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 0) -> RunResult:
     """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime."""
     tgt = get_target(target)
+    target = tgt.name  # an alias or preset name reads its rule table's name
     model = onnx.load(str(path), load_external_data=False)
     runners: dict[str, Callable[[list[Inputs]], list[list[np.ndarray]]]] = {
         "onnxruntime": lambda feeds: run_onnxruntime(path, feeds, optimize=True),
@@ -241,5 +243,4 @@ def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 
 
 
 def _first(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+    return cause(exc)

@@ -151,7 +151,10 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 
 
 def target(name: str) -> Target:
-    """The rule table for ``name``; unknown targets are refused with the list."""
-    if name not in TARGETS:
-        raise ValueError(f"target={name!r} is unknown; valid targets: {list(TARGETS)}")
-    return TARGETS[name]
+    """The rule table for ``name``: a rule-table name or any deployment target name or alias
+    (``precision.target_names()``); unknown names are refused with the list."""
+    if isinstance(name, str) and name in TARGETS:
+        return TARGETS[name]
+    from quantship.precision import preset
+
+    return TARGETS[preset(name).check_target]

@@ -132,6 +132,7 @@ class QuantizeCallback(Callback):
     def __init__(self, quantizer: Any = None, backend: str = "x86", verbose: bool = False):
         super().__init__()
         self.spec = qat_spec(quantizer, backend)
+        self.target = getattr(quantizer, "target", None)  # a for_target preset travels to the model
         self.verbose = verbose
         self.prepared: nn.Module | None = None
 
@@ -161,7 +162,7 @@ class QuantizeCallback(Callback):
             converted = self._convert_pt2e(self.prepared)
         else:
             converted = self._convert_fx(self.prepared)
-        self.learn.model = tag_model(converted, self.spec)
+        self.learn.model = tag_model(converted, self.spec, self.target)
         self.prepared = None
 
     # -- preparation -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule
 
+from quantship.errors import SpecRefused, cause
 from quantship.precision import FLOAT_BITS, QuantSpec
 from quantship.quantize.calibration import run_batches
 
@@ -174,10 +175,9 @@ def _trace(step: Callable[[], GraphModule], spec: QuantSpec, model: nn.Module) -
     try:
         return step()
     except (torch.fx.proxy.TraceError, TypeError, NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
+        raise SpecRefused(
             f"backend={spec.backend!r} could not trace {type(model).__name__} with torch.fx "
-            f"({type(exc).__name__}: {first}). FX needs a symbolically traceable forward: remove "
+            f"({cause(exc)}). FX needs a symbolically traceable forward: remove "
             "data-dependent control flow, or use backend='pt2e' (torch.export)."
         ) from exc
 

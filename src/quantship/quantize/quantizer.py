@@ -57,7 +57,7 @@ class Quantizer:
             skip_activations=skip_activations, act_observer=act_observer, reduce_range=reduce_range,
         )
         self.verbose = verbose
-        self.target: str | None = None
+        self.target: str | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
                 "symmetric=False: activations are affine, so the exported file will carry non-zero "
@@ -74,7 +74,7 @@ class Quantizer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate
             q = cls(verbose=verbose, **kwargs)
-        q.target = target
+        q.target = p.target  # the preset's own name, whatever alias was given
         return q
 
     def __repr__(self) -> str:
@@ -108,4 +108,4 @@ class Quantizer:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
         quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose)
-        return tag_model(quantized, spec)
+        return tag_model(quantized, spec, self.target)
