@@ -118,6 +118,10 @@ def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
             raise ExportRefused(
                 f"dynamic_batch=True: this pt2e graph runs one batch size only ({reason}). Export it with "
                 "dynamic_batch=False at that batch, or make the model's batch symbolic and quantize again.")
+    fixed, batch = capture.static_batch_of(model), int(capture.as_inputs(sample)[0].shape[0])
+    if not dynamic_batch and fixed and fixed != batch:
+        raise ExportRefused(f"the sample holds {batch} input(s), but this pt2e graph runs batch {fixed} only "
+                            f"({capture.static_batch_reason(model)}): export it with a sample of {fixed}")
     try:
         proto = capture.dynamo_export(
             model, sample, opset_version=max(opset_version, capture.EXPORTER_OPSET), dynamic_batch=dynamic_batch,
