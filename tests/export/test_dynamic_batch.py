@@ -63,6 +63,9 @@ def test_static_capture_asked_for_a_dynamic_file_is_refused_with_the_guard(tmp_p
     assert "dynamic_batch=True" in message and "captured at batch 8" in message
     assert "test_dynamic_batch.py:" in message and "reshape(8, -1)" in message
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="runs batch 8 only"):
+        export_qdq(q, torch.randn(4, 1, 8, 8), tmp_path / "s.onnx", dynamic_batch=False)
+    assert list(tmp_path.iterdir()) == []
     path = export_qdq(q, torch.randn(8, 1, 8, 8), tmp_path / "s.onnx", dynamic_batch=False)
     assert _batch_dim(path) == 8
 
