@@ -4,6 +4,8 @@ Every file of one (model, batch) case is timed in ONE process, interleaved round
 warm-up, so the ratios are measured side by side. It also reads what ONNX Runtime really runs
 (its optimized graph) and counts the fused kernels. Results go to stdout and to BENCHMARKS.md.
 
+The same files (one symbolic-batch file per preset, FP32 and ORT's) are timed at every batch size.
+
     python bench/latency.py [--models resnet18 mobilenet_v2] [--batches 1 8] [--runs 20]
 """
 
@@ -80,39 +82,52 @@ def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], recipe: str) -
     return out
 
 
-def _files_for(model_name: str, batch: int, workdir: Path, calib_batches: int) -> tuple[dict[str, Path], dict[str, str]]:
+CALIB_BATCH = 8  # calibration batch; the files it gives serve every timed batch (tigris: batch 1 only)
+
+
+def _files_for(model_name: str, workdir: Path, calib_batches: int) -> tuple[dict[str, Path], dict[str, object]]:
+    """Every file of one model, written once: FP32 and ORT's files (any batch), quantship's presets."""
     import torchvision
 
     from quantship import Quantizer, export_onnx, export_qdq
-    from quantship.inspect.verify import compare_logits
     from quantship.precision import PRESETS
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()
     gen = torch.Generator().manual_seed(1)
-    calib = [torch.randn(batch, 3, 224, 224, generator=gen) for _ in range(calib_batches)]
-    sample = torch.randn(batch, 3, 224, 224, generator=gen)
+    calib = [torch.randn(CALIB_BATCH, 3, 224, 224, generator=gen) for _ in range(calib_batches)]
     files: dict[str, Path] = {}
-    files["FP32"] = export_onnx(model, sample, workdir / f"{model_name}_b{batch}_fp32.onnx", dynamic_batch=False)
-    by_graph: dict[str, tuple[list[str], Path, str]] = {}  # identical graphs are timed once
+    files["FP32"] = export_onnx(model, calib[0], workdir / f"{model_name}_fp32.onnx", dynamic_batch=True)
+    by_graph: dict[str, tuple[list[str], Path, object]] = {}  # identical graphs are timed once
     for p in PRESETS:
-        qmodel = Quantizer.for_target(p.target).quantize(model, calib, max_calibration_samples=batch * calib_batches)
-        path = export_qdq(qmodel, sample, workdir / f"{model_name}_b{batch}_{p.target}.onnx", target=p.target)
+        qmodel = Quantizer.for_target(p.target).quantize(model, calib, max_calibration_samples=CALIB_BATCH * calib_batches)
+        path = export_qdq(qmodel, calib[0], workdir / f"{model_name}_{p.target}.onnx", target=p.target)
         digest = hashlib.sha256(onnx.load(str(path)).graph.SerializeToString()).hexdigest()
-        if digest not in by_graph:
-            literal = compare_logits(qmodel, path, sample).max_lsb
-            fused = compare_logits(qmodel, path, sample, optimized=True).max_lsb
-            by_graph[digest] = ([], path, f"{literal:.0f} / {fused:.0f}")
-        by_graph[digest][0].append(p.target)
-    parity: dict[str, str] = {}
-    for targets, path, lsb in by_graph.values():
+        by_graph.setdefault(digest, ([], path, qmodel))[0].append(p.target)
+    qmodels: dict[str, object] = {}
+    for targets, path, qmodel in by_graph.values():
         name = "quantship " + " = ".join(targets)
-        files[name], parity[name] = path, lsb
+        files[name], qmodels[name] = path, qmodel
     np_calib = [c.numpy() for c in calib]
     for recipe in _ort_recipes():
         files[f"ORT quantize_static {recipe}"] = _ort_quantize(
-            files["FP32"], workdir / f"{model_name}_b{batch}_ort_{recipe.replace(' ', '_')}.onnx", np_calib, recipe)
-    return files, parity
+            files["FP32"], workdir / f"{model_name}_ort_{recipe.replace(' ', '_')}.onnx", np_calib, recipe)
+    return files, qmodels
+
+
+def _serves(path: Path, batch: int) -> bool:
+    """Whether the file's input takes ``batch`` (a symbolic batch dimension takes any)."""
+    dim = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
+    return not dim.HasField("dim_value") or dim.dim_value == batch
+
+
+def _parity(qmodel: object, path: Path, batch: int) -> str:
+    from quantship.inspect.verify import compare_logits
+
+    sample = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(2))
+    literal = compare_logits(qmodel, path, sample).max_lsb
+    fused = compare_logits(qmodel, path, sample, optimized=True).max_lsb
+    return f"{literal:.0f} / {fused:.0f}"
 
 
 def _time(files: dict[str, Path], batch: int, runs: int, warmup: int) -> dict[str, list[float]]:
@@ -144,15 +159,21 @@ def _size_mb(path: Path) -> float:
     return total / 1e6
 
 
-def run_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int) -> list[Row]:
-    files, parity = _files_for(model_name, batch, workdir, calib_batches)
-    times = _time(files, batch, runs, warmup)
-    fp32 = float(np.median(times["FP32"]))
+def run_case(model_name: str, batches: list[int], runs: int, warmup: int, workdir: Path,
+             calib_batches: int) -> list[Row]:
+    """The same files timed at every batch size (a static file only at its own batch)."""
+    files, qmodels = _files_for(model_name, workdir, calib_batches)
     rows = []
-    for name, path in files.items():
-        t = times[name]
-        rows.append(Row(model_name, batch, name, float(np.median(t)), float(np.min(t)), float(np.max(t)),
-                        fp32 / float(np.median(t)), _census(path), _size_mb(path), parity.get(name, "")))
+    for batch in batches:
+        usable = {name: path for name, path in files.items() if _serves(path, batch)}
+        times = _time(usable, batch, runs, warmup)
+        fp32 = float(np.median(times["FP32"]))
+        for name, path in usable.items():
+            t = times[name]
+            parity = _parity(qmodels[name], path, batch) if name in qmodels else ""
+            rows.append(Row(model_name, batch, name, float(np.median(t)), float(np.min(t)), float(np.max(t)),
+                            fp32 / float(np.median(t)), _census(path), _size_mb(path), parity))
+        print(_table([r for r in rows if r.batch == batch]), flush=True)
     return rows
 
 
@@ -201,15 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model_name in args.models:
-            for batch in args.batches:
-                print(f"[{model_name} batch {batch}] quantizing, exporting, timing {args.runs} rounds...", flush=True)
-                rows += run_case(model_name, batch, args.runs, args.warmup, Path(tmp), args.calib_batches)
-                print(_table([r for r in rows if r.model == model_name and r.batch == batch]), flush=True)
+            print(f"[{model_name}] quantizing and exporting once, timing each file at batch "
+                  f"{', '.join(map(str, args.batches))} ({args.runs} rounds)...", flush=True)
+            rows += run_case(model_name, args.batches, args.runs, args.warmup, Path(tmp), args.calib_batches)
     text = "\n".join([
         "# Benchmarks", "",
         "Generated by `python bench/latency.py`; do not edit by hand. ONNX Runtime CPU execution provider,",
         "default session options; untrained torchvision models (`weights=None`, seed 0) at 224x224,",
-        f"random calibration ({args.calib_batches} batches). Each (model, batch) case: {args.warmup} warm-up",
+        f"random calibration ({args.calib_batches} batches of {CALIB_BATCH}). Each model's files are written once",
+        "with a symbolic batch (FP32, ORT's, the quantship presets; tigris is a static batch-1 file) and the",
+        f"same files are timed at every batch size. Each (model, batch) case: {args.warmup} warm-up",
         f"runs, then {args.runs} interleaved rounds in one process; median and min-max per file. `fused Conv`",
         "counts QLinearConv over all convolutions in ONNX Runtime's optimized graph. `LSB vs torch`: max error",
         "of the file against the torch quantized model on the sample batch, in output LSB, with ORT's",

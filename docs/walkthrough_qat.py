@@ -21,7 +21,7 @@ from quantship.examples import digits
 from quantship.inspect import compare_logits, verify_qdq
 from quantship.inspect.intervals import format_accuracy
 
-BS = 60  # divides the 360 held-out images: a graph captured by torch.export runs one batch size
+BS = 60  # pt2e captures a symbolic batch, so any BS works (a shorter last batch too); 60 divides 360
 
 
 def learner(split, model, bs=BS):
@@ -34,13 +34,6 @@ def learner(split, model, bs=BS):
 def main(out_dir: Path) -> None:
     split = digits.load_split()
     base = digits.trained_model()
-
-    # pt2e refuses before training when the loaders yield two batch sizes (360 = 7 x 50 + 10)
-    try:
-        with learner(split, copy.deepcopy(base), bs=50).no_logging():
-            learner(split, copy.deepcopy(base), bs=50).fit(1, 1e-3, cbs=QuantizeCallback(backend="pt2e"))
-    except ValueError as refusal:
-        print("refused:", str(refusal).splitlines()[-1].strip())
 
     arms = {}
     for name, cbs in [("FP32", []), ("x86 QAT", [QuantizeCallback(backend="x86")]),

@@ -22,7 +22,7 @@ from quantship.inspect import compare_logits, quant_spec_of_file
 def main(out_dir: Path) -> None:
     torch.manual_seed(0)
     model = resnet18(weights=None).eval()
-    batch = 8  # torch.export captures one batch size: calibrate, export and serve with it
+    batch = 8  # the calibration batch; pt2e captures a symbolic batch, export_qdq writes the sample's batch
     calibration = [torch.randn(batch, 3, 224, 224) for _ in range(4)]
     sample = torch.randn(batch, 3, 224, 224)
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters")

@@ -409,18 +409,19 @@ class Preset:
     activation_dtype: str = "int8"
     check_target: str = ""  # the deployability rule set the file must pass
     why: str = ""
+    dynamic_batch: bool = False  # True: the file serves any batch; False: a static batch-1 file
 
 
 PRESETS: tuple[Preset, ...] = (
     Preset("onnxruntime-cpu", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8", "onnxruntime",
            "uint8 affine activations let ONNX Runtime fuse every Conv/Gemm/Add into integer kernels; "
-           "7-bit weights keep its u8s8 kernels from saturating on x86 CPUs without VNNI"),
+           "7-bit weights keep its u8s8 kernels from saturating on x86 CPUs without VNNI", dynamic_batch=True),
     Preset("tensorrt", {"backend": "pt2e", "symmetric": True}, "int8", "tensorrt",
-           "TensorRT accepts only int8 with zero-point 0"),
+           "TensorRT accepts only int8 with zero-point 0", dynamic_batch=True),
     Preset("openvino", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8", "openvino",
-           "uint8 activation files compile on CPU without a precision hint"),
+           "uint8 activation files compile on CPU without a precision hint", dynamic_batch=True),
     Preset("tigris", {"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"}, "int8", "tigris",
-           "per-tensor int8 activations, fully quantized: one dtype for the whole plan"),
+           "per-tensor int8 activations, fully quantized: one dtype for the whole plan", dynamic_batch=False),
 )
 
 

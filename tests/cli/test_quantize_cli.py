@@ -24,9 +24,15 @@ def calib_npy(tmp_path_factory):
 def test_quantize_torchvision_resnet18_passes_check(calib_npy, tmp_path, capsys):
     out = tmp_path / "r18.onnx"
     code = main(["quantize", "torchvision:resnet18", "--calib", str(calib_npy), "--out", str(out),
-                 "--target", "onnxruntime-cpu", "--batch-size", "4", "--json"])
+                 "--target", "onnxruntime-cpu", "--batch-size", "3", "--json"])  # batches of 3, 3, 2
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and out.is_file()
+    assert report["batch"] == "any"
+    from quantship.inspect.verify import ort_session, run_session
+
+    for n in (1, 32):  # --batch-size is the calibration batch only: the file serves any batch
+        x = np.random.default_rng(n).standard_normal((n, 3, 64, 64)).astype(np.float32)
+        assert run_session(ort_session(out, optimized=True), [x])[0].shape == (n, 1000)
     assert report["check"]["ok"] is True and report["qdq_stats"]["n_per_channel"] == 21
     assert report["spec"]["reduce_range"] is True and report["qdq_stats"]["n_uint8"] > 0
     assert main(["check", str(out), "--target", "onnxruntime"]) == 0
@@ -50,6 +56,51 @@ def test_quantize_python_factory_and_weights(tmp_path, capsys):
                  "--target", "tensorrt", "--batch-size", "2", "--quiet"])
     assert code == 0 and out.is_file()
     assert "check tensorrt" in capsys.readouterr().out
+
+
+FACTORY = ("import torch.nn as nn\n"
+           "def build():\n"
+           "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), "
+           "nn.Linear(4, 2))\n")
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(3)
+    for i in range(5):
+        Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return folder
+
+
+@pytest.mark.parametrize("target, batch", [("tensorrt", "any"), ("tigris", 1)])
+def test_quantize_from_an_image_folder(target, batch, image_folder, tmp_path, capsys):
+    """Images load HWC; the calibration batches (2, 2, 1) must reach the model contiguous, or the global
+    average pool keeps a float mean and the tensorrt/tigris checks refuse the file."""
+    src = tmp_path / "net.py"
+    src.write_text(FACTORY)
+    out = tmp_path / "m.onnx"
+    code = main(["quantize", f"{src}:build", "--calib", str(image_folder), "--resize", "16", "--crop", "16",
+                 "--out", str(out), "--target", target, "--batch-size", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["check"]["ok"] is True and report["batch"] == batch
+
+
+def test_static_batch_option(image_folder, tmp_path, capsys):
+    from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, load_images
+
+    assert load_images(str(image_folder), Preprocessing(16, 16, IMAGENET_MEAN, IMAGENET_STD), 5).flags.c_contiguous
+    src = tmp_path / "net.py"
+    src.write_text(FACTORY)
+    out = tmp_path / "m.onnx"
+    code = main(["quantize", f"{src}:build", "--calib", str(image_folder), "--resize", "16", "--crop", "16",
+                 "--out", str(out), "--static-batch", "3", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["batch"] == 3
+    assert main(["quantize", f"{src}:build", "--calib", str(image_folder), "--resize", "16", "--crop", "16",
+                 "--out", str(out), "--static-batch", "9"]) == 2
+    assert "--static-batch 9" in capsys.readouterr().err
 
 
 def test_quantize_onnx_for_tigris_fits(tmp_path, capsys):

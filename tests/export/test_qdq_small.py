@@ -78,10 +78,11 @@ def test_skip_conv_add_leaves_bare_edges(tiny_calib, tmp_path):
     assert stats.n_nonzero_zero_point == 0
 
 
-def test_dynamic_batch_is_refused_for_a_pt2e_graph(tiny_pt2e, tiny_calib, tmp_path):
-    with pytest.raises(ValueError, match="batch dimension stays fixed at 8"):
-        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "d.onnx", dynamic_batch=True)
-    _only(tmp_path)
+def test_dynamic_batch_writes_a_symbolic_batch(tiny_pt2e, tiny_calib, tmp_path):
+    path = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "d.onnx", dynamic_batch=True)
+    assert onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    assert _outputs(path, torch.randn(3, 1, 32, 32)).shape == (3, 10)
+    _only(tmp_path, "d.onnx")
 
 
 @pytest.mark.parametrize("spec_kwargs, words", [

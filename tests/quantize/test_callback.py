@@ -90,20 +90,45 @@ def test_qat_spec_from_quantizer():
         qat_spec(Quantizer("fbgemm"), "pt2e")
 
 
-def test_pt2e_refuses_uneven_batches_before_training(split):
+class FixedBatchDigits(torch.nn.Module):
+    """The digits model with its batch size (64) baked into a reshape: torch.export must keep it static."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = digits.build_model()
+
+    def forward(self, x):
+        return self.net(x).reshape(64, 10)
+
+
+def test_pt2e_refuses_uneven_batches_before_training_when_the_capture_is_static(split):
     seen = []
 
     class CountBatches(Callback):
         def before_batch(self):
             seen.append(1)
 
-    learn = make_learner(split, digits.build_model(), bs=64)  # 360 = 5 x 64 + 40
+    learn = make_learner(split, FixedBatchDigits(), bs=64)  # 360 = 5 x 64 + 40
     with pytest.raises(ValueError) as info:
         with learn.no_logging():
             learn.fit(1, 1e-3, cbs=[QuantizeCallback(backend="pt2e"), CountBatches()])
     message = str(info.value)
-    assert "batch" in message and "[40, 64]" in message and "drop_last" in message
+    assert "static batch of 64" in message and "[40, 64]" in message and "drop_last" in message
+    assert "test_callback.py:" in message and "reshape(64, 10)" in message  # the line that fixed the batch
     assert seen == []  # refused before the first batch
+
+
+@pytest.mark.slow
+def test_pt2e_qat_takes_a_shorter_last_batch_when_the_capture_is_symbolic(split):
+    set_seed(0)
+    learn = make_learner(split, digits.build_model(), bs=64, n_train=2 * 64)  # valid: 360 = 5 x 64 + 40
+    assert loader_batch_sizes(learn.dls.valid) == {40, 64}
+    with learn.no_logging():
+        learn.fit(1, 1e-3, cbs=[QuantizeCallback(backend="pt2e")])
+    model = learn.model
+    assert quant_spec(model).method == "qat"
+    for n in (1, 40, 64):
+        assert model(split.x_test[:n]).shape == (n, 10)
 
 
 @pytest.mark.parametrize("backend", ["x86", "pt2e"])

@@ -20,7 +20,7 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
                         help=".npy/.npz array (N x C x H x W) or a folder of images")
     parser.add_argument("--key", help="array name inside a .npz file")
     parser.add_argument("--batch-size", type=int, default=8,
-                        help="calibration and capture batch size (the file runs at this batch size)")
+                        help="calibration batch size: how the data is fed, not the batch the file serves")
     parser.add_argument("--max-samples", type=int, default=100, help="calibration samples used at most")
     parser.add_argument("--resize", type=int, default=256, help="image folders: shorter side resized to this")
     parser.add_argument("--crop", type=int, default=224, help="image folders: centre crop size")
@@ -33,13 +33,13 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print only the final report")
 
 
-def read_calibration(args: argparse.Namespace):
+def read_calibration(args: argparse.Namespace, *, keep_last: bool = False):
     from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, read_calibration
 
     prep = Preprocessing(resize=args.resize, crop=args.crop, mean=tuple(args.mean or IMAGENET_MEAN),
                          std=tuple(args.std or IMAGENET_STD))
     return read_calibration(args.calib, key=args.key, prep=prep, batch_size=args.batch_size,
-                            max_samples=args.max_samples)
+                            max_samples=args.max_samples, keep_last=keep_last)
 
 
 def verdict_line(report) -> str:

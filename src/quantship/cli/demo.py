@@ -89,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
         qmodel = Quantizer.for_target(target.target, verbose=ui.verbose).quantize(
             model, calibration, max_calibration_samples=200)
         fp32_path = export_onnx(model, split.x_test[:BATCH], out_dir / "digits_fp32.onnx", dynamic_batch=False)
+        # the demo feeds batches of BATCH: a preset's static file (tigris) is written at that batch here
         int8_path = export_qdq(qmodel, split.x_test[:BATCH], out_dir / f"digits_int8_{target.target}.onnx",
-                               target=target.target)
+                               target=target.target, dynamic_batch=None if target.dynamic_batch else False)
         agreement = verify_qdq(qmodel, int8_path, split.x_test, n_batches=len(split.y_test) // BATCH)
         error = compare_logits(qmodel, int8_path, split.x_test, n_batches=len(split.y_test) // BATCH)
 

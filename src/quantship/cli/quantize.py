@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
+    parser.add_argument("--static-batch", type=int, metavar="N",
+                        help="write a file fixed at batch N (default: the file serves any batch; tigris: batch 1)")
     common.add_calibration_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -41,31 +43,61 @@ def run(args: argparse.Namespace) -> int:
                          "models stay in PyTorch (use the Python API for them)")
     if args.opset not in (17, 18):
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
+    if args.static_batch is not None and args.static_batch < 1:
+        raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
     model = load_model(args.model, args.weights)
-    batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
-    ui.say(f"calibration: {len(batches)} batch(es) of {batches[0].shape[0]} from {args.calib}")
+    batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
+    ui.say(f"calibration: {sum(len(b) for b in batches)} sample(s) in {len(batches)} batch(es) of up to "
+           f"{args.batch_size} from {args.calib}")
+    sample, dynamic = _export_sample(batches, args.static_batch)
     overrides = {"qscheme": args.qscheme} if args.qscheme else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
         qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples)
-        path = export_qdq(qmodel, batches[0], args.out, target=target.target, opset_version=args.opset)
-        error = compare_logits(qmodel, path, batches[0])
+        path = export_qdq(qmodel, sample, args.out, target=target.target, opset_version=args.opset,
+                          dynamic_batch=dynamic)
+        served = _file_batch(path)
+        error = compare_logits(qmodel, path, sample if served is None else sample[:served])
     stats = qdq_stats(path)
     size = file_size(path)
     verdict = check_file(path, target.check_target)
     result = {
         "version": 1, "model": args.model, "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
-        "size_bytes": size, "qdq_stats": stats.as_dict(),
+        "size_bytes": size, "batch": "any" if served is None else served, "qdq_stats": stats.as_dict(),
         "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
     }
     ui.report(result, [
         ("file", f"{path} ({size / 1e6:.2f} MB)"),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
+        ("batch", "any (symbolic 'batch' dimension)" if served is None else f"static {served}"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", str(error)),
         (f"check {target.check_target}", common.verdict_line(verdict)),
     ])
     return 0 if verdict.ok else 1
+
+
+def _export_sample(batches, static_batch: int | None):
+    """The export sample and dynamic_batch: the preset's choice, or a static file at ``--static-batch N``."""
+    import torch
+
+    from quantship.cli.main import UsageError
+
+    if static_batch is None:
+        return batches[0], None
+    samples = torch.cat(batches)
+    if len(samples) < static_batch:
+        raise UsageError(f"--static-batch {static_batch}: the calibration data holds {len(samples)} sample(s); "
+                         "give at least that many, or a smaller --static-batch")
+    return samples[:static_batch], False
+
+
+def _file_batch(path) -> int | None:
+    """The file's static batch, or None when its batch dimension is symbolic."""
+    import onnx
+
+    dim = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
+    return dim.dim_value if dim.HasField("dim_value") else None

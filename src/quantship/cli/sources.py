@@ -143,25 +143,29 @@ def load_images(folder: str, prep: Preprocessing, limit: int) -> np.ndarray:
         img = img.crop((left, top, left + prep.crop, top + prep.crop))
         arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1) / 255.0
         out.append((arr - mean) / std)
-    return np.stack(out)
+    # numpy keeps the HWC layout of each image through the transpose and the stack: a channels-last
+    # array (and a different exported graph); the model input is N x C x H x W in C order
+    return np.ascontiguousarray(np.stack(out))
 
 
-def calibration_batches(array: np.ndarray, batch_size: int, max_samples: int) -> list[np.ndarray]:
-    """Whole batches of ``batch_size`` (the captured batch size) up to ``max_samples``."""
+def calibration_batches(array: np.ndarray, batch_size: int, max_samples: int, *,
+                        keep_last: bool = False) -> list[np.ndarray]:
+    """Batches of ``batch_size`` up to ``max_samples``, C-contiguous; ``keep_last`` keeps a shorter last
+    batch (a symbolic-batch capture takes it), otherwise only whole batches are used."""
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size} must be at least 1")
     n = min(len(array), max_samples)
-    if n < batch_size:
+    if n < batch_size and not keep_last:
         raise UsageError(
             f"calibration data holds {len(array)} sample(s), fewer than --batch-size {batch_size}; "
             "give more samples or a smaller --batch-size")
-    usable = (n // batch_size) * batch_size
-    return [array[i:i + batch_size] for i in range(0, usable, batch_size)]
+    usable = n if keep_last else (n // batch_size) * batch_size
+    return [np.ascontiguousarray(array[i:min(i + batch_size, usable)]) for i in range(0, usable, batch_size)]
 
 
 def read_calibration(path: str, *, key: str | None, prep: Preprocessing, batch_size: int,
-                     max_samples: int) -> list[np.ndarray]:
+                     max_samples: int, keep_last: bool = False) -> list[np.ndarray]:
     """Calibration batches from any accepted source."""
     p = Path(path)
     array = load_images(path, prep, max_samples) if p.is_dir() else load_array(path, key)
-    return calibration_batches(array, batch_size, max_samples)
+    return calibration_batches(array, batch_size, max_samples, keep_last=keep_last)

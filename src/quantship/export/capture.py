@@ -10,11 +10,62 @@ import numpy as np
 import onnx
 
 EXPORTER_OPSET = 18  # the opset torch's dynamo exporter translates natively; lower ones are rewritten
+BATCH_DIM_NAME = "batch"  # the name of the symbolic batch dimension in every dynamic file
+# Written by quantship.quantize.capture on a graph captured at a static batch (the reason why).
+STATIC_BATCH_ATTRIBUTE = "quantship_static_batch_reason"
 
 
 def as_inputs(sample: Any) -> tuple:
-    """``sample`` as a tuple of positional model inputs (a tensor, or a tuple/list of tensors)."""
-    return tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    """``sample`` as a tuple of contiguous positional model inputs (a tensor, or a tuple/list of tensors).
+
+    Strides and memory format never reach the exporter: a channels-last sample gives the same graph.
+    """
+    inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    return tuple(_contiguous(x) for x in inputs)
+
+
+def _contiguous(x: Any) -> Any:
+    import torch
+
+    return x.contiguous(memory_format=torch.contiguous_format) if isinstance(x, torch.Tensor) else x
+
+
+def static_batch_of(model: Any) -> int | None:
+    """The batch size a torch.export graph is fixed at (read off its input placeholder); None if symbolic
+    or not a captured graph."""
+    for node in getattr(getattr(model, "graph", None), "nodes", ()):
+        if getattr(node, "op", None) == "placeholder":
+            shape = getattr(getattr(node, "meta", {}).get("val"), "shape", None)
+            return shape[0] if shape and isinstance(shape[0], int) else None
+    return None
+
+
+def static_batch_reason(model: Any) -> str | None:
+    """Why ``model`` runs one batch size only (None when its batch is symbolic, or nothing says so)."""
+    reason = getattr(model, STATIC_BATCH_ATTRIBUTE, None)
+    if reason:
+        return str(reason)
+    batch = static_batch_of(model)
+    return f"captured by torch.export at batch {batch}, with the batch baked into its shapes" if batch else None
+
+
+def _trace_inputs(inputs: tuple, dynamic_batch: bool) -> tuple:
+    # torch.export specialises a dimension of size 1: trace a symbolic batch on a batch of 2
+    import torch
+
+    if not dynamic_batch or not all(isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == 1 for x in inputs):
+        return inputs
+    return tuple(torch.cat([x, x]) for x in inputs)
+
+
+def name_batch_dim(model: onnx.ModelProto, name: str = BATCH_DIM_NAME) -> None:
+    """Rename the symbolic leading dimension of the graph inputs (and wherever it appears) to ``name``."""
+    symbols = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim[:1] if d.dim_param}
+    values = list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info)
+    for value in values:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in symbols:
+                dim.dim_param = name
 
 
 def as_arrays(sample: Any) -> list[np.ndarray]:
@@ -40,7 +91,7 @@ def dynamo_export(
     """``torch.onnx.export(..., dynamo=True)`` to an in-memory ModelProto (nothing touches disk)."""
     import torch
 
-    inputs = as_inputs(sample)
+    inputs = _trace_inputs(as_inputs(sample), dynamic_batch)
     if hasattr(model, "eval"):
         model.eval()  # export what inference runs (a pt2e graph accepts .eval() as a supported switch)
     dynamic_shapes = None
@@ -57,4 +108,7 @@ def dynamo_export(
         )
     if program is None:
         raise RuntimeError("torch.onnx.export returned no ONNX program")
-    return program.model_proto
+    proto = program.model_proto
+    if dynamic_batch:
+        name_batch_dim(proto)
+    return proto

@@ -96,26 +96,56 @@ def _check_opset(opset_version: int) -> None:
                          f"(per-axis QuantizeLinear/DequantizeLinear and the exporter's translation need it)")
 
 
+def resolve_dynamic_batch(dynamic_batch: bool | None, target: str | None) -> bool:
+    """``dynamic_batch`` as given, else the target preset's choice, else False (the sample's batch)."""
+    if dynamic_batch is not None:
+        if not isinstance(dynamic_batch, bool):
+            raise ValueError(f"dynamic_batch={dynamic_batch!r} must be True, False or None (the target's choice)")
+        return dynamic_batch
+    return preset(target).dynamic_batch if target is not None else False
+
+
 def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
             input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> onnx.ModelProto:
-    """The graph as the dynamo exporter produces it (opset 18, or the higher opset asked for)."""
-    batch = capture.as_inputs(sample)[0].shape[0]
-    fixed = (f"dynamic_batch=True: the batch dimension stays fixed at {batch}, because the pt2e graph was "
-             "captured by torch.export at that batch size and its shapes are baked in. Export with "
-             f"dynamic_batch=False and run the file at batch {batch} (or quantize at the batch size you serve).")
+    """The graph as the dynamo exporter produces it (opset 18, or the higher opset asked for).
+
+    ``dynamic_batch``: the batch dimension is symbolic and named ``batch``; a graph captured at a
+    static batch is refused with the reason torch.export gave at capture.
+    """
+    if dynamic_batch:
+        reason = capture.static_batch_reason(model)
+        if reason:
+            raise ExportRefused(
+                f"dynamic_batch=True: this pt2e graph runs one batch size only ({reason}). Export it with "
+                "dynamic_batch=False at that batch, or make the model's batch symbolic and quantize again.")
+    fixed, batch = capture.static_batch_of(model), int(capture.as_inputs(sample)[0].shape[0])
+    if not dynamic_batch and fixed and fixed != batch:
+        raise ExportRefused(f"the sample holds {batch} input(s), but this pt2e graph runs batch {fixed} only "
+                            f"({capture.static_batch_reason(model)}): export it with a sample of {fixed}")
     try:
         proto = capture.dynamo_export(
             model, sample, opset_version=max(opset_version, capture.EXPORTER_OPSET), dynamic_batch=dynamic_batch,
             input_names=input_names, output_names=output_names,
         )
     except Exception as exc:  # the exporter raises many types; name the step and keep the cause
-        if dynamic_batch:
-            raise ExportRefused(f"{fixed} (torch.export: {str(exc).strip().splitlines()[0][:300]})") from exc
-        raise ExportRefused(f"the dynamo ONNX exporter failed on {type(model).__name__}: "
+        what = "with a symbolic batch " if dynamic_batch else ""
+        raise ExportRefused(f"the dynamo ONNX exporter failed {what}on {type(model).__name__}: "
                             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
     if dynamic_batch and not capture.batch_dim_is_dynamic(proto):
-        raise ExportRefused(fixed)
+        raise ExportRefused("dynamic_batch=True: the exporter kept the batch dimension fixed for this graph; "
+                            "export with dynamic_batch=False")
     return proto
+
+
+def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: str | None) -> Any:
+    # a target whose preset is static (tigris) gets a batch-1 file whenever the graph can run batch 1
+    if dynamic_batch is not None or target is None or preset(target).dynamic_batch:
+        return sample
+    if capture.static_batch_reason(model):
+        return sample
+    inputs = capture.as_inputs(sample)
+    cut = tuple(x[:1] for x in inputs)
+    return cut if isinstance(sample, (tuple, list)) else cut[0]
 
 
 def export_qdq(
@@ -125,7 +155,7 @@ def export_qdq(
     *,
     opset_version: int = 18,
     activation_dtype: str | None = None,
-    dynamic_batch: bool = False,
+    dynamic_batch: bool | None = None,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     target: str | None = None,
@@ -136,8 +166,10 @@ def export_qdq(
     zero-points shifted by 128, same scales; weights stay int8). ``target`` takes the activation
     dtype from the deployment preset, records the target, and refuses a file that target's rules
     would not accept; when not given, the preset the model was quantized for
-    (``Quantizer.for_target``) is used. Refusals raise ``quantship.errors.ExportRefused`` (a
-    ``ValueError``) and
+    (``Quantizer.for_target``) is used. ``dynamic_batch``: a symbolic batch dimension named
+    ``batch`` (the file serves any batch); ``None`` takes the target preset's choice (dynamic for
+    onnxruntime-cpu, openvino and tensorrt; a static batch 1 for tigris), and without a target the
+    sample's static batch. Refusals raise ``quantship.errors.ExportRefused`` (a ``ValueError``) and
     leave nothing at ``path`` (a file already there is kept as it was).
     """
     spec = exportable_spec(model)
@@ -147,8 +179,10 @@ def export_qdq(
             target = travelled
     dtype = resolve_activation_dtype(activation_dtype, target)
     _check_opset(opset_version)
+    dynamic = resolve_dynamic_batch(dynamic_batch, target)
+    sample = _export_sample(model, sample, dynamic_batch, target)
     with artifact.atomic_destination(path) as staged:
-        produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic_batch,
+        produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
                            input_names=input_names, output_names=output_names)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,

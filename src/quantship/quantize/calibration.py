@@ -1,7 +1,9 @@
-"""Calibration data: whatever the user has, turned into a list of equal-sized input batches.
+"""Calibration data: whatever the user has, turned into a list of contiguous input batches.
 
 Accepted: one tensor (a single batch), an iterable of tensors, of ``(x, y)`` tuples or lists, a
-torch ``DataLoader``, or fastai ``DataLoaders`` (its training loader) / ``DataLoader``.
+torch ``DataLoader``, or fastai ``DataLoaders`` (its training loader) / ``DataLoader``. Batches may
+differ in size (8, 8, 5); every batch is made contiguous, so a channels-last loader gives the same
+graph and the same file as a contiguous one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
     # fastai yields TensorImage & co.; a plain tensor keeps torch.export away from subclasses
     if type(x) is not torch.Tensor:
         x = x.as_subclass(torch.Tensor)
-    return x.detach().cpu()
+    # strides and memory format (channels-last images) must never reach a captured graph
+    return x.detach().cpu().contiguous(memory_format=torch.contiguous_format)
 
 
 def input_of(batch: object) -> torch.Tensor:
@@ -38,7 +41,7 @@ def _loader_of(data: object) -> Iterable:
 
 
 def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
-    """Read whole batches until ``max_samples`` would be exceeded; refuse mixed batch sizes.
+    """Read whole batches until ``max_samples`` would be exceeded; batch sizes may differ.
 
     Everything is read before any model work, so a bad loader fails fast.
     """
@@ -71,7 +74,7 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
             raise ValueError(
                 f"the first calibration batch holds {n} samples, more than max_calibration_samples="
                 f"{max_samples}; raise max_calibration_samples to at least {n} or use smaller batches "
-                "(the graph is captured at the batch size, so batches are never cut)"
+                "(batches are never cut)"
             )
         batches.append(x)
         seen += n
@@ -79,13 +82,6 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
             break
     if not batches:
         raise ValueError("calibration_dl yielded no batch: give it at least one input batch")
-    sizes = sorted({b.shape[0] for b in batches}, reverse=True)
-    if len(sizes) > 1:
-        raise ValueError(
-            f"calibration batches have more than one batch size ({', '.join(map(str, sizes))}): pt2e "
-            f"captures the model at one batch size with torch.export. Drop the last batch "
-            f"(DataLoader(drop_last=True)) or choose a batch size that divides the dataset."
-        )
     shapes = {tuple(b.shape[1:]) for b in batches}
     if len(shapes) > 1:
         raise ValueError(f"calibration batches have different sample shapes {sorted(shapes)}; use one shape")

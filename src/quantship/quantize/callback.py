@@ -143,8 +143,6 @@ class QuantizeCallback(Callback):
     # -- fastai events -----------------------------------------------------------------------
     def before_fit(self) -> None:
         """Insert fake-quantizers and rebuild the optimizer on the prepared model."""
-        if self.spec.backend == "pt2e":
-            self._check_one_batch_size()
         example = self._example_batch()
         model = self.learn.model
         if self.spec.backend == "pt2e":
@@ -166,8 +164,9 @@ class QuantizeCallback(Callback):
         self.prepared = None
 
     # -- preparation -------------------------------------------------------------------------
-    def _check_one_batch_size(self) -> None:
-        """pt2e captures one batch size: refuse loaders that yield several, before any batch."""
+    def _check_one_batch_size(self, static_batch: int, reason: str) -> None:
+        """A graph captured at a static batch runs one batch size: refuse loaders that yield several,
+        before any batch. A symbolic capture takes every batch size (a shorter last batch included)."""
         seen: dict[str, set[int]] = {}
         for name in ("train", "valid"):
             dl = getattr(self.learn.dls, name, None)
@@ -177,10 +176,11 @@ class QuantizeCallback(Callback):
         if len(sizes) > 1:
             per = ", ".join(f"{k}: {sorted(v)}" for k, v in seen.items())
             raise ValueError(
-                f"pt2e QAT captures the model at one batch size, but these dataloaders yield batch "
-                f"sizes {sizes} ({per}): a torch.export graph only runs the batch size it was "
-                "captured with. Drop the last batch of each loader (drop_last=True, e.g. "
-                "dls.valid.drop_last = True), or use one batch size that divides both dataset sizes."
+                f"pt2e QAT captured the model at a static batch of {static_batch} ({reason}), but these "
+                f"dataloaders yield batch sizes {sizes} ({per}): such a graph only runs the batch size it was "
+                "captured with. Make the model's batch symbolic, or drop the last batch of each loader "
+                "(drop_last=True, e.g. dls.valid.drop_last = True), or use one batch size that divides both "
+                "dataset sizes."
             )
 
     def _example_batch(self) -> torch.Tensor:
@@ -214,13 +214,17 @@ class QuantizeCallback(Callback):
         from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
         from quantship.quantize.annotator import QuantshipQuantizer
-        from quantship.quantize.pt2e import capture, check_module_names, report_placement
+        from quantship.quantize.capture import capture, carry_static_batch
+        from quantship.quantize.pt2e import check_module_names, report_placement
 
         check_module_names(model, self.spec.skip_activations)
-        self._log(f"pt2e: capturing the model with torch.export at batch size {example.shape[0]}")
-        graph = capture(model.train(), example)
+        self._log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
+        captured = capture(model.train(), example, log=self._log)
+        if not captured.symbolic:
+            self._check_one_batch_size(captured.static_batch, captured.reason)
         quantizer = QuantshipQuantizer(self.spec, is_qat=True)
-        prepared = prepare_qat_pt2e(graph, quantizer)
+        prepared = prepare_qat_pt2e(captured.graph, quantizer)
+        carry_static_batch(captured.graph, prepared)
         report_placement(quantizer, self.spec, self._log)
         allow_exported_model_train_eval(prepared)  # fastai switches train/eval every epoch
         self._log(f"pt2e: prepared for QAT ({self.spec.label}, {self.spec.qscheme}, "
@@ -272,12 +276,14 @@ class QuantizeCallback(Callback):
         from torchao.quantization.pt2e import allow_exported_model_train_eval, move_exported_model_to_eval
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
+        from quantship.quantize.capture import carry_static_batch
         from quantship.quantize.pt2e import check_converted
 
         self._log("pt2e: converting the trained graph to a quantized one")
         move_exported_model_to_eval(prepared)
         with _fold_only_present_convs(prepared):
             converted = convert_pt2e(prepared)
+        carry_static_batch(prepared, converted)
         check_converted(converted)
         allow_exported_model_train_eval(converted)
         return converted

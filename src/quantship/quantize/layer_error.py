@@ -175,7 +175,7 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
 
     ``inputs``: a tensor or batches at the batch size the quantized model was captured with.
     """
-    from quantship.quantize.pt2e import capture
+    from quantship.quantize.capture import capture
 
     if not isinstance(quantized_model, GraphModule) or not _quantized_outputs(quantized_model):
         raise ValueError(
@@ -183,7 +183,7 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
             "pass the result of Quantizer(backend='pt2e').quantize(...)"
         )
     batches = _as_batches(inputs)
-    float_graph = capture(copy.deepcopy(float_model).eval(), batches[0])
+    float_graph = capture(copy.deepcopy(float_model).eval(), batches[0]).graph
     by_name = {n.name: n for n in float_graph.graph.nodes}
     pairs, unmatched = [], []
     for producer, dq in _quantized_outputs(quantized_model):

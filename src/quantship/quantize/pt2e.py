@@ -15,25 +15,12 @@ from torch.fx import GraphModule
 from quantship.precision import QuantSpec
 from quantship.quantize.annotator import WEIGHTED_OPS, QuantshipQuantizer
 from quantship.quantize.calibration import run_batches
+from quantship.quantize.capture import Capture, capture, carry_static_batch
 
 qd = torch.ops.quantized_decomposed
 DEQUANT_WEIGHT_OPS = {qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default}
 QUANT_OPS = {qd.quantize_per_tensor.default, qd.quantize_per_channel.default,
              qd.quantize_per_tensor.tensor}
-
-
-def capture(model: torch.nn.Module, example: torch.Tensor) -> GraphModule:
-    """``torch.export`` the model at the example's batch size; name the failure if it cannot."""
-    try:
-        exported = torch.export.export(model, (example,), strict=False)
-    except Exception as exc:  # torch.export raises many types; all mean "cannot capture"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
-            f"pt2e could not capture {type(model).__name__} with torch.export "
-            f"({type(exc).__name__}: {first}). pt2e needs a model torch.export can trace: remove "
-            f"data-dependent Python control flow, or use an FX backend (backend='x86')."
-        ) from exc
-    return exported.module()
 
 
 def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None) -> None:
@@ -64,20 +51,35 @@ def quantize_pt2e(
 
     check_module_names(model, spec.skip_activations)
     work = copy.deepcopy(model).eval()
-    log(f"pt2e: capturing the model with torch.export at batch size {batches[0].shape[0]}")
-    graph = capture(work, batches[0])
+    log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
+    captured = capture(work, batches[0], log=log)
+    check_batch_sizes(captured, batches)
     quantizer = QuantshipQuantizer(spec)
-    prepared = prepare_pt2e(graph, quantizer)
+    prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
     n = sum(b.shape[0] for b in batches)
     log(f"pt2e: calibrating on {n} sample(s) in {len(batches)} batch(es) ({spec.act_observer} observer)")
     run_batches(prepared, batches, verbose=verbose)
     log("pt2e: converting to a quantized graph")
     converted = convert_pt2e(prepared)
+    carry_static_batch(captured.graph, converted)
     check_converted(converted)
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
     return converted
+
+
+def check_batch_sizes(captured: Capture, batches: list[torch.Tensor]) -> None:
+    """A graph captured at a static batch runs that batch only: refuse calibration batches of other sizes."""
+    if captured.symbolic:
+        return
+    sizes = sorted({int(b.shape[0]) for b in batches}, reverse=True)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"calibration batches have sizes {', '.join(map(str, sizes))}, but the graph was captured at a static "
+            f"batch of {captured.static_batch} ({captured.reason}). Make the model's batch symbolic, or drop "
+            "the batches of other sizes (DataLoader(drop_last=True))."
+        )
 
 
 def report_placement(quantizer: QuantshipQuantizer, spec: QuantSpec, log: Callable[[str], None]) -> None:
