@@ -31,6 +31,7 @@ from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.precision import QuantSpec
+from quantship.ranks import rank_zero_writes
 
 
 @dataclass
@@ -118,6 +119,7 @@ def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
     return proto
 
 
+@rank_zero_writes("export_qdq")
 def export_qdq(
     model: Any,
     sample: Any,
@@ -137,6 +139,10 @@ def export_qdq(
     dtype from the deployment preset, records the target, and refuses a file that target's rules
     would not accept. Refusals raise ``ValueError`` and
     leave nothing at ``path`` (a file already there is kept as it was).
+
+    Inside a ``torch.distributed`` process group, call it on every rank: rank 0 writes, the other
+    ranks wait at a barrier and return the same path (rank 0's refusal is raised on every rank);
+    a call on some ranks only is refused after ``QUANTSHIP_DIST_TIMEOUT`` seconds (default 300).
     """
     spec = exportable_spec(model)
     dtype = resolve_activation_dtype(activation_dtype, target)

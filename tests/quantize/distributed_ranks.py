@@ -1,0 +1,93 @@
+"""What each spawned rank runs in test_distributed.py (kept free of pytest so ranks import fast).
+
+Every rank writes what it saw into ``out`` (JSON lines, files); the test reads them after join.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def init(rank: int, world: int, out: Path, timeout_s: float = 60.0) -> None:
+    """One thread per rank (2 shared cores), a gloo group through a file store in ``out``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ["QUANTSHIP_DIST_TIMEOUT"] = str(timeout_s)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def record(out: Path, rank: int, case: str, **fields) -> None:
+    with open(out / f"rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"case": case, **fields}) + "\n")
+
+
+def attempt(out: Path, rank: int, case: str, body: Callable[[], dict]) -> None:
+    """Run one case; record its result or the refusal it raised (type and message)."""
+    start = time.perf_counter()
+    try:
+        fields = body() or {}
+        record(out, rank, case, ok=True, seconds=time.perf_counter() - start, **fields)
+    except Exception as exc:
+        record(out, rank, case, ok=False, error=type(exc).__name__, message=str(exc),
+               seconds=time.perf_counter() - start, trace=traceback.format_exc()[-2000:])
+
+
+def calibrate_and_export(model: torch.nn.Module, shard: list[torch.Tensor], observer: str, sample: torch.Tensor,
+                         path: Path, keep: dict | None = None) -> dict:
+    from quantship import Quantizer, export_qdq
+
+    quantized = Quantizer(backend="pt2e", act_observer=observer).quantize(model, shard, max_calibration_samples=10**6)
+    if keep is not None:
+        keep[observer] = quantized
+    start = time.perf_counter()
+    written = export_qdq(quantized, sample, path)
+    return {"path": str(written), "export_seconds": time.perf_counter() - start}
+
+
+def ptq_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[torch.Tensor]],
+             sample: torch.Tensor) -> None:
+    """minmax and histogram on this rank's shard, then the bad inputs, then the one-rank export."""
+    from quantship.examples import digits
+    from quantship.examples.models import TinyResNet
+
+    init(rank, world, out)
+    model = digits.build_model()
+    model.load_state_dict(state)
+    sample = sample.clone()  # a private copy, not the shared-memory tensor spawn handed over
+    shards = [[b.clone() for b in shard] for shard in shards]
+    kept: dict = {}
+    for observer in ("minmax", "histogram"):
+        attempt(out, rank, observer,
+                lambda o=observer: calibrate_and_export(model, shards[rank], o, sample, out / f"{o}.onnx", kept))
+    # rank 1 quantizes a narrower model: refused on both ranks, after calibration, without a hang
+    other = model if rank == 0 else TinyResNet(in_channels=1, classes=10, width=8).eval()
+    attempt(out, rank, "structure", lambda: calibrate_and_export(other, shards[rank], "minmax", sample,
+                                                                  out / "structure.onnx"))
+    # rank 1 has an empty shard: refused on both ranks before any model work
+    shard = shards[rank] if rank == 0 else []
+    attempt(out, rank, "empty", lambda: calibrate_and_export(model, shard, "minmax", sample, out / "empty.onnx"))
+    # export_qdq called on rank 1 only: refused there after the (short) timeout; rank 0 waits for that
+    if rank == 1:
+        from quantship import export_qdq
+
+        quantized = kept["minmax"]
+        os.environ["QUANTSHIP_DIST_TIMEOUT"] = "3"
+        attempt(out, rank, "export_one_rank", lambda: {"path": str(export_qdq(quantized, sample, out / "one.onnx"))})
+        (out / "rank1_done").touch()
+    else:
+        while not (out / "rank1_done").exists():
+            time.sleep(0.1)
+    # rank 1 left a collective in flight: leave without destroy_process_group (it would wait for it)
+    os._exit(0)

@@ -1,0 +1,183 @@
+"""Calibration and QAT across 2 gloo ranks on CPU, spawned from the test: the file one process makes.
+
+The ranks run ``tests/quantize/distributed_ranks.py``; each records its results in JSON lines and
+the test compares them with one process on the union of the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from quantship import Quantizer, export_qdq
+from quantship.examples import digits
+from quantship.quantize.observers import rebin_histogram
+from tests.quantize import distributed_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with the gloo backend is not available")
+
+BS = 32
+N_PER_RANK = 8 * BS  # 256 calibration samples per rank
+
+
+def spawn(fn, out: Path, *args, world: int = 2, deadline_s: float = 240.0) -> list[list[dict]]:
+    """Run ``fn(rank, world, out, *args)`` on ``world`` spawned processes; every rank's records."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=(world, out, *args), nprocs=world, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {world} ranks did not finish within {deadline_s:.0f} s (a deadlock?)")
+    records = []
+    for rank in range(world):
+        path = out / f"rank{rank}.jsonl"
+        records.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+    return records
+
+
+def case(records: list[dict], name: str) -> dict:
+    (found,) = [r for r in records if r["case"] == name]
+    return found
+
+
+def ort_outputs(path: Path, inputs: list[np.ndarray]) -> np.ndarray:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return np.concatenate([session.run(None, {name: x})[0] for x in inputs])
+
+
+def output_scale(path: Path) -> float:
+    """The scale of the DequantizeLinear that produces the graph output."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    out = model.graph.output[0].name
+    (node,) = [n for n in model.graph.node if out in n.output]
+    assert node.op_type == "DequantizeLinear", node.op_type
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"}
+    return float({**inits, **consts}[node.input[1]])
+
+
+def sample_of(split) -> torch.Tensor:
+    # a tensor of its own: the dynamo exporter records different range_constraints metadata for a
+    # view into a larger tensor, and spawn hands each rank a private copy anyway
+    return split.x_test[:BS].clone()
+
+
+@pytest.fixture(scope="module")
+def task():
+    split = digits.load_split()
+    model = digits.trained_model()
+    x = split.x_train[: 2 * N_PER_RANK]
+    shards = [list(x[r * N_PER_RANK:(r + 1) * N_PER_RANK].split(BS)) for r in range(2)]
+    return model, split, shards
+
+
+@pytest.fixture(scope="module")
+def ptq(task, tmp_path_factory):
+    """Two ranks: minmax and histogram on a shard each, then the bad inputs; records per rank."""
+    model, split, shards = task
+    out = tmp_path_factory.mktemp("ptq2")
+    start = time.perf_counter()
+    records = spawn(distributed_ranks.ptq_rank, out, model.state_dict(), shards, sample_of(split))
+    return out, records, time.perf_counter() - start
+
+
+def one_process(model, shards, observer: str, path: Path, sample) -> Path:
+    union = shards[0] + shards[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = Quantizer(backend="pt2e", act_observer=observer).quantize(model, union, max_calibration_samples=10**6)
+        return export_qdq(quantized, sample, path)
+
+
+def test_minmax_two_shards_byte_identical_to_one_process(task, ptq, tmp_path):
+    model, split, shards = task
+    out, records, seconds = ptq
+    for rank in range(2):
+        assert case(records[rank], "minmax")["ok"], case(records[rank], "minmax")
+        assert case(records[rank], "minmax")["path"] == str((out / "minmax.onnx").resolve())
+    assert not list(out.glob(".minmax.onnx.*"))  # rank 0 wrote once, atomically
+    single = one_process(model, shards, "minmax", tmp_path / "one.onnx", sample_of(split))
+    assert (out / "minmax.onnx").read_bytes() == single.read_bytes()
+    print(f"\n  2-rank PTQ group (spawn, 5 cases): {seconds:.1f} s")
+
+
+def test_histogram_two_shards_within_one_lsb(task, ptq, tmp_path):
+    model, split, shards = task
+    out, records, _ = ptq
+    assert case(records[0], "histogram")["ok"] and case(records[1], "histogram")["ok"]
+    single = one_process(model, shards, "histogram", tmp_path / "one.onnx", sample_of(split))
+    inputs = [b.numpy() for b in split.x_test[: (len(split.x_test) // BS) * BS].split(BS)]
+    merged, reference = ort_outputs(out / "histogram.onnx", inputs), ort_outputs(single, inputs)
+    scale, merged_scale = output_scale(single), output_scale(out / "histogram.onnx")
+    # one LSB of either file: the two output scales differ slightly (the histograms are merged, not re-recorded)
+    worst = float(np.abs(merged - reference).max()) / max(scale, merged_scale)
+    agree = float((merged.argmax(1) == reference.argmax(1)).mean())
+    print(f"\n  histogram, 2 ranks vs 1 process: max |diff| = {worst:.3f} LSB of the output scale "
+          f"({scale:.6f} vs {merged_scale:.6f}, {abs(merged_scale / scale - 1):.2e} apart), "
+          f"argmax agreement {agree:.4f} on {len(merged)} held-out images")
+    assert worst <= 1.0 + 1e-6
+
+
+def test_different_models_refused_on_every_rank_with_one_message(ptq):
+    _, records, _ = ptq
+    r0, r1 = case(records[0], "structure"), case(records[1], "structure")
+    assert not r0["ok"] and not r1["ok"]
+    assert r0["error"] == r1["error"] == "ValueError"
+    assert r0["message"] == r1["message"]
+    assert "different models" in r0["message"] and "rank 1" in r0["message"]
+
+
+def test_empty_shard_refused_on_every_rank_with_one_message(ptq):
+    _, records, _ = ptq
+    r0, r1 = case(records[0], "empty"), case(records[1], "empty")
+    assert not r0["ok"] and not r1["ok"]
+    assert r0["message"] == r1["message"]
+    assert "rank(s) [1]" in r0["message"] and "yielded no batch" in r0["message"]
+    assert r0["seconds"] < 30  # refused by the agreement, not by a timeout
+
+
+def test_export_on_one_nonzero_rank_refused_after_timeout(ptq):
+    out, records, _ = ptq
+    r1 = case(records[1], "export_one_rank")
+    assert not r1["ok"] and r1["error"] == "ValueError"
+    assert "called on rank 1 but not on all 2 ranks" in r1["message"]
+    assert 2.5 < r1["seconds"] < 30
+    assert not (out / "one.onnx").exists()
+
+
+def test_rebin_histogram_keeps_mass_and_places_it():
+    counts = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    moved = rebin_histogram(counts, 0.0, 4.0, -4.0, 4.0)  # bins of width 2 on [-4, 4]
+    assert torch.allclose(moved, torch.tensor([0.0, 0.0, 3.0, 7.0], dtype=torch.float64))
+    assert torch.equal(rebin_histogram(counts, 0.0, 4.0, 0.0, 4.0), counts.double())
+    assert rebin_histogram(counts, 1.0, 1.0, 0.0, 4.0).tolist() == [0.0, 10.0, 0.0, 0.0]
+    assert rebin_histogram(counts, float("inf"), float("-inf"), 0.0, 4.0).sum() == 0
+    with pytest.raises(ValueError, match="drop values"):
+        rebin_histogram(counts, 0.0, 4.0, 1.0, 4.0)
+
+
+def test_outside_a_process_group_nothing_changes():
+    from quantship import ranks
+    from quantship.quantize.distributed import merge_observers
+
+    assert ranks.world() is None
+    assert merge_observers(torch.nn.Linear(2, 2), n_samples=0) is None
