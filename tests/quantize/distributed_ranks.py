@@ -91,3 +91,50 @@ def ptq_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[to
             time.sleep(0.1)
     # rank 1 left a collective in flight: leave without destroy_process_group (it would wait for it)
     os._exit(0)
+
+
+def qat_fit(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, x_valid: torch.Tensor, y_valid: torch.Tensor,
+            bs: int) -> torch.nn.Module:
+    """One epoch of pt2e QAT with fastai on (x, y); ``model`` may be wrapped in DDP. Returns the INT8 model."""
+    from fastai.data.core import DataLoaders
+    from fastai.learner import Learner
+    from fastai.torch_core import set_seed
+    from torch.nn import CrossEntropyLoss
+
+    from quantship import QuantizeCallback
+
+    set_seed(0)
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x_valid, y_valid)), bs=bs, device="cpu", num_workers=0)
+    learn = Learner(dls, model, loss_func=CrossEntropyLoss())
+    with learn.no_logging():
+        learn.fit(1, lr=1e-3, cbs=[QuantizeCallback(backend="pt2e")])
+    return learn.model
+
+
+def qat_rank(rank: int, world: int, out: Path, state: dict, data: dict, bs: int) -> None:
+    """pt2e QAT under DDP on this rank's shard; the file rank 0 writes, then each rank's own file."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from quantship import export_qdq
+    from quantship.examples import digits
+
+    init(rank, world, out, timeout_s=120.0)
+    data = {k: v.clone() for k, v in data.items()}
+    model = digits.build_model()
+    model.load_state_dict(state)
+    x, y = data["x_train"][rank::world], data["y_train"][rank::world]
+
+    def fit() -> dict:
+        start = time.perf_counter()
+        quantized = qat_fit(DistributedDataParallel(model.train()), x, y, data["x_valid"], data["y_valid"], bs)
+        fit_s = time.perf_counter() - start
+        k, n = digits.evaluate(quantized, data["x_test"], data["y_test"], batch_size=bs)
+        shared = export_qdq(quantized, data["sample"], out / "qat.onnx")  # rank 0 writes, rank 1 waits
+        dist.destroy_process_group()
+        own = export_qdq(quantized, data["sample"], out / f"qat_rank{rank}.onnx")  # one process each
+        return {"k": k, "n": n, "fit_seconds": fit_s, "shared": str(shared), "own": str(own),
+                "type": type(quantized).__name__}
+
+    attempt(out, rank, "qat", fit)
+    os._exit(0)

@@ -6,6 +6,7 @@ the test compares them with one process on the union of the shards.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import warnings
@@ -181,3 +182,41 @@ def test_outside_a_process_group_nothing_changes():
 
     assert ranks.world() is None
     assert merge_observers(torch.nn.Linear(2, 2), n_samples=0) is None
+
+
+@pytest.mark.slow
+def test_qat_two_ranks_same_file_and_accuracy_of_one_rank(task, tmp_path):
+    pytest.importorskip("fastai", reason="QuantizeCallback needs the fastai extra")
+    from quantship.inspect.intervals import format_accuracy, wilson_interval
+
+    model, split, _ = task
+    qat_bs, n_train = 30, 600  # 10 steps of 60 images: one rank at batch 60, or two ranks at 30 each
+    data = {"x_train": split.x_train[:n_train], "y_train": split.y_train[:n_train],
+            "x_valid": split.x_test[:2 * qat_bs], "y_valid": split.y_test[:2 * qat_bs],
+            "x_test": split.x_test, "y_test": split.y_test, "sample": split.x_test[:qat_bs].clone()}
+    start = time.perf_counter()
+    records = spawn(distributed_ranks.qat_rank, tmp_path, model.state_dict(), data, qat_bs, deadline_s=480.0)
+    two_rank_s = time.perf_counter() - start
+    r0, r1 = case(records[0], "qat"), case(records[1], "qat")
+    assert r0["ok"], r0.get("trace")
+    assert r1["ok"], r1.get("trace")
+    assert r0["type"] == r1["type"] == "GraphModule"  # DDP dropped after conversion
+    assert r0["shared"] == r1["shared"] == str((tmp_path / "qat.onnx").resolve())
+    own = [(tmp_path / f"qat_rank{r}.onnx").read_bytes() for r in range(2)]
+    assert own[0] == own[1]  # the same file whichever rank's model is exported
+    assert (tmp_path / "qat.onnx").read_bytes() == own[0]
+    assert (r0["k"], r0["n"]) == (r1["k"], r1["n"])
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = distributed_ranks.qat_fit(copy.deepcopy(model).train(), data["x_train"], data["y_train"],
+                                        data["x_valid"], data["y_valid"], 2 * qat_bs)
+    one_rank_s = time.perf_counter() - start
+    k1, n1 = digits.evaluate(one, split.x_test, split.y_test, batch_size=2 * qat_bs)
+    lo, hi = wilson_interval(k1, n1)
+    print(f"\n  QAT 1 rank (batch {2 * qat_bs}): {format_accuracy(k1, n1)} ({one_rank_s:.1f} s)"
+          f"\n  QAT 2 ranks (batch {qat_bs} each): {format_accuracy(r0['k'], r0['n'])} "
+          f"(fit {r0['fit_seconds']:.1f} s, spawn to join {two_rank_s:.1f} s); files identical on both ranks")
+    assert lo <= r0["k"] / r0["n"] <= hi

@@ -198,3 +198,56 @@ def _refresh_fake_quants(model: nn.Module) -> None:
 def sync_fake_quant(model: nn.Module, timeout: float | None = None) -> MergeReport | None:
     """QAT: merge the fake-quantizers' observed min/max across ranks (call after every step)."""
     return merge_observers(model, what="QAT fake-quant sync", timeout=timeout)
+
+
+# -- QAT under DDP (QuantizeCallback) -------------------------------------------------------------
+def unwrap_ddp(model: nn.Module) -> tuple[nn.Module | None, nn.Module]:
+    """``(the DDP wrapper or None, the module to prepare)``: fake-quantizers go inside the wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model, model.module
+    return None, model
+
+
+def rewrap_ddp(wrapper: nn.Module | None, prepared: nn.Module) -> nn.Module:
+    """The prepared model in a new DDP with the old wrapper's settings (the model itself without one).
+
+    A new wrapper is needed: DDP registered gradient hooks on the old parameters, and the prepared
+    graph has new ones. Buffers keep DDP's choice (``forward_sync_buffers``): with the per-step merge
+    below, rank 0's broadcast observer buffers already equal every rank's.
+    """
+    if wrapper is None:
+        return prepared
+    from torch.nn.parallel import DistributedDataParallel
+
+    sync_buffers = getattr(wrapper, "forward_sync_buffers", None)
+    extra = {} if sync_buffers is None else {"forward_sync_buffers": sync_buffers}
+    return DistributedDataParallel(
+        prepared, device_ids=wrapper.device_ids, output_device=wrapper.output_device, dim=wrapper.dim,
+        process_group=wrapper.process_group, find_unused_parameters=wrapper.find_unused_parameters,
+        gradient_as_bucket_view=wrapper.gradient_as_bucket_view,
+        bucket_cap_mb=wrapper.bucket_bytes_cap / 2**20, **extra,
+    )
+
+
+def start_qat_sync(prepared: nn.Module, timeout: float | None = None) -> bool:
+    """True inside a process group, once the ranks agreed they train the same prepared model."""
+    if ranks.world() is None:
+        return False
+    agree(prepared, 1, what="QAT", timeout=timeout)
+    return True
+
+
+def place_converted(current: nn.Module, converted: nn.Module, *, user_wrapper: nn.Module | None) -> nn.Module:
+    """What goes on ``learn.model`` after conversion.
+
+    A DDP the user wrapped is dropped (an INT8 graph has nothing to train). A DDP that appeared
+    after ``before_fit`` is fastai's ``DistributedTrainer`` (``distrib_ctx``), which unwraps
+    ``.module`` after us: the converted model goes inside it.
+    """
+    wrapper, _ = unwrap_ddp(current)
+    if wrapper is not None and user_wrapper is None:
+        wrapper.module = converted
+        return wrapper
+    return converted
