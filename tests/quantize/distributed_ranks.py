@@ -45,32 +45,86 @@ def attempt(out: Path, rank: int, case: str, body: Callable[[], dict]) -> None:
 
 
 def calibrate_and_export(model: torch.nn.Module, shard: list[torch.Tensor], observer: str, sample: torch.Tensor,
-                         path: Path, keep: dict | None = None) -> dict:
+                         path: Path) -> dict:
     from quantship import Quantizer, export_qdq
 
     quantized = Quantizer(backend="pt2e", act_observer=observer).quantize(model, shard, max_calibration_samples=10**6)
-    if keep is not None:
-        keep[observer] = quantized
     start = time.perf_counter()
     written = export_qdq(quantized, sample, path)
     return {"path": str(written), "export_seconds": time.perf_counter() - start}
 
 
-def ptq_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[torch.Tensor]],
-             sample: torch.Tensor) -> None:
-    """minmax and histogram on this rank's shard, then the bad inputs, then the one-rank export."""
+def _start(rank: int, world: int, out: Path, state: dict, shards: list, sample: torch.Tensor):
     from quantship.examples import digits
-    from quantship.examples.models import TinyResNet
 
     init(rank, world, out)
     model = digits.build_model()
     model.load_state_dict(state)
+    model.eval()
     sample = sample.clone()  # a private copy, not the shared-memory tensor spawn handed over
     shards = [[b.clone() for b in shard] for shard in shards]
-    kept: dict = {}
+    return model, shards, sample
+
+
+def ptq_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[torch.Tensor]],
+             sample: torch.Tensor) -> None:
+    """minmax and histogram calibration on this rank's shard; rank 0 writes each file."""
+    import torch.distributed as dist
+
+    model, shards, sample = _start(rank, world, out, state, shards, sample)
     for observer in ("minmax", "histogram"):
         attempt(out, rank, observer,
-                lambda o=observer: calibrate_and_export(model, shards[rank], o, sample, out / f"{o}.onnx", kept))
+                lambda o=observer: calibrate_and_export(model, shards[rank], o, sample, out / f"{o}.onnx"))
+    dist.destroy_process_group()
+
+
+def observer_set() -> torch.nn.ModuleDict:
+    """One observer of each kind quantship uses, symmetric int8 per tensor (per channel for weights)."""
+    from torchao.quantization.pt2e import HistogramObserver, MinMaxObserver, PerChannelMinMaxObserver
+
+    from quantship.quantize.observers import MSEObserver, PercentileObserver
+
+    act = {"dtype": torch.int8, "quant_min": -128, "quant_max": 127, "qscheme": torch.per_tensor_symmetric}
+    return torch.nn.ModuleDict({
+        "minmax": MinMaxObserver(**act),
+        "per_channel": PerChannelMinMaxObserver(ch_axis=0, dtype=torch.int8, quant_min=-127, quant_max=127,
+                                                qscheme=torch.per_channel_symmetric),
+        "histogram": HistogramObserver(**act),
+        "percentile": PercentileObserver(**act),
+        "mse": MSEObserver(**act),
+    })
+
+
+def observer_data(rank: int) -> list[torch.Tensor]:
+    """Rank r's batches: heavy-tailed values whose range differs from rank to rank."""
+    torch.manual_seed(100 + rank)
+    return [torch.distributions.StudentT(3.0).sample((4, 256)) * (1 + rank) + 0.5 * rank for _ in range(4)]
+
+
+def qparams_of(observers: torch.nn.ModuleDict) -> dict:
+    return {name: [obs.calculate_qparams()[0].tolist(), obs.min_val.tolist(), obs.max_val.tolist()]
+            for name, obs in observers.items()}
+
+
+def merged_observers(rank: int, world: int) -> dict:
+    from quantship.quantize.distributed import merge_observers
+
+    observers = observer_set()
+    for x in observer_data(rank):
+        for obs in observers.values():
+            obs(x)
+    report = merge_observers(observers, n_samples=16)
+    return {"qparams": qparams_of(observers), "n_floats": report.n_floats, "n_histograms": report.n_histograms}
+
+
+def bad_input_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[torch.Tensor]],
+                   sample: torch.Tensor) -> None:
+    """Different models, an empty shard, then export_qdq called on rank 1 alone."""
+    from quantship import Quantizer, export_qdq
+    from quantship.examples.models import TinyResNet
+
+    model, shards, sample = _start(rank, world, out, state, shards, sample)
+    attempt(out, rank, "observers", lambda: merged_observers(rank, world))
     # rank 1 quantizes a narrower model: refused on both ranks, after calibration, without a hang
     other = model if rank == 0 else TinyResNet(in_channels=1, classes=10, width=8).eval()
     attempt(out, rank, "structure", lambda: calibrate_and_export(other, shards[rank], "minmax", sample,
@@ -78,11 +132,9 @@ def ptq_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[to
     # rank 1 has an empty shard: refused on both ranks before any model work
     shard = shards[rank] if rank == 0 else []
     attempt(out, rank, "empty", lambda: calibrate_and_export(model, shard, "minmax", sample, out / "empty.onnx"))
+    quantized = Quantizer(backend="pt2e", act_observer="minmax").quantize(model, shards[rank])
     # export_qdq called on rank 1 only: refused there after the (short) timeout; rank 0 waits for that
     if rank == 1:
-        from quantship import export_qdq
-
-        quantized = kept["minmax"]
         os.environ["QUANTSHIP_DIST_TIMEOUT"] = "3"
         attempt(out, rank, "export_one_rank", lambda: {"path": str(export_qdq(quantized, sample, out / "one.onnx"))})
         (out / "rank1_done").touch()

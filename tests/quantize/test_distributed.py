@@ -93,12 +93,22 @@ def task():
 
 @pytest.fixture(scope="module")
 def ptq(task, tmp_path_factory):
-    """Two ranks: minmax and histogram on a shard each, then the bad inputs; records per rank."""
+    """Two ranks: minmax and histogram on a shard each; records per rank."""
     model, split, shards = task
     out = tmp_path_factory.mktemp("ptq2")
     start = time.perf_counter()
     records = spawn(distributed_ranks.ptq_rank, out, model.state_dict(), shards, sample_of(split))
     return out, records, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def bad(task, tmp_path_factory):
+    """Two ranks, one batch each: different models, an empty shard, export_qdq on rank 1 alone."""
+    model, split, shards = task
+    out = tmp_path_factory.mktemp("bad2")
+    records = spawn(distributed_ranks.bad_input_rank, out, model.state_dict(), [s[:1] for s in shards],
+                    sample_of(split), deadline_s=180.0)
+    return out, records
 
 
 def one_process(model, shards, observer: str, path: Path, sample) -> Path:
@@ -109,6 +119,7 @@ def one_process(model, shards, observer: str, path: Path, sample) -> Path:
         return export_qdq(quantized, sample, path)
 
 
+@pytest.mark.slow
 def test_minmax_two_shards_byte_identical_to_one_process(task, ptq, tmp_path):
     model, split, shards = task
     out, records, seconds = ptq
@@ -118,9 +129,10 @@ def test_minmax_two_shards_byte_identical_to_one_process(task, ptq, tmp_path):
     assert not list(out.glob(".minmax.onnx.*"))  # rank 0 wrote once, atomically
     single = one_process(model, shards, "minmax", tmp_path / "one.onnx", sample_of(split))
     assert (out / "minmax.onnx").read_bytes() == single.read_bytes()
-    print(f"\n  2-rank PTQ group (spawn, 5 cases): {seconds:.1f} s")
+    print(f"\n  2-rank PTQ group (spawn to join, minmax and histogram): {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_histogram_two_shards_within_one_lsb(task, ptq, tmp_path):
     model, split, shards = task
     out, records, _ = ptq
@@ -135,11 +147,34 @@ def test_histogram_two_shards_within_one_lsb(task, ptq, tmp_path):
     print(f"\n  histogram, 2 ranks vs 1 process: max |diff| = {worst:.3f} LSB of the output scale "
           f"({scale:.6f} vs {merged_scale:.6f}, {abs(merged_scale / scale - 1):.2e} apart), "
           f"argmax agreement {agree:.4f} on {len(merged)} held-out images")
-    assert worst <= 1.0 + 1e-6
+    assert worst <= 1.0 + 1e-4  # outputs are dequantized float32: k LSB reads as k * (1 +- 3e-6)
 
 
-def test_different_models_refused_on_every_rank_with_one_message(ptq):
-    _, records, _ = ptq
+def test_every_observer_kind_merges_to_the_union(bad):
+    """minmax and per-channel: exactly the union's. Histogram-based: the scale within 1% of one
+    observer fed both ranks' batches (that one re-bins at each range change too; measured ~0.1%)."""
+    _, records = bad
+    r0, r1 = case(records[0], "observers"), case(records[1], "observers")
+    assert r0["ok"] and r1["ok"], r0.get("trace")
+    assert r0["qparams"] == r1["qparams"]  # every rank ends with the same statistics
+    assert r0["n_histograms"] == 3
+    union = distributed_ranks.observer_set()
+    for x in distributed_ranks.observer_data(0) + distributed_ranks.observer_data(1):
+        for obs in union.values():
+            obs(x)
+    expected = distributed_ranks.qparams_of(union)
+    assert r0["qparams"]["minmax"] == expected["minmax"]
+    assert r0["qparams"]["per_channel"] == expected["per_channel"]
+    for name in ("histogram", "percentile", "mse"):
+        merged_scale, single_scale = r0["qparams"][name][0][0], expected[name][0][0]
+        print(f"\n  {name}: merged scale {merged_scale:.6f}, one observer {single_scale:.6f} "
+              f"({merged_scale / single_scale - 1:+.2%})")
+        assert r0["qparams"][name][1:] == expected[name][1:]  # same range
+        assert merged_scale == pytest.approx(single_scale, rel=0.01)
+
+
+def test_different_models_refused_on_every_rank_with_one_message(bad):
+    _, records = bad
     r0, r1 = case(records[0], "structure"), case(records[1], "structure")
     assert not r0["ok"] and not r1["ok"]
     assert r0["error"] == r1["error"] == "ValueError"
@@ -147,8 +182,8 @@ def test_different_models_refused_on_every_rank_with_one_message(ptq):
     assert "different models" in r0["message"] and "rank 1" in r0["message"]
 
 
-def test_empty_shard_refused_on_every_rank_with_one_message(ptq):
-    _, records, _ = ptq
+def test_empty_shard_refused_on_every_rank_with_one_message(bad):
+    _, records = bad
     r0, r1 = case(records[0], "empty"), case(records[1], "empty")
     assert not r0["ok"] and not r1["ok"]
     assert r0["message"] == r1["message"]
@@ -156,8 +191,8 @@ def test_empty_shard_refused_on_every_rank_with_one_message(ptq):
     assert r0["seconds"] < 30  # refused by the agreement, not by a timeout
 
 
-def test_export_on_one_nonzero_rank_refused_after_timeout(ptq):
-    out, records, _ = ptq
+def test_export_on_one_nonzero_rank_refused_after_timeout(bad):
+    out, records = bad
     r1 = case(records[1], "export_one_rank")
     assert not r1["ok"] and r1["error"] == "ValueError"
     assert "called on rank 1 but not on all 2 ranks" in r1["message"]
