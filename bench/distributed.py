@@ -44,9 +44,10 @@ def timed_quantize(model: torch.nn.Module, batches: list[torch.Tensor], observer
     def run_timed(prepared, batches, **kwargs):
         if ranks.world() is not None:
             ranks.gather_texts("start", "bench: barrier before calibration")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         run_batches(prepared, batches, **kwargs)
         times["calibrate_s"] = time.perf_counter() - start
+        times["calibrate_cpu_s"] = time.process_time() - cpu
 
     def merge_timed(model, **kwargs):
         start = time.perf_counter()
@@ -126,11 +127,15 @@ def main() -> None:
     ranked = two_ranks(model.state_dict(), batches)
 
     print(f"## Distributed calibration, digits TinyResNet, {n} samples ({N_BATCHES} batches of {BS})\n")
-    print(f"CPU: {cpu_info()}; {os.cpu_count()} logical cores; load average at the end "
-          f"{os.getloadavg()[0]:.1f} (other work on the machine slows every figure).\n")
-    print("| observer | 1 rank, 1 thread (s) | 1 rank, 2 threads (s) | 2 ranks, 1 thread each: batches + merge (s) "
-          "| 2 ranks / 1 rank (1 thread) | merge overhead (s) | floats sent per rank |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    name, flags = cpu_info()
+    print(f"CPU: {name} (AVX-512 VNNI: {'yes' if 'avx512_vnni' in flags else 'no'}), {os.cpu_count()} logical "
+          f"cores; load average at the end {os.getloadavg()[0]:.1f}. On a loaded machine the wall times measure "
+          "the scheduler as much as the code; the CPU seconds (time.process_time) do not: with a core per rank, "
+          "the wall time would be the slower rank's CPU time plus the merge.\n")
+    print("| observer | 1 rank, 1 thread: wall (CPU) s | 1 rank, 2 threads: wall s | 2 ranks, 1 thread each: "
+          "wall, batches + merge (s) | CPU s per rank | merge overhead (s) | 2 ranks / 1 rank: wall, CPU-based "
+          "| floats sent per rank |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     paper = {}
     for observer in OBSERVERS:
         one, two_threads = single[1][observer]["calibrate_s"], single[2][observer]["calibrate_s"]
@@ -138,14 +143,17 @@ def main() -> None:
         last = max(range(2), key=lambda r: ranked[r][observer]["calibrate_s"])  # arrived last: no waiting
         overhead = ranked[last][observer]["merge_s"]
         floats = ranked[0][observer]["n_floats"]
-        paper[observer] = (one, overhead, floats)
-        print(f"| {observer} | {one:.2f} | {two_threads:.2f} | {max(walls):.2f} | {max(walls) / one:.2f}x "
-              f"| {overhead:.3f} | {floats:,} ({ranked[0][observer]['n_observers']} observers) |")
+        one_cpu = single[1][observer]["calibrate_cpu_s"]
+        cpus = [r[observer]["calibrate_cpu_s"] for r in ranked]
+        paper[observer] = (one_cpu, overhead, floats)
+        print(f"| {observer} | {one:.2f} ({one_cpu:.2f}) | {two_threads:.2f} | {max(walls):.2f} "
+              f"| {' / '.join(f'{c:.2f}' for c in cpus)} | {overhead:.3f} | {max(walls) / one:.2f}x, "
+              f"{(max(cpus) + overhead) / one_cpu:.2f}x | {floats:,} ({ranked[0][observer]['n_observers']} observers) |")
 
     n_obs, qat_floats = qat_floats_per_step(digits.trained_model(), batches[0])
     print(f"\nQAT: the per-step sync all-reduces {qat_floats} floats ({n_obs} observers: 2 per per-tensor "
           "observer, 2 per channel of a per-channel one), once per batch.\n")
-    print("### On paper: N machines, one process each (from the 1-rank time and the merge measured above)\n")
+    print("### On paper: N machines, one process each (from the 1-rank CPU time and the merge measured above)\n")
     print("Each rank runs 1/N of the batches; the merge sends the same floats whatever N (an all-reduce; a ring "
           "moves about 2 (N-1)/N of them per rank), plus two 2 KiB agreements. Merge time is taken as measured "
           "on 2 ranks (latency-bound at these sizes; a network adds its round trips).\n")
