@@ -13,6 +13,11 @@ merged so every rank holds what one process would have seen on all the data:
   zero-point recomputed, so every rank trains and converts with the same ranges (DDP would
   otherwise broadcast rank 0's buffers, i.e. ranges from rank 0's data alone).
 
+BatchNorm statistics are left to the user's DDP: broadcast from rank 0 before each forward by
+default (``forward_sync_buffers``), so every rank converts the same model. With rank-local buffers
+the ranks' BN statistics, and so their files, differ. In a pt2e graph batch-norm is an aten op,
+not a module, so ``nn.SyncBatchNorm.convert_sync_batchnorm`` finds nothing to replace there.
+
 Before anything is merged, the ranks agree on what they hold (an observer layout digest, the
 number of calibration samples): different models or an empty shard are refused on every rank with
 the same message. Every collective has a timeout (``quantship.ranks``), so a rank that fails
