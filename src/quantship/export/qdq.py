@@ -31,6 +31,7 @@ from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.precision import QuantSpec, preset, quant_target
+from quantship.ranks import rank_zero_writes
 
 
 @dataclass
@@ -148,6 +149,7 @@ def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: 
     return cut if isinstance(sample, (tuple, list)) else cut[0]
 
 
+@rank_zero_writes("export_qdq")
 def export_qdq(
     model: Any,
     sample: Any,
@@ -171,6 +173,10 @@ def export_qdq(
     onnxruntime-cpu, openvino and tensorrt; a static batch 1 for tigris), and without a target the
     sample's static batch. Refusals raise ``quantship.errors.ExportRefused`` (a ``ValueError``) and
     leave nothing at ``path`` (a file already there is kept as it was).
+
+    Inside a ``torch.distributed`` process group, call it on every rank: rank 0 writes, the other
+    ranks wait at a barrier and return the same path (rank 0's refusal is raised on every rank);
+    a call on some ranks only is refused after ``QUANTSHIP_DIST_TIMEOUT`` seconds (default 300).
     """
     spec = exportable_spec(model)
     if target is None:  # the preset the model was quantized for travels with it, unless an explicit

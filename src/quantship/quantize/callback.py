@@ -26,6 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from quantship.precision import QuantSpec, resolve_spec, tag_model
+from quantship.quantize import distributed
 
 _FLAG_KEYS = ("do_wd", "force_train")  # fastai's per-parameter optimizer flags
 
@@ -144,13 +145,19 @@ class QuantizeCallback(Callback):
     def before_fit(self) -> None:
         """Insert fake-quantizers and rebuild the optimizer on the prepared model."""
         example = self._example_batch()
-        model = self.learn.model
+        self._ddp, model = distributed.unwrap_ddp(self.learn.model)  # DDP: prepare inside, wrap again
         if self.spec.backend == "pt2e":
             self.prepared = self._prepare_pt2e(model, example)
         else:
             self.prepared = self._prepare_fx(model, example)
-        self.learn.model = self.prepared
+        self.learn.model = distributed.rewrap_ddp(self._ddp, self.prepared)
         self._rebuild_optimizer()
+        self._sync_ranks = distributed.start_qat_sync(self.prepared)  # False outside torch.distributed
+
+    def after_batch(self) -> None:
+        """Under torch.distributed: every rank's fake-quant ranges merged after each batch."""
+        if self.prepared is not None and getattr(self, "_sync_ranks", False):
+            distributed.sync_fake_quant(self.prepared)
 
     def after_fit(self) -> None:
         """Convert the trained model, tag it, and put it on ``learn.model``."""
@@ -160,7 +167,8 @@ class QuantizeCallback(Callback):
             converted = self._convert_pt2e(self.prepared)
         else:
             converted = self._convert_fx(self.prepared)
-        self.learn.model = tag_model(converted, self.spec, self.target)
+        self.learn.model = distributed.place_converted(self.learn.model, tag_model(converted, self.spec, self.target),
+                                                       user_wrapper=getattr(self, "_ddp", None))
         self.prepared = None
 
     # -- preparation -------------------------------------------------------------------------

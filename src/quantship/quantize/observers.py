@@ -154,3 +154,35 @@ class MSEObserver(HistogramObserver):
 
 
 OBSERVERS = {"percentile": PercentileObserver, "mse": MSEObserver}
+
+
+def rebin_histogram(counts: torch.Tensor, old_lo: float, old_hi: float, lo: float, hi: float) -> torch.Tensor:
+    """A histogram recorded on ``[old_lo, old_hi]`` re-binned onto ``[lo, hi]`` (same bin count, float64).
+
+    Each bin's count is spread evenly over its width and split between the new bins it overlaps:
+    the cumulative count is linear inside a bin, so it is read at the new edges and differenced.
+    ``[lo, hi]`` must contain the old range. An empty histogram (or an observer that saw nothing,
+    ``old_lo = inf``) gives zeros; a single value (``old_lo == old_hi``) lands in the bin holding it.
+    This is how histograms recorded on different ranks are brought onto one range before being added.
+    """
+    bins = counts.numel()
+    counts = counts.detach().double()
+    if old_lo == float("inf") or float(counts.sum()) == 0:
+        return torch.zeros(bins, dtype=torch.float64)
+    if (old_lo, old_hi) == (lo, hi):
+        return counts.clone()
+    if not lo <= old_lo <= old_hi <= hi:
+        raise ValueError(f"re-binning onto [{lo}, {hi}] would drop values of the range [{old_lo}, {old_hi}]")
+    if old_hi == old_lo or hi == lo:
+        out = torch.zeros(bins, dtype=torch.float64)
+        out[0 if hi == lo else min(int((old_lo - lo) / (hi - lo) * bins), bins - 1)] = counts.sum()
+        return out
+    old_edges = torch.linspace(old_lo, old_hi, bins + 1, dtype=torch.float64)
+    cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(counts, 0)])
+    new_edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64).clamp(old_lo, old_hi)
+    # the piecewise-linear cumulative count read at each new edge
+    i = torch.searchsorted(old_edges, new_edges, right=True).clamp(1, bins)
+    left, right = old_edges[i - 1], old_edges[i]
+    frac = ((new_edges - left) / (right - left)).clamp(0.0, 1.0)
+    at_edges = cumulative[i - 1] + frac * (cumulative[i] - cumulative[i - 1])
+    return torch.diff(at_edges)

@@ -60,6 +60,10 @@ def quantize_pt2e(
     n = sum(b.shape[0] for b in batches)
     log(f"pt2e: calibrating on {n} sample(s) in {len(batches)} batch(es) ({spec.act_observer} observer)")
     run_batches(prepared, batches, verbose=verbose)
+    from quantship.quantize.distributed import merge_observers  # no-op outside a process group
+
+    if (merged := merge_observers(prepared, n_samples=n)) is not None:
+        log(f"pt2e: merged {merged.n_observers} observer(s) across ranks ({merged.n_floats} floats, {merged.seconds:.3f} s)")
     log("pt2e: converting to a quantized graph")
     converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)

@@ -102,8 +102,9 @@ class Quantizer:
         batches = None
         if spec.method in _NEEDS_CALIBRATION:
             from quantship.quantize.calibration import collect_batches
+            from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 
-            batches = collect_batches(calibration_dl, max_calibration_samples)
+            batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])

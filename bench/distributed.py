@@ -1,0 +1,172 @@
+"""Calibration across torch.distributed ranks: wall time with 1 and 2 ranks, and what the merge costs.
+
+One run, on the digits task (trained TinyResNet, 32x32 inputs), 1,408 calibration samples
+(44 batches of 32): one process calibrates on all of them, then two gloo ranks (spawned here,
+CPU, one thread each) calibrate on half each and merge their observers. For each observer
+(minmax, histogram) it prints the calibration wall time (the batches, then the merge), the merge
+alone, and the floats each rank sends. The timer starts after a barrier, so both ranks begin
+together; a rank's merge time includes waiting for the slower one, so the merge overhead is read
+on the rank that arrived last.
+
+Then, on paper, what N machines would take: the batches split N ways, plus one merge whose size
+does not depend on N (an all-reduce of the same floats; a ring sends about 2 (N-1)/N of them per
+rank). The 1-rank figure is also given with 2 threads, the fair baseline on a 2-core machine.
+
+Run: ``PYTHONPATH=src .venv/bin/python bench/distributed.py`` (about a minute on a quiet 2-core
+machine). Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+OBSERVERS = ("minmax", "histogram")
+BS = 32
+N_BATCHES = 44  # 1,408 samples (the digits training split holds 1,437)
+
+
+def timed_quantize(model: torch.nn.Module, batches: list[torch.Tensor], observer: str) -> dict:
+    """Quantize with pt2e; return the calibration and merge wall times (patched timers, same code path)."""
+    import quantship.quantize.distributed as distributed
+    import quantship.quantize.pt2e as pt2e
+    from quantship import Quantizer, ranks
+
+    times: dict = {"merge_s": 0.0, "n_floats": 0, "n_observers": 0}
+    run_batches, merge = pt2e.run_batches, distributed.merge_observers
+
+    def run_timed(prepared, batches, **kwargs):
+        if ranks.world() is not None:
+            ranks.gather_texts("start", "bench: barrier before calibration")
+        start, cpu = time.perf_counter(), time.process_time()
+        run_batches(prepared, batches, **kwargs)
+        times["calibrate_s"] = time.perf_counter() - start
+        times["calibrate_cpu_s"] = time.process_time() - cpu
+
+    def merge_timed(model, **kwargs):
+        start = time.perf_counter()
+        report = merge(model, **kwargs)
+        times["merge_s"] = time.perf_counter() - start
+        if report is not None:
+            times["n_floats"], times["n_observers"] = report.n_floats, report.n_observers
+        return report
+
+    pt2e.run_batches, distributed.merge_observers = run_timed, merge_timed
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Quantizer(backend="pt2e", act_observer=observer).quantize(model, batches, max_calibration_samples=10**6)
+    finally:
+        pt2e.run_batches, distributed.merge_observers = run_batches, merge
+    return times
+
+
+def rank_main(rank: int, world: int, out: str, state: dict, batches: list[torch.Tensor]) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from quantship.examples import digits
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    model = digits.build_model()
+    model.load_state_dict(state)
+    model.eval()
+    shard = [b.clone() for b in batches[rank::world]]
+    results = {observer: timed_quantize(model, shard, observer) for observer in OBSERVERS}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def two_ranks(state: dict, batches: list[torch.Tensor]) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(rank_main, args=(2, out, state, batches), nprocs=2, start_method="spawn")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def qat_floats_per_step(model: torch.nn.Module, example: torch.Tensor) -> tuple[int, int]:
+    """Observers in the pt2e QAT graph and the floats one per-step sync sends (2 per observed value)."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+    from quantship import Quantizer
+    from quantship.quantize.annotator import QuantshipQuantizer
+    from quantship.quantize.distributed import observers
+    from quantship.quantize.pt2e import capture
+
+    spec = Quantizer(backend="pt2e").spec
+    prepared = prepare_qat_pt2e(capture(model.train(), example), QuantshipQuantizer(spec, is_qat=True))
+    prepared(example)  # per-channel observers size their buffers on the first batch
+    found = observers(prepared)
+    return len(found), 2 * sum(obs.min_val.numel() for _, obs in found)
+
+
+def main() -> None:
+    from quantship.examples import digits
+    from quantship.inspect.consumers import cpu_info
+
+    split = digits.load_split()
+    model = digits.trained_model()
+    batches = list(split.x_train[: N_BATCHES * BS].split(BS))
+    n = sum(b.shape[0] for b in batches)
+
+    single: dict[int, dict] = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        single[threads] = {observer: timed_quantize(model, batches, observer) for observer in OBSERVERS}
+    torch.set_num_threads(1)
+    ranked = two_ranks(model.state_dict(), batches)
+
+    print(f"## Distributed calibration, digits TinyResNet, {n} samples ({N_BATCHES} batches of {BS})\n")
+    name, flags = cpu_info()
+    print(f"CPU: {name} (AVX-512 VNNI: {'yes' if 'avx512_vnni' in flags else 'no'}), {os.cpu_count()} logical "
+          f"cores; load average at the end {os.getloadavg()[0]:.1f}. On a loaded machine the wall times measure "
+          "the scheduler as much as the code; the CPU seconds (time.process_time) do not: with a core per rank, "
+          "the wall time would be the slower rank's CPU time plus the merge.\n")
+    print("| observer | 1 rank, 1 thread: wall (CPU) s | 1 rank, 2 threads: wall s | 2 ranks, 1 thread each: "
+          "wall, batches + merge (s) | CPU s per rank | merge overhead (s) | 2 ranks / 1 rank: wall, CPU-based "
+          "| floats sent per rank |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    paper = {}
+    for observer in OBSERVERS:
+        one, two_threads = single[1][observer]["calibrate_s"], single[2][observer]["calibrate_s"]
+        walls = [r[observer]["calibrate_s"] + r[observer]["merge_s"] for r in ranked]
+        last = max(range(2), key=lambda r: ranked[r][observer]["calibrate_s"])  # arrived last: no waiting
+        overhead = ranked[last][observer]["merge_s"]
+        floats = ranked[0][observer]["n_floats"]
+        one_cpu = single[1][observer]["calibrate_cpu_s"]
+        cpus = [r[observer]["calibrate_cpu_s"] for r in ranked]
+        paper[observer] = (one_cpu, overhead, floats)
+        print(f"| {observer} | {one:.2f} ({one_cpu:.2f}) | {two_threads:.2f} | {max(walls):.2f} "
+              f"| {' / '.join(f'{c:.2f}' for c in cpus)} | {overhead:.3f} | {max(walls) / one:.2f}x, "
+              f"{(max(cpus) + overhead) / one_cpu:.2f}x | {floats:,} ({ranked[0][observer]['n_observers']} observers) |")
+
+    n_obs, qat_floats = qat_floats_per_step(digits.trained_model(), batches[0])
+    print(f"\nQAT: the per-step sync all-reduces {qat_floats} floats ({n_obs} observers: 2 per per-tensor "
+          "observer, 2 per channel of a per-channel one), once per batch.\n")
+    print("### On paper: N machines, one process each (from the 1-rank CPU time and the merge measured above)\n")
+    print("Each rank runs 1/N of the batches; the merge sends the same floats whatever N (an all-reduce; a ring "
+          "moves about 2 (N-1)/N of them per rank), plus two 2 KiB agreements. Merge time is taken as measured "
+          "on 2 ranks (latency-bound at these sizes; a network adds its round trips).\n")
+    print("| observer | N | batches (s) | + merge (s) | expected wall (s) | speed-up | bytes per rank per merge |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for observer, (one, overhead, floats) in paper.items():
+        for machines in (1, 2, 4, 8, 16):
+            merge_s = 0.0 if machines == 1 else overhead
+            wall = one / machines + merge_s
+            sent = 0 if machines == 1 else int(2 * (machines - 1) / machines * floats * 8)
+            print(f"| {observer} | {machines} | {one / machines:.2f} | {merge_s:.3f} | {wall:.2f} "
+                  f"| {one / wall:.2f}x | {sent:,} |")
+
+
+if __name__ == "__main__":
+    main()
