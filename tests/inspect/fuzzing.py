@@ -28,6 +28,8 @@ from onnx import numpy_helper
 
 TARGETS = ("onnxruntime", "openvino", "tigris", "tensorrt")
 _ODD_FLOATS = (float("nan"), float("inf"), -float("inf"), 0.0, -0.5, 1e-45, 1e38, 3.4e38)
+_MARK = "\u00e9-not-utf8"  # same length as its broken form, so every length prefix still holds
+_BROKEN_MARK = b"\xc3\x28-not-utf8"
 _ODD_INTS = (-(2 ** 63), -(2 ** 40), -5, -1, 0, 1, 7, 255, 2 ** 31, 2 ** 40, 2 ** 62)
 
 
@@ -158,8 +160,19 @@ def mutants(data: bytes, n: int, seed: int) -> Iterator[tuple[str, bytes]]:
         model = onnx.ModelProto()
         model.ParseFromString(data)
         for _ in range(rng.choice((1, 1, 2, 3))):
-            _structured_mutant(model, rng)
-        yield f"{index}:structured", model.SerializeToString()
+            try:
+                _structured_mutant(model, rng)
+            except Exception:  # noqa: BLE001 - an earlier edit left nothing this one can work on
+                pass
+        blob = model.SerializeToString()
+        if rng.random() < 0.1:  # a name or the spec that is not UTF-8 (protobuf reads it back as bytes)
+            target = rng.choice([n for n in model.graph.node] + [p for p in model.metadata_props])
+            if isinstance(target, onnx.NodeProto):
+                target.name = _MARK
+            else:
+                target.value = _MARK
+            blob = model.SerializeToString().replace(_MARK.encode(), _BROKEN_MARK)
+        yield f"{index}:structured", blob
 
 
 def _strict_json(text: str) -> None:
@@ -167,7 +180,8 @@ def _strict_json(text: str) -> None:
 
 
 def read_all(path: Path, lenient: bool = False) -> list[str]:
-    """Every reader on ``path``; the uncaught exceptions as ``reader: Type: message`` (empty: all fine).
+    """Every reader on ``path``; the uncaught exceptions as ``reader: Type: message`` (empty: all fine),
+    plus ``qdq_stats: refused`` when ``qdq_stats`` refused the file.
 
     ``lenient`` also takes a plain ``ValueError`` from inspect/check as a refusal (the measure before
     ``quantship.errors`` existed); ``qdq_stats`` must raise only the documented refusals either way.
@@ -184,7 +198,8 @@ def read_all(path: Path, lenient: bool = False) -> list[str]:
         try:
             call()
         except (QuantshipError, FileNotFoundError):
-            pass
+            if name == "qdq_stats":
+                problems.append("qdq_stats: refused")
         except ValueError as exc:
             if not (lenient and name != "qdq_stats" and type(exc) is ValueError):
                 problems.append(f"{name}: {type(exc).__name__}: {_first(exc)}")
@@ -203,14 +218,17 @@ def run(seed_file: Path, n: int, seed: int, workdir: Path, lenient: bool = False
     workdir.mkdir(parents=True, exist_ok=True)
     data = seed_file.read_bytes()
     uncaught: list[tuple[str, str]] = []
+    n_refused = 0  # files qdq_stats refused; the others were read through to the end
     start = time.perf_counter()
     for label, blob in mutants(data, n, seed):
         path = workdir / "mutant.onnx"
         path.write_bytes(blob)
-        uncaught += [(label, p) for p in read_all(path, lenient)]
+        found = read_all(path, lenient)
+        n_refused += "qdq_stats: refused" in found
+        uncaught += [(label, p) for p in found if p != "qdq_stats: refused"]
     seconds = time.perf_counter() - start
     kinds = Counter(p.split(":")[0] + ": " + p.split(": ")[1] for _, p in uncaught)
-    return {"files": n, "seed": seed, "lenient": lenient, "uncaught": len(uncaught),
+    return {"files": n, "seed": seed, "lenient": lenient, "refused_by_qdq_stats": n_refused, "uncaught": len(uncaught),
             "files_with_uncaught": len({label for label, _ in uncaught}), "kinds": dict(kinds),
             "examples": uncaught[:12], "seconds": round(seconds, 1),
             "per_file_ms": round(1000 * seconds / max(n, 1), 1) if not math.isnan(seconds) else None}
