@@ -75,13 +75,14 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
         raise FileRefused(f"{path} is not an ONNX model: no IR version or no graph in it")
     if len(model.graph.node) == 0:
         raise FileRefused(f"{path}: the ONNX graph is empty (no nodes); there is nothing to run")
+    external = bool(_external_files(model))
     check_external_data(model, path.parent, path)
+    try:  # checked before the external weights join it (by path, so their locations resolve beside the file)
+        onnx.checker.check_model(str(path) if external else model)
+    except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
+        raise FileRefused(f"{path} is not a valid ONNX model (truncated or corrupt?): {one_line(exc)}") from None
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # onnx raises OSError, ValueError or its own ValidationError here
         raise FileRefused(f"{path}: cannot read its external data ({one_line(exc)})") from None
-    try:
-        onnx.checker.check_model(model)
-    except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
-        raise FileRefused(f"{path} is not a valid ONNX model (truncated or corrupt?): {one_line(exc)}") from None
     return model

@@ -48,6 +48,37 @@ def dtype_size(elem_type: int) -> int:
     return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
 
 
+_PROBE_KEEPS_DATA = 4096  # bytes: shape tensors, axes and scalars keep their values for data propagation
+
+
+def _shape_probe(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` for shape inference in which large initializers keep their dims but not their data.
+
+    Inference reads only the dims of a weight, so the weights are not copied (a model's size in memory
+    is not doubled, and one over 2 GB can still be inferred).
+    """
+    probe = onnx.ModelProto()
+    for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+        setattr(probe, name, getattr(model, name))
+    probe.opset_import.extend(model.opset_import)
+    probe.functions.extend(model.functions)
+    source, graph = model.graph, probe.graph
+    graph.name = source.name
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    graph.sparse_initializer.extend(source.sparse_initializer)
+    for tensor in source.initializer:
+        if tensor.ByteSize() <= _PROBE_KEEPS_DATA:
+            graph.initializer.append(tensor)
+        else:
+            light = graph.initializer.add()
+            light.name, light.data_type = tensor.name, tensor.data_type
+            light.dims.extend(tensor.dims)
+    return probe
+
+
 def _refuse_type(source: str, what: str, elem_type: int) -> None:
     if elem_type and elem_type not in KNOWN_TYPES:
         raise FileRefused(f"{source}: {what} has element type {elem_type}, which ONNX does not define; "
@@ -123,8 +154,7 @@ class GraphView:
 
     def _infer_types(self, model: onnx.ModelProto) -> None:
         """Element types and static shapes, with unset input dimensions taken as 1."""
-        probe = onnx.ModelProto()
-        probe.CopyFrom(model)
+        probe = _shape_probe(model)
         for value in probe.graph.input:
             for dim in value.type.tensor_type.shape.dim:
                 if not dim.HasField("dim_value"):
