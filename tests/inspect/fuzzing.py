@@ -181,7 +181,7 @@ def _strict_json(text: str) -> None:
 
 def read_all(path: Path, lenient: bool = False) -> list[str]:
     """Every reader on ``path``; the uncaught exceptions as ``reader: Type: message`` (empty: all fine),
-    plus ``qdq_stats: refused`` when ``qdq_stats`` refused the file.
+    plus ``qdq_stats: refused`` / ``inspect: refused`` when those refused the file.
 
     ``lenient`` also takes a plain ``ValueError`` from inspect/check as a refusal (the measure before
     ``quantship.errors`` existed); ``qdq_stats`` must raise only the documented refusals either way.
@@ -198,11 +198,13 @@ def read_all(path: Path, lenient: bool = False) -> list[str]:
         try:
             call()
         except (QuantshipError, FileNotFoundError):
-            if name == "qdq_stats":
-                problems.append("qdq_stats: refused")
+            if name in ("qdq_stats", "inspect"):
+                problems.append(f"{name}: refused")
         except ValueError as exc:
             if not (lenient and name != "qdq_stats" and type(exc) is ValueError):
                 problems.append(f"{name}: {type(exc).__name__}: {_first(exc)}")
+            elif name == "inspect":
+                problems.append("inspect: refused")
         except Exception as exc:  # noqa: BLE001 - the fuzzer's job is to catch everything else
             problems.append(f"{name}: {type(exc).__name__}: {_first(exc)}")
     return problems
@@ -218,17 +220,20 @@ def run(seed_file: Path, n: int, seed: int, workdir: Path, lenient: bool = False
     workdir.mkdir(parents=True, exist_ok=True)
     data = seed_file.read_bytes()
     uncaught: list[tuple[str, str]] = []
-    n_refused = 0  # files qdq_stats refused; the others were read through to the end
+    n_refused = n_disagree = 0  # files qdq_stats refused (the others were read through to the end)
     start = time.perf_counter()
     for label, blob in mutants(data, n, seed):
         path = workdir / "mutant.onnx"
         path.write_bytes(blob)
         found = read_all(path, lenient)
         n_refused += "qdq_stats: refused" in found
-        uncaught += [(label, p) for p in found if p != "qdq_stats: refused"]
+        # qdq_stats counting a file that inspect refuses (or the reverse): two answers for one file
+        n_disagree += ("qdq_stats: refused" in found) != ("inspect: refused" in found)
+        uncaught += [(label, p) for p in found if not p.endswith(": refused")]
     seconds = time.perf_counter() - start
     kinds = Counter(p.split(":")[0] + ": " + p.split(": ")[1] for _, p in uncaught)
-    return {"files": n, "seed": seed, "lenient": lenient, "refused_by_qdq_stats": n_refused, "uncaught": len(uncaught),
+    return {"files": n, "seed": seed, "lenient": lenient, "refused_by_qdq_stats": n_refused,
+            "qdq_stats_vs_inspect_disagree": n_disagree, "uncaught": len(uncaught),
             "files_with_uncaught": len({label for label, _ in uncaught}), "kinds": dict(kinds),
             "examples": uncaught[:12], "seconds": round(seconds, 1),
             "per_file_ms": round(1000 * seconds / max(n, 1), 1) if not math.isnan(seconds) else None}

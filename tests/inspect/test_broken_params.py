@@ -123,3 +123,11 @@ def test_inspect_json_is_strict_with_a_note_for_a_nan_scale(small_qdq, tmp_path)
     assert data["inputs"][0]["scale"] is None
     assert data["notes"] == ["inputs[0].scale is nan, not a JSON number: written as null"]
     assert "valid_parameters" in json.loads(check_file(path, "onnxruntime").to_json())["findings"][0]["rule"]
+
+
+def test_an_in_memory_graph_with_a_cycle_is_refused_not_walked_forever(small_qdq):
+    model = onnx.load(str(small_qdq))
+    relu = next(n for n in model.graph.node if n.op_type == "Relu")
+    relu.input[0] = relu.output[0]
+    with pytest.raises(FileRefused, match="before it is produced"):
+        qdq_stats(model)

@@ -128,6 +128,12 @@ class GraphView:
             for name in node.input:
                 if name:
                     view.consumers.setdefault(name, []).append(index)
+        for index, node in enumerate(view.nodes):  # every walk below relies on it (no cycles)
+            late = next((n for n in node.input if n and view.producer.get(n, -1) >= index), None)
+            if late is not None:
+                raise FileRefused(f"{source}: node {node.name or node.op_type!r} reads {late!r} before it is "
+                                  "produced (the graph is not topologically sorted, or a tensor has two "
+                                  "producers); re-export it")
         view._infer_types(model)
         view.constant = set(view.initializers)
         for node in view.topological():
