@@ -12,15 +12,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name
+from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, node_label
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 _SCALE_TYPES = ("float32", "float16", "bfloat16", "float64")
-_MAX_SHOWN = 4
-
-
-def _label(node: onnx.NodeProto, index: int) -> str:
-    return node.name or f"{node.op_type}#{index}"
 
 
 def _attr(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:
@@ -83,7 +78,7 @@ def _axis_problem(view: GraphView, node: onnx.NodeProto, scale: np.ndarray | Non
 
 
 def _qdq_problems(view: GraphView, node: onnx.NodeProto, index: int) -> list[str]:
-    label = _label(node, index)
+    label = node_label(node, index)
     if len(node.input) < 2 or not node.input[1]:
         return [f"{label}: no scale input"]
     scale_name = node.input[1]
@@ -129,11 +124,6 @@ def parameter_problems(view: GraphView) -> list[str]:
 def foreign_operators(view: GraphView) -> list[tuple[str, str, bool]]:
     """(``node (domain::op)``, domain, defined by a model-local function) for each node outside the default domain."""
     local = {(f.domain, f.name) for f in view.model.functions}
-    return [(f"{_label(node, index)} ({node.domain}::{node.op_type})", node.domain, (node.domain, node.op_type) in local)
+    return [(f"{node_label(node, index)} ({node.domain}::{node.op_type})", node.domain, (node.domain, node.op_type) in local)
             for index, node in enumerate(view.nodes) if node.domain not in DEFAULT_DOMAINS]
 
-
-def shown(items: list[str]) -> str:
-    """The first few items, for a one-line message."""
-    more = f", ... ({len(items) - _MAX_SHOWN} more)" if len(items) > _MAX_SHOWN else ""
-    return ", ".join(items[:_MAX_SHOWN]) + more

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from quantship.inspect.parameters import foreign_operators, parameter_problems
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name
+from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
 
 # ONNX Runtime's operator-oriented format: integer kernels with the scales as inputs
 QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "QOrderedMatMul",
@@ -22,11 +22,6 @@ DYNAMIC_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "Dyna
                          "MatMulIntegerToFloat"})
 NOT_COMPUTE = frozenset({QUANTIZE, DEQUANTIZE, "Constant"}) | SHAPE_ONLY
 FORMATS = ("QDQ", "QOperator", "dynamic", "float", "mixed")
-
-
-def node_label(node: onnx.NodeProto, index: int) -> str:
-    """A node's name, or ``OpType#index`` when the file left it unnamed."""
-    return node.name or f"{node.op_type}#{index}"
 
 
 @dataclass(frozen=True)

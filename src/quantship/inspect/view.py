@@ -30,6 +30,11 @@ MAX_DIM = 1 << 40
 MAX_ELEMENTS = 1 << 44
 
 
+def node_label(node: onnx.NodeProto, index: int) -> str:
+    """A node's name, or ``OpType#index`` when the file left it unnamed."""
+    return node.name or f"{node.op_type}#{index}"
+
+
 def dtype_name(elem_type: int) -> str:
     """``int8``, ``float32``... for an ONNX element type (``undefined`` when unset or unknown)."""
     if not elem_type or elem_type not in KNOWN_TYPES:
