@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
 from quantship.errors import FileRefused, cause
@@ -71,7 +70,7 @@ class FileFacts:
             if node.op_type == DEQUANTIZE and node.input and node.input[0] in self.view.initializers:
                 values = self.view.value(node.input[0])
                 if values is not None and values.dtype.kind in "iu" and values.size:
-                    widest = max(widest, int(np.abs(values.astype(np.int64)).max()))
+                    widest = max(widest, abs(int(values.min())), abs(int(values.max())))
         return widest
 
 

@@ -102,8 +102,8 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     stored = view.value(x) if node.op_type == DEQUANTIZE and x in view.initializers else None
     max_abs = None
     if stored is not None and stored.size and np.issubdtype(stored.dtype, np.integer):
-        offset = zero.astype(np.int64).reshape(-1)[0] if zero is not None and zero.size == 1 else 0
-        max_abs = int(np.abs(stored.astype(np.int64) - offset).max())
+        offset = int(zero.reshape(-1)[0]) if zero is not None and zero.size == 1 else 0
+        max_abs = max(abs(int(stored.min()) - offset), abs(int(stored.max()) - offset))
     return QDQNode(
         node=node_label(node, index), op_type=node.op_type, tensor=tensor, role=role, dtype=dtype,
         per_channel=bool(per_channel), static=static,
