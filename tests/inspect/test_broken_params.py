@@ -131,3 +131,17 @@ def test_an_in_memory_graph_with_a_cycle_is_refused_not_walked_forever(small_qdq
     relu.input[0] = relu.output[0]
     with pytest.raises(FileRefused, match="before it is produced"):
         qdq_stats(model)
+
+
+def test_inspect_cli_json_is_strict(small_qdq, tmp_path, capsys):
+    from quantship.cli.main import main
+
+    def edit(model):
+        output = model.graph.output[0].name
+        name = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == output).input[1]
+        tensor = next(t for t in model.graph.initializer if t.name == name)
+        tensor.CopyFrom(numpy_helper.from_array(np.array(np.inf, dtype=np.float32), name))
+    path = _edited(small_qdq, tmp_path, edit)
+    assert main(["inspect", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+    assert data["outputs"][0]["scale"] is None and "outputs[0].scale is inf" in data["notes"][0]
