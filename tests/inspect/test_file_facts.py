@@ -73,9 +73,12 @@ def test_export_postconditions_read_the_written_file_once(small_qdq, counted, mo
     spec = quant_spec_of_file(small_qdq)
     counted.update(load=0, infer=0)
     stats = postconditions.check_file(small_qdq, spec, activation_dtype="int8", opset_version=18)
-    for target in ("tigris", "openvino", "onnxruntime-cpu"):
-        postconditions.check_target(small_qdq, target)
-    assert counted == {"load": 1, "infer": 1} and stats == qdq_stats(small_qdq)
+    postconditions.check_target(small_qdq, "tigris")
+    assert counted == {"load": 1, "infer": 1} and stats == qdq_stats(facts := read_file(small_qdq))
+    assert postconditions._last is None  # the read is let go once the last post-condition used it
+    for target in ("openvino", "onnxruntime-cpu"):
+        postconditions.check_target(facts, target)
+    assert counted["load"] == 2  # read_file above; the checks reused its ``facts``
 
 
 def test_postconditions_reread_a_file_that_changed(small_qdq, tmp_path, counted, monkeypatch):

@@ -14,7 +14,8 @@ from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import QuantSpec
 
-# the last file read here, keyed by its identity on disk: check_target reuses check_file's read
+# the last file read here, keyed by its identity on disk: check_target reuses check_file's read, then
+# lets it go (the facts hold the whole model)
 _last: tuple[tuple, FileFacts] | None = None
 
 
@@ -82,7 +83,10 @@ def check_target(path: Path | FileFacts, target: str) -> None:
     from quantship.inspect.check import check_file as check_deployable
     from quantship.precision import preset
 
-    report = check_deployable(read_written(path), preset(target).check_target)
+    global _last
+    facts = read_written(path)
+    _last = None
+    report = check_deployable(facts, preset(target).check_target)
     if not report.ok:
         reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
         raise ExportRefused(f"the file written for target={target!r} fails {report.target}'s rules: {reasons}")
