@@ -131,3 +131,13 @@ def digits_files(tmp_path_factory) -> dict[str, Path]:
         "float": export_float(model, calib[0], root / "digits_float.onnx"),
         "int8": export_pt2e(model, calib, root / "digits_int8.onnx"),
     }
+
+
+@pytest.fixture(scope="session")
+def small_qdq(tmp_path_factory) -> Path:
+    """A pt2e INT8 SmallNet file (3x32x32, batch 1): 7 Q / 10 DQ, the seed of the broken-file and fuzz tests."""
+    root = tmp_path_factory.mktemp("small")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randn(1, 3, 32, 32, generator=g) for _ in range(4)]
+    return export_pt2e(SmallNet().eval(), calib, root / "small_int8.onnx")

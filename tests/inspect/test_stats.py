@@ -48,7 +48,7 @@ def test_counts_on_a_fully_quantized_graph():
     assert stats == QDQStats(n_quantize=2, n_dequantize=3, n_per_channel=1, n_nonzero_zero_point=0,
                              n_unquantized_conv_add=0, n_uint8=0)
     assert list(stats.as_dict()) == ["n_quantize", "n_dequantize", "n_per_channel", "n_nonzero_zero_point",
-                                     "n_unquantized_conv_add", "n_uint8"]
+                                     "n_unquantized_conv_add", "n_uint8", "n_float_compute"]
 
 
 def test_a_conv_reaching_an_add_through_an_activation_is_counted():
@@ -74,6 +74,14 @@ def test_reads_a_file_and_its_spec(tmp_path):
     onnx.save(model, str(path))
     assert quant_spec_of_file(path) == spec
     assert qdq_stats(path) == qdq_stats(model)
+
+
+def test_a_conv_reading_a_float_activation_is_float_compute():
+    model = _graph(quantize_residual=True)
+    assert qdq_stats(model).n_float_compute == 0
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    conv.input[0] = "x"  # the raw float input, no DequantizeLinear in between
+    assert qdq_stats(model).n_float_compute == 1
 
 
 def test_a_missing_file_is_an_error(tmp_path):

@@ -1,22 +1,49 @@
-"""Post-conditions read off the written file and held against the spec it claims to carry."""
+"""Post-conditions read off the written file and held against the spec it claims to carry.
+
+The file is read once (``FileFacts``): the counts, the declared opset, the stored weights, the spec
+in its metadata and the target's static rules all come from that one read.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import onnx
-
 from quantship.errors import ExportRefused
+from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import QuantSpec
 
+# the last file read here, keyed by its identity on disk: check_target reuses check_file's read, then
+# lets it go (the facts hold the whole model)
+_last: tuple[tuple, FileFacts] | None = None
 
-def check_file(path: Path, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
+
+def _identity(path: Path) -> tuple:
+    stat = os.stat(path)
+    return (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def read_written(path: Path | FileFacts) -> FileFacts:
+    """``FileFacts`` of the written file, read once for every post-condition asked of the same file."""
+    global _last
+    if isinstance(path, FileFacts):
+        return path
+    key = _identity(path)
+    if _last is not None and _last[0] == key:
+        return _last[1]
+    facts = read_file(path)
+    _last = (key, facts)
+    return facts
+
+
+def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
     """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``."""
-    stats = qdq_stats(path)
+    facts = read_written(path)
+    stats = qdq_stats(facts)
     problems: list[str] = []
-    declared = {o.domain: o.version for o in onnx.load(str(path), load_external_data=False).opset_import}
-    if declared.get("", declared.get("ai.onnx")) != opset_version:
+    declared = facts.opset_imports
+    if declared.get("") != opset_version:
         problems.append(f"it declares opset {declared} instead of {opset_version}")
     if stats.n_quantize == 0 or stats.n_dequantize == 0:
         problems.append(f"it holds {stats.n_quantize} QuantizeLinear and {stats.n_dequantize} DequantizeLinear")
@@ -39,37 +66,27 @@ def check_file(path: Path, spec: QuantSpec, *, activation_dtype: str, opset_vers
         problems.append(f"qdq_placement='per_op' but {stats.n_unquantized_conv_add} conv->add edge(s) carry no "
                         "Q/DQ pair")
     if spec.reduce_range:
-        widest = _widest_weight(path)
+        widest = facts.widest_stored_weight()
         if widest > 63:
             problems.append(f"a weight reaches {widest} although reduce_range=True keeps weights in [-63, 63]")
-    if quant_spec_of_file(path) != spec:
+    if quant_spec_of_file(facts) != spec:
         problems.append("the spec read back from metadata_props differs from the model's")
+    if facts.quant.parameter_problems:
+        problems.append(f"broken quantization parameters: {'; '.join(facts.quant.parameter_problems[:4])}")
     if problems:
         raise ExportRefused(f"the produced file does not match {spec.label} ({spec.as_dict()}): " + "; ".join(problems))
     return stats
 
 
-def _widest_weight(path: Path) -> int:
-    """The largest |value| among the stored integer tensors that DequantizeLinear reads directly."""
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path))
-    stored = {t.name: t for t in model.graph.initializer}
-    widest = 0
-    for node in model.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in stored:
-            values = numpy_helper.to_array(stored[node.input[0]])
-            if values.dtype.kind in "iu" and values.size:
-                widest = max(widest, int(abs(values.astype("int64")).max()))
-    return widest
-
-
-def check_target(path: Path, target: str) -> None:
+def check_target(path: Path | FileFacts, target: str) -> None:
     """Refuse a file that the preset's own deployment target would not accept (static rules)."""
     from quantship.inspect.check import check_file as check_deployable
     from quantship.precision import preset
 
-    report = check_deployable(path, preset(target).check_target)
+    global _last
+    facts = read_written(path)
+    _last = None
+    report = check_deployable(facts, preset(target).check_target)
     if not report.ok:
         reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
         raise ExportRefused(f"the file written for target={target!r} fails {report.target}'s rules: {reasons}")

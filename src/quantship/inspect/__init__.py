@@ -21,6 +21,8 @@ _PUBLIC = {
     "inspect_file": "quantship.inspect.graph",
     "FileReport": "quantship.inspect.graph",
     "load_onnx": "quantship.inspect.loading",
+    "FileFacts": "quantship.inspect.facts",
+    "read_file": "quantship.inspect.facts",
     "check_file": "quantship.inspect.check",
     "CheckReport": "quantship.inspect.check",
     "Finding": "quantship.inspect.check",

@@ -6,17 +6,16 @@ is run where it can run here (``consumers``) and its result joins the report.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantship.inspect.facts import FileFacts, facts_of
 from quantship.inspect.graph import FileReport, report_of
-from quantship.inspect.loading import load_onnx
-from quantship.inspect.quantization import QuantFacts, quant_facts
+from quantship.inspect.quantization import QuantFacts
+from quantship.inspect.report_json import strict_json
 from quantship.inspect.rules import RULES, Target
 from quantship.inspect.rules import target as get_target
-from quantship.inspect.view import GraphView
 
 REPORT_VERSION = 1
 _SHOWN = 6  # offenders quoted in a message; the full list is in ``offending``
@@ -66,7 +65,7 @@ class CheckReport:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=2)
+        return strict_json(self.as_dict())
 
 
 def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Finding | None:
@@ -93,15 +92,15 @@ def findings_for(facts: QuantFacts, target_name: str) -> list[Finding]:
     return [f for f in found if f is not None]
 
 
-def check_file(path: str | Path, target: str, run: bool = False, n_inputs: int = 20) -> CheckReport:
-    """Check ``path`` against ``target``'s rules; with ``run`` also run the consumer on it."""
+def check_file(path: str | Path | FileFacts, target: str, run: bool = False, n_inputs: int = 20) -> CheckReport:
+    """Check ``path`` (or one read of it, ``FileFacts``) against ``target``'s rules; with ``run`` also run
+    the consumer on it."""
     target = get_target(target).name  # refuse an unknown target before reading anything; resolve aliases
-    view = GraphView.of(load_onnx(path))
-    facts = quant_facts(view)
-    report = CheckReport(str(path), target, facts.format, findings_for(facts, target),
-                         report=report_of(view, facts, str(path)))
+    facts = facts_of(path)
+    report = CheckReport(facts.path, target, facts.quant.format, findings_for(facts.quant, target),
+                         report=report_of(facts))
     if run:
         from quantship.inspect.consumers import run_consumer
 
-        report.runs.append(run_consumer(path, target, n_inputs=n_inputs))
+        report.runs.append(run_consumer(facts.path, target, n_inputs=n_inputs))
     return report

@@ -7,17 +7,17 @@ anyone else's (ONNX Runtime's quantizer, other exporters).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantship.inspect.loading import load_onnx
+import onnx
+
+from quantship.inspect.facts import FileFacts, facts_of
 from quantship.inspect.memory import TensorSize, naive_peak
-from quantship.inspect.quantization import QuantFacts, quant_facts
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name
-from quantship.precision import METADATA_KEY
+from quantship.inspect.report_json import strict_json
+from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, dtype_size
 
 REPORT_VERSION = 1
 
@@ -92,11 +92,14 @@ class FileReport:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=2)
+        """Strict JSON (a non-finite scale is written as null, with a note)."""
+        return strict_json(self.as_dict())
 
 
 def _declared(view: GraphView, name: str) -> tuple[list[int | str], str]:
     values = {v.name: v for v in [*view.model.graph.input, *view.model.graph.output]}
+    if name not in values:
+        return [], "undefined"
     tensor_type = values[name].type.tensor_type
     shape: list[int | str] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                               for d in tensor_type.shape.dim]
@@ -107,14 +110,16 @@ def _boundary(view: GraphView, name: str, node) -> BoundaryTensor:
     shape, dtype = _declared(view, name)
     if node is None:
         return BoundaryTensor(name, shape, dtype, dtype, None, None)
-    scale = view.value(node.input[1]) if len(node.input) > 1 else None
+    scale = view.value(node.input[1]) if len(node.input) > 1 and node.input[1] else None
     zp_name = node.input[2] if len(node.input) > 2 else ""
     zero = view.value(zp_name) if zp_name else None
+    if zero is not None and zero.dtype.kind not in "iub":
+        zero = None  # not a zero-point: the parameter rule names it
     if node.op_type == DEQUANTIZE:
         stored = dtype_name(view.elem_type.get(node.input[0], 0))
     else:
         stored = dtype_name(view.elem_type.get(zp_name, 0)) if zp_name else "uint8"
-    if scale is None or scale.size != 1:
+    if scale is None or scale.size != 1 or scale.dtype.kind != "f":
         return BoundaryTensor(name, shape, dtype, stored, None, None)
     zp = int(zero.reshape(-1)[0]) if zero is not None and zero.size else 0
     return BoundaryTensor(name, shape, dtype, stored, float(scale.reshape(())), zp)
@@ -133,19 +138,9 @@ def boundaries(view: GraphView) -> tuple[list[BoundaryTensor], list[BoundaryTens
     return inputs, outputs
 
 
-def _spec(view: GraphView) -> dict[str, Any] | None:
-    for prop in view.model.metadata_props:
-        if prop.key == METADATA_KEY:
-            try:
-                return json.loads(prop.value)
-            except json.JSONDecodeError:
-                return {"unreadable": prop.value}
-    return None
-
-
-def report_of(view: GraphView, facts: QuantFacts, path: str) -> FileReport:
-    """Build the report from an already loaded view (``check_file`` reuses the load)."""
-    model = view.model
+def report_of(file: FileFacts) -> FileReport:
+    """Build the report from one read of the file (``check_file`` reuses it)."""
+    view, facts, model, path = file.view, file.quant, file.model, file.path
     stored = naive_peak(view)
     folded = naive_peak(view, one_byte=True)
     inputs, outputs = boundaries(view)
@@ -166,24 +161,21 @@ def report_of(view: GraphView, facts: QuantFacts, path: str) -> FileReport:
         memory=MemoryReport(stored.peak_bytes, stored.largest, folded.peak_bytes, folded.largest,
                             list(stored.unknown_shapes)),
         float_tensors=list(facts.float_tensors) if facts.format != "float" else [],
-        quant_spec=_spec(view),
+        quant_spec=file.spec,
     )
 
 
-def _elements(tensor) -> int:
+def _elements(tensor: onnx.TensorProto) -> int:
     count = 1
     for d in tensor.dims:
-        count *= d
+        count *= max(d, 0)
     return count
 
 
-def _itemsize(tensor) -> int:
-    from quantship.inspect.view import dtype_size
-
+def _itemsize(tensor: onnx.TensorProto) -> int:
     return dtype_size(tensor.data_type)
 
 
-def inspect_file(path: str | Path) -> FileReport:
-    """Read ``path`` and report what it contains (``ValueError``/``FileNotFoundError`` if unreadable)."""
-    view = GraphView.of(load_onnx(path))
-    return report_of(view, quant_facts(view), str(path))
+def inspect_file(path: str | Path | onnx.ModelProto | FileFacts) -> FileReport:
+    """Report what ``path`` contains (``FileRefused``/``FileNotFoundError`` if unreadable)."""
+    return report_of(facts_of(path))

@@ -1,7 +1,8 @@
 """Load an ONNX file for reading, refusing anything that is not a complete model.
 
-Every refusal is a ``ValueError`` or ``FileNotFoundError`` whose first line says what is wrong
-with the file, so the CLI can print it as one line (exit code 2) instead of a traceback.
+Every refusal is a ``FileRefused`` (a ``ValueError``) or ``FileNotFoundError`` whose first line
+says what is wrong with the file, so the CLI can print it as one line (exit code 2) instead of a
+traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import onnx
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+from quantship.errors import FileRefused, one_line
 
 
 def _external_files(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
@@ -42,7 +45,7 @@ def check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> N
             )
         size = data_file.stat().st_size
         if end > size:
-            raise ValueError(
+            raise FileRefused(
                 f"{path}: external data file {location!r} is truncated ({size} bytes, tensor {name!r} "
                 f"needs {end}); copy it again"
             )
@@ -54,31 +57,32 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if path.is_dir():
-        raise ValueError(f"{path} is a directory; give the path of an .onnx file")
-    data = path.read_bytes()
+        raise FileRefused(f"{path} is a directory; give the path of an .onnx file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # unreadable (permissions, a device, a broken mount)
+        raise FileRefused(f"{path} cannot be read ({one_line(exc)}); check its permissions") from None
     if not data:
-        raise ValueError(f"{path} is empty (0 bytes); it is not an ONNX model")
+        raise FileRefused(f"{path} is empty (0 bytes); it is not an ONNX model")
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError (and RuntimeWarning subclasses) here
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(
-            f"{path} is not an ONNX model, or is truncated: the protobuf does not parse ({reason})"
+        raise FileRefused(
+            f"{path} is not an ONNX model, or is truncated: the protobuf does not parse ({one_line(exc)})"
         ) from None
     if model.ir_version <= 0 or not model.HasField("graph"):
-        raise ValueError(f"{path} is not an ONNX model: no IR version or no graph in it")
+        raise FileRefused(f"{path} is not an ONNX model: no IR version or no graph in it")
     if len(model.graph.node) == 0:
-        raise ValueError(f"{path}: the ONNX graph is empty (no nodes); there is nothing to run")
+        raise FileRefused(f"{path}: the ONNX graph is empty (no nodes); there is nothing to run")
+    external = bool(_external_files(model))
     check_external_data(model, path.parent, path)
+    try:  # checked before the external weights join it (by path, so their locations resolve beside the file)
+        onnx.checker.check_model(str(path) if external else model)
+    except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
+        raise FileRefused(f"{path} is not a valid ONNX model (truncated or corrupt?): {one_line(exc)}") from None
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # onnx raises OSError, ValueError or its own ValidationError here
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: cannot read its external data ({first})") from None
-    try:
-        onnx.checker.check_model(model)
-    except (onnx.checker.ValidationError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path} is not a valid ONNX model (truncated or corrupt?): {first}") from None
+        raise FileRefused(f"{path}: cannot read its external data ({one_line(exc)})") from None
     return model

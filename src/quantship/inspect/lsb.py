@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+
+if TYPE_CHECKING:
+    from quantship.inspect.facts import FileFacts
 
 
 @dataclass(frozen=True)
@@ -27,38 +30,16 @@ class LSBError:
         return f"max {self.max_lsb:.1f} LSB, mean {self.mean_lsb:.2f} LSB (max abs {self.max_abs:.4g})"
 
 
-def _constant_value(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            for attr in node.attribute:
-                if attr.name == "value":
-                    return numpy_helper.to_array(attr.t)
-    return None
-
-
-def output_scales(path: str | Path | onnx.ModelProto) -> dict[str, float | None]:
+def output_scales(path: str | Path | onnx.ModelProto | FileFacts) -> dict[str, float | None]:
     """For each graph output, the scale of the DequantizeLinear that produces it (None if float).
 
-    Only a per-tensor scale counts: that is the step the output is stored at.
+    Only a per-tensor scale counts: that is the step the output is stored at. Shape-only ops between
+    the DequantizeLinear and the output (a final Reshape, Unsqueeze...) keep the values and are looked
+    through. Read off ``FileFacts`` (one read of the file).
     """
-    model = path if isinstance(path, onnx.ModelProto) else onnx.load(str(path), load_external_data=False)
-    producer = {out: node for node in model.graph.node for out in node.output}
-    scales: dict[str, float | None] = {}
-    for output in model.graph.output:
-        node = producer.get(output.name)
-        # look through shape-only ops that keep the quantized values (e.g. a final Reshape)
-        while node is not None and node.op_type in {"Reshape", "Flatten", "Squeeze", "Identity"}:
-            node = producer.get(node.input[0])
-        scale = None
-        if node is not None and node.op_type == "DequantizeLinear":
-            value = _constant_value(model, node.input[1])
-            if value is not None and value.size == 1:
-                scale = float(value.reshape(()))
-        scales[output.name] = scale
-    return scales
+    from quantship.inspect.facts import facts_of
+
+    return dict(facts_of(path).output_scales)
 
 
 def lsb_error(reference: np.ndarray, candidate: np.ndarray, scale: float) -> LSBError:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name
+from quantship.inspect.parameters import foreign_operators, parameter_problems
+from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
 
 # ONNX Runtime's operator-oriented format: integer kernels with the scales as inputs
 QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "QOrderedMatMul",
@@ -21,11 +22,6 @@ DYNAMIC_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "Dyna
                          "MatMulIntegerToFloat"})
 NOT_COMPUTE = frozenset({QUANTIZE, DEQUANTIZE, "Constant"}) | SHAPE_ONLY
 FORMATS = ("QDQ", "QOperator", "dynamic", "float", "mixed")
-
-
-def node_label(node: onnx.NodeProto, index: int) -> str:
-    """A node's name, or ``OpType#index`` when the file left it unnamed."""
-    return node.name or f"{node.op_type}#{index}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +53,8 @@ class QuantFacts:
     float_operators: list[str] = field(default_factory=list)
     convs_without_kernel_shape: list[str] = field(default_factory=list)
     biases: list[tuple[str, str, str]] = field(default_factory=list)  # (node, tensor, stored dtype)
+    parameter_problems: list[str] = field(default_factory=list)  # broken scales, zero-points, axes, dims
+    foreign_operators: list[tuple[str, str, bool]] = field(default_factory=list)  # (node, domain, local function)
 
     def of_role(self, role: str) -> list[QDQNode]:
         return [q for q in self.qdq if q.role == role]
@@ -95,11 +93,17 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     else:
         role = "activation"
     scale = view.value(scale_name) if scale_name else None
+    if scale is not None and scale.dtype.kind != "f":
+        scale = None  # not a scale at all: the parameter rule names it
     per_channel = scale is not None and scale.size > 1 or (scale is None and bool(view.shape.get(scale_name)))
     zero = view.value(zp_name) if zp_name else np.zeros(1, dtype=np.int64)
+    if zero is not None and zero.dtype.kind not in "iub":
+        zero = None
     stored = view.value(x) if node.op_type == DEQUANTIZE and x in view.initializers else None
-    max_abs = int(np.abs(stored.astype(np.int64) - (zero.astype(np.int64).reshape(-1)[0] if zero is not None and zero.size == 1 else 0)).max()) \
-        if stored is not None and stored.size and np.issubdtype(stored.dtype, np.integer) else None
+    max_abs = None
+    if stored is not None and stored.size and np.issubdtype(stored.dtype, np.integer):
+        offset = int(zero.reshape(-1)[0]) if zero is not None and zero.size == 1 else 0
+        max_abs = max(abs(int(stored.min()) - offset), abs(int(stored.max()) - offset))
     return QDQNode(
         node=node_label(node, index), op_type=node.op_type, tensor=tensor, role=role, dtype=dtype,
         per_channel=bool(per_channel), static=static,
@@ -140,7 +144,7 @@ def quant_facts(view: GraphView) -> QuantFacts:
     facts = QuantFacts(format="float", opset=default_opset(view.model))
     for index, node in enumerate(view.nodes):
         label = node_label(node, index)
-        if node.op_type in (QUANTIZE, DEQUANTIZE):
+        if node.op_type in (QUANTIZE, DEQUANTIZE) and node.input and node.output:
             facts.qdq.append(_qdq_node(view, node, index))
         elif node.op_type in DYNAMIC_OPS:
             facts.dynamic_nodes.append(label)
@@ -156,6 +160,8 @@ def quant_facts(view: GraphView) -> QuantFacts:
                       else dtype_name(view.elem_type.get(bias, 0)))
             facts.biases.append((label, bias, stored))
     facts.float_tensors, facts.float_operators = _float_leftovers(view)
+    facts.parameter_problems = parameter_problems(view)
+    facts.foreign_operators = foreign_operators(view)
     if facts.dynamic_nodes:
         facts.format = "dynamic"
     elif facts.qoperator_nodes:

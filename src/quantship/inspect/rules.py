@@ -29,6 +29,8 @@ class Target:
     warnings: tuple[str, ...] = ()  # rule ids it tolerates but a user should hear about
     source: str = ""  # where the facts come from
     lsb_tolerance: float | None = None  # a run this close to ONNX Runtime is accepted (None: not judged)
+    domains: tuple[str, ...] = ()  # operator domains it runs besides the default ONNX one
+    local_functions: bool = False  # runs ops a file defines as model-local functions (any domain)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,24 @@ def _dtype_offenders(role: str, allowed_of: Callable[[Target], tuple[str, ...]])
     return offenders
 
 
+def _domain_offenders(facts: QuantFacts, target: Target) -> list[str]:
+    return [node for node, domain, local in facts.foreign_operators
+            if domain not in target.domains and not (local and target.local_functions)]
+
+
 RULES: dict[str, Rule] = {r.id: r for r in (
+    Rule("valid_parameters", "finite, positive, normal scales; zero-points of the stored type; axes in range; "
+         "positive dimensions",
+         "{n} broken quantization parameter(s) or dimension(s) ({what}); {consumer} would reject the file "
+         "or compute garbage with it",
+         "re-quantize from finite calibration data (a NaN/Inf input gives such scales), or re-export the file; "
+         "a hand edit must keep each scale > 0 and the zero-point in the stored integer type",
+         lambda f, t: list(f.parameter_problems)),
+    Rule("op_domains", "operators in domains the target runs",
+         "{n} operator(s) outside the domains {consumer} runs ({what})",
+         "replace custom operators with standard ONNX ones, or define them in the file as model-local "
+         "functions (ONNX Runtime and OpenVINO inline those)",
+         _domain_offenders),
     Rule("opset_declared", "the file declares a default-domain opset",
          "the file declares no opset for the default ONNX domain; {consumer} cannot tell which operator "
          "versions it holds", "re-export the model (every ONNX exporter declares one)",
@@ -127,21 +146,24 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          lambda f, t: list(f.convs_without_kernel_shape)),
 )}
 
-_ALL_QDQ = ("opset_declared", "opset_range", "quantized", "qdq_format", "static_scales")
+_READABLE = ("valid_parameters", "op_domains")  # every target refuses a file that breaks these
+_ALL_QDQ = (*_READABLE, "opset_declared", "opset_range", "quantized", "qdq_format", "static_scales")
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("onnxruntime", "ONNX Runtime", (10, 26), ("int8", "uint8", "int16", "uint16"),
            ("int8", "uint8", "int16", "uint16", "int4", "uint4"),
-           errors=("opset_declared", "opset_range", "int32_bias"),
+           errors=(*_READABLE, "opset_declared", "opset_range", "int32_bias"),
            warnings=("quantized", "qdq_format", "static_scales", "fully_quantized", "weight_range_7bit"),
-           source="runs QOperator, dynamic and mixed files; QDQ is what other runtimes share"),
+           source="runs QOperator, dynamic and mixed files; QDQ is what other runtimes share",
+           domains=("com.microsoft", "com.microsoft.nchwc", "ai.onnx.ml"), local_functions=True),
     Target("tensorrt", "TensorRT", (9, 25), ("int8",), ("int8",),
            errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
                    "weight_dtype", "int32_bias", "zero_point_zero", "conv_kernel_shape"),
            source="TensorRT ONNX opset guide (opsets 9-25); explicit quantization: int8, zero-point 0"),
     Target("openvino", "OpenVINO", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
            errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized", "weight_range_7bit"),
-           source="runs partially quantized QDQ graphs (float parts stay float)", lsb_tolerance=2.0),
+           source="runs partially quantized QDQ graphs (float parts stay float)", lsb_tolerance=2.0,
+           local_functions=True),
     Target("tigris", "TiGrIS", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
            errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
                    "weight_dtype", "int32_bias"),

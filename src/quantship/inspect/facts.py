@@ -1,0 +1,150 @@
+"""``FileFacts``: everything quantship reads from an ONNX file, from one load, one shape inference, one walk.
+
+``qdq_stats``, ``quant_spec_of_file``, ``output_scales``, ``inspect_file``, ``check_file`` and the
+export post-conditions all take their figures from the same ``FileFacts``, so two commands can
+never count one file differently. Each of them accepts a path, an in-memory model or a
+``FileFacts``; pass the latter to read a file once for several questions.
+
+A file that cannot be read is refused with ``FileRefused`` naming the file and the field
+(``FileNotFoundError`` when it is absent). Loading a path also runs ``onnx.checker``; an in-memory
+model is taken as given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from quantship.errors import FileRefused, cause
+from quantship.inspect.loading import load_onnx
+from quantship.inspect.quantization import QuantFacts, quant_facts
+from quantship.inspect.stats import QDQStats, count_qdq
+from quantship.inspect.view import DEQUANTIZE, GraphView
+from quantship.precision import METADATA_KEY, QuantSpec
+
+MAX_SPEC_DEPTH = 16  # quantship writes a spec two levels deep; anything this deep is not one
+_SPEC_FIELD = f"metadata_props[{METADATA_KEY!r}]"
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """One read of one file: the model, its indexed view, its quantization facts and counts."""
+
+    path: str
+    model: onnx.ModelProto = field(repr=False)
+    view: GraphView = field(repr=False)
+    quant: QuantFacts = field(repr=False)
+    stats: QDQStats
+    output_scales: dict[str, float | None]
+    spec: Any = None  # the parsed quantship spec metadata (a dict), {"unreadable": text}, or None
+
+    @property
+    def opset_imports(self) -> dict[str, int]:
+        """Declared opset per domain (the default domain under ``""``)."""
+        declared = {o.domain: int(o.version) for o in self.model.opset_import}
+        if "ai.onnx" in declared:
+            declared.setdefault("", declared["ai.onnx"])
+        return declared
+
+    def quant_spec(self) -> QuantSpec | None:
+        """The ``QuantSpec`` the file carries (None without one); ``FileRefused`` when it is not a spec."""
+        if self.spec is None:
+            return None
+        if isinstance(self.spec, dict) and set(self.spec) == {"unreadable"}:
+            raise FileRefused(f"{self.path}: {_SPEC_FIELD} is not JSON; the file's metadata is corrupt: re-export it")
+        try:
+            return QuantSpec.from_dict(self.spec)
+        except Exception as exc:  # noqa: BLE001 - any way a foreign dict fails to be a spec
+            raise FileRefused(f"{self.path}: {_SPEC_FIELD} is not a quantship spec ({cause(exc)}); "
+                              "re-export the file with quantship") from None
+
+    def widest_stored_weight(self) -> int:
+        """The largest |value| among the stored integer tensors that DequantizeLinear reads directly."""
+        widest = 0
+        for node in self.view.nodes:
+            if node.op_type == DEQUANTIZE and node.input and node.input[0] in self.view.initializers:
+                values = self.view.value(node.input[0])
+                if values is not None and values.dtype.kind in "iu" and values.size:
+                    widest = max(widest, abs(int(values.min())), abs(int(values.max())))
+        return widest
+
+
+def _output_scales(view: GraphView) -> dict[str, float | None]:
+    """For each graph output, the per-tensor scale of the DequantizeLinear producing it (through shape-only ops)."""
+    scales: dict[str, float | None] = {}
+    for name in view.outputs:
+        node = view.node_of(view.through_shape_ops_up(name))
+        scale = None
+        if node is not None and node.op_type == DEQUANTIZE and len(node.input) > 1:
+            value = view.value(node.input[1])
+            if value is not None and value.size == 1 and value.dtype.kind == "f":
+                scale = float(value.reshape(()))
+        scales[name] = scale
+    return scales
+
+
+def _refuse_constant(source: str):
+    def refuse(name: str):
+        raise FileRefused(f"{source}: {_SPEC_FIELD} holds {name}, which is not a number; "
+                          "the file's metadata is corrupt: re-export it")
+    return refuse
+
+
+def _check_spec_values(parsed: Any, source: str) -> None:
+    """Refuse a spec nested deeper than any spec, or holding a non-finite number (walked without recursion)."""
+    stack = [(parsed, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SPEC_DEPTH:
+            raise FileRefused(f"{source}: {_SPEC_FIELD} is nested more than {MAX_SPEC_DEPTH} levels deep; "
+                              "it is not a quantship spec: re-export the file")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FileRefused(f"{source}: {_SPEC_FIELD} holds the number {value}, which is out of range; "
+                              "the file's metadata is corrupt: re-export it")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _read_spec(model: onnx.ModelProto, source: str) -> Any:
+    text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
+    if text is None:
+        return None
+    if isinstance(text, bytes):  # protobuf hands back a string field that is not UTF-8 as bytes
+        raise FileRefused(f"{source}: {_SPEC_FIELD} is not UTF-8 text; the file's metadata is corrupt: re-export it")
+    try:
+        parsed = json.loads(text, parse_constant=_refuse_constant(source))
+    except RecursionError:
+        raise FileRefused(f"{source}: {_SPEC_FIELD} is nested too deeply to read; it is not a quantship spec: "
+                          "re-export the file") from None
+    except json.JSONDecodeError:
+        return {"unreadable": text}
+    _check_spec_values(parsed, source)
+    return parsed
+
+
+def read_model(model: onnx.ModelProto, source: str = "the model") -> FileFacts:
+    """The facts of an in-memory model (``source`` names it in refusals)."""
+    view = GraphView.of(model, source)
+    return FileFacts(path=source, model=model, view=view, quant=quant_facts(view), stats=count_qdq(view),
+                     output_scales=_output_scales(view), spec=_read_spec(model, source))
+
+
+def read_file(path: str | Path) -> FileFacts:
+    """Load ``path`` (``load_onnx``: complete, checked, external data included) and read its facts once."""
+    return read_model(load_onnx(path), str(path))
+
+
+def facts_of(source: str | Path | onnx.ModelProto | FileFacts) -> FileFacts:
+    """``source`` as ``FileFacts``: given ones are reused, a model or a path is read once."""
+    if isinstance(source, FileFacts):
+        return source
+    if isinstance(source, onnx.ModelProto):
+        return read_model(source)
+    if not isinstance(source, (str, Path)):
+        raise TypeError(f"expected a path, an onnx.ModelProto or FileFacts, not {type(source).__name__}")
+    return read_file(source)

@@ -1,0 +1,113 @@
+"""One read of a file: every reader (counts, report, rules, scales, spec, post-conditions) takes its
+figures from the same ``FileFacts``, built from one load and one shape inference."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import quantship.inspect.facts as facts_module
+from quantship.export import postconditions
+from quantship.inspect.check import check_file
+from quantship.inspect.facts import FileFacts, read_file
+from quantship.inspect.graph import inspect_file
+from quantship.inspect.lsb import output_scales
+from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
+
+TARGETS = ("onnxruntime", "openvino", "tigris", "tensorrt")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count file loads and shape inferences made through the facts reader."""
+    calls = {"load": 0, "infer": 0}
+    real_load, real_infer = facts_module.load_onnx, onnx.shape_inference.infer_shapes
+
+    def load(path):
+        calls["load"] += 1
+        return real_load(path)
+
+    def infer(*args, **kwargs):
+        calls["infer"] += 1
+        return real_infer(*args, **kwargs)
+
+    monkeypatch.setattr(facts_module, "load_onnx", load)
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", infer)
+    return calls
+
+
+def test_resnet18_reference_figures(files):
+    # the ResNet-18 reference file: 33 Q / 54 DQ / 21 per-channel, symmetric, every conv->add quantized
+    assert qdq_stats(files["resnet18"]) == QDQStats(
+        n_quantize=33, n_dequantize=54, n_per_channel=21, n_nonzero_zero_point=0, n_unquantized_conv_add=0,
+        n_uint8=0, n_float_compute=0)
+
+
+def test_every_reader_agrees_on_one_file(small_qdq):
+    facts = read_file(small_qdq)
+    stats, report = qdq_stats(small_qdq), inspect_file(small_qdq)
+    assert isinstance(facts, FileFacts) and stats == facts.stats and (stats.n_quantize, stats.n_dequantize) == (7, 10)
+    assert (report.n_quantize, report.n_dequantize, report.n_per_channel) == \
+        (stats.n_quantize, stats.n_dequantize, stats.n_per_channel)
+    assert report.format == "QDQ" and report.as_dict() == inspect_file(facts).as_dict()
+    for target in TARGETS:
+        by_path, by_facts = check_file(small_qdq, target), check_file(facts, target)
+        assert by_path.ok and by_path.as_dict() == by_facts.as_dict()
+        assert by_path.report.n_dequantize == stats.n_dequantize
+    (scale,) = output_scales(small_qdq).values()
+    assert scale == report.outputs[0].scale > 0
+    assert quant_spec_of_file(small_qdq) == quant_spec_of_file(facts) is not None
+
+
+def test_one_load_and_one_inference_serve_every_question(small_qdq, counted):
+    facts = read_file(small_qdq)
+    qdq_stats(facts), inspect_file(facts), output_scales(facts), quant_spec_of_file(facts)
+    for target in TARGETS:
+        check_file(facts, target)
+    assert counted == {"load": 1, "infer": 1}
+
+
+def test_export_postconditions_read_the_written_file_once(small_qdq, counted, monkeypatch):
+    monkeypatch.setattr(postconditions, "_last", None)
+    spec = quant_spec_of_file(small_qdq)
+    counted.update(load=0, infer=0)
+    stats = postconditions.check_file(small_qdq, spec, activation_dtype="int8", opset_version=18)
+    postconditions.check_target(small_qdq, "tigris")
+    assert counted == {"load": 1, "infer": 1} and stats == qdq_stats(facts := read_file(small_qdq))
+    assert postconditions._last is None  # the read is let go once the last post-condition used it
+    for target in ("openvino", "onnxruntime-cpu"):
+        postconditions.check_target(facts, target)
+    assert counted["load"] == 2  # read_file above; the checks reused its ``facts``
+
+
+def test_postconditions_reread_a_file_that_changed(small_qdq, tmp_path, counted, monkeypatch):
+    monkeypatch.setattr(postconditions, "_last", None)
+    path = tmp_path / "copy.onnx"
+    path.write_bytes(small_qdq.read_bytes())
+    first = postconditions.read_written(path)
+    model = onnx.load(str(path))
+    onnx.helper.set_model_props(model, {"note": "changed"})
+    onnx.save(model, str(path))
+    assert postconditions.read_written(path) is not first and counted["load"] == 2
+
+
+def test_output_scale_is_read_through_unsqueeze():
+    """lsb used to look through Reshape/Flatten/Squeeze/Identity only; the view's shape-op set has Unsqueeze."""
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+        helper.make_node("Unsqueeze", ["d", "axes"], ["y"]),
+    ]
+    inits = [helper.make_tensor("s", TensorProto.FLOAT, [], [0.25]), helper.make_tensor("z", TensorProto.INT8, [], [0]),
+             helper.make_tensor("axes", TensorProto.INT64, [1], [0])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    assert output_scales(model) == {"y": 0.25}
+    assert inspect_file(model).outputs[0].scale == 0.25
+
+
+def test_facts_of_refuses_what_is_not_a_file():
+    with pytest.raises(TypeError, match="FileFacts"):
+        qdq_stats(42)
