@@ -8,8 +8,12 @@ from quantship.cli import common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory")
-    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL")
+    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory (runs that file's Python code, "
+                        "with its folder on the import path)")
+    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set "
+                        "name (IMAGENET1K_V1, DEFAULT) read from the local torch hub cache")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow --weights to be a whole pickled model (unpickling runs its code)")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
     common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
@@ -26,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from quantship import Quantizer, quant_spec
     from quantship.cli.main import UsageError
-    from quantship.cli.sources import load_model
+    from quantship.cli.sources import load_model, weights_origin
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
@@ -41,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                          "models stay in PyTorch (use the Python API for them)")
     if args.opset not in (17, 18):
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
-    model = load_model(args.model, args.weights)
+    model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
     ui.say(f"calibration: {len(batches)} batch(es) of {batches[0].shape[0]} from {args.calib}")
     overrides = {"qscheme": args.qscheme} if args.qscheme else {}
@@ -55,13 +59,14 @@ def run(args: argparse.Namespace) -> int:
     size = file_size(path)
     verdict = check_file(path, target.check_target)
     result = {
-        "version": 1, "model": args.model, "target": target.target, "path": str(path),
+        "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
         "size_bytes": size, "qdq_stats": stats.as_dict(),
         "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
     }
     ui.report(result, [
         ("file", f"{path} ({size / 1e6:.2f} MB)"),
+        ("weights", weights_origin(args.model, args.weights)),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
