@@ -123,7 +123,7 @@ def load_weights(model, spec: str, weights: str, *, trust_pickle: bool = False):
         try:
             state = torch.load(wpath, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            if "weights only" not in str(exc).lower():  # not a pickle at all: garbage or truncated
+            if "Unsupported global" not in str(exc):  # no pickled class in it: garbage or truncated
                 raise UsageError(f"cannot read {weights} with torch.load: {one_line(exc)}") from None
             if not trust_pickle:
                 raise UsageError(f"{weights} is not a plain state_dict (it holds pickled objects, e.g. a whole "
