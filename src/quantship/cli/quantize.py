@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantship.cli import common
+from quantship.cli import common, options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,10 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow --weights to be a whole pickled model (unpickling runs its code)")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
-    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
+    common.add_target_argument(parser, default=None, required=False,
+                               help="deployment preset (default: the --config file's target, else onnxruntime-cpu)")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
+    parser.add_argument("--eval", metavar="LABELLED",
+                        help="labelled data (.npz with x and y, or a folder of class folders): top-1 of FP32, "
+                             "INT8 torch and the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
+    options.add_quantizer_arguments(parser)
     common.add_calibration_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -29,17 +34,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
+    from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
     from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model, weights_origin
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
     from quantship.inspect.stats import qdq_stats
-    from quantship.inspect.verify import compare_logits
     from quantship.precision import preset
 
     ui = common.Output(args)
-    target = preset(args.target)  # unknown target -> ValueError -> exit 2
+    config = options.read_config(args.config)
+    target = preset(args.target or config.get("target") or "onnxruntime-cpu")
     if args.backend != "pt2e":
         raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "
                          "models stay in PyTorch (use the Python API for them)")
@@ -48,13 +54,20 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
     ui.say(f"calibration: {len(batches)} batch(es) of {batches[0].shape[0]} from {args.calib}")
-    overrides = {"qscheme": args.qscheme} if args.qscheme else {}
+    overrides = options.quantizer_options(args, config)
+    labelled = labelled_batches = None
+    if args.eval:
+        labelled = read_labelled(args.eval, common.preprocessing(args))
+        bs = batches[0].shape[0]
+        labelled_batches = [(torch.from_numpy(labelled.x[i:i + bs]), torch.from_numpy(labelled.y[i:i + bs]))
+                            for i in range(0, (len(labelled.y) // bs) * bs, bs)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
-        qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples)
+        qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples,
+                                    labelled_data=labelled_batches if quantizer.max_accuracy_drop is not None else None)
         path = export_qdq(qmodel, batches[0], args.out, target=target.target, opset_version=args.opset)
-        error = compare_logits(qmodel, path, batches[0])
+        error = _output_error(qmodel, path, batches[0])
     stats = qdq_stats(path)
     size = file_size(path)
     verdict = check_file(path, target.check_target)
@@ -62,15 +75,48 @@ def run(args: argparse.Namespace) -> int:
         "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
         "size_bytes": size, "qdq_stats": stats.as_dict(),
-        "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
+        "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "check": verdict.as_dict(),
     }
+    rows_eval: list[tuple[str, str]] = []
+    if labelled is not None:
+        bs = batches[0].shape[0]
+        accuracy = {"fp32_torch": top1(torch_runner(model), labelled, bs),
+                    "int8_torch": top1(torch_runner(qmodel), labelled, bs),
+                    "int8_file_ort": top1(file_runner(path), labelled, bs)}
+        result["accuracy"] = {k: v.as_dict() for k, v in accuracy.items()}
+        rows_eval = [("top-1 FP32 (torch)", accuracy["fp32_torch"].describe()),
+                     ("top-1 INT8 (torch)", accuracy["int8_torch"].describe()),
+                     ("top-1 INT8 (file, ORT)", accuracy["int8_file_ort"].describe())]
+    if quantizer.accuracy_search is not None:
+        result["accuracy_search"] = quantizer.accuracy_search.as_dict()
+        chosen = quantizer.accuracy_search.chosen
+        rows_eval.append(("accuracy-aware search", f"{len(quantizer.accuracy_search.steps)} quantization(s); kept in "
+                          f"float: {', '.join(chosen.excluded) or 'nothing'}"))
     ui.report(result, [
         ("file", f"{path} ({size / 1e6:.2f} MB)"),
         ("weights", weights_origin(args.model, args.weights)),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
-        ("ORT vs torch INT8", str(error)),
+        ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
+        *rows_eval,
         (f"check {target.check_target}", common.verdict_line(verdict)),
     ])
     return 0 if verdict.ok else 1
+
+
+def _output_error(qmodel, path, sample):
+    """ORT (literal) vs torch on the first output: in output LSB, or in absolute terms when the output
+    stays float (e.g. its producer was kept in float with --exclude)."""
+    import numpy as np
+
+    from quantship.cli.labelled import torch_runner
+    from quantship.inspect.lsb import output_scales
+    from quantship.inspect.verify import compare_logits, ort_session, run_session
+
+    if next(iter(output_scales(path).values()), None) is not None:
+        return compare_logits(qmodel, path, sample)
+    x = sample.detach().numpy()
+    diff = np.abs(torch_runner(qmodel)(x) - run_session(ort_session(path), [x])[0])
+    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+            "describe": f"float output: max abs {diff.max():.4g}, mean abs {diff.mean():.4g} (no output scale)"}
