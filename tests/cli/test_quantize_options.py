@@ -70,3 +70,17 @@ def test_config_refusals(files, capsys):
                           capsys)
     assert code == 2 and "lacks array(s) ['y']" in captured.err
     assert not (files / "x.onnx").exists()
+
+
+def test_quiet_leaves_stderr_empty(files):
+    import subprocess
+    import sys
+
+    out = files / "quiet.onnx"
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantship", "quantize", f"{files / 'net.py'}:build", "--weights", str(files / "w.pt"),
+         "--calib", str(files / "cal.npy"), "--batch-size", str(BS), "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no torch/torchao log lines, no warnings: only quantship's own output
+    assert out.is_file() and "check onnxruntime" in proc.stdout
