@@ -7,11 +7,13 @@ import json
 from typing import Any
 
 
-def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None, help: str) -> None:
+def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None, help: str,
+                        required: bool | None = None) -> None:
     """``--target``: every command accepts every name of the one target registry (and its aliases)."""
     from quantship.precision import target_names
 
-    parser.add_argument("--target", default=default, required=default is None, choices=target_names(),
+    required = default is None if required is None else required
+    parser.add_argument("--target", default=default, required=required, choices=target_names(),
                         metavar="TARGET", help=f"{help}; one of {', '.join(target_names())}")
 
 
@@ -33,12 +35,18 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print only the final report")
 
 
-def read_calibration(args: argparse.Namespace, *, keep_last: bool = False):
-    from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, read_calibration
+def preprocessing(args: argparse.Namespace):
+    """How image folders become model input (``--resize/--crop/--mean/--std``)."""
+    from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
-    prep = Preprocessing(resize=args.resize, crop=args.crop, mean=tuple(args.mean or IMAGENET_MEAN),
+    return Preprocessing(resize=args.resize, crop=args.crop, mean=tuple(args.mean or IMAGENET_MEAN),
                          std=tuple(args.std or IMAGENET_STD))
-    return read_calibration(args.calib, key=args.key, prep=prep, batch_size=args.batch_size,
+
+
+def read_calibration(args: argparse.Namespace, *, keep_last: bool = False):
+    from quantship.cli.sources import read_calibration
+
+    return read_calibration(args.calib, key=args.key, prep=preprocessing(args), batch_size=args.batch_size,
                             max_samples=args.max_samples, keep_last=keep_last)
 
 

@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("check", "check an ONNX file against a deployment target's rules"),
     "compare": ("compare", "float vs INT8 vs target execution, in output LSB"),
     "precision": ("precision_cmd", "print the support matrix and the deployment presets"),
+    "export-onnx": ("export_onnx", "export a PyTorch model to a float ONNX file (the reference for compare)"),
+    "sensitivity": ("sensitivity", "per-layer SQNR of a quantized model: table, PNG, HTML, and what to exclude"),
 }
 
 

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import argparse
 
-from quantship.cli import common
+from quantship.cli import common, options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory")
-    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL")
+    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory (runs that file's Python code, "
+                        "with its folder on the import path)")
+    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set "
+                        "name (IMAGENET1K_V1, DEFAULT) read from the local torch hub cache")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow --weights to be a whole pickled model (unpickling runs its code)")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
-    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
+    common.add_target_argument(parser, default=None, required=False,
+                               help="deployment preset (default: the --config file's target, else onnxruntime-cpu)")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
     parser.add_argument("--static-batch", type=int, metavar="N",
                         help="write a file fixed at batch N (default: the file serves any batch; tigris: batch 1)")
+    parser.add_argument("--eval", metavar="LABELLED",
+                        help="labelled data (.npz with x and y, or a folder of class folders): top-1 of FP32, "
+                             "INT8 torch and the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
+    options.add_quantizer_arguments(parser)
     common.add_calibration_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -27,17 +36,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
+    from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
     from quantship.cli.main import UsageError
-    from quantship.cli.sources import load_model
+    from quantship.cli.sources import load_model, weights_origin
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
     from quantship.inspect.stats import qdq_stats
-    from quantship.inspect.verify import compare_logits
     from quantship.precision import preset
 
     ui = common.Output(args)
-    target = preset(args.target)  # unknown target -> ValueError -> exit 2
+    config = options.read_config(args.config)
+    target = preset(args.target or config.get("target") or "onnxruntime-cpu")
     if args.backend != "pt2e":
         raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "
                          "models stay in PyTorch (use the Python API for them)")
@@ -45,36 +55,61 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
     if args.static_batch is not None and args.static_batch < 1:
         raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
-    model = load_model(args.model, args.weights)
+    model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
     ui.say(f"calibration: {sum(len(b) for b in batches)} sample(s) in {len(batches)} batch(es) of up to "
            f"{args.batch_size} from {args.calib}")
     sample, dynamic = _export_sample(batches, args.static_batch)
-    overrides = {"qscheme": args.qscheme} if args.qscheme else {}
+    overrides = options.quantizer_options(args, config)
+    labelled = labelled_batches = None
+    if args.eval:
+        labelled = read_labelled(args.eval, common.preprocessing(args))
+        bs = batches[0].shape[0]
+        labelled_batches = [(torch.from_numpy(labelled.x[i:i + bs]), torch.from_numpy(labelled.y[i:i + bs]))
+                            for i in range(0, (len(labelled.y) // bs) * bs, bs)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
-        qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples)
+        qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples,
+                                    labelled_data=labelled_batches if quantizer.max_accuracy_drop is not None else None)
+        ui.say(f"export: writing {args.out} for {target.target}")
         path = export_qdq(qmodel, sample, args.out, target=target.target, opset_version=args.opset,
                           dynamic_batch=dynamic)
         served = _file_batch(path)
-        error = compare_logits(qmodel, path, sample if served is None else sample[:served])
+        error = _output_error(qmodel, path, sample if served is None else sample[:served])
     stats = qdq_stats(path)
     size = file_size(path)
     verdict = check_file(path, target.check_target)
     result = {
-        "version": 1, "model": args.model, "target": target.target, "path": str(path),
+        "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
         "size_bytes": size, "batch": "any" if served is None else served, "qdq_stats": stats.as_dict(),
-        "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
+        "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "check": verdict.as_dict(),
     }
+    rows_eval: list[tuple[str, str]] = []
+    if labelled is not None:
+        bs = batches[0].shape[0]
+        accuracy = {"fp32_torch": top1(torch_runner(model), labelled, bs),
+                    "int8_torch": top1(torch_runner(qmodel), labelled, bs),
+                    "int8_file_ort": top1(file_runner(path), labelled, bs)}
+        result["accuracy"] = {k: v.as_dict() for k, v in accuracy.items()}
+        rows_eval = [("top-1 FP32 (torch)", accuracy["fp32_torch"].describe()),
+                     ("top-1 INT8 (torch)", accuracy["int8_torch"].describe()),
+                     ("top-1 INT8 (file, ORT)", accuracy["int8_file_ort"].describe())]
+    if quantizer.accuracy_search is not None:
+        result["accuracy_search"] = quantizer.accuracy_search.as_dict()
+        chosen = quantizer.accuracy_search.chosen
+        rows_eval.append(("accuracy-aware search", f"{len(quantizer.accuracy_search.steps)} quantization(s); kept in "
+                          f"float: {', '.join(chosen.excluded) or 'nothing'}"))
     ui.report(result, [
         ("file", f"{path} ({size / 1e6:.2f} MB)"),
+        ("weights", weights_origin(args.model, args.weights)),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("batch", "any (symbolic 'batch' dimension)" if served is None else f"static {served}"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
-        ("ORT vs torch INT8", str(error)),
+        ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
+        *rows_eval,
         (f"check {target.check_target}", common.verdict_line(verdict)),
     ])
     return 0 if verdict.ok else 1
@@ -101,3 +136,19 @@ def _file_batch(path) -> int | None:
 
     dim = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
     return dim.dim_value if dim.HasField("dim_value") else None
+
+def _output_error(qmodel, path, sample):
+    """ORT (literal) vs torch on the first output: in output LSB, or in absolute terms when the output
+    stays float (e.g. its producer was kept in float with --exclude)."""
+    import numpy as np
+
+    from quantship.cli.labelled import torch_runner
+    from quantship.inspect.lsb import output_scales
+    from quantship.inspect.verify import compare_logits, ort_session, run_session
+
+    if next(iter(output_scales(path).values()), None) is not None:
+        return compare_logits(qmodel, path, sample)
+    x = sample.detach().numpy()
+    diff = np.abs(torch_runner(qmodel)(x) - run_session(ort_session(path), [x])[0])
+    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+            "describe": f"float output: max abs {diff.max():.4g}, mean abs {diff.mean():.4g} (no output scale)"}

@@ -1,6 +1,8 @@
 """Where the command line gets models and calibration data from.
 
-Models: ``torchvision:NAME``, ``timm:NAME`` (if timm is installed), or ``path/to/file.py:factory``,
+Models: ``torchvision:NAME``, ``timm:NAME`` (if timm is installed), or ``path/to/file.py:factory``
+(which RUNS that file's Python code, with its folder on the import path so it can import its
+neighbours),
 with optional ``--weights state_dict.pt``. Data: ``.npy`` / ``.npz`` arrays (N x C x H x W), or a
 folder of images with a stated preprocessing (resize, centre crop, normalisation).
 Every problem is a ``UsageError``: one line, exit code 2.
@@ -9,6 +11,7 @@ Every problem is a ``UsageError``: one line, exit code 2.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def load_model(spec: str, weights: str | None = None):
+def load_model(spec: str, weights: str | None = None, *, trust_pickle: bool = False):
     """Build the model a ``MODEL`` argument names, in eval mode, with optional weights."""
     import torch
 
@@ -53,6 +56,9 @@ def load_model(spec: str, weights: str | None = None):
             raise UsageError(f"model file {kind} does not exist")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:  # the file imports its neighbours as it would when run as a script
+            sys.path.insert(0, folder)
         try:
             module_spec.loader.exec_module(module)
         except Exception as exc:  # the user's file: any failure is bad input
@@ -66,15 +72,77 @@ def load_model(spec: str, weights: str | None = None):
     else:
         raise UsageError(f"MODEL {spec!r}: unknown source {kind!r}; use torchvision:, timm: or file.py:factory")
     if weights:
-        wpath = Path(weights)
-        if not wpath.is_file():
+        return load_weights(model, spec, weights, trust_pickle=trust_pickle).eval()
+    return model.eval()
+
+
+def weights_origin(spec: str, weights: str | None) -> str:
+    """What the model's weights are, for the summary: a file, a named set, or random initialisation."""
+    if weights:
+        return weights
+    if spec.startswith(("torchvision:", "timm:")):
+        return "random weights (no --weights given: accuracy and agreement figures say nothing about a trained model)"
+    return "as built by the factory"
+
+
+def _hub_weights(name: str, weights: str):
+    """A torchvision weight set (e.g. IMAGENET1K_V1, DEFAULT) read from the local torch hub cache."""
+    import torch
+    import torchvision
+
+    try:
+        enum = torchvision.models.get_model_weights(name)
+    except (ValueError, KeyError):
+        return None
+    try:
+        entry = enum[weights] if weights != "DEFAULT" else enum.DEFAULT
+    except KeyError:
+        raise UsageError(f"{name} has no weights {weights!r}; its weight sets: {[w.name for w in enum]} "
+                         "(or give a state_dict file)") from None
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(entry.url).name
+    if not cached.is_file():
+        raise UsageError(f"weights {entry} are not in the local torch hub cache and quantship does not download: "
+                         f"put {Path(entry.url).name} (from {entry.url}) at {cached}, or give a state_dict file")
+    return torch.load(cached, map_location="cpu", weights_only=True)
+
+
+def load_weights(model, spec: str, weights: str, *, trust_pickle: bool = False):
+    """Load ``weights`` into ``model``: a state_dict file, a torchvision weight set name (local hub
+    cache only), or a whole pickled model (only with ``trust_pickle``: unpickling runs code)."""
+    import pickle
+
+    import torch
+
+    wpath = Path(weights)
+    kind, _, name = spec.partition(":")
+    if not wpath.is_file():
+        state = _hub_weights(name, weights) if kind == "torchvision" and "/" not in weights else None
+        if state is None:
             raise UsageError(f"weights file {weights} does not exist")
+    else:
         try:
             state = torch.load(wpath, map_location="cpu", weights_only=True)
-            model.load_state_dict(state)
-        except Exception as exc:  # torch raises RuntimeError/UnpicklingError for mismatches
-            raise UsageError(f"cannot load {weights} into {spec}: {one_line(exc)}") from None
-    return model.eval()
+        except pickle.UnpicklingError as exc:
+            if "Unsupported global" not in str(exc):  # no pickled class in it: garbage or truncated
+                raise UsageError(f"cannot read {weights} with torch.load: {one_line(exc)}") from None
+            if not trust_pickle:
+                raise UsageError(f"{weights} is not a plain state_dict (it holds pickled objects, e.g. a whole "
+                                 "model); unpickling it runs its code: pass --trust-pickle if you trust the file, "
+                                 "or save model.state_dict() instead") from None
+            state = torch.load(wpath, map_location="cpu", weights_only=False)
+        except Exception as exc:  # torch raises RuntimeError/EOFError/... for a file it cannot read
+            raise UsageError(f"cannot read {weights} with torch.load: {one_line(exc)}") from None
+    if isinstance(state, torch.nn.Module):
+        return state  # a whole pickled model (trusted): it replaces the factory's
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]  # a training checkpoint that wraps the state_dict
+    if not isinstance(state, dict):
+        raise UsageError(f"{weights} holds a {type(state).__name__}, not a state_dict")
+    try:
+        model.load_state_dict(state)
+    except Exception as exc:  # torch raises RuntimeError for missing/unexpected keys or shapes
+        raise UsageError(f"cannot load {weights} into {spec}: {one_line(exc)}") from None
+    return model
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "QuantizeCallback needs fastai, which is not installed: pip install 'quantship[fastai]'"
     ) from exc
 
+from quantship.errors import DataRefused
 from quantship.precision import QuantSpec, resolve_spec, tag_model
 from quantship.quantize import distributed
 
@@ -197,9 +198,13 @@ class QuantizeCallback(Callback):
         rng = getattr(dl, "rng", None)
         state = rng.getstate() if rng is not None else None
         with torch.random.fork_rng(devices=[]):
-            batch = dl.one_batch()
+            # a fastai DataLoader has one_batch(); a plain torch DataLoader (fastai accepts those
+            # inside DataLoaders too) is read through its iterator
+            batch = dl.one_batch() if hasattr(dl, "one_batch") else next(iter(dl), None)
         if state is not None:
             rng.setstate(state)
+        if batch is None:
+            raise DataRefused("QuantizeCallback: the training loader yields no batch; give it data before fit")
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"QuantizeCallback needs a single tensor input per batch, got {type(x).__name__}")

@@ -7,6 +7,7 @@ is never modified.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 from collections.abc import Iterable, Mapping
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from quantship.errors import DataRefused, SpecRefused
 from quantship.precision import QuantSpec, preset, resolve_spec, tag_model
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
@@ -49,6 +51,7 @@ class Quantizer:
         skip_activations: Iterable[str] | None = None,
         act_observer: str | None = None,
         reduce_range: bool | None = None,
+        max_accuracy_drop: float | None = None,
         verbose: bool = False,
     ):
         self.spec: QuantSpec = resolve_spec(
@@ -57,6 +60,12 @@ class Quantizer:
             skip_activations=skip_activations, act_observer=act_observer, reduce_range=reduce_range,
         )
         self.verbose = verbose
+        if max_accuracy_drop is not None and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
+            raise SpecRefused(
+                f"max_accuracy_drop needs backend='pt2e' static quantization (it keeps layers in float with "
+                f"skip_activations); backend={self.spec.backend!r} method={self.spec.method!r} cannot")
+        self.max_accuracy_drop = max_accuracy_drop
+        self.accuracy_search = None  # the AccuracySearch of the last quantize() with a budget
         self.target: str | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
@@ -89,8 +98,15 @@ class Quantizer:
         model: torch.nn.Module,
         calibration_dl: object = None,
         max_calibration_samples: int = 100,
+        labelled_data: object = None,
     ) -> torch.nn.Module:
-        """Return a quantized copy of ``model`` tagged with ``self.spec`` (``quant_spec(result)``)."""
+        """Return a quantized copy of ``model`` tagged with ``self.spec`` (``quant_spec(result)``).
+
+        With ``max_accuracy_drop`` (percentage points), ``labelled_data`` (``(x, y)`` batches) is
+        required: layers are kept in float, most sensitive first, until the top-1 drop against FP32
+        fits the budget (``self.accuracy_search`` records every step), or ``AccuracyBudgetMissed``
+        is raised with the best set found.
+        """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"quantize() needs a torch.nn.Module, got {type(model).__name__}")
         spec = self.spec
@@ -108,5 +124,21 @@ class Quantizer:
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
-        quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose)
-        return tag_model(quantized, spec, self.target)
+        if self.max_accuracy_drop is None:
+            if labelled_data is not None:
+                self._log("labelled_data is only used with max_accuracy_drop; ignoring it")
+            quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose)
+            return tag_model(quantized, spec, self.target)
+        if labelled_data is None:
+            raise DataRefused("max_accuracy_drop needs labelled_data: (x, y) batches to measure top-1 on")
+        from quantship.quantize.accuracy import search
+
+        def quantize_without(excluded: tuple[str, ...]) -> torch.nn.Module:
+            skip = tuple(sorted({*(spec.skip_activations or ()), *excluded})) or None
+            chosen = dataclasses.replace(spec, skip_activations=skip)
+            return tag_model(backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose),
+                             chosen, self.target)
+
+        quantized, self.accuracy_search = search(quantize_without, model, labelled_data, self.max_accuracy_drop,
+                                                 log=self._log)
+        return quantized

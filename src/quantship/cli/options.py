@@ -1,0 +1,70 @@
+"""Quantizer options from the command line and from a ``--config quant.toml`` file.
+
+The file holds any ``Quantizer`` option (a ``[quantizer]`` table, or the keys at top level) and
+optionally ``target``. Unknown keys are refused by name; a flag given on the command line wins over
+the file. Nothing here imports torch, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from quantship.cli.main import UsageError
+
+# every Quantizer keyword a config file may set (the signature of quantship.Quantizer)
+QUANTIZER_KEYS = ("backend", "method", "weight_bits", "act_bits", "qscheme", "symmetric", "group_size",
+                  "qdq_placement", "skip_activations", "act_observer", "reduce_range", "max_accuracy_drop")
+CONFIG_KEYS = (*QUANTIZER_KEYS, "target")
+
+
+def add_quantizer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="quant.toml",
+                        help=f"a TOML file with Quantizer options ({', '.join(CONFIG_KEYS)}); flags win over it")
+    parser.add_argument("--exclude", nargs="+", metavar="MODULE", default=None,
+                        help="module names whose activations stay float (skip_activations), e.g. layer4 fc")
+    parser.add_argument("--placement", choices=("per_op", "skip_conv_add"), default=None,
+                        help="where Q/DQ pairs go (qdq_placement)")
+    parser.add_argument("--observer", choices=("histogram", "minmax", "percentile", "mse"), default=None,
+                        help="activation observer used during calibration")
+    parser.add_argument("--max-drop", type=float, default=None, metavar="POINTS",
+                        help="accuracy-aware: keep the most sensitive layers in float until the top-1 drop on "
+                             "--eval data is at most POINTS percentage points")
+
+
+def read_config(path: str | None) -> dict[str, Any]:
+    """The options of a ``quant.toml`` file (``[quantizer]`` table or top-level keys), validated."""
+    if not path:
+        return {}
+    import tomllib
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+    if "quantizer" in data:
+        extra = sorted(set(data) - {"quantizer"})
+        if extra:
+            raise UsageError(f"config file {path}: unknown top-level key(s) {extra}; put options under [quantizer]")
+        data = data["quantizer"]
+        if not isinstance(data, dict):
+            raise UsageError(f"config file {path}: [quantizer] must be a table")
+    unknown = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown:
+        raise UsageError(f"config file {path}: unknown key(s) {unknown}; valid keys: {list(CONFIG_KEYS)}")
+    return dict(data)
+
+
+def quantizer_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """Quantizer keywords: the config file's, then the command line's flags on top."""
+    options = {k: v for k, v in config.items() if k in QUANTIZER_KEYS}
+    flags = {"skip_activations": args.exclude, "qdq_placement": args.placement, "act_observer": args.observer,
+             "max_accuracy_drop": args.max_drop, "qscheme": getattr(args, "qscheme", None)}
+    options.update({k: v for k, v in flags.items() if v is not None})
+    if options.get("max_accuracy_drop") is not None and not getattr(args, "eval", None):
+        raise UsageError("--max-drop (max_accuracy_drop) needs --eval labelled data to measure top-1 on")
+    return options

@@ -1,0 +1,96 @@
+"""``quantship sensitivity MODEL --calib DATA --out-dir DIR``: where a quantized model loses its
+signal, layer by layer (SQNR against float), as a table, a PNG, a self-contained HTML report and a
+suggested exclusion list for ``quantize --exclude``."""
+
+from __future__ import annotations
+
+import argparse
+
+from quantship.cli import common, options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="torchvision:NAME, timm:NAME, or path/to/file.py:factory (runs that file's Python code)")
+    parser.add_argument("--weights", help="a state_dict (.pt), or a torchvision weight set name from the local hub cache")
+    parser.add_argument("--trust-pickle", action="store_true", help="allow --weights to be a whole pickled model")
+    parser.add_argument("--out-dir", required=True, help="where sensitivity.png and sensitivity.html are written")
+    parser.add_argument("--k", type=int, default=3, help="how many of the worst layers to suggest excluding")
+    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset to quantize with")
+    options.add_quantizer_arguments(parser)
+    common.add_calibration_arguments(parser)
+    common.add_output_arguments(parser)
+
+
+def html_report(title: str, table_rows: list[tuple], png: bytes, suggested: list[str], summary: str) -> str:
+    """One HTML page with everything inline (the PNG as a data URI): it opens anywhere, offline."""
+    import base64
+    import html
+
+    rows = "\n".join(
+        "<tr{cls}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td style='text-align:right'>{}</td></tr>".format(
+            *(html.escape(str(c)) for c in row[:5]), cls=" class='worst'" if row[5] else "")
+        for row in table_rows)
+    image = base64.b64encode(png).decode("ascii")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:70em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 8px}}tr.worst{{background:#fdd}}</style></head>
+<body><h1>{html.escape(title)}</h1><p>{html.escape(summary)}</p>
+<p>Suggested exclusions (<code>quantship quantize --exclude {html.escape(' '.join(suggested))}</code>)</p>
+<img alt="per-layer SQNR" src="data:image/png;base64,{image}">
+<table><tr><th>#</th><th>node</th><th>module</th><th>op</th><th>SQNR (dB)</th></tr>
+{rows}</table></body></html>
+"""
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+    from pathlib import Path
+
+    import torch
+
+    from quantship import Quantizer, __version__
+    from quantship.cli.main import UsageError
+    from quantship.cli.sources import load_model, weights_origin
+    from quantship.precision import preset
+    from quantship.quantize.layer_error import layer_error, suggest_skip
+
+    ui = common.Output(args)
+    if args.k < 1:
+        raise UsageError(f"--k {args.k}: suggest at least one layer")
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out-dir {args.out_dir} is a file; give a folder")
+    config = options.read_config(args.config)
+    overrides = options.quantizer_options(args, config)
+    overrides.pop("max_accuracy_drop", None)
+    target = preset(args.target)
+    model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
+    batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qmodel = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides).quantize(
+            model, batches, max_calibration_samples=args.max_samples)
+        ui.say("sensitivity: measuring every quantized layer output against float")
+        report = layer_error(model, qmodel, batches)
+    suggested = suggest_skip(report, k=min(args.k, max(1, len({r.module for r in report.rows if r.module}))))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = report.plot(out_dir / "sensitivity.png", worst=args.k)
+    worst = {r.node for r in report.worst(args.k)}
+    rows = [(r.order, r.node, r.module or "(top)", r.op, f"{r.sqnr_db:.1f}", r.node in worst) for r in report.rows]
+    summary = (f"{args.model} ({weights_origin(args.model, args.weights)}), {target.target} preset, "
+               f"{report.n_samples} calibration sample(s); model output SQNR {report.output_sqnr_db:.1f} dB")
+    html_path = out_dir / "sensitivity.html"
+    html_path.write_text(html_report(f"quantship sensitivity: {args.model}", rows, png.read_bytes(), suggested,
+                                     summary), encoding="utf-8")
+    result = {"version": __version__, "command": "sensitivity", "model": args.model, "target": target.target,
+              "report": report.as_dict(), "suggested_exclude": suggested,
+              "png": str(out_dir / "sensitivity.png"), "html": str(html_path)}
+    if ui.json:
+        ui.report(result, [])
+        return 0
+    print(report.to_markdown(worst=args.k))
+    print(f"\nsuggested: quantship quantize {args.model} --exclude {' '.join(suggested)}")
+    print(f"wrote {out_dir / 'sensitivity.png'} and {html_path}")
+    return 0
