@@ -1,4 +1,11 @@
-"""``quantship quantize``: a PyTorch model to a checked QDQ ONNX file for a deployment target."""
+"""``quantship quantize``: a PyTorch model to a checked QDQ ONNX file for a deployment target.
+
+The summary's verdict is ``quantship check FILE --target T --run``'s, on the calibration inputs:
+the target's rules, then its consumer run on the file wherever it is installed here (ONNX Runtime,
+OpenVINO, TiGrIS). Exit code 0: accepted; 1: failed or inconclusive (the file is written);
+2: bad input, or a refusal (the export refuses a file the target's rules would not accept, and
+writes nothing).
+"""
 
 from __future__ import annotations
 
@@ -22,16 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
+    import numpy as np
     import torch
 
     from quantship import Quantizer, quant_spec
+    from quantship.cli.check import exit_code
     from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
     from quantship.inspect.stats import qdq_stats
-    from quantship.inspect.verify import compare_logits
+    from quantship.inspect.verify import FusedKernelDrift, compare_logits
     from quantship.precision import preset
 
     ui = common.Output(args)
@@ -45,27 +54,37 @@ def run(args: argparse.Namespace) -> int:
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
     ui.say(f"calibration: {len(batches)} batch(es) of {batches[0].shape[0]} from {args.calib}")
     overrides = {"qscheme": args.qscheme} if args.qscheme else {}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("ignore")
+        warnings.simplefilter("always", FusedKernelDrift)  # measured on the file: the user hears it
         quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
         qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples)
         path = export_qdq(qmodel, batches[0], args.out, target=target.target, opset_version=args.opset)
         error = compare_logits(qmodel, path, batches[0])
+    for warning in caught:
+        ui.say(f"warning: {warning.message}")
     stats = qdq_stats(path)
     size = file_size(path)
-    verdict = check_file(path, target.check_target)
+    real = np.concatenate([b.numpy() for b in batches])  # the calibration data: real inputs for the run
+    verdict = check_file(path, target.check_target, run=True, inputs=real)
+    readings = path.readings
     result = {
         "version": 1, "model": args.model, "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
         "size_bytes": size, "qdq_stats": stats.as_dict(),
-        "logit_error_vs_torch": error.as_dict(), "check": verdict.as_dict(),
+        "logit_error_vs_torch": error.as_dict(), "ort_readings": readings.as_dict() if readings else None,
+        "verdict": verdict.verdict, "check": verdict.as_dict(),
     }
-    ui.report(result, [
+    rows = [
         ("file", f"{path} ({size / 1e6:.2f} MB)"),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", str(error)),
-        (f"check {target.check_target}", common.verdict_line(verdict)),
-    ])
-    return 0 if verdict.ok else 1
+    ]
+    if readings is not None:
+        rows.append(("ORT readings (sample)", str(readings)))
+    rows += [(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs]
+    rows.append((f"check {target.check_target} --run", common.verdict_line(verdict)))
+    ui.report(result, rows)
+    return exit_code(verdict)
