@@ -69,11 +69,22 @@ def _constant_output(model: torch.nn.Module, x: torch.Tensor) -> bool:
     return bool(torch.all(y == y[:1]))
 
 
+def _distinct_recipes() -> dict[str | None, list[str]]:
+    """The default recipe and the presets, one entry per distinct request (spec and activation dtype)."""
+    from quantship.precision import PRESETS, resolve_spec
+
+    default = (resolve_spec(backend="pt2e"), "int8")
+    groups: dict = {default: (None, ["default recipe"])}
+    for p in PRESETS:
+        settings = (resolve_spec(**p.spec_kwargs), p.activation_dtype)
+        groups.setdefault(settings, (p.target, []))[1].append(p.target)
+    return dict(groups.values())
+
+
 def torchvision_rows(models: list[str], size: int | None, batch: int, workdir: Path, bn: str) -> list[dict]:
     import torchvision
 
     from quantship import export_qdq
-    from quantship.precision import PRESETS
 
     rows = []
     for name in models:
@@ -87,10 +98,11 @@ def torchvision_rows(models: list[str], size: int | None, batch: int, workdir: P
         if bn == "always" or (bn == "if-constant" and _constant_output(model, probe[0])):
             model = bn_calibrated(model, probe)
         seen: dict[str, dict] = {}
-        for target in (None, *(p.target for p in PRESETS)):
+        recipes = _distinct_recipes()
+        for target in recipes:
             t0 = time.perf_counter()
             qmodel = _quantized(model, target, calib)
-            label = target or "default recipe"
+            label = " = ".join(recipes[target])
             path = export_qdq(qmodel, sample, workdir / f"{name}_{label.replace(' ', '_')}.onnx", target=target)
             digest = hashlib.sha256(onnx.load(str(path)).graph.SerializeToString()).hexdigest()
             if digest in seen:

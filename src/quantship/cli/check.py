@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(report.to_json())
         return exit_code(report)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # one line per finding: greppable
     colour = {"accepted": "green", "inconclusive": "yellow"}.get(report.verdict, "red")
     console.print(f"{report.path}: {report.format} file, {rule_target(args.target).consumer}: "
                   f"[{colour}]{report.summary()}[/]")
