@@ -46,9 +46,11 @@ def task(tmp_path_factory):
 def test_agreement_on_the_held_out_split(task):
     split, model, quantized, path = task
     n_batches = len(split.y_test) // BATCH
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # predictions vary: no vacuity warning may fire
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         agreement = verify_qdq(quantized, path, split.x_test, n_batches=n_batches)
+    # predictions vary: no vacuity warning may fire (FusedKernelDrift may, on a CPU without VNNI)
+    assert not [w for w in caught if "vacuous" in str(w.message)]
     assert len(split.y_test) >= 300
     print(f"verify_qdq agreement on {len(split.y_test)} held-out digits: {agreement:.4f}")
     assert agreement >= 0.99

@@ -91,12 +91,10 @@ class RunResult:
             return f"{self.consumer}: not run ({self.detail})"
         head = f"{self.consumer}: {self.status}"
         if self.max_lsb is not None:
-            if self.status == FAILED and self.tolerance_lsb is not None and self.max_lsb > self.tolerance_lsb:
-                judged = f"> tolerance {self.tolerance_lsb:g}"
-            elif self.tolerance_lsb is not None:
-                judged = f"tolerance {self.tolerance_lsb:g}"
+            if self.tolerance_lsb is None:
+                judged = "(not judged)"
             else:
-                judged = "not judged"
+                judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {self.tolerance_lsb:g}"
             head += (f", max {self.max_lsb:.1f} LSB {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
                      f"read literally, on {self.n_inputs} {self.inputs} input batch(es)")
         return f"{head}; {self.detail}" if self.detail else head
@@ -260,11 +258,11 @@ def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, toleranc
         status = FAILED  # __str__ says by how much
     elif constant:
         status = INCONCLUSIVE
-        detail = ("inconclusive: the reference output is the same for every input, so agreement proves "
+        detail = ("the reference output is the same for every input, so agreement proves "
                   "nothing; pass real inputs (check --run --inputs real.npy, or a trained model)")
     elif max_lsb is None and tolerance is not None:
         status = INCONCLUSIVE
-        detail = detail or "inconclusive: the outputs are float (no output scale), so not compared in LSB"
+        detail = detail or "the outputs are float (no output scale), so not compared in LSB"
     else:
         status = PASSED
     return RunResult(consumer, True, status == PASSED, detail, n_inputs, max_lsb, mean_lsb, tolerance, status,
