@@ -130,13 +130,11 @@ def _parity(qmodel: object, path: Path, batch: int) -> str:
     return f"{literal:.0f} / {fused:.0f}"
 
 
-def _time(files: dict[str, Path], batch: int, runs: int, warmup: int) -> dict[str, list[float]]:
-    x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
-    sessions = {}
-    for name, path in files.items():
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+def _time(files: dict[str, Path], batch: int, runs: int, warmup: int, size: int = 224) -> dict[str, list[float]]:
+    x = np.random.default_rng(0).standard_normal((batch, 3, size, size)).astype(np.float32)
+    from quantship.inspect.consumers import ort_session
+
+    sessions = {name: ort_session(path, optimized=True) for name, path in files.items()}
     feeds = {n: {s.get_inputs()[0].name: x} for n, s in sessions.items()}
     for _ in range(warmup):
         for n, s in sessions.items():
@@ -208,6 +206,116 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# U8U8: 8-bit weights stored as uint8 with zero-point 128, which ONNX Runtime runs with u8 x u8
+# kernels (no int16 pair saturation), against the 7-bit onnxruntime-cpu preset. Same activations
+# (uint8 affine) in every file; the rewrite of the weights is exact (checked: identical literal run).
+
+
+def u8u8_weights(src: Path, dst: Path) -> int:
+    """Copy ``src`` to ``dst`` with every symmetric int8 weight of a DequantizeLinear stored as
+    uint8 = w + 128 with zero-point 128 (the same real values); returns how many were rewritten."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    inits = {t.name: t for t in model.graph.initializer}
+    n = 0
+    for node in model.graph.node:
+        weight = inits.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if weight is None or weight.data_type != onnx.TensorProto.INT8:
+            continue
+        w = numpy_helper.to_array(weight).astype(np.int16)
+        scale = numpy_helper.to_array(inits[node.input[1]])
+        zp = numpy_helper.to_array(inits[node.input[2]]) if len(node.input) > 2 and node.input[2] else np.zeros(1)
+        if np.any(zp != 0):
+            continue  # only symmetric weights have an exact uint8 twin at zero-point 128
+        weight.CopyFrom(numpy_helper.from_array((w + 128).astype(np.uint8), weight.name))
+        zp_name = f"{weight.name}__zp_u8"
+        model.graph.initializer.append(numpy_helper.from_array(np.full(scale.shape, 128, np.uint8), zp_name))
+        if len(node.input) > 2:
+            node.input[2] = zp_name
+        else:
+            node.input.append(zp_name)
+        n += 1
+    onnx.save(model, str(dst))
+    return n
+
+
+@dataclass
+class U8U8Row:
+    model: str
+    name: str
+    median_ms: float
+    speed_vs_7bit: float
+    census: dict
+    literal_lsb: float  # vs the torch model the file was made from
+    fused_lsb: float
+    fp32_lsb: float  # fused run vs the float torch model: what the weight precision costs
+
+
+def u8u8_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path, size: int = 224) -> list[U8U8Row]:
+    """The 7-bit preset, 8-bit int8 weights, and their U8U8 twin: speed (interleaved) and error."""
+    import torchvision
+
+    from quantship import Quantizer, export_onnx, export_qdq
+    from quantship.inspect.consumers import ort_session, run_session
+    from quantship.inspect.lsb import lsb_error, output_scales
+    from quantship.inspect.verify import compare_logits
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, model_name)(weights=None).eval()
+    gen = torch.Generator().manual_seed(1)
+    calib = [torch.randn(batch, 3, size, size, generator=gen) for _ in range(4)]
+    sample = torch.randn(batch, 3, size, size, generator=gen)
+    stem = f"{model_name}_b{batch}_{size}"
+    files = {"FP32": export_onnx(model, sample, workdir / f"{stem}_fp32.onnx", dynamic_batch=False)}
+    seven = Quantizer.for_target("onnxruntime-cpu").quantize(model, calib, max_calibration_samples=4 * batch)
+    eight = Quantizer(backend="pt2e", symmetric=False, reduce_range=False).quantize(
+        model, calib, max_calibration_samples=4 * batch)
+    files["7-bit s8 weights (onnxruntime-cpu preset)"] = export_qdq(
+        seven, sample, workdir / f"{stem}_7bit.onnx", target="onnxruntime-cpu")
+    files["8-bit s8 weights"] = export_qdq(eight, sample, workdir / f"{stem}_8bit.onnx", activation_dtype="uint8")
+    u8 = workdir / f"{stem}_u8u8.onnx"
+    n = u8u8_weights(files["8-bit s8 weights"], u8)
+    x = [sample.numpy()]
+    same = [a.tobytes() == b.tobytes() for a, b in zip(run_session(ort_session(files["8-bit s8 weights"]), x),
+                                                       run_session(ort_session(u8), x))]
+    if not all(same) or n == 0:
+        raise RuntimeError(f"the U8U8 rewrite is not exact ({n} weights rewritten)")
+    files[f"8-bit u8 weights, zero-point 128 (U8U8, {n} weights)"] = u8
+    times = _time(files, batch, runs, warmup, size)
+    with torch.no_grad():
+        fp32_out = model(sample).numpy()
+    seven_ms = float(np.median(times["7-bit s8 weights (onnxruntime-cpu preset)"]))
+    rows = []
+    for name, path in files.items():
+        if name == "FP32":
+            continue
+        qmodel = seven if name.startswith("7-bit") else eight
+        scale = next(iter(output_scales(path).values()))
+        fused = run_session(ort_session(path, optimized=True), x)[0]
+        ms = float(np.median(times[name]))
+        rows.append(U8U8Row(model_name, name, ms, seven_ms / ms, _census(path),
+                            compare_logits(qmodel, path, sample).max_lsb,
+                            compare_logits(qmodel, path, sample, optimized=True).max_lsb,
+                            lsb_error(fp32_out, fused, scale).max_lsb))
+    fp32_ms = float(np.median(times["FP32"]))
+    rows.insert(0, U8U8Row(model_name, "FP32", fp32_ms, seven_ms / fp32_ms, _census(files["FP32"]), 0, 0, 0))
+    return rows
+
+
+def u8u8_table(rows: list[U8U8Row]) -> str:
+    lines = ["| model | file | median ms | speed vs 7-bit preset | fused Conv | QGemm | LSB vs torch INT8 (literal / "
+             "fused) | LSB vs torch FP32 (fused) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.census
+        lines.append(f"| {r.model} | {r.name} | {r.median_ms:.1f} | {r.speed_vs_7bit:.2f}x | "
+                     f"{c['fused_conv']}/{c['total_conv']} | {c['QGemm']} | "
+                     f"{'-' if r.name == 'FP32' else f'{r.literal_lsb:.1f} / {r.fused_lsb:.1f}'} | "
+                     f"{'-' if r.name == 'FP32' else f'{r.fp32_lsb:.1f}'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
@@ -216,7 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--u8u8", action="store_true", help="only the U8U8 vs 7-bit comparison (printed)")
+    parser.add_argument("--size", type=int, default=224, help="input size for --u8u8")
     args = parser.parse_args(argv)
+    if args.u8u8:
+        with tempfile.TemporaryDirectory() as tmp:
+            for model_name in args.models:
+                for batch in args.batches:
+                    rows = u8u8_case(model_name, batch, args.runs, args.warmup, Path(tmp), args.size)
+                    print(u8u8_table(rows), flush=True)
+        return 0
     if args.runs < 20:
         print(f"note: --runs {args.runs} is below the 20 interleaved runs the benchmark promises")
     rows: list[Row] = []

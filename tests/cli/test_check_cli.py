@@ -49,7 +49,7 @@ def test_check_run_tigris(small_files, capsys):
     if tigris_executable() is None:
         pytest.skip("tigris CLI not installed")
     assert main(["check", str(small_files["good"]), "--target", "tigris", "--run", "--n", "5"]) == 0
-    assert "run TiGrIS: ok" in capsys.readouterr().out
+    assert "run TiGrIS: passed" in capsys.readouterr().out
 
 
 def test_inspect_human_and_json(small_files, capsys):
@@ -92,3 +92,78 @@ def test_garbage_through_a_subprocess(small_files, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# --- one verdict: --run --inputs, failed vs refused vs inconclusive, exit codes ----------------------
+
+def test_check_run_on_real_inputs_npy_npz_and_image_folder(small_files, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    x = np.random.default_rng(3).standard_normal((5, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.savez(tmp_path / "x.npz", images=x, labels=np.arange(5))
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(4):
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    good = str(small_files["good"])
+    for extra, n in ((["--inputs", str(tmp_path / "x.npy")], 5), (["--inputs", str(tmp_path / "x.npz"), "--key", "images"], 5),
+                     (["--inputs", str(folder), "--resize", "32", "--crop", "32"], 4)):
+        assert main(["check", good, "--target", "onnxruntime", "--run", "--n", "20", *extra, "--json"]) == 0
+        run = json.loads(capsys.readouterr().out)["runs"][0]
+        assert run["inputs"] == "given" and run["status"] == "passed", run
+        assert run["n_inputs"] == n  # a batch-1 file: one batch per image
+    assert main(["check", good, "--target", "onnxruntime", "--run", "--n", "2", "--inputs", str(tmp_path / "x.npy")]) == 0
+    assert "on 2 given input batch(es)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inputs", "X"], "add --run"),
+    (["--run", "--inputs", "missing.npy"], "does not exist"),
+    (["--run", "--inputs", "WRONG"], "do not fit"),
+    (["--run", "--n", "0"], "at least one"),
+])
+def test_check_inputs_bad_input_exit_2(small_files, tmp_path, capsys, monkeypatch, argv, message):
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((2, 3, 32, 32), np.float32))
+    np.save(tmp_path / "wrong.npy", np.zeros((2, 3, 16, 16), np.float32))
+    argv = [{"X": "x.npy", "WRONG": "wrong.npy"}.get(a, a) for a in argv]
+    assert main(["check", str(small_files["good"]), "--target", "onnxruntime", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def _fake_run(status, max_lsb, detail=""):
+    from quantship.inspect.consumers import RunResult
+
+    def run_consumer(path, target, n_inputs=20, seed=0, inputs=None):
+        return RunResult("OpenVINO", True, status == "passed", detail, n_inputs, max_lsb, 0.5, 2.0, status)
+    return run_consumer
+
+
+@pytest.mark.parametrize("status, max_lsb, detail, shown", [
+    ("failed", 3.0, "", "failed: OpenVINO 3.0 LSB > tolerance 2"),
+    ("inconclusive", 0.0, "inconclusive: the reference output is the same for every input; pass real inputs",
+     "inconclusive (OpenVINO): the reference output is the same for every input; pass real inputs"),
+    ("passed", 1.0, "", "accepted (ran: OpenVINO 1.0 LSB <= 2)"),
+])
+def test_check_run_verdict_words_and_exit_code(small_files, capsys, monkeypatch, status, max_lsb, detail, shown):
+    """A tolerance miss is 'failed', never 'refused'; a vacuous comparison is 'inconclusive' and exits 1."""
+    from quantship.inspect import consumers
+
+    monkeypatch.setattr(consumers, "run_consumer", _fake_run(status, max_lsb, detail))
+    code = main(["check", str(small_files["good"]), "--target", "openvino", "--run", "--n", "2"])
+    out = capsys.readouterr().out
+    assert code == (0 if status == "passed" else 1)
+    assert shown in out and "refused" not in out, out
+    assert main(["check", str(small_files["good"]), "--target", "openvino", "--run", "--n", "2", "--json"]) == code
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == {"passed": "accepted"}.get(status, status) and data["runs"][0]["status"] == status
+
+
+def test_static_refusal_is_refused_exit_1(small_files, capsys):
+    assert main(["check", str(small_files["stripped"]), "--target", "tensorrt", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["verdict"] == "refused"

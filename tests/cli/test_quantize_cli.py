@@ -164,3 +164,35 @@ def test_help_imports_nothing_heavy():
             "print(','.join(heavy))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "", done.stdout + done.stderr
+
+
+_FACTORIES = (
+    "import torch.nn as nn\n"
+    "def build():\n"
+    "    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))\n"
+    "def constant():\n"
+    "    model = build()\n"
+    "    model[0].bias.data.fill_(-1e3)  # the ReLU is always off: the output is the Linear's bias\n"
+    "    return model\n"
+)
+
+
+@pytest.mark.parametrize("factory, code, verdict", [("build", 0, "accepted"), ("constant", 1, "inconclusive")])
+def test_quantize_verdict_is_check_run_on_the_calibration_inputs(tmp_path, capsys, factory, code, verdict):
+    """quantize's summary is `check --run`'s verdict (ONNX Runtime runs here), on the calibration data;
+    a model whose output never changes is inconclusive (exit 1), never a pass. The file is written."""
+    src = tmp_path / "models.py"
+    src.write_text(_FACTORIES)
+    calib = tmp_path / "c.npy"
+    np.save(calib, np.random.default_rng(1).standard_normal((8, 3, 16, 16)).astype(np.float32))
+    out = tmp_path / f"{factory}.onnx"
+    assert main(["quantize", f"{src}:{factory}", "--calib", str(calib), "--out", str(out), "--target",
+                 "onnxruntime-cpu", "--batch-size", "2", "--json"]) == code
+    report = json.loads(capsys.readouterr().out)
+    assert out.is_file() and report["verdict"] == verdict == report["check"]["verdict"]
+    (run,) = report["check"]["runs"]
+    assert run["consumer"] == "ONNX Runtime" and run["inputs"] == "given" and run["n_inputs"] == 4
+    readings = report["ort_readings"]
+    assert readings["literal_lsb"] is not None and readings["fused_lsb"] is not None
+    assert main(["check", str(out), "--target", "onnxruntime", "--run", "--inputs", str(calib)]) == code
+    assert verdict in capsys.readouterr().out

@@ -141,3 +141,14 @@ def small_qdq(tmp_path_factory) -> Path:
     g = torch.Generator().manual_seed(1)
     calib = [torch.randn(1, 3, 32, 32, generator=g) for _ in range(4)]
     return export_pt2e(SmallNet().eval(), calib, root / "small_int8.onnx")
+
+def constant_file(tmp_path_factory) -> Path:
+    """A pt2e INT8 SmallNet whose first ReLU is always off: its output is the same for every input
+    (like an untrained torchvision MobileNetV2's)."""
+    torch.manual_seed(0)
+    model = SmallNet().eval()
+    with torch.no_grad():
+        model.c1.bias.fill_(-1e3)
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randn(1, 3, 32, 32, generator=g) for _ in range(4)]
+    return export_pt2e(model, calib, tmp_path_factory.mktemp("constant") / "constant_int8.onnx")

@@ -109,3 +109,80 @@ def test_openvino_within_2_lsb_with_7bit_weights(digits_files, tmp_path):
     (result,) = report.runs
     assert result.ran and result.max_lsb <= 2.0, result
     assert report.ok
+
+
+# --- the run verdict: passed / failed / inconclusive, and CheckReport's one verdict -----------------
+
+def _run(status: str, max_lsb: float | None = 1.0, tolerance: float | None = 2.0, consumer: str = "OpenVINO",
+         detail: str = ""):
+    from quantship.inspect.consumers import RunResult
+
+    return RunResult(consumer, True, status == "passed", detail, 20, max_lsb, 0.1 if max_lsb else None,
+                     tolerance, status)
+
+
+def test_judge_names_a_tolerance_miss_failed_and_a_constant_reference_inconclusive():
+    from quantship.inspect.consumers import judge
+
+    assert judge("OpenVINO", 1.5, 0.2, 2.0, 20, constant=False).status == "passed"
+    miss = judge("OpenVINO", 3.0, 0.5, 2.0, 20, constant=False)
+    assert miss.status == "failed" and not miss.ok and "max 3.0 LSB > tolerance 2" in str(miss)
+    vacuous = judge("OpenVINO", 0.0, 0.0, 2.0, 20, constant=True)
+    assert vacuous.status == "inconclusive" and not vacuous.ok and "real inputs" in vacuous.detail
+    # a miss is a failure even when the reference is constant; float outputs cannot be judged in LSB
+    assert judge("OpenVINO", 9.0, 1.0, 2.0, 20, constant=True).status == "failed"
+    assert judge("OpenVINO", None, None, 2.0, 20, constant=False).status == "inconclusive"
+    assert judge("ONNX Runtime", None, None, None, 20, constant=False).status == "passed"
+
+
+def test_constant_reference():
+    import numpy as np
+
+    from quantship.inspect.consumers import constant_reference
+
+    rows = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert not constant_reference([[rows]])
+    assert constant_reference([[np.ones((3, 2))]]) and constant_reference([[np.ones((1, 2))], [np.ones((1, 2))]])
+    assert constant_reference([[rows[:1]]])  # one row cannot show that the output varies
+    assert not constant_reference([[rows[:1]], [rows[1:2]]])
+
+
+def test_check_report_verdict_precedence_and_summary():
+    from quantship.inspect.check import CheckReport, Finding
+
+    def report(findings=(), runs=()):
+        return CheckReport("f.onnx", "openvino", "QDQ", list(findings), list(runs))
+
+    refusal = Finding("static_scales", "error", "m", ["a", "b"], "fix")
+    assert report().verdict == "accepted" and report().ok and report().summary() == "accepted"
+    assert report(runs=[_run("passed")]).summary() == "accepted (ran: OpenVINO 1.0 LSB <= 2)"
+    failed = report(runs=[_run("failed", max_lsb=3.0)])
+    assert failed.verdict == "failed" and not failed.ok
+    assert failed.summary() == "failed: OpenVINO 3.0 LSB > tolerance 2"
+    crashed = report(runs=[_run("failed", max_lsb=None, detail="RuntimeError: tigris compile refused the file")])
+    assert crashed.summary() == "failed: OpenVINO: RuntimeError: tigris compile refused the file"
+    vacuous = report(runs=[_run("inconclusive", max_lsb=0.0, detail="inconclusive: pass real inputs")])
+    assert vacuous.verdict == "inconclusive" and not vacuous.ok and "pass real inputs" in vacuous.summary()
+    assert report([refusal], [_run("failed", 3.0)]).verdict == "refused"  # a static refusal comes first
+    assert report([refusal]).summary() == "refused: static_scales (2)"
+    assert report(runs=[_run("failed", 3.0), _run("inconclusive")]).verdict == "failed"
+    not_run = _run("not run")
+    not_run = type(not_run)(**{**not_run.as_dict(), "ran": False})
+    assert report(runs=[not_run]).verdict == "accepted"  # a consumer absent here leaves the static verdict
+    assert report(runs=[failed.runs[0]]).as_dict()["verdict"] == "failed"
+
+
+def test_run_on_given_inputs(digits_files):
+    from quantship.examples.digits import load_split
+
+    real = load_split().x_test[:6].numpy()
+    result = run_consumer(digits_files["int8"], "onnxruntime", n_inputs=4, inputs=real)
+    assert result.ran and result.inputs == "given" and result.n_inputs == 4  # batch-1 file, capped at n
+    assert result.status == "passed" and result.max_lsb is not None
+
+
+def test_constant_output_file_is_inconclusive_never_a_pass(constant_file):
+    report = check_file(constant_file, "onnxruntime", run=True, n_inputs=4)
+    (result,) = report.runs
+    assert result.ran and result.status == "inconclusive" and "real inputs" in result.detail
+    assert report.verdict == "inconclusive" and not report.ok

@@ -1,39 +1,57 @@
-"""``quantship check FILE --target X [--run] [--json]``: will the target accept the file?
+"""``quantship check FILE --target X [--run [--inputs DATA]] [--json]``: will the target accept the file?
 
-Exit code 0: accepted; 1: refused (findings say why and how to fix); 2: the file cannot be read.
+The verdict: ``accepted``; ``refused`` (the target's rules refuse the file; the findings say why
+and how to fix it); ``failed`` (the consumer ran the file beyond its tolerance, or could not
+load/compile/run it); ``inconclusive`` (the run cannot tell, e.g. the reference output is the
+same for every input: pass real inputs). Exit code 0: accepted; 1: refused, failed or
+inconclusive; 2: the file cannot be read or the arguments are wrong (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from quantship.cli import common
+from quantship.cli import common, inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="an ONNX file")
     common.add_target_argument(parser, default=None, help="the runtime that will consume it")
     parser.add_argument("--run", action="store_true", help="also run the consumer if it can run here")
-    parser.add_argument("--n", type=int, default=20, help="inputs for --run (default 20)")
+    parser.add_argument("--n", type=int, default=20, help="input batches for --run (default 20)")
+    inputs.add_arguments(parser, "for --run")
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report")
+
+
+def exit_code(report) -> int:
+    """0 when the target accepts the file, 1 for any other verdict (refused, failed, inconclusive)."""
+    return 0 if report.ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from quantship.cli.main import UsageError
     from quantship.inspect.check import check_file
     from quantship.inspect.rules import target as rule_target
-    report = check_file(args.file, args.target, run=args.run, n_inputs=args.n)
+
+    if args.n < 1:
+        raise UsageError(f"--n {args.n}: a run needs at least one input batch")
+    if args.inputs and not args.run:
+        raise UsageError("--inputs feeds the consumer's run: add --run")
+    real = inputs.read(args, limit=args.n * 64)
+    report = check_file(args.file, args.target, run=args.run, n_inputs=args.n, inputs=real)
     if args.json:
         print(report.to_json())
-        return 0 if report.ok else 1
-    console = Console(highlight=False)
-    verdict = "[green]accepted[/]" if report.ok else "[red]refused[/]"
-    console.print(f"{report.path}: {report.format} file, {rule_target(args.target).consumer}: {verdict}")
+        return exit_code(report)
+    console = Console(highlight=False, soft_wrap=True)  # one line per finding: greppable
+    colour = {"accepted": "green", "inconclusive": "yellow"}.get(report.verdict, "red")
+    console.print(f"{report.path}: {report.format} file, {rule_target(args.target).consumer}: "
+                  f"[{colour}]{report.summary()}[/]")
     for finding in report.findings:
         colour = "red" if finding.severity == "error" else "yellow"
         console.print(f"  [{colour}]{finding.severity}[/] {finding.rule}: {finding.message}")
         console.print(f"      fix: {finding.fix}")
     for result in report.runs:
         console.print(f"  run {result}")
-    return 0 if report.ok else 1
+    return exit_code(report)

@@ -51,10 +51,8 @@ def read_calibration(args: argparse.Namespace, *, keep_last: bool = False):
 
 
 def verdict_line(report) -> str:
-    if report.ok:
-        return "accepted"
-    # compact: the rule and how many nodes it hits; `quantship check` prints the full findings
-    return "REFUSED: " + ", ".join(f"{f.rule} ({len(f.offending)})" for f in report.errors)
+    """One line per verdict, the same words as ``quantship check`` (``CheckReport.summary``)."""
+    return report.summary()
 
 
 class Output:

@@ -1,10 +1,13 @@
-"""``quantship compare FLOAT.onnx INT8.onnx [--target X]``: the three-way check in output LSB."""
+"""``quantship compare FLOAT.onnx INT8.onnx [--target X] [--inputs DATA]``: the three-way check in output LSB.
+
+Exit code 0: measured; 1: inconclusive (the float output is constant over the inputs); 2: bad input.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from quantship.cli import common
+from quantship.cli import common, inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,25 +16,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_target_argument(parser, default="tigris",
                                help="the runtime whose execution of the INT8 file is compared (default tigris)")
     parser.add_argument("--n", type=int, default=20, help="number of seeded inputs (default 20)")
-    parser.add_argument("--inputs", help=".npy array (N x C x H x W) of real inputs, cut at the file's batch "
-                        "size; default: --n seeded random inputs")
+    inputs.add_arguments(parser, "for all three runs")
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report")
 
 
 def run(args: argparse.Namespace) -> int:
     from quantship.inspect.compare import compare_files
 
-    inputs = None
-    if args.inputs:
-        from quantship.cli.sources import load_array
-
-        inputs = load_array(args.inputs)
-    report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=inputs)
+    real = inputs.read(args)
+    report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=real)
+    code = 1 if report.inconclusive else 0  # an inconclusive comparison is never a pass
     if args.json:
         print(report.to_json())
-        return 0
+        return code
     source = f"batches from {args.inputs}" if args.inputs else "seeded random inputs"
     print(f"{report.n_inputs} {source}, errors in the INT8 file's output LSB")
     for row in report.rows:
         print(f"  {row}")
-    return 0
+    if report.inconclusive:
+        print(f"inconclusive: {report.inconclusive}")
+    return code

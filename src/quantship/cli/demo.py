@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _ort_accuracy(path, x, y) -> tuple[int, int]:
     import numpy as np
 
-    from quantship.inspect.verify import ort_session
+    from quantship.inspect.consumers import ort_session
 
     session = ort_session(path, optimized=True)
     name = session.get_inputs()[0].name
@@ -41,7 +41,7 @@ def _latency_ratio(fp32_path, int8_path, x, runs: int) -> tuple[float, float, fl
     import statistics
     import time
 
-    from quantship.inspect.verify import ort_session
+    from quantship.inspect.consumers import ort_session
 
     sessions = [ort_session(p, optimized=True) for p in (fp32_path, int8_path)]
     feeds = [{s.get_inputs()[0].name: x} for s in sessions]
@@ -101,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
     fp32_size, int8_size = file_size(fp32_path), file_size(int8_path)
     stats = qdq_stats(int8_path)
     fp32_ms, int8_ms, speedup = _latency_ratio(fp32_path, int8_path, split.x_test[:BATCH].numpy(), args.runs)
-    verdicts = {t: check_file(int8_path, t) for t in TARGETS}
+    # every target's rules; the preset's own target is also run (where installed) on the held-out images,
+    # the same code as `quantship check --run --inputs`, and the demo's exit code follows that verdict
+    verdicts = {t: check_file(int8_path, t, run=t == target.check_target, inputs=split.x_test.numpy())
+                for t in TARGETS}
     elapsed = time.perf_counter() - started
 
     result = {
@@ -112,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         "size_bytes": {"fp32": fp32_size, "int8": int8_size, "ratio": fp32_size / int8_size},
         "qdq_stats": stats.as_dict(), "logit_error_vs_torch": error.as_dict(),
         "latency_ms": {"batch": BATCH, "fp32": fp32_ms, "int8": int8_ms, "speedup": speedup, "runs": args.runs},
-        "checks": {t: {"ok": v.ok, "errors": [f.rule for f in v.errors]} for t, v in verdicts.items()},
+        "ort_readings": int8_path.readings.as_dict() if int8_path.readings else None,
+        "checks": {t: {"ok": v.ok, "verdict": v.verdict, "errors": [f.rule for f in v.errors],
+                       "runs": [r.as_dict() for r in v.runs]} for t, v in verdicts.items()},
         "seconds": elapsed,
     }
     rows = [
@@ -121,13 +126,16 @@ def run(args: argparse.Namespace) -> int:
         ("INT8 accuracy (torch)", format_accuracy(*int8_acc)),
         ("INT8 accuracy (file, ORT)", format_accuracy(*file_acc)),
         ("file vs torch INT8", f"{agreement:.3f} argmax agreement; {error}"),
+        ("ORT literal / fused", str(agreement.readings)),
         ("size on disk", f"FP32 {fp32_size / 1e3:.1f} kB, INT8 {int8_size / 1e3:.1f} kB ({fp32_size / int8_size:.2f}x smaller)"),
         ("qdq_stats", ", ".join(f"{k} {v}" for k, v in stats.as_dict().items())),
         (f"ORT CPU latency, batch {BATCH}", f"FP32 {fp32_ms:.2f} ms, INT8 {int8_ms:.2f} ms ({speedup:.2f}x; "
                                             f"median of {args.runs} interleaved runs)"),
     ]
     for t, v in verdicts.items():
-        rows.append((f"check {t}", common.verdict_line(v)))
+        rows.append((f"check {t}{' --run' if v.runs else ''}", common.verdict_line(v)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     ui.report(result, rows, title=f"quantship demo: digits -> {int8_path.name}")
-    return 0
+    from quantship.cli.check import exit_code
+
+    return exit_code(verdicts[target.check_target])

@@ -1,4 +1,11 @@
-"""``quantship quantize``: a PyTorch model to a checked QDQ ONNX file for a deployment target."""
+"""``quantship quantize``: a PyTorch model to a checked QDQ ONNX file for a deployment target.
+
+The summary's verdict is ``quantship check FILE --target T --run``'s, on the calibration inputs:
+the target's rules, then its consumer run on the file wherever it is installed here (ONNX Runtime,
+OpenVINO, TiGrIS). Exit code 0: accepted; 1: failed or inconclusive (the file is written);
+2: bad input, or a refusal (the export refuses a file the target's rules would not accept, and
+writes nothing).
+"""
 
 from __future__ import annotations
 
@@ -33,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
+    import numpy as np
     import torch
 
     from quantship import Quantizer, quant_spec
+    from quantship.cli.check import exit_code
     from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
     from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model, weights_origin
@@ -43,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
     from quantship.inspect.stats import qdq_stats
+    from quantship.inspect.verify import FusedKernelDrift
     from quantship.precision import preset
 
     ui = common.Output(args)
@@ -67,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
         bs = batches[0].shape[0]
         labelled_batches = [(torch.from_numpy(labelled.x[i:i + bs]), torch.from_numpy(labelled.y[i:i + bs]))
                             for i in range(0, (len(labelled.y) // bs) * bs, bs)]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("ignore")
+        warnings.simplefilter("always", FusedKernelDrift)  # measured on the file: the user hears it
         quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
         qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples,
                                     labelled_data=labelled_batches if quantizer.max_accuracy_drop is not None else None)
@@ -77,14 +88,19 @@ def run(args: argparse.Namespace) -> int:
                           dynamic_batch=dynamic)
         served = _file_batch(path)
         error = _output_error(qmodel, path, sample if served is None else sample[:served])
+    for warning in caught:
+        ui.say(f"warning: {warning.message}")
     stats = qdq_stats(path)
     size = file_size(path)
-    verdict = check_file(path, target.check_target)
+    real = np.concatenate([b.numpy() for b in batches])  # the calibration data: real inputs for the run
+    verdict = check_file(path, target.check_target, run=True, inputs=real)
+    readings = path.readings
     result = {
         "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": str(path),
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
         "size_bytes": size, "batch": "any" if served is None else served, "qdq_stats": stats.as_dict(),
-        "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "check": verdict.as_dict(),
+        "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "ort_readings": readings.as_dict() if readings else None,
+        "verdict": verdict.verdict, "check": verdict.as_dict(),
     }
     rows_eval: list[tuple[str, str]] = []
     if labelled is not None:
@@ -101,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = quantizer.accuracy_search.chosen
         rows_eval.append(("accuracy-aware search", f"{len(quantizer.accuracy_search.steps)} quantization(s); kept in "
                           f"float: {', '.join(chosen.excluded) or 'nothing'}"))
-    ui.report(result, [
+    rows = [
         ("file", f"{path} ({size / 1e6:.2f} MB)"),
         ("weights", weights_origin(args.model, args.weights)),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
@@ -110,9 +126,13 @@ def run(args: argparse.Namespace) -> int:
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
         *rows_eval,
-        (f"check {target.check_target}", common.verdict_line(verdict)),
-    ])
-    return 0 if verdict.ok else 1
+    ]
+    if readings is not None:
+        rows.append(("ORT readings (sample)", str(readings)))
+    rows += [(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs]
+    rows.append((f"check {target.check_target} --run", common.verdict_line(verdict)))
+    ui.report(result, rows)
+    return exit_code(verdict)
 
 
 def _export_sample(batches, static_batch: int | None):

@@ -7,6 +7,7 @@ written atomically: it appears at ``path`` only when every pass and post-conditi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from quantship.export.metadata import write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
+from quantship.inspect.verify import MeasuredPath, measure_readings, torch_outputs, warn_if_drift
 from quantship.precision import QuantSpec, preset, quant_target
 from quantship.ranks import rank_zero_writes
 
@@ -177,6 +179,11 @@ def export_qdq(
     Inside a ``torch.distributed`` process group, call it on every rank: rank 0 writes, the other
     ranks wait at a barrier and return the same path (rank 0's refusal is raised on every rank);
     a call on some ranks only is refused after ``QUANTSHIP_DIST_TIMEOUT`` seconds (default 300).
+
+    The written file is run on ``sample`` twice in ONNX Runtime, literally and with its default
+    optimizations; the returned ``Path`` carries both readings (``.readings``: max LSB vs the
+    torch model, and their gap), and ``FusedKernelDrift`` is warned when they differ by more than
+    2 LSB.
     """
     spec = exportable_spec(model)
     if target is None:  # the preset the model was quantized for travels with it, unless an explicit
@@ -202,4 +209,8 @@ def export_qdq(
         if target is not None:
             check_target(staged, target)
         check_runs_optimized(staged, inputs, "the written file")
-    return Path(path).expanduser().resolve()
+        readings = measure_readings(staged, [inputs], torch_outputs(model, [sample]))
+    out = MeasuredPath.of(Path(path).expanduser().resolve(), readings)  # a Path; .readings: both ORT readings
+    logging.getLogger(__name__).info("%s: %s", out, readings)
+    warn_if_drift(readings, str(out))
+    return out

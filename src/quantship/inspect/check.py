@@ -17,7 +17,8 @@ from quantship.inspect.report_json import strict_json
 from quantship.inspect.rules import RULES, Target
 from quantship.inspect.rules import target as get_target
 
-REPORT_VERSION = 1
+REPORT_VERSION = 1  # "verdict" and each run's "status" were added as new keys (readers of v1 keep working)
+ACCEPTED, REFUSED, FAILED, INCONCLUSIVE = "accepted", "refused", "failed", "inconclusive"
 _SHOWN = 6  # offenders quoted in a message; the full list is in ``offending``
 
 
@@ -52,14 +53,46 @@ class CheckReport:
         return [f for f in self.findings if f.severity == "error"]
 
     @property
+    def verdict(self) -> str:
+        """``refused``: the target's rules refuse the file (static); ``failed``: the consumer ran it
+        beyond its tolerance, or could not load/compile/run it; ``inconclusive``: the run could not
+        tell (e.g. a constant reference output); ``accepted`` otherwise. First match wins."""
+        if self.errors:
+            return REFUSED
+        ran = [r for r in self.runs if r.ran]
+        if any(r.status == FAILED or (not r.ok and r.status != INCONCLUSIVE) for r in ran):
+            return FAILED
+        if any(r.status == INCONCLUSIVE for r in ran):
+            return INCONCLUSIVE
+        return ACCEPTED
+
+    @property
     def ok(self) -> bool:
-        """True when the target will accept the file: no error finding and no failed run."""
-        return not self.errors and all(r.ok for r in self.runs if r.ran)
+        """True when the target will accept the file: no error finding and every run passed."""
+        return self.verdict == ACCEPTED
+
+    def summary(self) -> str:
+        """The verdict in one line, as ``check`` and ``quantize`` print it."""
+        verdict = self.verdict
+        if verdict == REFUSED:  # compact: the rule and how many nodes it hits; findings say the rest
+            return "refused: " + ", ".join(f"{f.rule} ({len(f.offending)})" for f in self.errors)
+        ran = [r for r in self.runs if r.ran]
+        if verdict == FAILED:
+            run = next(r for r in ran if not r.ok and r.status != INCONCLUSIVE)
+            if run.max_lsb is not None and run.tolerance_lsb is not None and run.max_lsb > run.tolerance_lsb:
+                return f"failed: {run.consumer} {run.max_lsb:.1f} LSB > tolerance {run.tolerance_lsb:g}"
+            return f"failed: {run.consumer}: {run.detail}"
+        if verdict == INCONCLUSIVE:
+            run = next(r for r in ran if r.status == INCONCLUSIVE)
+            return f"inconclusive ({run.consumer}): {run.detail.removeprefix('inconclusive: ')}"
+        measured = [f"{r.consumer} {r.max_lsb:.1f} LSB" + (f" <= {r.tolerance_lsb:g}" if r.tolerance_lsb else "")
+                    for r in ran if r.max_lsb is not None]
+        return "accepted" + (f" (ran: {', '.join(measured)})" if measured else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "report": "quantship-check", "version": self.version, "path": self.path,
-            "target": self.target, "ok": self.ok, "format": self.format,
+            "target": self.target, "verdict": self.verdict, "ok": self.ok, "format": self.format,
             "findings": [f.as_dict() for f in self.findings],
             "runs": [r.as_dict() for r in self.runs],
         }
@@ -92,9 +125,14 @@ def findings_for(facts: QuantFacts, target_name: str) -> list[Finding]:
     return [f for f in found if f is not None]
 
 
-def check_file(path: str | Path | FileFacts, target: str, run: bool = False, n_inputs: int = 20) -> CheckReport:
-    """Check ``path`` (or one read of it, ``FileFacts``) against ``target``'s rules; with ``run`` also run
-    the consumer on it."""
+def check_file(path: str | Path | FileFacts, target: str, run: bool = False, n_inputs: int = 20,
+               inputs: Any = None) -> CheckReport:
+    """Check ``path`` (or one read of it, ``FileFacts``) against ``target``'s rules; with ``run`` also
+    run the consumer on it.
+
+    ``inputs``: an N x ... array of real inputs for the run (cut at the file's batch size, at most
+    ``n_inputs`` batches); default ``n_inputs`` seeded random inputs.
+    """
     target = get_target(target).name  # refuse an unknown target before reading anything; resolve aliases
     facts = facts_of(path)
     report = CheckReport(facts.path, target, facts.quant.format, findings_for(facts.quant, target),
@@ -102,5 +140,5 @@ def check_file(path: str | Path | FileFacts, target: str, run: bool = False, n_i
     if run:
         from quantship.inspect.consumers import run_consumer
 
-        report.runs.append(run_consumer(facts.path, target, n_inputs=n_inputs))
+        report.runs.append(run_consumer(facts.path, target, n_inputs=n_inputs, inputs=inputs))
     return report

@@ -15,6 +15,7 @@ import numpy as np
 from quantship.errors import one_line
 from quantship.inspect.consumers import (
     array_inputs,
+    constant_reference,
     lsb_between,
     random_inputs,
     run_onnxruntime,
@@ -53,6 +54,7 @@ class CompareReport:
     n_inputs: int
     rows: list[CompareRow] = field(default_factory=list)
     version: int = REPORT_VERSION
+    inconclusive: str = ""  # why the rows prove nothing (e.g. the float output is the same for every input)
 
     def as_dict(self) -> dict:
         out = {"report": "quantship-compare", **asdict(self)}
@@ -88,6 +90,9 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
     reference = run_onnxruntime(float_path, float_feeds, optimize=False)
     int8_ort = run_onnxruntime(int8_path, feeds, optimize=False)
     report = CompareReport(str(float_path), str(int8_path), target, n_inputs)
+    if constant_reference(reference):
+        report.inconclusive = ("the float file's output is the same for every input, so these rows prove "
+                               "nothing; pass real inputs (--inputs) or a trained model")
     report.rows.append(CompareRow("ONNX Runtime int8 vs float", *lsb_between(reference, int8_ort, scales)))
     label = f"{tgt.consumer} vs ONNX Runtime int8"
     try:

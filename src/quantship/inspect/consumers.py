@@ -1,6 +1,7 @@
 """Run a file in the runtimes that will consume it, where they can run here.
 
-ONNX Runtime loads and runs it; OpenVINO compiles it on CPU (f32 inference precision: s8 QDQ
+``ort_session`` is the one place an ONNX Runtime session is built (verification, export checks,
+the demo and the benchmarks use it). ONNX Runtime loads and runs the file; OpenVINO compiles it on CPU (f32 inference precision: s8 QDQ
 files do not compile otherwise on AMX CPUs) and runs it; TiGrIS compiles a plan with its CLI and
 runs it on its host runtime (NHWC inputs). Each run is compared with ONNX Runtime executing the
 QDQ graph literally (no graph optimizations), in output LSB.
@@ -28,19 +29,59 @@ from quantship.inspect.rules import target as get_target
 Inputs = dict[str, np.ndarray]
 TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack of memory
 
+# RunResult.status values
+PASSED, FAILED, INCONCLUSIVE, NOT_RUN = "passed", "failed", "inconclusive", "not run"
+
+
+def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
+                optimized_model_filepath: str | Path | None = None):
+    """A CPU ONNX Runtime session: the file read literally (``ORT_DISABLE_ALL``) unless ``optimized``.
+
+    ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
+    kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
+    the graph ONNX Runtime builds.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    if optimized_model_filepath is not None:
+        options.optimized_model_filepath = str(optimized_model_filepath)
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def run_session(session, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Run ``session`` on positional ``inputs`` (one array per graph input, in order)."""
+    names = [i.name for i in session.get_inputs()]
+    if len(names) != len(inputs):
+        raise ValueError(f"the file has {len(names)} input(s) {names}, but {len(inputs)} array(s) were given")
+    return session.run(None, dict(zip(names, inputs)))
+
 
 @dataclass(frozen=True)
 class RunResult:
-    """What one consumer did with the file, and how far its outputs are from ONNX Runtime's."""
+    """What one consumer did with the file, and how far its outputs are from ONNX Runtime's.
+
+    ``status``: ``passed`` (within ``tolerance_lsb`` of ONNX Runtime reading the file literally),
+    ``failed`` (beyond it, or the consumer could not load/compile/run the file), ``inconclusive``
+    (the comparison cannot tell: e.g. the reference output is the same for every input), or
+    ``not run`` (the consumer is not available here).
+    """
 
     consumer: str
     ran: bool  # False: could not run here (``detail`` says why)
-    ok: bool  # ran, produced outputs, and stayed within ``tolerance_lsb`` of ONNX Runtime
+    ok: bool  # status == "passed"
     detail: str
     n_inputs: int = 0
     max_lsb: float | None = None
     mean_lsb: float | None = None
     tolerance_lsb: float | None = None
+    status: str = ""
+    inputs: str = "random"  # "random": seeded standard-normal feeds; "given": the caller's inputs
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -48,11 +89,14 @@ class RunResult:
     def __str__(self) -> str:
         if not self.ran:
             return f"{self.consumer}: not run ({self.detail})"
-        head = f"{self.consumer}: {'ok' if self.ok else 'FAILED'}"
+        head = f"{self.consumer}: {self.status}"
         if self.max_lsb is not None:
-            judged = f"tolerance {self.tolerance_lsb:g}" if self.tolerance_lsb is not None else "not judged"
-            head += (f", max {self.max_lsb:.1f} LSB, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
-                     f"on {self.n_inputs} inputs ({judged})")
+            if self.tolerance_lsb is None:
+                judged = "(not judged)"
+            else:
+                judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {self.tolerance_lsb:g}"
+            head += (f", max {self.max_lsb:.1f} LSB {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
+                     f"read literally, on {self.n_inputs} {self.inputs} input batch(es)")
         return f"{head}; {self.detail}" if self.detail else head
 
 
@@ -95,14 +139,10 @@ def array_inputs(model: onnx.ModelProto, array: np.ndarray) -> list[Inputs]:
 
 def ort_optimized_ops(path: str | Path) -> collections.Counter:
     """What ONNX Runtime really runs: operator counts of the graph it builds at its default level."""
-    import onnxruntime as ort
-
     with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
-        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        return collections.Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
+        saved = Path(tmp) / "optimized.onnx"
+        ort_session(path, optimized=True, optimized_model_filepath=saved)
+        return collections.Counter(n.op_type for n in onnx.load(str(saved)).graph.node)
 
 
 def cpu_info() -> tuple[str, set[str]]:
@@ -122,12 +162,7 @@ def cpu_info() -> tuple[str, set[str]]:
 
 def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = False) -> list[list[np.ndarray]]:
     """Outputs (in graph order) for each feed; ``optimize=False`` runs the QDQ graph literally."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if not optimize:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort_session(path, optimized=optimize)
     return [session.run(None, feed) for feed in feeds]
 
 
@@ -208,8 +243,39 @@ def lsb_between(reference: list[list[np.ndarray]], candidate: list[list[np.ndarr
     return max(maxima), float(np.mean(means))
 
 
-def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 0) -> RunResult:
-    """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime."""
+def constant_reference(reference: list[list[np.ndarray]]) -> bool:
+    """Whether the reference's first output is the same for every input row (or there is one row):
+    then no comparison against it can tell a faithful run from a broken one."""
+    rows = np.concatenate([np.asarray(outs[0]).reshape(np.shape(outs[0])[0] if np.ndim(outs[0]) else 1, -1)
+                           for outs in reference])
+    return len(rows) < 2 or bool(np.all(rows == rows[:1]))
+
+
+def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, tolerance: float | None,
+          n_inputs: int, constant: bool, inputs: str = "random", detail: str = "") -> RunResult:
+    """The verdict on a run that produced outputs: passed, failed (beyond ``tolerance``) or inconclusive."""
+    if max_lsb is not None and tolerance is not None and max_lsb > tolerance:
+        status = FAILED  # __str__ says by how much
+    elif constant:
+        status = INCONCLUSIVE
+        detail = ("the reference output is the same for every input, so agreement proves "
+                  "nothing; pass real inputs (check --run --inputs real.npy, or a trained model)")
+    elif max_lsb is None and tolerance is not None:
+        status = INCONCLUSIVE
+        detail = detail or "the outputs are float (no output scale), so not compared in LSB"
+    else:
+        status = PASSED
+    return RunResult(consumer, True, status == PASSED, detail, n_inputs, max_lsb, mean_lsb, tolerance, status,
+                     inputs)
+
+
+def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 0,
+                 inputs: np.ndarray | None = None) -> RunResult:
+    """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
+
+    ``inputs`` (an N x ... array, cut at the file's batch size, at most ``n_inputs`` batches)
+    replaces the seeded random inputs. The reference is ONNX Runtime reading the file literally.
+    """
     tgt = get_target(target)
     target = tgt.name  # an alias or preset name reads its rule table's name
     model = onnx.load(str(path), load_external_data=False)
@@ -219,27 +285,33 @@ def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 
         "tigris": lambda feeds: run_tigris(path, feeds, model),
     }
     if target not in runners:
-        return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked statically only")
+        return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked "
+                         "statically only", status=NOT_RUN)
+    if inputs is None:
+        feeds, kind = random_inputs(model, n_inputs, seed), "random"
+    else:
+        feeds, kind = array_inputs(model, np.asarray(inputs))[:max(1, n_inputs)], "given"
+    n = len(feeds)
     try:
-        feeds = random_inputs(model, n_inputs, seed)
         reference = run_onnxruntime(path, feeds, optimize=False)
     except Exception as exc:  # the reference itself fails: the file does not run at all
-        return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}")
+        return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
+                         status=FAILED, inputs=kind)
     try:
         outputs = runners[target](feeds)
     except ModuleNotFoundError as exc:
-        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed")
-    except Exception as exc:
-        return RunResult(tgt.consumer, True, False, _first(exc), n_inputs)
+        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind)
+    except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
+        return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind)
     scales = list(output_scales(model).values())
     max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
-    ok = max_lsb is None or tgt.lsb_tolerance is None or max_lsb <= tgt.lsb_tolerance
-    detail = "" if max_lsb is not None else "outputs are float (no output scale): not compared in LSB"
-    if len(reference) > 1 and all(np.array_equal(reference[0][0], r[0]) for r in reference[1:]):
-        detail = "the reference output is identical for every input: the comparison is vacuous"
+    detail = ""
     if target == "onnxruntime":
-        detail = detail or "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
-    return RunResult(tgt.consumer, True, ok, detail, n_inputs, max_lsb, mean_lsb, tgt.lsb_tolerance)
+        detail = "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
+    result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind)
+    if result.status == PASSED and detail:
+        result = RunResult(**{**result.as_dict(), "detail": detail})
+    return result
 
 
 def _first(exc: BaseException) -> str:

@@ -1,40 +1,170 @@
 """Does the file compute what the PyTorch model computes? Argmax agreement and logit error in LSB.
 
-The file is run in ONNX Runtime with graph optimizations disabled by default, so what is measured
-is the arithmetic the file describes (its Q/DQ pairs), not the runtime's own fused requantization.
-torch is imported only inside the functions that run a torch model.
+A file is read twice by ONNX Runtime on this CPU: literally (graph optimizations disabled: the
+arithmetic its Q/DQ pairs describe) and at ONNX Runtime's default level (its fused integer kernels:
+what a user's ``InferenceSession(path)`` runs). The two agree within a couple of LSB, except on x86
+CPUs without VNNI, where u8 x s8 kernels saturate with full-range int8 weights: then
+``FusedKernelDrift`` is warned, once per call. torch is imported only inside the functions that
+run a torch model.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
+from quantship.inspect.consumers import cpu_info, ort_session, run_session
 from quantship.inspect.lsb import LSBError, lsb_error, output_scales
 
+__all__ = [
+    "DRIFT_LSB", "FusedKernelDrift", "MeasuredPath", "Readings", "Verification", "compare_logits",
+    "measure_readings", "ort_session", "readings_of", "run_session", "split_batches", "torch_outputs",
+    "verify_qdq", "warn_if_drift",
+]
 
-def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False) -> ort.InferenceSession:
-    """A CPU ONNX Runtime session, with graph optimizations disabled unless ``optimized``."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+DRIFT_LSB = 2.0  # the two readings may differ by this much (requantization rounding) before a warning
+_ROUNDING = 1e-3  # float32 outputs: a difference of exactly N steps reads as N +- 1e-7 LSB
+
+
+class FusedKernelDrift(UserWarning):
+    """ONNX Runtime's fused kernels run the file more than ``DRIFT_LSB`` away from the file read literally."""
+
+
+@dataclass(frozen=True)
+class Readings:
+    """One file run by ONNX Runtime twice on the same inputs: literally and with its fused kernels.
+
+    ``*_lsb``: max error of each reading against the reference (the PyTorch model), in output LSB;
+    ``gap_lsb``: max difference between the two readings. ``None`` where there is no reference or
+    no output scale (a float output). ``*_agreement``: argmax agreement with the reference.
+    """
+
+    literal_lsb: float | None
+    fused_lsb: float | None
+    gap_lsb: float | None
+    scale: float | None
+    n_values: int
+    literal_agreement: float | None = None
+    fused_agreement: float | None = None
+    cpu: str = ""
+
+    @property
+    def drifts(self) -> bool:
+        """The fused kernels run the file more than ``DRIFT_LSB`` away from its literal reading."""
+        return self.gap_lsb is not None and self.gap_lsb > DRIFT_LSB + _ROUNDING
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "drifts": self.drifts}
+
+    def __str__(self) -> str:
+        def lsb(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.1f} LSB"
+
+        vs = f"vs torch: literal {lsb(self.literal_lsb)}, fused {lsb(self.fused_lsb)}; " \
+            if self.literal_lsb is not None else ""
+        return f"ONNX Runtime {vs}fused vs literal {lsb(self.gap_lsb)}"
+
+
+class Verification(float):
+    """``verify_qdq``'s result: a float (the argmax agreement, as before) carrying both readings.
+
+    ``float(v)`` / comparisons use the agreement of the reading asked for (literal by default);
+    ``v.readings`` holds both readings' agreement and LSB error, and their gap.
+    """
+
+    readings: Readings
+
+    def __new__(cls, agreement: float, readings: Readings) -> Verification:
+        obj = super().__new__(cls, agreement)
+        obj.readings = readings
+        return obj
+
+    def __repr__(self) -> str:
+        return f"Verification({float(self)!r}, {self.readings!r})"
+
+    __str__ = float.__repr__  # prints as the agreement, as the plain float did
+
+
+class MeasuredPath(type(Path())):  # Path's concrete class (PosixPath/WindowsPath): subclassable on 3.11
+    """The path ``export_qdq`` returns: an ordinary ``Path`` with ``readings`` measured on the sample."""
+
+    readings: Readings | None = None
+
+    @classmethod
+    def of(cls, path: str | Path, readings: Readings | None) -> MeasuredPath:
+        out = cls(path)
+        out.readings = readings
+        return out
+
+
+def readings_of(literal: np.ndarray, fused: np.ndarray, scale: float | None,
+                reference: np.ndarray | None = None) -> Readings:
+    """Both readings of one output (the file read literally, and fused), against ``reference``."""
+    literal, fused = np.asarray(literal), np.asarray(fused)
+
+    def err(a: np.ndarray, b: np.ndarray) -> float | None:
+        return lsb_error(a, b, scale).max_lsb if scale else None
+
+    def agree(out: np.ndarray) -> float | None:
+        if reference is None:
+            return None
+        return float((out.argmax(-1) == reference.argmax(-1)).mean())
+
+    return Readings(
+        literal_lsb=None if reference is None else err(reference, literal),
+        fused_lsb=None if reference is None else err(reference, fused),
+        gap_lsb=err(literal, fused), scale=scale, n_values=int(literal.size),
+        literal_agreement=agree(literal), fused_agreement=agree(fused), cpu=cpu_info()[0],
     )
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
-def run_session(session: ort.InferenceSession, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """Run ``session`` on positional ``inputs`` (one array per graph input, in order)."""
-    names = [i.name for i in session.get_inputs()]
-    if len(names) != len(inputs):
-        raise ValueError(f"the file has {len(names)} input(s) {names}, but {len(inputs)} array(s) were given")
-    return session.run(None, dict(zip(names, inputs)))
+def warn_if_drift(readings: Readings, what: str, stacklevel: int = 2) -> bool:
+    """Warn ``FusedKernelDrift`` once when the two readings differ by more than ``DRIFT_LSB``."""
+    if not readings.drifts:
+        return False
+    _, flags = cpu_info()
+    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+    here = ("this CPU has VNNI, so saturation is less likely here than requantization rounding "
+            "accumulated over depth" if vnni else "this CPU has no VNNI, so saturation is the likely cause")
+    warnings.warn(
+        f"{what}: ONNX Runtime's default optimizations (its fused integer kernels) run this file "
+        f"{readings.gap_lsb:.1f} LSB away from the file read literally on this CPU ({readings.cpu or 'unknown'}). "
+        "Cause on x86 CPUs without VNNI: u8 x s8 products summed in saturating int16 pairs when int8 "
+        f"weights use their full range ({here}). Fix: quantize for target='onnxruntime-cpu' (7-bit "
+        "weights), or pass reduce_range=True.",
+        FusedKernelDrift, stacklevel=stacklevel + 1,
+    )
+    return True
+
+
+def measure_readings(path: str | Path, batches: list[list[np.ndarray]],
+                     reference: np.ndarray | None = None) -> Readings:
+    """Run ``path`` literally and fused on ``batches`` (each a list of positional inputs); read the
+    first output against ``reference`` (the batches' reference outputs, concatenated) if given."""
+    scale = next(iter(output_scales(path).values()), None)
+    outs = []
+    for optimized in (False, True):
+        session = ort_session(path, optimized=optimized)
+        outs.append(np.concatenate([run_session(session, batch)[0] for batch in batches]))
+    return readings_of(outs[0], outs[1], scale, reference)
+
+
+def torch_outputs(model: Any, batches: list[Any]) -> np.ndarray:
+    """The first output of a torch model over ``batches`` (a tensor or a tuple of tensors each)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for batch in batches:
+            y = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+            y = y[0] if isinstance(y, (tuple, list)) else y
+            out.append(y.detach().float().cpu().numpy())
+    return np.concatenate(out)
 
 
 def split_batches(sample: Any, n_batches: int) -> list[Any]:
@@ -51,8 +181,15 @@ def split_batches(sample: Any, n_batches: int) -> list[Any]:
     return [sample[i * size:(i + 1) * size] for i in range(n_batches)]
 
 
-def _check_batch(session: ort.InferenceSession, batch_size: int) -> None:
-    dim = session.get_inputs()[0].shape[0] if session.get_inputs()[0].shape else None
+def _check_batch(path: str | Path, batch_size: int) -> None:
+    """Refuse batches whose size is not the file's fixed batch size (read off the file, no session)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    first = next((v for v in model.graph.input if v.name not in initializers), None)
+    dims = first.type.tensor_type.shape.dim if first is not None else []
+    dim = dims[0].dim_value if dims and dims[0].HasField("dim_value") else None
     if isinstance(dim, int) and dim != batch_size:
         raise ValueError(
             f"the file was exported at batch size {dim}, but the batches are {batch_size} inputs each: "
@@ -62,29 +199,30 @@ def _check_batch(session: ort.InferenceSession, batch_size: int) -> None:
 
 def _outputs(model: Any, path: str | Path, sample: Any, n_batches: int, optimized: bool) -> tuple[np.ndarray, np.ndarray]:
     """First output of the torch model and of the file over every batch, concatenated."""
-    import torch
-
     batches = split_batches(sample, n_batches)
+    _check_batch(path, int(batches[0].shape[0]))
     session = ort_session(path, optimized=optimized)
-    _check_batch(session, int(batches[0].shape[0]))
-    ref, got = [], []
-    with torch.no_grad():
-        for batch in batches:
-            out = model(batch)
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            ref.append(out.detach().float().cpu().numpy())
-            got.append(run_session(session, [batch.detach().cpu().numpy()])[0])
-    return np.concatenate(ref), np.concatenate(got)
+    ref = torch_outputs(model, batches)
+    got = np.concatenate([run_session(session, [b.detach().cpu().numpy()])[0] for b in batches])
+    return ref, got
 
 
-def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *, optimized: bool = False) -> float:
+def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *,
+               optimized: bool = False) -> Verification:
     """Fraction of inputs on which the file (in ONNX Runtime) and the PyTorch model predict the same class.
 
-    ``sample`` is split into ``n_batches`` equal batches (the file's batch size). Warns when the
-    reference predicts one class for every input: the agreement then says nothing.
+    The file is read twice, literally and with ONNX Runtime's default optimizations; the result is
+    a ``float`` (the agreement of the literal reading, or of the fused one with ``optimized=True``)
+    whose ``.readings`` carries both readings (agreement and max LSB vs torch) and their gap.
+    Warns ``FusedKernelDrift`` when the readings differ by more than ``DRIFT_LSB``, and a
+    ``UserWarning`` when the reference predicts one class for every input (the agreement then
+    says nothing). ``sample`` is split into ``n_batches`` equal batches (the file's batch size).
     """
-    ref, got = _outputs(model, path, sample, n_batches, optimized)
-    ref_pred, got_pred = ref.argmax(-1), got.argmax(-1)
+    batches = split_batches(sample, n_batches)
+    _check_batch(path, int(batches[0].shape[0]))
+    ref = torch_outputs(model, batches)
+    readings = measure_readings(path, [[b.detach().cpu().numpy()] for b in batches], ref)
+    ref_pred = ref.argmax(-1)
     if len(ref_pred) > 1 and np.unique(ref_pred).size == 1:
         warnings.warn(
             f"the reference model predicts class {int(ref_pred.flat[0])} for all {ref_pred.size} inputs, "
@@ -93,7 +231,9 @@ def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *,
             UserWarning,
             stacklevel=2,
         )
-    return float((ref_pred == got_pred).mean())
+    warn_if_drift(readings, str(path))
+    agreement = readings.fused_agreement if optimized else readings.literal_agreement
+    return Verification(math.nan if agreement is None else agreement, readings)
 
 
 def compare_logits(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *, optimized: bool = False) -> LSBError:
