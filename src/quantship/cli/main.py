@@ -26,16 +26,23 @@ class UsageError(Exception):
     """Bad input from the command line: reported in one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (no usage block): ``quantship CMD: error: ...``, exit 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else 'bad arguments'}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from quantship import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="quantship",
         description="PyTorch to deployable INT8 QDQ ONNX, with every claim checked on the file.",
     )
     parser.add_argument("--version", action="version", version=f"quantship {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
@@ -56,9 +63,15 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, (UsageError, QuantshipError)):
         return one_line(exc)
     if isinstance(exc, PermissionError):
-        return f"permission denied: {exc.filename or one_line(exc)}"
+        return f"permission denied: {exc.filename or one_line(exc)} (check the file's permissions)"
     if isinstance(exc, (ValueError, OSError)):
         return one_line(exc)
+    if isinstance(exc, MemoryError):  # numpy's "Unable to allocate 8.00 PiB" is one
+        return f"not enough memory: {one_line(exc)} (is a declared shape absurd?)"
+    runtime = type(exc).__module__.split(".")[0]
+    if runtime in ("onnxruntime", "openvino"):  # a runtime refusing to load or run a file: bad input
+        name = "ONNX Runtime" if runtime == "onnxruntime" else "OpenVINO"
+        return f"{name} cannot load or run the file: {cause(exc)}"
     return f"{cause(exc)} (unexpected; run with --debug for the traceback)"
 
 
@@ -83,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
+    from quantship.export.artifact import InterruptGuard
+
     try:
-        mod = importlib.import_module(f"quantship.cli.{args._module}")
-        code = int(mod.run(args) or 0)
+        with InterruptGuard() as interrupts:  # a Ctrl-C that a library swallowed still ends the run
+            mod = importlib.import_module(f"quantship.cli.{args._module}")
+            code = int(mod.run(args) or 0)
+            interrupts.check()
         sys.stdout.flush()
         return code
     except KeyboardInterrupt:

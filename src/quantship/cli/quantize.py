@@ -16,10 +16,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
     common.add_calibration_arguments(parser)
+    common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from quantship.export.artifact import destination_lock
+
+    out = common.output_path(args.out)
+    with destination_lock(out, wait=not args.no_wait):  # held to the end: the report reads the file this run wrote
+        return _run(args, out)
+
+
+def _run(args: argparse.Namespace, out) -> int:
     import warnings
 
     import torch
@@ -49,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore")
         quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
         qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples)
-        path = export_qdq(qmodel, batches[0], args.out, target=target.target, opset_version=args.opset)
+        path = export_qdq(qmodel, batches[0], out, target=target.target, opset_version=args.opset)
         error = compare_logits(qmodel, path, batches[0])
     stats = qdq_stats(path)
     size = file_size(path)
