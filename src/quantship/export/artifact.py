@@ -39,6 +39,7 @@ EXTERNAL_DATA_THRESHOLD = 1_500_000_000
 
 WORKDIR_PREFIX = ".quantship-"  # .quantship-<name>-<pid>-<token>.tmp, beside the destination
 _WORKDIR = re.compile(r"^\.quantship-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.tmp$")
+_LOCKFILE = re.compile(r"^\.quantship-.+\.lock$")
 _STALE_AFTER_S = 60.0  # a directory whose owner pid looks alive is still kept this long (other pid namespaces)
 PAUSE_ENV = "QUANTSHIP_PAUSE_AT"  # test hook: stop at a named stage so a test can kill the process there
 
@@ -148,7 +149,7 @@ _held_guard = threading.Lock()
 
 
 def lock_path(final: Path) -> Path:
-    return final.parent / f".{final.name}.lock"
+    return final.parent / f"{WORKDIR_PREFIX}{final.name}.lock"
 
 
 @contextlib.contextmanager
@@ -220,6 +221,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _remove_free_lock(lock: Path) -> None:
+    """A lock file left by a killed writer: removed while we hold it (a waiter on it retries the new one)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            os.unlink(lock)
+    except OSError:  # held by a live writer, or already gone
+        pass
+    finally:
+        os.close(fd)
+
+
 def remove_stale_workdirs(directory: Path) -> list[Path]:
     """Remove the temporary directories of killed runs in ``directory``; returns what was removed.
 
@@ -232,6 +249,9 @@ def remove_stale_workdirs(directory: Path) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
+        if _LOCKFILE.match(entry.name) and entry.is_file() and not entry.is_symlink():
+            _remove_free_lock(entry)
+            continue
         match = _WORKDIR.match(entry.name)
         if match is None or not entry.is_dir() or entry.is_symlink():
             continue
