@@ -123,6 +123,7 @@ CASES = [
     ("zero samples", ["quantize", "BUILD", "--calib", "ZERO", "--out", "OUT/q.onnx"], "is empty"),
     ("factory raises", ["quantize", "BOOM", "--calib", "CAL", "--out", "OUT/q.onnx"], "raised RuntimeError: factory exploded"),
     ("batch -5", ["quantize", "BUILD", "--calib", "CAL", "--out", "OUT/q.onnx", "--batch-size", "-5"], "positive integer"),
+    ("model vs data mismatch", ["quantize", "BUILD", "--calib", "WRONG", "--out", "OUT/q.onnx"], "cannot run on a calibration batch"),
     ("quantize --out dir", ["quantize", "BUILD", "--calib", "CAL", "--out", "OUT/EXISTING_DIR"], "is a directory"),
     ("onnx --out dir", ["quantize-onnx", "FLOAT", "--calib", "CAL", "--out", "OUT/EXISTING_DIR"], "is a directory"),
     ("already quantized", ["quantize-onnx", "INT8", "--calib", "CAL", "--out", "OUT/q.onnx"], "already quantized"),
@@ -133,7 +134,8 @@ CASES = [
     ("compare declares batch -5", ["compare", "FLOAT", "NEG_INT8", "--target", "onnxruntime"], "must be positive"),
     ("compare huge dim", ["compare", "FLOAT", "HUGE", "--target", "onnxruntime"], "larger than 4 GiB"),
     ("compare unloadable", ["compare", "FLOAT", "UNLOADABLE", "--target", "onnxruntime"], "ONNX Runtime cannot load"),
-    ("compare --n -5", ["compare", "FLOAT", "INT8", "--n", "-5"], "at least one input"),
+    ("compare --n -5", ["compare", "FLOAT", "INT8", "--n", "-5"], "positive integer"),
+    ("check --run --n -5", ["check", "INT8", "--target", "onnxruntime", "--run", "--n", "-5"], "positive integer"),
 ]
 
 

@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("int8_file", help="the INT8 QDQ file made from it")
     common.add_target_argument(parser, default="tigris",
                                help="the runtime whose execution of the INT8 file is compared (default tigris)")
-    parser.add_argument("--n", type=int, default=20, help="number of seeded inputs (default 20)")
+    parser.add_argument("--n", type=common.positive_int, default=20, help="number of seeded inputs (default 20)")
     parser.add_argument("--inputs", help=".npy array (N x C x H x W) of real inputs, cut at the file's batch "
                         "size; default: --n seeded random inputs")
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report")

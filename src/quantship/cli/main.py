@@ -99,10 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
+    import logging
+
     from quantship.export.artifact import InterruptGuard
 
+    # torchao registers an Enum with torch's pytree at import, and torch logs a deprecation line on
+    # stderr for it: noise that is not about the user's input (stderr holds one line on an error)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+    interrupts = InterruptGuard()  # a Ctrl-C that a library swallowed (or wrapped) still ends the run: 130
     try:
-        with InterruptGuard() as interrupts:  # a Ctrl-C that a library swallowed still ends the run
+        with interrupts:
             mod = importlib.import_module(f"quantship.cli.{args._module}")
             code = int(mod.run(args) or 0)
             interrupts.check()
@@ -116,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the one place an error becomes an exit code; no traceback unless --debug
         if args.debug:
             raise
+        if interrupts.count:
+            print(f"quantship {args.command}: interrupted ({_describe(exc)})", file=sys.stderr)
+            return 130
         print(f"quantship {args.command}: error: {_describe(exc)}", file=sys.stderr)
         return 2  # bad input, a refusal, or anything else: one line, never a traceback
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -36,6 +36,7 @@ def _run(args: argparse.Namespace, out) -> int:
     from quantship import Quantizer, quant_spec
     from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model
+    from quantship.errors import DataRefused, cause
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
@@ -52,6 +53,12 @@ def _run(args: argparse.Namespace, out) -> int:
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
     model = load_model(args.model, args.weights)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
+    with torch.no_grad():  # a model that cannot run on the data is bad input, found before any quantization
+        try:
+            model(batches[0])
+        except Exception as exc:
+            raise DataRefused(f"{args.model} cannot run on a calibration batch of shape {list(batches[0].shape)}: "
+                              f"{cause(exc)}") from None
     ui.say(f"calibration: {len(batches)} batch(es) of {batches[0].shape[0]} from {args.calib}")
     overrides = {"qscheme": args.qscheme} if args.qscheme else {}
     with warnings.catch_warnings():
