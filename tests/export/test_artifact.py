@@ -230,3 +230,25 @@ def test_many_concurrent_writers_leave_one_whole_file(tmp_path, monkeypatch):
     assert [w.wait(120) for w in writers] == [0, 0, 0, 0]
     assert _value(out) in {0.0, 1.0, 2.0, 3.0}
     assert _listing(tmp_path) == sorted(["m.onnx", *artifact.external_locations(out)])
+
+
+def test_the_lock_is_reentrant_in_a_thread_and_excludes_another(tmp_path):
+    import threading
+
+    out = tmp_path / "m.onnx"
+    refused = []
+    with artifact.destination_lock(out):
+        _write(out, 1.0)  # the command holds the lock and its own export takes it again
+
+        def other_writer():
+            try:
+                with artifact.destination_lock(out, wait=False):
+                    pass
+            except ExportRefused as exc:
+                refused.append(str(exc))
+
+        thread = threading.Thread(target=other_writer)
+        thread.start()
+        thread.join(30)
+    assert len(refused) == 1 and "another process is writing" in refused[0]
+    assert _listing(tmp_path) == ["m.onnx"]  # the lock file goes with the last holder

@@ -88,13 +88,14 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a one-line usage error (exit 2): a code, never a raise
         return exc.code if isinstance(exc.code, int) else 2
+    except KeyboardInterrupt:  # Ctrl-C while the command line is still being read
+        return 130
     if args.command is None:
-        parser.print_help()
+        build_parser().print_help()
         return 0
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)

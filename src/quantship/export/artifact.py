@@ -144,7 +144,7 @@ class InterruptGuard:
 
 # --- the destination lock ---------------------------------------------------------------------
 
-_held: dict[Path, list] = {}  # destination -> [fd, depth]: re-entrant within one process
+_held: dict[tuple[Path, int], list] = {}  # (destination, thread) -> [fd, depth]: re-entrant in one thread
 _held_guard = threading.Lock()
 
 
@@ -154,14 +154,15 @@ def lock_path(final: Path) -> Path:
 
 @contextlib.contextmanager
 def destination_lock(path: str | Path, *, wait: bool = True) -> Iterator[Path]:
-    """Hold the advisory write lock of ``path`` (re-entrant in one process); yields the resolved path.
+    """Hold the advisory write lock of ``path`` (re-entrant in one thread); yields the resolved path.
 
     ``wait=False`` refuses at once when another process holds it. The lock file is removed on
     release; a waiter that wakes on a removed lock file takes the new one instead.
     """
     final = Path(path).expanduser().resolve()
+    key = (final, threading.get_ident())  # another thread takes its own flock, and so waits like a process
     with _held_guard:
-        entry = _held.get(final)
+        entry = _held.get(key)
         if entry is not None:
             entry[1] += 1
     if entry is not None:
@@ -194,7 +195,7 @@ def destination_lock(path: str | Path, *, wait: bool = True) -> Iterator[Path]:
             break
         os.close(fd)  # the holder removed that lock file as it released it: take the current one
     with _held_guard:
-        _held[final] = entry = [fd, 1]
+        _held[key] = entry = [fd, 1]
     try:
         yield final
     finally:
@@ -202,7 +203,7 @@ def destination_lock(path: str | Path, *, wait: bool = True) -> Iterator[Path]:
             entry[1] -= 1
             last = entry[1] == 0
             if last:
-                del _held[final]
+                del _held[key]
         if last:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock)
