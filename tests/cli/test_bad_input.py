@@ -75,11 +75,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
     conv.op_type, conv.domain = "NoSuchOp", "com.example"
     unloadable.opset_import.append(onnx.helper.make_opsetid("com.example", 1))
     onnx.save(unloadable, str(d / "unloadable.onnx"))
+    custom = onnx.load(str(float_path))  # a float op ORT's symbolic shape inference does not know
+    relu = next(n for n in custom.graph.node if n.op_type == "Relu")
+    relu.op_type, relu.domain = "MyRelu", "com.example"
+    custom.opset_import.append(onnx.helper.make_opsetid("com.example", 1))
+    onnx.save(custom, str(d / "custom.onnx"))
     return {
         "CAL": d / "cal.npy", "NAN": d / "nan.npy", "INF": d / "inf.npy", "COMPLEX": d / "complex.npy",
         "ZERO": d / "zero.npy", "WRONG": d / "wrong.npy", "EMPTY": d / "empty.npy", "TRUNC": d / "trunc.npy",
         "BUILD": Path(f"{d / 'model.py'}:build"), "BOOM": Path(f"{d / 'model.py'}:boom"),
-        "FLOAT": float_path, "INT8": int8, "UNLOADABLE": d / "unloadable.onnx",
+        "FLOAT": float_path, "INT8": int8, "UNLOADABLE": d / "unloadable.onnx", "CUSTOM": d / "custom.onnx",
         "HUGE": _with_input_dim(int8, d / "huge.onnx", 10**12),
         "NEG_INT8": _with_input_dim(int8, d / "neg_int8.onnx", -5),
         "NEG_FLOAT": _with_input_dim(float_path, d / "neg_float.onnx", -5),
@@ -130,6 +135,8 @@ CASES = [
     ("calib shape mismatch", ["quantize-onnx", "FLOAT", "--calib", "WRONG", "--out", "OUT/q.onnx"], "declares input"),
     ("onnx nan pixel", ["quantize-onnx", "FLOAT", "--calib", "NAN", "--out", "OUT/q.onnx"], "NaN or infinite"),
     ("onnx complex data", ["quantize-onnx", "FLOAT", "--calib", "COMPLEX", "--out", "OUT/q.onnx"], "complex"),
+    ("ORT shape inference fails", ["quantize-onnx", "CUSTOM", "--calib", "CAL", "--out", "OUT/q.onnx"],
+     "Incomplete symbolic shape inference"),  # ORT writes sym_shape_infer_temp.onnx to the CWD here
     ("float declares batch -5", ["quantize-onnx", "NEG_FLOAT", "--calib", "CAL", "--out", "OUT/q.onnx"], "must be positive"),
     ("compare declares batch -5", ["compare", "FLOAT", "NEG_INT8", "--target", "onnxruntime"], "must be positive"),
     ("compare huge dim", ["compare", "FLOAT", "HUGE", "--target", "onnxruntime"], "larger than 4 GiB"),
