@@ -292,3 +292,31 @@ def test_the_api_refuses_bad_calibration_before_any_work():
         Quantizer(backend="pt2e").quantize(model, [torch.randn(4, 3, 8, 8, dtype=torch.complex64)])
     with pytest.raises(DataRefused, match="empty"):
         Quantizer(backend="pt2e").quantize(model, [torch.zeros(0, 3, 8, 8)])
+
+
+@pytest.mark.parametrize("command", ["quantize", "quantize-onnx"])
+def test_no_wait_refuses_while_another_writer_holds_the_path(command, files, sandbox, capsys):
+    import threading
+
+    from quantship.export.artifact import destination_lock
+
+    out = sandbox / "out" / "q.onnx"
+    held, release = threading.Event(), threading.Event()
+
+    def other_writer():
+        with destination_lock(out):
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=other_writer)
+    thread.start()
+    held.wait(30)
+    try:
+        source = "BUILD" if command == "quantize" else "FLOAT"
+        code, err, seconds = _run_case([command, source, "--calib", "CAL", "--out", "OUT/q.onnx", "--no-wait"],
+                                       files, sandbox, capsys)
+    finally:
+        release.set()
+        thread.join(30)
+    assert code == 2 and len(err) == 1 and "another process is writing" in err[0] and seconds < 5, err
+    assert not out.exists()
