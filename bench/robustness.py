@@ -95,7 +95,8 @@ def main() -> None:
             ctrl_c["exit 130, complete file" if out.exists() and _whole(out) else
                    "exit 130, no file" if not out.exists() else "exit 130, BROKEN file"] += 1
         else:
-            ctrl_c[f"exit {proc.returncode}{' (swallowed)' if proc.returncode == 0 else ''}"] += 1
+            state = "complete file" if out.exists() and _whole(out) else "no file"
+            ctrl_c[f"exit {proc.returncode}{' (swallowed)' if proc.returncode == 0 else ''}, {state}"] += 1
             print(f"  exit {proc.returncode} after SIGINT; stderr: {err.strip()[-300:]!r}")
         ctrl_c["traceback printed"] += traceback
         ctrl_c["temp left (before the next run)"] += bool(_leftovers(work))

@@ -88,6 +88,18 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code (``argv=None``: the program's own command line)."""
+    code = _run(argv)
+    if argv is None:
+        # the command is over and has reported: a Ctrl-C during interpreter teardown (which restores
+        # the default SIGINT action) would otherwise kill the process silently with -2
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a one-line usage error (exit 2): a code, never a raise
