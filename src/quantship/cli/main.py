@@ -89,7 +89,10 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (``argv=None``: the program's own command line)."""
-    code = _run(argv)
+    try:
+        code = _run(argv)
+    except KeyboardInterrupt:  # landed between the command's own handlers and here
+        code = 130
     if argv is None:
         # the command is over and has reported: a Ctrl-C during interpreter teardown (which restores
         # the default SIGINT action) would otherwise kill the process silently with -2
