@@ -149,17 +149,22 @@ def test_stale_temp_dirs_are_removed_but_a_live_one_is_kept(tmp_path):
     live.mkdir()
     unrelated = tmp_path / ".quantship-notes"  # not our name pattern: never touched
     unrelated.mkdir()
+    fresh = tmp_path / f".quantship-m.onnx-{dead_pid}-00000001.new"  # a run between mkdir and lock: kept
+    fresh.mkdir()
+    old_new = tmp_path / f".quantship-m.onnx-{dead_pid}-00000002.new"  # killed there long ago: removed
+    old_new.mkdir()
+    os.utime(old_new, (time.time() - 600, time.time() - 600))
     import fcntl
 
     fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a live run holds its directory's lock
         _write(tmp_path / "m.onnx", 1.0)
-        assert _listing(tmp_path) == sorted([live.name, unrelated.name, "m.onnx"])
+        assert _listing(tmp_path) == sorted([live.name, unrelated.name, fresh.name, "m.onnx"])
     finally:
         os.close(fd)
     _write(tmp_path / "m.onnx", 2.0)
-    assert _listing(tmp_path) == sorted([unrelated.name, "m.onnx"])
+    assert _listing(tmp_path) == sorted([unrelated.name, fresh.name, "m.onnx"])
 
 
 def test_a_swallowed_ctrl_c_stops_the_commit(tmp_path):

@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 EXTERNAL_DATA_THRESHOLD = 1_500_000_000
 
 WORKDIR_PREFIX = ".quantship-"  # .quantship-<name>-<pid>-<token>.tmp, beside the destination
-_WORKDIR = re.compile(r"^\.quantship-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.tmp$")
+_WORKDIR = re.compile(r"^\.quantship-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<state>tmp|new)$")
 _LOCKFILE = re.compile(r"^\.quantship-.+\.lock$")
-_STALE_AFTER_S = 60.0  # a directory whose owner pid looks alive is still kept this long (other pid namespaces)
+_STALE_AFTER_S = 60.0  # a .new directory (created, not yet locked and renamed) is kept this long
 PAUSE_ENV = "QUANTSHIP_PAUSE_AT"  # test hook: stop at a named stage so a test can kill the process there
 
 
@@ -212,16 +212,6 @@ def destination_lock(path: str | Path, *, wait: bool = True) -> Iterator[Path]:
 
 # --- leftovers of killed runs -----------------------------------------------------------------
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_free_lock(lock: Path) -> None:
     """A lock file left by a killed writer: removed while we hold it (a waiter on it retries the new one)."""
     try:
@@ -241,8 +231,9 @@ def _remove_free_lock(lock: Path) -> None:
 def remove_stale_workdirs(directory: Path) -> list[Path]:
     """Remove the temporary directories of killed runs in ``directory``; returns what was removed.
 
-    A run holds a lock on its own directory while it lives, so a directory whose lock can be taken
-    has no owner; it is removed when its owner's pid is gone, or after a minute in any case.
+    A run locks its directory before giving it its ``.tmp`` name and holds the lock while it lives
+    (the kernel drops it when the process dies, even on kill -9), so a ``.tmp`` directory whose lock
+    can be taken has no owner. A ``.new`` one (killed between mkdir and rename) goes after a minute.
     """
     removed = []
     try:
@@ -265,9 +256,8 @@ def remove_stale_workdirs(directory: Path) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its owner is alive and working
-            age = time.time() - entry.stat().st_mtime
-            if _pid_alive(int(match["pid"])) and age < _STALE_AFTER_S:
-                continue  # just created by a live run that has not locked it yet
+            if match["state"] == "new" and time.time() - entry.stat().st_mtime < _STALE_AFTER_S:
+                continue  # a live run may be between its mkdir and its lock
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
         finally:
@@ -290,18 +280,22 @@ def workdir_beside(final: Path) -> Iterator[Path]:
     """One private temporary directory beside ``final``, locked while alive, removed in ``finally``."""
     remove_stale_workdirs(final.parent)
     while True:
-        named = final.parent / f"{WORKDIR_PREFIX}{final.name}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        stem = f"{WORKDIR_PREFIX}{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        pending = final.parent / f"{stem}.new"
         try:
-            os.mkdir(named, 0o700)
+            os.mkdir(pending, 0o700)
             break
         except FileExistsError:
             continue
-    fd = os.open(named, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(pending, os.O_RDONLY | os.O_DIRECTORY)
+    named = final.parent / f"{stem}.tmp"
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it has the name cleaners look for
+        os.rename(pending, named)
         yield named
     finally:
         shutil.rmtree(named, ignore_errors=True)
+        shutil.rmtree(pending, ignore_errors=True)  # only there if the rename failed
         os.close(fd)
 
 
