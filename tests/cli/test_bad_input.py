@@ -247,7 +247,6 @@ def _wait_for(proc: subprocess.Popen, marker: str, timeout: float = 120) -> None
     raise AssertionError(f"never reached {marker!r} (exit {proc.poll()})")
 
 
-@pytest.mark.slow
 def test_real_processes_kill_9_second_writer_and_ctrl_c(files, tmp_path):
     """quantize-onnx as a user runs it: a writer paused before its commit holds the lock; a second
     writer with --no-wait is refused; kill -9 keeps the old file; the next run cleans up; Ctrl-C
