@@ -72,7 +72,7 @@ def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], recipe: str) -
     from onnxruntime.quantization import QuantFormat, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from quantship.export.onnx_float import CalibrationReader
+    from quantship.export.ort_quantize import CalibrationReader
 
     pre = out.with_suffix(".pre.onnx")
     quant_pre_process(str(fp32), str(pre))

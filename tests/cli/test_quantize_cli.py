@@ -131,7 +131,7 @@ BAD_INPUT = [
     (["quantize", "torchvision:resnet18", "--calib", "missing.npy", "--out", "x.onnx"], "does not exist"),
     (["quantize", "torchvision:notamodel", "--calib", "CAL", "--out", "x.onnx"], "unknown torchvision model"),
     (["quantize", "resnet18", "--calib", "CAL", "--out", "x.onnx"], "must be torchvision:NAME"),
-    (["quantize", "torchvision:resnet18", "--calib", "CAL", "--out", "x.onnx", "--target", "tpu"], "no preset"),
+    (["quantize", "torchvision:resnet18", "--calib", "CAL", "--out", "x.onnx", "--target", "tpu"], "invalid choice: 'tpu'"),
     (["quantize", "torchvision:resnet18", "--calib", "BAD", "--out", "x.onnx"], "expected N x C x H x W"),
     (["quantize-onnx", "missing.onnx", "--calib", "CAL", "--out", "x.onnx"], "missing.onnx"),
     (["check", "missing.onnx", "--target", "tigris"], "missing.onnx"),

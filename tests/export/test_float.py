@@ -94,3 +94,54 @@ def test_static_quantization_needs_data(tmp_path):
     with pytest.raises(ValueError, match="quantize_mode='bogus'"):
         export_onnx(TinyResNet().eval(), torch.randn(1, 1, 32, 32), tmp_path / "s.onnx", quantize=True,
                     quantize_mode="bogus")
+
+
+def test_onnx_model_and_verify_onnx_keep_their_public_names():
+    import quantship
+    import quantship.export
+    from quantship.inspect import onnx_model
+
+    assert quantship.ONNXModel is quantship.export.ONNXModel is onnx_model.ONNXModel
+    assert quantship.verify_onnx is quantship.export.verify_onnx is onnx_model.verify_onnx
+
+
+def test_onnx_model_refuses_a_file_ort_cannot_load_in_one_line(tmp_path):
+    from quantship.errors import FileRefused
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a protobuf at all")
+    with pytest.raises(FileRefused, match="ONNX Runtime cannot load it") as caught:
+        ONNXModel(bad)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(FileNotFoundError):
+        ONNXModel(tmp_path / "missing.onnx")
+
+
+def test_ort_settings_come_from_the_presets():
+    """quantize-onnx has no table of its own: each preset's dtype, symmetry, granularity and range."""
+    from quantship.export.ort_quantize import ort_settings
+    from quantship.precision import PRESETS, resolve_spec
+
+    for p in PRESETS:
+        spec = resolve_spec(**p.spec_kwargs)
+        got = ort_settings(p.target)
+        assert got.activation_type == {"uint8": "QUInt8", "int8": "QInt8"}[p.activation_dtype]
+        assert got.activation_symmetric is spec.symmetric and got.reduce_range is spec.reduce_range
+        assert got.per_channel is (spec.qscheme == "per_channel") and not ort_settings(p, per_tensor=True).per_channel
+    assert ort_settings("onnxruntime") == ort_settings("onnxruntime-cpu")  # the alias reads the same row
+
+
+def test_static_ort_quantization_writes_nothing_outside_the_destination(tmp_path, monkeypatch):
+    import tempfile
+
+    cwd, scratch = tmp_path / "cwd", tmp_path / "scratch"
+    cwd.mkdir(), scratch.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    torch.manual_seed(0)
+    calib = [torch.randn(2, 1, 32, 32) for _ in range(2)]
+    path = export_onnx(TinyResNet().eval(), calib[0], tmp_path / "q.onnx", quantize=True, quantize_mode="static",
+                       calibration_data=calib, dynamic_batch=False)
+    assert {n.op_type for n in onnx.load(str(path)).graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "q.onnx", "scratch"]
+    assert list(cwd.iterdir()) == [] and list(scratch.iterdir()) == []

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="an ONNX file")
     common.add_target_argument(parser, default=None, help="the runtime that will consume it")
     parser.add_argument("--run", action="store_true", help="also run the consumer if it can run here")
-    parser.add_argument("--n", type=int, default=20, help="input batches for --run (default 20)")
+    parser.add_argument("--n", type=common.positive_int, default=20, help="input batches for --run (default 20)")
     inputs.add_arguments(parser, "for --run")
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report")
 

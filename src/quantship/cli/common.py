@@ -17,15 +17,46 @@ def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None,
                         metavar="TARGET", help=f"{help}; one of {', '.join(target_names())}")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a declared size or count must be a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def add_writer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the commands that write a file: what to do when another process is writing it."""
+    parser.add_argument("--no-wait", action="store_true",
+                        help="fail at once if another process is writing --out (default: wait for it)")
+
+
+def output_path(out: str):
+    """The resolved ``--out`` path, refused before any work when it cannot be a file we write."""
+    from pathlib import Path
+
+    from quantship.errors import ExportRefused
+
+    path = Path(out).expanduser().resolve()
+    if path.is_dir():
+        raise ExportRefused(f"--out {out} is a directory: give the path of the .onnx file to write")
+    if not path.parent.is_dir():
+        raise ExportRefused(f"--out {out}: the directory {path.parent} does not exist; create it first")
+    return path
+
+
 def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib", required=True, metavar="DATA",
                         help=".npy/.npz array (N x C x H x W) or a folder of images")
     parser.add_argument("--key", help="array name inside a .npz file")
-    parser.add_argument("--batch-size", type=int, default=8,
+    parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="calibration batch size: how the data is fed, not the batch the file serves")
-    parser.add_argument("--max-samples", type=int, default=100, help="calibration samples used at most")
-    parser.add_argument("--resize", type=int, default=256, help="image folders: shorter side resized to this")
-    parser.add_argument("--crop", type=int, default=224, help="image folders: centre crop size")
+    parser.add_argument("--max-samples", type=positive_int, default=100, help="calibration samples used at most")
+    parser.add_argument("--resize", type=positive_int, default=256, help="image folders: shorter side resized to this")
+    parser.add_argument("--crop", type=positive_int, default=224, help="image folders: centre crop size")
     parser.add_argument("--mean", type=float, nargs=3, default=None, help="image folders: normalisation mean")
     parser.add_argument("--std", type=float, nargs=3, default=None, help="image folders: normalisation std")
 

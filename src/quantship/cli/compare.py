@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("int8_file", help="the INT8 QDQ file made from it")
     common.add_target_argument(parser, default="tigris",
                                help="the runtime whose execution of the INT8 file is compared (default tigris)")
-    parser.add_argument("--n", type=int, default=20, help="number of seeded inputs (default 20)")
+    parser.add_argument("--n", type=common.positive_int, default=20, help="number of seeded inputs (default 20)")
     inputs.add_arguments(parser, "for all three runs")
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report")
 

@@ -28,16 +28,23 @@ class UsageError(Exception):
     """Bad input from the command line: reported in one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (no usage block): ``quantship CMD: error: ...``, exit 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else 'bad arguments'}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from quantship import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="quantship",
         description="PyTorch to deployable INT8 QDQ ONNX, with every claim checked on the file.",
     )
     parser.add_argument("--version", action="version", version=f"quantship {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
@@ -58,9 +65,15 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, (UsageError, QuantshipError)):
         return one_line(exc)
     if isinstance(exc, PermissionError):
-        return f"permission denied: {exc.filename or one_line(exc)}"
+        return f"permission denied: {exc.filename or one_line(exc)} (check the file's permissions)"
     if isinstance(exc, (ValueError, OSError)):
         return one_line(exc)
+    if isinstance(exc, MemoryError):  # numpy's "Unable to allocate 8.00 PiB" is one
+        return f"not enough memory: {one_line(exc)} (is a declared shape absurd?)"
+    runtime = type(exc).__module__.split(".")[0]
+    if runtime in ("onnxruntime", "openvino"):  # a runtime refusing to load or run a file: bad input
+        name = "ONNX Runtime" if runtime == "onnxruntime" else "OpenVINO"
+        return f"{name} cannot load or run the file: {cause(exc)}"
     return f"{cause(exc)} (unexpected; run with --debug for the traceback)"
 
 
@@ -77,17 +90,47 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command; returns its exit code (``argv=None``: the program's own command line)."""
+    try:
+        code = _run(argv)
+    except KeyboardInterrupt:  # landed between the command's own handlers and here
+        code = 130
+    if argv is None:
+        # the command is over and has reported: a Ctrl-C during interpreter teardown (which restores
+        # the default SIGINT action) would otherwise kill the process silently with -2
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a one-line usage error (exit 2): a code, never a raise
+        return exc.code if isinstance(exc.code, int) else 2
+    except KeyboardInterrupt:  # Ctrl-C while the command line is still being read
+        return 130
     if args.command is None:
-        parser.print_help()
+        build_parser().print_help()
         return 0
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
+    import logging
+
+    from quantship.export.artifact import InterruptGuard
+
+    # torchao registers an Enum with torch's pytree at import, and torch logs a deprecation line on
+    # stderr for it: noise that is not about the user's input (stderr holds one line on an error)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+    interrupts = InterruptGuard()  # a Ctrl-C that a library swallowed (or wrapped) still ends the run: 130
     try:
-        mod = importlib.import_module(f"quantship.cli.{args._module}")
-        code = int(mod.run(args) or 0)
+        with interrupts:
+            mod = importlib.import_module(f"quantship.cli.{args._module}")
+            code = int(mod.run(args) or 0)
+            interrupts.check()
         sys.stdout.flush()
         return code
     except KeyboardInterrupt:
@@ -98,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the one place an error becomes an exit code; no traceback unless --debug
         if args.debug:
             raise
+        if interrupts.count:
+            print(f"quantship {args.command}: interrupted ({_describe(exc)})", file=sys.stderr)
+            return 130
         print(f"quantship {args.command}: error: {_describe(exc)}", file=sys.stderr)
         return 2  # bad input, a refusal, or anything else: one line, never a traceback
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -34,10 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "INT8 torch and the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
     options.add_quantizer_arguments(parser)
     common.add_calibration_arguments(parser)
+    common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from quantship.export.artifact import destination_lock
+
+    out = common.output_path(args.out)
+    with destination_lock(out, wait=not args.no_wait):  # held to the end: the report reads the file this run wrote
+        return _run(args, out)
+
+
+def _run(args: argparse.Namespace, out) -> int:
     import warnings
 
     import numpy as np
@@ -48,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
     from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model, weights_origin
+    from quantship.errors import DataRefused, cause
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.loading import file_size
@@ -67,6 +77,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
     model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
+    with torch.no_grad():  # a model that cannot run on the data is bad input, found before any quantization
+        try:
+            model(batches[0])
+        except Exception as exc:
+            raise DataRefused(f"{args.model} cannot run on a calibration batch of shape {list(batches[0].shape)}: "
+                              f"{cause(exc)}") from None
     ui.say(f"calibration: {sum(len(b) for b in batches)} sample(s) in {len(batches)} batch(es) of up to "
            f"{args.batch_size} from {args.calib}")
     sample, dynamic = _export_sample(batches, args.static_batch)
@@ -84,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples,
                                     labelled_data=labelled_batches if quantizer.max_accuracy_drop is not None else None)
         ui.say(f"export: writing {args.out} for {target.target}")
-        path = export_qdq(qmodel, sample, args.out, target=target.target, opset_version=args.opset,
+        path = export_qdq(qmodel, sample, out, target=target.target, opset_version=args.opset,
                           dynamic_batch=dynamic)
         served = _file_batch(path)
         error = _output_error(qmodel, path, sample if served is None else sample[:served])

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from quantship.cli.main import UsageError
-from quantship.errors import one_line
+from quantship.errors import DataRefused, cause, one_line
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -66,7 +67,10 @@ def load_model(spec: str, weights: str | None = None, *, trust_pickle: bool = Fa
         factory = getattr(module, name, None)
         if not callable(factory):
             raise UsageError(f"{kind} has no callable {name!r}")
-        model = factory()
+        try:
+            model = factory()
+        except Exception as exc:  # the user's factory: its failure is bad input, not our crash
+            raise UsageError(f"{kind}:{name}() raised {cause(exc)}") from None
         if not isinstance(model, torch.nn.Module):
             raise UsageError(f"{kind}:{name}() returned {type(model).__name__}, not a torch.nn.Module")
     else:
@@ -173,19 +177,41 @@ def load_array(path: str, key: str | None = None) -> np.ndarray:
                 names = list(archive.keys())
                 if key is None and len(names) != 1:
                     raise UsageError(f"{path} holds arrays {names}: choose one with --key")
+                if key is not None and key not in names:
+                    raise UsageError(f"{path} holds no array {key!r}; it holds {names}")
                 array = archive[key or names[0]]
         else:
             raise UsageError(f"calibration data {path}: use a .npy or .npz file, or a folder of images")
-    except (ValueError, OSError) as exc:
-        raise UsageError(f"cannot read {path} as a numpy array: {exc}") from None
+    except PermissionError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # empty, truncated, not numpy
+        raise DataRefused(f"cannot read {path} as a numpy array (empty or truncated?): {one_line(exc)}") from None
+    return check_images(array, path)
+
+
+def check_images(array: np.ndarray, source: str) -> np.ndarray:
+    """Refuse anything but a non-empty N x C x H x W array of finite real floats (or uint8); float32 out."""
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "fu" or (
+            array.dtype.kind == "u" and array.dtype != np.uint8):
+        kind = "complex" if getattr(array, "dtype", None) is not None and array.dtype.kind == "c" else "non-image"
+        raise DataRefused(f"calibration data {source} holds {kind} values ({getattr(array, 'dtype', type(array))}); "
+                          "give real float or uint8 images")
     if array.ndim != 4:
         raise UsageError(
-            f"calibration array {path} has shape {array.shape}; expected N x C x H x W (4 dimensions)")
+            f"calibration array {source} has shape {array.shape}; expected N x C x H x W (4 dimensions)")
+    if array.size == 0:
+        raise DataRefused(f"calibration array {source} is empty (shape {array.shape}); give at least one image")
     if array.shape[-1] in (1, 3) and array.shape[1] not in (1, 3):
         raise UsageError(
-            f"calibration array {path} has shape {array.shape}, which looks channels-last; "
+            f"calibration array {source} has shape {array.shape}, which looks channels-last; "
             "transpose it to N x C x H x W (np.transpose(a, (0, 3, 1, 2)))")
-    return array.astype(np.float32, copy=False)
+    array = array.astype(np.float32, copy=False)
+    finite = np.isfinite(array)
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise DataRefused(f"calibration data {source} holds {int((~finite).sum())} NaN or infinite value(s), "
+                          f"the first at index {where}; clean the data (or fix --mean/--std) first")
+    return array
 
 
 def load_images(folder: str, prep: Preprocessing, limit: int) -> np.ndarray:
@@ -235,5 +261,5 @@ def read_calibration(path: str, *, key: str | None, prep: Preprocessing, batch_s
                      max_samples: int, keep_last: bool = False) -> list[np.ndarray]:
     """Calibration batches from any accepted source."""
     p = Path(path)
-    array = load_images(path, prep, max_samples) if p.is_dir() else load_array(path, key)
+    array = check_images(load_images(path, prep, max_samples), path) if p.is_dir() else load_array(path, key)
     return calibration_batches(array, batch_size, max_samples, keep_last=keep_last)

@@ -1,6 +1,31 @@
-"""Write files a runtime loads: ``export_qdq`` (faithful QDQ from pt2e) and the float path ``export_onnx``."""
+"""Write files a runtime loads: ``export_qdq`` (faithful QDQ from pt2e) and the float path ``export_onnx``.
 
-from quantship.export.onnx_float import ONNXModel, export_onnx, verify_onnx
-from quantship.export.qdq import export_qdq
+``ONNXModel`` and ``verify_onnx`` live in ``quantship.inspect.onnx_model`` (they read files); they
+are re-exported here for the names earlier releases published. Names load lazily, so importing
+one module of this package (``quantship.export.artifact``) does not import the exporters.
+"""
 
-__all__ = ["export_qdq", "export_onnx", "ONNXModel", "verify_onnx"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "export_qdq": "quantship.export.qdq",
+    "export_onnx": "quantship.export.onnx_float",
+    "ONNXModel": "quantship.inspect.onnx_model",
+    "verify_onnx": "quantship.inspect.onnx_model",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quantship.export' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

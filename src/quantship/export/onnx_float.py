@@ -1,4 +1,4 @@
-"""The float path: ``export_onnx`` (optionally quantized by ONNX Runtime), ``ONNXModel``, ``verify_onnx``.
+"""The float path: ``export_onnx``, optionally quantized by ONNX Runtime (``export.ort_quantize``).
 
 Not for pt2e models: ONNX Runtime's graph optimizer folds Q/DQ pairs away, so a quantized graph
 must go through ``export_qdq`` instead.
@@ -10,18 +10,19 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from quantship.export import artifact, capture
+from quantship.export import artifact, capture, ort_quantize
 from quantship.export.checks import check_identical, check_model, run_unoptimized
 from quantship.export.opset import lower_opset
 from quantship.export.refusals import has_pt2e_ops
 from quantship.precision import quant_spec
 
 QUANTIZE_MODES = ("dynamic", "static")
+# export_onnx(quantize_mode='static'): ORT's defaults made complete (int8 affine activations, per-channel weights)
+_STATIC = ort_quantize.OrtSettings("QInt8", activation_symmetric=False, per_channel=True, reduce_range=False)
 
 
 def _refuse_pt2e(model: Any) -> None:
@@ -64,40 +65,14 @@ def _optimize(src: Path, dst: Path) -> None:
     ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
 
 
-class CalibrationReader:
-    """An ONNX Runtime ``CalibrationDataReader`` over tensors, arrays or ``(x, y)`` batches.
-
-    Shared by every caller of ``onnxruntime.quantization.quantize_static`` in quantship.
-    """
-
-    def __init__(self, data: Iterable, input_name: str):
-        self._batches = iter(data)
-        self._name = input_name
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        batch = next(self._batches, None)
-        if batch is None:
-            return None
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return {self._name: np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float32)}
-
-
 def _quantize(src: Path, dst: Path, mode: str, calibration_data: Iterable | None) -> None:
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     if mode == "dynamic":
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
+        ort_quantize.quantize_dynamic_file(src, dst)
         return
-    pre = src.with_name(src.stem + ".pre.onnx")
-    quant_pre_process(str(src), str(pre))
-    name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
-    quantize_static(
-        str(pre), str(dst), CalibrationReader(calibration_data, name), quant_format=QuantFormat.QDQ,
-        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-        extra_options={"ForceQuantizeNoInputCheck": True},
-    )
-    pre.unlink()
+    model = onnx.load(str(src), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    name = next(i.name for i in model.graph.input if i.name not in initializers)
+    ort_quantize.quantize_static_file(src, dst, calibration_data, _STATIC, name)
 
 
 def export_onnx(
@@ -142,53 +117,6 @@ def export_onnx(
                 _quantize(current, staged, quantize_mode, calibration_data)
             else:
                 artifact.save_model(onnx.load(str(current)), staged)
-            for p in staged.parent.iterdir():
-                if p != staged and p.suffix == ".onnx":
-                    p.unlink()
     finally:
         model.train(was_training)
     return Path(output_path).expanduser().resolve()
-
-
-class ONNXModel:
-    """An ONNX Runtime session called like a PyTorch module: tensors in, tensor (or tuple) out."""
-
-    def __init__(self, path: str | Path, device: str = "cpu"):
-        providers = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-        if device not in providers:
-            raise ValueError(f"device={device!r}; valid values: {list(providers)}")
-        if device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise ValueError("device='cuda' but this onnxruntime build has no CUDA provider; use device='cpu'")
-        self.path = Path(path)
-        self.session = ort.InferenceSession(str(path), providers=providers[device])
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
-    def __call__(self, *inputs: Any) -> Any:
-        import torch
-
-        if len(inputs) != len(self.input_names):
-            raise ValueError(f"{self.path.name} takes {len(self.input_names)} input(s) {self.input_names}, "
-                             f"got {len(inputs)}")
-        feeds = {name: (x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x))
-                 for name, x in zip(self.input_names, inputs)}
-        outputs = [torch.from_numpy(o) for o in self.session.run(None, feeds)]
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-
-def verify_onnx(model: Any, path: str | Path, sample: Any, rtol: float = 1e-3, atol: float = 1e-5) -> bool:
-    """Whether every output of the file matches the PyTorch model on ``sample`` within ``rtol``/``atol``."""
-    import torch
-
-    model.eval()
-    with torch.no_grad():
-        expected = model(*capture.as_inputs(sample))
-    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    got = ONNXModel(path)(*capture.as_inputs(sample))
-    got = list(got) if isinstance(got, tuple) else [got]
-    if len(got) != len(expected):
-        return False
-    return all(
-        g.shape == e.shape and np.allclose(g.numpy(), e.detach().cpu().numpy(), rtol=rtol, atol=atol)
-        for g, e in zip(got, expected)
-    )

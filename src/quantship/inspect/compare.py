@@ -22,6 +22,7 @@ from quantship.inspect.consumers import (
     run_openvino,
     run_tigris,
 )
+from quantship.inspect.inputs import declared_inputs
 from quantship.inspect.loading import load_onnx
 from quantship.inspect.lsb import output_scales
 from quantship.inspect.rules import target as get_target
@@ -76,6 +77,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
     if n_inputs < 1:
         raise ValueError(f"n_inputs={n_inputs}: compare needs at least one input")
     float_model, int8_model = load_onnx(float_path), load_onnx(int8_path)
+    declared_inputs(float_model, float_path), declared_inputs(int8_model, int8_path)  # positive, sane dims
     scales = list(output_scales(int8_model).values())
     if not any(scales):
         raise ValueError(f"{int8_path}: no output is produced by a per-tensor DequantizeLinear, so there is "

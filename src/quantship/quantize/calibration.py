@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
+from quantship.errors import DataRefused
+
 
 def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
     # fastai yields TensorImage & co.; a plain tensor keeps torch.export away from subclasses
@@ -31,6 +33,24 @@ def input_of(batch: object) -> torch.Tensor:
         f"a calibration batch must be a tensor or an (x, y) tuple whose x is a tensor, got "
         f"{type(batch).__name__}; pass an iterable of tensors, a DataLoader, or fastai DataLoaders"
     )
+
+
+def validate_batch(x: torch.Tensor, index: int) -> torch.Tensor:
+    """Refuse a calibration batch no observer can use: empty, complex, or holding NaN/inf values.
+
+    Called on every batch as it is read, before any model work (observers would fail deep inside
+    torch, e.g. ``torch.histc ... not finite``, or silently drop the imaginary part).
+    """
+    if x.is_complex():
+        raise DataRefused(f"calibration batch {index} is complex ({x.dtype}); give real-valued inputs")
+    if x.numel() == 0:
+        raise DataRefused(f"calibration batch {index} is empty (shape {list(x.shape)}); give at least one value")
+    if x.is_floating_point():
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise DataRefused(f"calibration batch {index} holds {bad} NaN or infinite value(s); clean or drop "
+                              "those inputs before calibrating")
+    return x
 
 
 def _loader_of(data: object) -> Iterable:
@@ -64,7 +84,7 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
     batches: list[torch.Tensor] = []
     seen = 0
     for batch in loader:
-        x = input_of(batch)
+        x = validate_batch(input_of(batch), len(batches))
         if x.dim() == 0:
             raise ValueError("a calibration batch is a 0-d tensor; batches need a leading batch dimension")
         n = x.shape[0]

@@ -1,0 +1,62 @@
+"""The graph inputs a file declares, refused up front when no real input could have that shape.
+
+A declared dimension must be positive and the input small enough to allocate: ONNX Runtime would
+otherwise fail late (``Unable to allocate 8.00 PiB``) or a random feed would quietly use 1 for a
+dimension of -5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from quantship.errors import FileRefused
+
+MAX_INPUT_BYTES = 4 << 30  # one feed of one input; anything larger is not a model someone runs here
+
+
+@dataclass(frozen=True)
+class DeclaredInput:
+    """A graph input: its name, numpy dtype, and dims (``None`` where symbolic or unset)."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[int | None, ...]
+
+    def describe(self) -> str:
+        return "x".join("?" if d is None else str(d) for d in self.dims) + f" {self.dtype}"
+
+
+def declared_inputs(model: onnx.ModelProto, path: str | Path) -> list[DeclaredInput]:
+    """The non-initializer graph inputs of ``model``; refuses non-positive or absurd dimensions."""
+    initializers = {t.name for t in model.graph.initializer}
+    found = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+        except (KeyError, TypeError, ValueError):
+            raise FileRefused(f"{path}: input {value.name!r} has element type {tensor_type.elem_type}, which "
+                              "numpy cannot represent") from None
+        dims = []
+        for i, d in enumerate(tensor_type.shape.dim):
+            if d.HasField("dim_value"):
+                if d.dim_value <= 0:
+                    raise FileRefused(f"{path}: input {value.name!r} declares dimension {i} = {d.dim_value}; "
+                                      "declared dimensions must be positive (fix the exporter's input shape)")
+                dims.append(int(d.dim_value))
+            else:
+                dims.append(None)
+        elements = int(np.prod([d or 1 for d in dims], dtype=object))
+        if elements * dtype.itemsize > MAX_INPUT_BYTES:
+            raise FileRefused(f"{path}: input {value.name!r} declares shape {dims} ({elements * dtype.itemsize / 2**30:.3g} "
+                              f"GiB for one input), larger than {MAX_INPUT_BYTES >> 30} GiB; is the shape right?")
+        found.append(DeclaredInput(value.name, dtype, tuple(dims)))
+    if not found:
+        raise FileRefused(f"{path}: the graph declares no input to feed")
+    return found
