@@ -85,8 +85,6 @@ def test_dynamic_batch_is_refused_for_a_pt2e_graph(tiny_pt2e, tiny_calib, tmp_pa
 
 
 @pytest.mark.parametrize("spec_kwargs, words", [
-    ({"backend": "torchao", "method": "int8_weight_only"}, ["W8A16", "'torchao'", "weight-only"]),
-    ({"backend": "torchao", "method": "int4_weight_only"}, ["W4A16", "INT4"]),
     ({"backend": "torchao", "method": "int8_dynamic"}, ["W8A8", "run time"]),
     ({"backend": "x86"}, ["W8A8", "'x86'", "FX"]),
 ])

@@ -8,7 +8,8 @@ from quantship.cli import common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory")
+    parser.add_argument("model", metavar="MODEL",
+                        help="torchvision:NAME, timm:NAME, path/to/file.py:factory, or hf:reference|DIR|config.json")
     parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
     parser.add_argument("--target", default="onnxruntime-cpu",
@@ -16,7 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
+    parser.add_argument("--method", default="static", choices=["static", "int8_weight_only", "int4_weight_only"],
+                        help="static W8A8 (pt2e, default), or torchao weight-only W8A16 / W4A16 (no calibration)")
+    parser.add_argument("--group-size", type=int, help="weight-only: weights per scale (default: int4 takes the "
+                        "largest of 128/64/32 dividing every Linear layer; int8 one scale per output channel)")
+    parser.add_argument("--seq-len", type=int, default=128, help="weight-only hf: models: tokens in the traced sample")
     common.add_calibration_arguments(parser)
+    for action in parser._actions:  # weight-only needs no calibration; the static path still insists below
+        if action.dest == "calib":
+            action.required = False
     common.add_output_arguments(parser)
 
 
@@ -35,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.verify import compare_logits
     from quantship.precision import preset
 
+    if args.method != "static":
+        from quantship.cli import quantize_weight_only
+
+        return quantize_weight_only.run(args)
+    if not args.calib:
+        raise UsageError("--calib is required for static W8A8 quantization")
     ui = common.Output(args)
     target = preset(args.target)  # unknown target -> ValueError -> exit 2
     if args.backend != "pt2e":

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quantship.export import artifact, capture
+from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
     ExportRefused,
@@ -139,6 +139,10 @@ def export_qdq(
     leave nothing at ``path`` (a file already there is kept as it was).
     """
     spec = exportable_spec(model)
+    if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)
+        return weight_only.export_weight_only(model, sample, path, spec, opset_version=opset_version, target=target,
+                                              dynamic_batch=dynamic_batch, input_names=input_names,
+                                              output_names=output_names)
     dtype = resolve_activation_dtype(activation_dtype, target)
     _check_opset(opset_version)
     with artifact.atomic_destination(path) as staged:

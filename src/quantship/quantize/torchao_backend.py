@@ -54,16 +54,28 @@ def selected_layers(model: nn.Module, spec: QuantSpec) -> list[str]:
     return chosen
 
 
+GROUP_SIZES = (128, 64, 32)  # tried in this order when no group size is given (CLI, auto_group_size)
+
+
+def auto_group_size(model: nn.Module, names: list[str] | None = None) -> int | None:
+    """The largest of 128/64/32 dividing the input features of every layer in ``names`` (default: every Linear)."""
+    linears = linear_layers(model)
+    widths = [linears[n].in_features for n in (names if names is not None else linears)]
+    return next((g for g in GROUP_SIZES if widths and all(w % g == 0 for w in widths)), None)
+
+
 def check_group_size(model: nn.Module, names: list[str], group_size: int | None) -> None:
-    """Refuse a group size that does not divide a quantized layer's input features."""
+    """Refuse a group size that does not divide a quantized layer's input features; name them all."""
     if group_size is None:
         return
     linears = linear_layers(model)
     bad = {n: linears[n].in_features for n in names if linears[n].in_features % group_size}
     if bad:
+        fits = auto_group_size(model, names)
+        hint = f"group_size={fits} divides every one" if fits else "no group of 128/64/32 divides them all"
         raise ValueError(
-            f"group_size={group_size} does not divide the input features of {bad}; choose a group "
-            "size that divides every quantized layer's in_features (e.g. 32 or 64), or leave those "
+            f"group_size={group_size} does not divide the input features of {len(bad)} layer(s) {bad} ({hint}); "
+            "choose a group size that divides every quantized layer's in_features, or leave those "
             "layers float with a weight_bits dict"
         )
 
