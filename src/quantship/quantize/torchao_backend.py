@@ -14,13 +14,14 @@ Only ``nn.Linear`` layers are touched; the result is checked to hold quantized w
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from quantship.precision import FLOAT_BITS, QuantSpec
+from quantship.precision import FLOAT_BITS, QuantSpec, tag_model
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
@@ -115,6 +116,14 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
     from torchao.quantization import quantize_
 
     names = selected_layers(model, spec)
+    if spec.qscheme == "per_group" and spec.group_size is None:  # a spec that leaves the choice to the model
+        chosen = auto_group_size(model, names)
+        if chosen is None:
+            widths = sorted({linear_layers(model)[n].in_features for n in names})
+            raise ValueError(f"no group size of 128/64/32 divides every quantized layer's input features {widths}; "
+                             "give group_size explicitly")
+        log(f"torchao: group_size={chosen}, the largest of 128/64/32 dividing every quantized layer")
+        spec = dataclasses.replace(spec, group_size=chosen)
     group_size = spec.group_size if spec.qscheme == "per_group" else None
     check_group_size(model, names, group_size)
     work = copy.deepcopy(model).eval()
@@ -128,4 +137,4 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
             f"torchao {spec.method} quantized {sorted(done)} but {sorted(wanted)} were asked; "
             "refusing a partial result"
         )
-    return work
+    return tag_model(work, spec)  # the spec as applied (a group size chosen here included)
