@@ -24,7 +24,7 @@ def test_int4_chooses_the_group_and_writes_matmul_nbits(hf_config, tmp_path, cap
     out = tmp_path / "lm.onnx"
     code = main(["quantize", f"hf:{hf_config}", "--method", "int4_weight_only", "--seq-len", "16", "--out", str(out)])
     text = capsys.readouterr().out
-    assert code == 0 and out.is_file()
+    assert code == 0 and out.is_file() and "ORT vs torch" in text
     assert "group size: 32" in text and "[64, 96]" in text  # widths 64 and 96: 32 is the largest dividing both
     assert sum(n.op_type == "MatMulNBits" for n in onnx.load(str(out)).graph.node) == 8  # 7 per layer + lm_head
 
@@ -35,15 +35,16 @@ def test_int8_standard_form_as_json(hf_config, tmp_path, capsys):
                  "--seq-len", "16", "--out", str(out), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["label"] == "W8A16" and report["spec"]["qscheme"] == "per_channel"
-    assert report["relative_error_vs_torch"] < 2e-3 and report["size_bytes"] == out.stat().st_size
+    assert report["relative_error_vs_torch_float_activations"] < 2e-3 and report["size_bytes"] == out.stat().st_size
+    assert report["relative_error_vs_torch"] < 5e-2  # ORT's own fusion runs the activations in 8 bits
 
 
 def test_group_size_that_does_not_divide_lists_the_layers(hf_config, tmp_path, capsys):
     out = tmp_path / "bad.onnx"
     code = main(["quantize", f"hf:{hf_config}", "--method", "int4_weight_only", "--group-size", "64",
                  "--out", str(out)])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and not out.exists() and len(err.splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # the line before notes the random weights
+    assert code == 2 and not out.exists() and err.startswith("quantship quantize: error:")
     assert "lm.model.layers.0.mlp.down_proj': 96" in err and "group_size=32 divides every one" in err
 
 
