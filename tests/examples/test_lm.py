@@ -63,7 +63,7 @@ def test_model_is_a_linear_dominated_llama():
 
 @pytest.mark.slow
 def test_trained_model_perplexity_under_weight_only():
-    """The closing-note goals on the trained model (cached; the first run trains it, 2-4 min on 2 cores)."""
+    """The closing-note goals on the trained model (cached; the first run trains it, 3-4 min on 2 idle cores)."""
     pytest.importorskip("transformers")
     from quantship import Quantizer
 

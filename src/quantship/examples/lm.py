@@ -112,7 +112,7 @@ def _windows(data: np.ndarray, n: int, gen: np.random.Generator) -> np.ndarray:
 
 def train(corpus: Corpus, steps: int = 400, batch: int = 16, seed: int = 0,
           log: Callable[[str], None] | None = None) -> CausalLMLogits:
-    """Next-byte training on random windows of the training files (about 2-3 minutes on 2 cores)."""
+    """Next-byte training on random windows of the training files (3-4 minutes on 2 idle cores)."""
     torch.manual_seed(seed)
     model = build_model()
     stream = np.concatenate(corpus.train)
