@@ -175,6 +175,111 @@ def run_case(model_name: str, batches: list[int], runs: int, warmup: int, workdi
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Language-model rows (weight-only): the reference byte-level Llama of quantship.examples.lm.
+
+
+@dataclass
+class LMRow:
+    name: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    speedup: float
+    size_mb: float
+    error: float  # max |ORT - torch reference| / max |torch reference|, ORT defaults
+    error_float_acts: float  # the same with session.qdq_matmulnbits_accuracy_level=0
+    reference: str
+
+
+def _lm_files(workdir: Path, ids: torch.Tensor, model: torch.nn.Module | None = None
+              ) -> tuple[dict[str, Path], dict[str, tuple[float, str]]]:
+    """FP32, quantship's W8A16 / W4A16 files in both forms, ORT's MatMulNBitsQuantizer on the same FP32 file."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from quantship import Quantizer, export_onnx, export_qdq
+    from quantship.examples import lm
+    from quantship.export.weight_only import relative_error
+    from quantship.inspect.verify import ort_session, run_session
+
+    if model is None:
+        model = lm.trained_model(log=lambda m: print(f"  training the reference LM: {m}", flush=True))
+    with torch.no_grad():
+        reference = {"FP32": model(ids).numpy()}
+    files: dict[str, Path] = {"FP32": export_onnx(model, ids, workdir / "lm_fp32.onnx", dynamic_batch=False)}
+    refs = {"FP32": "FP32"}
+    for label, kwargs in [("W8A16", dict(method="int8_weight_only")),
+                          ("W4A16 g32", dict(method="int4_weight_only", group_size=32)),
+                          ("W4A16 g128", dict(method="int4_weight_only", group_size=128))]:
+        qmodel = Quantizer("torchao", **kwargs).quantize(model)
+        with torch.no_grad():
+            reference[label] = qmodel(ids).numpy()
+        tag = label.replace(" ", "_")
+        files[f"quantship {label} DequantizeLinear"] = export_qdq(qmodel, ids, workdir / f"lm_{tag}.onnx")
+        files[f"quantship {label} MatMulNBits"] = export_qdq(qmodel, ids, workdir / f"lm_{tag}_nbits.onnx",
+                                                            target="onnxruntime-cpu")
+        refs[f"quantship {label} DequantizeLinear"] = refs[f"quantship {label} MatMulNBits"] = label
+    for bits, block in [(8, 128), (4, 32), (4, 128)]:
+        name = f"ORT MatMulNBitsQuantizer {bits}-bit block {block} symmetric"
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(files["FP32"])), bits=bits, block_size=block, is_symmetric=True)
+        quantizer.process()
+        out = workdir / f"lm_ort_{bits}_{block}.onnx"
+        quantizer.model.save_model_to_file(str(out), False)
+        files[name], refs[name] = out, "FP32"
+    feed = [ids.numpy()]
+    checks = {}
+    for name, path in files.items():
+        got = run_session(ort_session(path, optimized=True), feed)[0]
+        so = ort.SessionOptions()  # float activations where ORT would fuse DequantizeLinear + MatMul itself
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        float_acts = session.run(None, {session.get_inputs()[0].name: feed[0]})[0]
+        checks[name] = (relative_error(got, reference[refs[name]]), relative_error(float_acts, reference[refs[name]]),
+                        refs[name])
+    return files, checks
+
+
+def lm_rows(runs: int, warmup: int, workdir: Path, seq_len: int = 128,
+            model: torch.nn.Module | None = None) -> list[LMRow]:
+    """Latency of one forward over ``seq_len`` tokens at batch 1, file size, and error vs the torch model."""
+    from quantship.examples import lm
+
+    corpus = lm.load_corpus()
+    ids = torch.from_numpy(corpus.held_out[0][:seq_len].astype(np.int64))[None]
+    files, checks = _lm_files(workdir, ids, model)
+    sessions = {}
+    for name, path in files.items():
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    feed = {n: {s.get_inputs()[0].name: ids.numpy()} for n, s in sessions.items()}
+    for _ in range(warmup):
+        for n, s in sessions.items():
+            s.run(None, feed[n])
+    times: dict[str, list[float]] = {n: [] for n in sessions}
+    order = list(sessions)
+    for r in range(runs):
+        for n in order[r % len(order):] + order[:r % len(order)]:  # rotate who goes first
+            t0 = time.perf_counter()
+            sessions[n].run(None, feed[n])
+            times[n].append((time.perf_counter() - t0) * 1000)
+    fp32 = float(np.median(times["FP32"]))
+    return [LMRow(n, float(np.median(t)), float(np.min(t)), float(np.max(t)), fp32 / float(np.median(t)),
+                  _size_mb(files[n]), *checks[n]) for n, t in times.items()]
+
+
+def _lm_table(rows: list[LMRow]) -> str:
+    fp32 = next(r.size_mb for r in rows if r.name == "FP32")
+    lines = ["| file | median ms | min-max ms | speedup vs FP32 | size MB | smaller than FP32 | error vs torch "
+             "(reference) | same, float activations |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.median_ms:.2f} | {r.min_ms:.2f}-{r.max_ms:.2f} | {r.speedup:.2f}x | "
+                     f"{r.size_mb:.2f} | {fp32 / r.size_mb:.2f}x | {r.error:.1e} ({r.reference}) | "
+                     f"{r.error_float_acts:.1e} |")
+    return "\n".join(lines)
+
+
 def _header() -> str:
     import torchao
 
@@ -326,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--u8u8", action="store_true", help="only the U8U8 vs 7-bit comparison (printed)")
     parser.add_argument("--size", type=int, default=224, help="input size for --u8u8")
+    parser.add_argument("--lm", action="store_true", help="add the language-model (weight-only) rows")
+    parser.add_argument("--lm-only", action="store_true", help="only the language-model rows")
     args = parser.parse_args(argv)
     if args.u8u8:
         with tempfile.TemporaryDirectory() as tmp:
@@ -334,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows = u8u8_case(model_name, batch, args.runs, args.warmup, Path(tmp), args.size)
                     print(u8u8_table(rows), flush=True)
         return 0
+    if args.lm_only:
+        args.models, args.lm = [], True
     if args.runs < 20:
         print(f"note: --runs {args.runs} is below the 20 interleaved runs the benchmark promises")
     rows: list[Row] = []
@@ -355,6 +464,21 @@ def main(argv: list[str] | None = None) -> int:
         "optimizations off (the file read literally) and on (the fused integer kernels).", "",
         _header(), "", _table(rows), "",
     ])
+    if args.lm_only:
+        text = "# Benchmarks\n\nGenerated by `python bench/latency.py --lm-only`; do not edit by hand.\n\n"
+    if args.lm:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"[reference LM, 128 tokens, batch 1] quantizing, exporting, timing {args.runs} rounds...", flush=True)
+            lm_table = _lm_table(lm_rows(args.runs, args.warmup, Path(tmp)))
+        print(lm_table, flush=True)
+        text += "\n".join([
+            "## Language model, weight-only", "",
+            "The reference byte-level Llama (`quantship.examples.lm`: 4 layers, hidden 256, trained on the",
+            "standard library's sources), one forward pass over 128 held-out tokens at batch 1, ORT default",
+            "optimizations. Error: max |ORT - torch| / max |torch| on that input, against the torch model the",
+            "file comes from (the torch weight-only model for quantship's files, FP32 for ORT's quantizer).", "",
+            _header(), "", lm_table, "",
+        ])
     args.out.write_text(text)
     print(f"\nwrote {args.out}")
     return 0

@@ -40,9 +40,9 @@ def test_spec_is_frozen():
 @pytest.mark.parametrize(
     "kwargs, label, exports",
     [
-        (dict(backend="torchao", method="int8_weight_only"), "W8A16", False),
-        (dict(backend="torchao", weight_bits=4, act_bits=16), "W4A16", False),
-        (dict(backend="torchao", method="int4_weight_only"), "W4A16", False),
+        (dict(backend="torchao", method="int8_weight_only"), "W8A16", True),
+        (dict(backend="torchao", weight_bits=4, act_bits=16), "W4A16", True),
+        (dict(backend="torchao", method="int4_weight_only"), "W4A16", True),
         (dict(backend="torchao", weight_bits=8, act_bits=8), "W8A8", False),
         (dict(backend="x86"), "W8A8", False),
         (dict(backend="qnnpack", method="dynamic"), "W8A8", False),

@@ -68,12 +68,14 @@ SUPPORT_MATRIX: tuple[Cell, ...] = (
     *_fx_rows("fbgemm", ("per_channel", "per_tensor")),
     *_fx_rows("onednn", ("per_channel", "per_tensor")),
     *_fx_rows("qnnpack", ("per_tensor",)),
-    Cell("torchao", "int8_weight_only", 8, 16, ("per_channel", "per_group"), (True,), True, False,
-         note="activations stay float; per-layer dict over Linear layers"),
+    Cell("torchao", "int8_weight_only", 8, 16, ("per_channel", "per_group"), (True,), True, True,
+         note="activations stay float; per-layer dict over Linear layers; exports int8 + DequantizeLinear "
+              "(opset 21), or MatMulNBits for target='onnxruntime-cpu'"),
     Cell("torchao", "int8_dynamic", 8, 8, ("per_channel",), (True,), False, False,
          note="int8 weights, activation scales computed at run time"),
-    Cell("torchao", "int4_weight_only", 4, 16, ("per_group",), (True,), False, False,
-         default_group_size=128, note="grouped int4 weights (IntxWeightOnlyConfig, CPU kernels)"),
+    Cell("torchao", "int4_weight_only", 4, 16, ("per_group",), (True,), False, True,
+         default_group_size=128, note="grouped int4 weights (IntxWeightOnlyConfig, CPU kernels); exports int4 + "
+                                      "block-wise DequantizeLinear (opset 21), or MatMulNBits (groups >= 16)"),
 )
 
 BACKENDS: tuple[str, ...] = tuple(dict.fromkeys(c.backend for c in SUPPORT_MATRIX))

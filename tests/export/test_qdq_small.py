@@ -86,8 +86,6 @@ def test_dynamic_batch_writes_a_symbolic_batch(tiny_pt2e, tiny_calib, tmp_path):
 
 
 @pytest.mark.parametrize("spec_kwargs, words", [
-    ({"backend": "torchao", "method": "int8_weight_only"}, ["W8A16", "'torchao'", "weight-only"]),
-    ({"backend": "torchao", "method": "int4_weight_only"}, ["W4A16", "INT4"]),
     ({"backend": "torchao", "method": "int8_dynamic"}, ["W8A8", "run time"]),
     ({"backend": "x86"}, ["W8A8", "'x86'", "FX"]),
 ])

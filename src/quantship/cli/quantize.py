@@ -15,8 +15,9 @@ from quantship.cli import common, options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="torchvision:NAME, timm:NAME, or path/to/file.py:factory (runs that file's Python code, "
-                        "with its folder on the import path)")
+    parser.add_argument("model", metavar="MODEL",
+                        help="torchvision:NAME, timm:NAME, path/to/file.py:factory (runs that file's Python code, with "
+                             "its folder on the import path), or hf:reference|DIR|config.json (weight-only methods)")
     parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set "
                         "name (IMAGENET1K_V1, DEFAULT) read from the local torch hub cache")
     parser.add_argument("--trust-pickle", action="store_true",
@@ -33,7 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="labelled data (.npz with x and y, or a folder of class folders): top-1 of FP32, "
                              "INT8 torch and the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
     options.add_quantizer_arguments(parser)
+    parser.add_argument("--method", default="static", choices=["static", "int8_weight_only", "int4_weight_only"],
+                        help="static W8A8 (pt2e, default), or torchao weight-only W8A16 / W4A16 (no calibration)")
+    parser.add_argument("--group-size", type=int, help="weight-only: weights per scale (default: int4 takes the "
+                        "largest of 128/64/32 dividing every Linear layer; int8 one scale per output channel)")
+    parser.add_argument("--weight-format", choices=["matmulnbits", "standard"], default="matmulnbits",
+                        help="weight-only file form: com.microsoft MatMulNBits for ONNX Runtime (default), or "
+                             "standard int8/int4 + DequantizeLinear (opset 21)")
+    parser.add_argument("--seq-len", type=int, default=128, help="weight-only hf: models: tokens in the traced sample")
     common.add_calibration_arguments(parser)
+    for action in parser._actions:  # weight-only needs no calibration; the static path still insists below
+        if action.dest == "calib":
+            action.required = False
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -65,6 +77,12 @@ def _run(args: argparse.Namespace, out) -> int:
     from quantship.inspect.verify import FusedKernelDrift
     from quantship.precision import preset
 
+    if args.method != "static":
+        from quantship.cli import quantize_weight_only
+
+        return quantize_weight_only.run(args)
+    if not args.calib:
+        raise UsageError("--calib is required for static W8A8 quantization")
     ui = common.Output(args)
     config = options.read_config(args.config)
     target = preset(args.target or config.get("target") or "onnxruntime-cpu")

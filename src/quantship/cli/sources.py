@@ -31,6 +31,8 @@ def load_model(spec: str, weights: str | None = None, *, trust_pickle: bool = Fa
     import torch
 
     kind, _, name = spec.partition(":")
+    if kind == "hf" and name:
+        return load_hf_model(name, weights)
     if not name:
         raise UsageError(f"MODEL {spec!r} must be torchvision:NAME, timm:NAME or path/to/file.py:factory")
     if kind == "torchvision":
@@ -263,3 +265,41 @@ def read_calibration(path: str, *, key: str | None, prep: Preprocessing, batch_s
     p = Path(path)
     array = check_images(load_images(path, prep, max_samples), path) if p.is_dir() else load_array(path, key)
     return calibration_batches(array, batch_size, max_samples, keep_last=keep_last)
+
+
+def load_hf_model(name: str, weights: str | None = None):
+    """``hf:reference`` (the trained byte-level Llama of quantship.examples.lm), ``hf:DIR`` (a local
+    Hugging Face checkpoint, or a folder with only config.json: random weights) or ``hf:config.json``.
+    Local files only; the model is wrapped to take token ids and return logits."""
+    import torch
+
+    from quantship.examples import lm
+
+    try:
+        transformers = lm.require_transformers()
+    except ModuleNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    if name == "reference":
+        model = lm.trained_model(log=lambda m: print(f"training the reference LM (once, cached): {m}", file=sys.stderr))
+    else:
+        path = Path(name)
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise UsageError(f"hf:{name}: give 'reference', a checkpoint folder, or a config.json (local files only)")
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True)
+            has_weights = path.is_dir() and any(p.suffix in (".safetensors", ".bin") for p in path.iterdir())
+            auto = transformers.AutoModelForCausalLM
+            inner = (auto.from_pretrained(str(path), local_files_only=True) if has_weights
+                     else auto.from_config(config))
+        except (OSError, ValueError, KeyError) as exc:
+            raise UsageError(f"hf:{name}: {str(exc).strip().splitlines()[0]}") from None
+        if not has_weights:
+            print(f"hf:{name}: no weights beside the config: random initial weights", file=sys.stderr)
+        model = lm.CausalLMLogits(inner)
+    if weights:
+        try:
+            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        except Exception as exc:  # torch raises RuntimeError/UnpicklingError for mismatches
+            raise UsageError(f"cannot load {weights} into hf:{name}: {str(exc).strip().splitlines()[0]}") from None
+    return model.eval()

@@ -95,6 +95,8 @@ def export_onnx(
     ``(x, y)`` batches) and writes QDQ. The file appears at ``output_path`` only if every step succeeded.
     """
     _refuse_pt2e(model)
+    if quant_spec(model) is not None or any(type(p).__module__.startswith("torchao") for p in getattr(model, "parameters", list)()):
+        raise ValueError("export_onnx writes float models and this one is quantized: use quantship.export_qdq(model, sample, path)")
     if quantize and quantize_mode not in QUANTIZE_MODES:
         raise ValueError(f"quantize_mode={quantize_mode!r}; valid values: {list(QUANTIZE_MODES)}")
     if quantize and quantize_mode == "static" and calibration_data is None:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quantship.export import artifact, capture
+from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
     ExportRefused,
@@ -186,6 +186,10 @@ def export_qdq(
     2 LSB.
     """
     spec = exportable_spec(model)
+    if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)
+        return weight_only.export_weight_only(model, sample, path, spec, opset_version=opset_version, target=target,
+                                              dynamic_batch=dynamic_batch, input_names=input_names,
+                                              output_names=output_names)
     if target is None:  # the preset the model was quantized for travels with it, unless an explicit
         travelled = quant_target(model)  # activation_dtype asks for another file
         if travelled is not None and activation_dtype in (None, preset(travelled).activation_dtype):

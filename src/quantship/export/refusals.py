@@ -13,11 +13,8 @@ from quantship.precision import QuantSpec, preset, quant_spec
 ACTIVATION_DTYPES = ("int8", "uint8")
 _QD_NAMESPACE = "quantized_decomposed"
 
+# torchao weight-only (W8A16, W4A16) exports through export.weight_only; these are what stays refused
 _WHY_NOT = {
-    "int8_weight_only": "INT8 weight-only: the activations stay floating point, so there is no activation "
-                        "Q/DQ pair to write",
-    "int4_weight_only": "INT4 weights have no QuantizeLinear/DequantizeLinear form a runtime reads at opset 18, "
-                        "and the activations stay floating point",
     "int8_dynamic": "dynamic activation quantization computes its scales at run time, so the file would have "
                     "no static activation scale to carry",
 }
@@ -54,7 +51,7 @@ def exportable_spec(model: Any) -> QuantSpec:
     raise ExportRefused(
         f"export_qdq cannot write this model: it was quantized {spec.label} ({spec.method}) with "
         f"backend={spec.backend!r}. {why}. Quantize with quantship.Quantizer(backend='pt2e') for a graph "
-        "export_qdq can write."
+        "export_qdq can write (or backend='torchao' with a weight-only method)."
     )
 
 

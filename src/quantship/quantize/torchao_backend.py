@@ -14,13 +14,14 @@ Only ``nn.Linear`` layers are touched; the result is checked to hold quantized w
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from quantship.precision import FLOAT_BITS, QuantSpec
+from quantship.precision import FLOAT_BITS, QuantSpec, tag_model
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
@@ -54,16 +55,28 @@ def selected_layers(model: nn.Module, spec: QuantSpec) -> list[str]:
     return chosen
 
 
+GROUP_SIZES = (128, 64, 32)  # tried in this order when no group size is given (CLI, auto_group_size)
+
+
+def auto_group_size(model: nn.Module, names: list[str] | None = None) -> int | None:
+    """The largest of 128/64/32 dividing the input features of every layer in ``names`` (default: every Linear)."""
+    linears = linear_layers(model)
+    widths = [linears[n].in_features for n in (names if names is not None else linears)]
+    return next((g for g in GROUP_SIZES if widths and all(w % g == 0 for w in widths)), None)
+
+
 def check_group_size(model: nn.Module, names: list[str], group_size: int | None) -> None:
-    """Refuse a group size that does not divide a quantized layer's input features."""
+    """Refuse a group size that does not divide a quantized layer's input features; name them all."""
     if group_size is None:
         return
     linears = linear_layers(model)
     bad = {n: linears[n].in_features for n in names if linears[n].in_features % group_size}
     if bad:
+        fits = auto_group_size(model, names)
+        hint = f"group_size={fits} divides every one" if fits else "no group of 128/64/32 divides them all"
         raise ValueError(
-            f"group_size={group_size} does not divide the input features of {bad}; choose a group "
-            "size that divides every quantized layer's in_features (e.g. 32 or 64), or leave those "
+            f"group_size={group_size} does not divide the input features of {len(bad)} layer(s) {bad} ({hint}); "
+            "choose a group size that divides every quantized layer's in_features, or leave those "
             "layers float with a weight_bits dict"
         )
 
@@ -103,6 +116,14 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
     from torchao.quantization import quantize_
 
     names = selected_layers(model, spec)
+    if spec.qscheme == "per_group" and spec.group_size is None:  # a spec that leaves the choice to the model
+        chosen = auto_group_size(model, names)
+        if chosen is None:
+            widths = sorted({linear_layers(model)[n].in_features for n in names})
+            raise ValueError(f"no group size of 128/64/32 divides every quantized layer's input features {widths}; "
+                             "give group_size explicitly")
+        log(f"torchao: group_size={chosen}, the largest of 128/64/32 dividing every quantized layer")
+        spec = dataclasses.replace(spec, group_size=chosen)
     group_size = spec.group_size if spec.qscheme == "per_group" else None
     check_group_size(model, names, group_size)
     work = copy.deepcopy(model).eval()
@@ -116,4 +137,4 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
             f"torchao {spec.method} quantized {sorted(done)} but {sorted(wanted)} were asked; "
             "refusing a partial result"
         )
-    return work
+    return tag_model(work, spec)  # the spec as applied (a group size chosen here included)

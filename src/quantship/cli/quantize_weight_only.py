@@ -1,0 +1,115 @@
+"""``quantship quantize --method int8_weight_only|int4_weight_only``: torchao weight-only to ONNX.
+
+No calibration: the weights alone are quantized. The file is MatMulNBits for ONNX Runtime
+(``--weight-format matmulnbits``, the default) or the standard DequantizeLinear form
+(``--weight-format standard``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from quantship.cli import common
+
+WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
+
+
+def sample_for(model, args: argparse.Namespace):
+    """The export sample: token ids [1, --seq-len] for a language model, else the first --calib batch."""
+    import torch
+
+    from quantship.cli.main import UsageError
+
+    if args.model.startswith("hf:"):
+        vocab = int(model.lm.config.vocab_size)
+        text = b"def main():\n    return 0\n" * (args.seq_len // 8 + 1)
+        ids = [b % vocab for b in text[:args.seq_len]]
+        return torch.tensor([ids], dtype=torch.long)
+    if not args.calib:
+        raise UsageError("--calib is needed for a non-language model: the file is traced on its first batch")
+    return torch.from_numpy(common.read_calibration(args)[0])
+
+
+def choose_group_size(model, method: str, given: int | None, ui: common.Output) -> int | None:
+    """The group size: as given, else int4's largest of 128/64/32 dividing every Linear layer (said aloud)."""
+    from quantship.cli.main import UsageError
+    from quantship.quantize.torchao_backend import GROUP_SIZES, auto_group_size, linear_layers
+
+    if given is not None or method != "int4_weight_only":
+        return given
+    chosen = auto_group_size(model)
+    widths = sorted({m.in_features for m in linear_layers(model).values()})
+    if chosen is None:
+        raise UsageError(f"no group size of {'/'.join(map(str, GROUP_SIZES))} divides every Linear layer's input "
+                         f"features {widths}; give --group-size (a power of two dividing them)")
+    ui.say(f"group size: {chosen} (the largest of {'/'.join(map(str, GROUP_SIZES))} dividing every Linear "
+           f"layer's in_features {widths})")
+    return chosen
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from quantship import Quantizer, quant_spec
+    from quantship.cli.main import UsageError
+    from quantship.cli.sources import load_model
+    from quantship.export import export_qdq
+    from quantship.export.weight_only import relative_error
+    from quantship.inspect.loading import file_size
+
+    ui = common.Output(args)
+    from quantship.precision import canonical_target
+
+    if args.target is not None and canonical_target(args.target) != "onnxruntime-cpu":
+        raise UsageError(f"--target {args.target}: a weight-only file is written for onnxruntime-cpu; choose its form "
+                         "with --weight-format matmulnbits (default) or standard (int8/int4 + DequantizeLinear, opset 21)")
+    target = "onnxruntime-cpu" if args.weight_format == "matmulnbits" else None
+    if args.qscheme:
+        raise UsageError("--qscheme is for pt2e; weight-only granularity is per channel, or per group with --group-size")
+    model = load_model(args.model, args.weights)
+    group = choose_group_size(model, args.method, args.group_size, ui)
+    kwargs = {"group_size": group}
+    if args.method == "int8_weight_only" and group is not None:
+        kwargs["qscheme"] = "per_group"
+    sample = sample_for(model, args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(model)
+        path = export_qdq(qmodel, sample, args.out, target=target)
+        with torch.no_grad():
+            expected = qmodel(sample).float().numpy()
+    def ort_error(accuracy_level: str | None) -> float:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if accuracy_level is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", accuracy_level)
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return relative_error(np.asarray(session.run(None, {session.get_inputs()[0].name: sample.numpy()})[0]), expected)
+
+    error = ort_error(None)
+    # ORT fuses the standard form's DequantizeLinear + MatMul into MatMulNBits itself, by default with
+    # 8-bit activations; accuracy level 0 keeps them float
+    float_error = None if target else ort_error("0")
+    spec = quant_spec(qmodel)
+    size = file_size(path)
+    form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
+    result = {
+        "version": 1, "model": args.model, "target": target or "standard", "path": str(path), "spec": spec.as_dict(),
+        "label": spec.label, "size_bytes": size, "form": form, "relative_error_vs_torch": error,
+        "relative_error_vs_torch_float_activations": float_error,
+    }
+    granularity = f"groups of {spec.group_size}" if spec.qscheme == "per_group" else "per output channel"
+    ui.report(result, [
+        ("file", f"{path} ({size / 1e6:.2f} MB)"),
+        ("precision", f"{spec.label} {spec.method}, {granularity}"),
+        ("form", form),
+        ("ORT vs torch", f"{error:.2e} (max |difference| / max |output|, sample of shape {tuple(sample.shape)})"),
+    ] + ([] if float_error is None else [
+        ("ORT vs torch, float activations", f"{float_error:.2e} (session.qdq_matmulnbits_accuracy_level=0; ORT's "
+                                            "default fuses the DequantizeLinear into MatMulNBits with 8-bit activations)"),
+    ]))
+    return 0

@@ -1,0 +1,406 @@
+"""Weight-only INT8 / INT4 (torchao W8A16, W4A16) to ONNX, in a standard and an ONNX Runtime form.
+
+The float twin of the quantized model (each quantized Linear given exactly the weight torchao
+multiplies by) is exported by the dynamo exporter; each such weight initializer, found by its
+bytes, is then replaced by torchao's own integer data and scales:
+
+- standard form (default): an int8 / int4 initializer and a ``DequantizeLinear`` (per axis, or
+  block-wise with ``block_size`` for grouped scales; opset 21) feeding the float MatMul/Gemm. The
+  rewrite is exact: ONNX Runtime returns the float twin's outputs byte for byte.
+- ``target='onnxruntime-cpu'``: each MatMul/Gemm becomes a ``com.microsoft.MatMulNBits`` node
+  holding the same codes and scales, which ONNX Runtime runs with its low-bit kernels. Checked
+  against the standard form and the torch model.
+
+Both are checked against the torch weight-only model (``WEIGHT_ONLY_RTOL``) and written atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from quantship.export import artifact, capture
+from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
+from quantship.export.metadata import write_metadata
+from quantship.precision import QuantSpec
+
+WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
+WEIGHT_ONLY_OPSET = 21  # block-wise DequantizeLinear and int4 tensors
+WEIGHT_ONLY_TARGETS = (None, "onnxruntime-cpu")
+WEIGHT_ONLY_RTOL = 2e-3  # max |ONNX - torch| / max |torch| on the sample
+MS_DOMAIN = "com.microsoft"
+FORMAT_KEY = "quantship.weight_format"
+_MIN_NBITS_BLOCK = 16  # MatMulNBits: block_size a power of two, at least 16
+
+
+def is_weight_only(spec: QuantSpec | None) -> bool:
+    return spec is not None and spec.backend == "torchao" and spec.method in WEIGHT_ONLY_METHODS
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized Linear weight as torchao holds it, in numpy: codes, scales, zero-points."""
+
+    layer: str
+    codes: np.ndarray  # int8 [N, K]; int4 values lie in [-8, 7]
+    scale: np.ndarray  # float32 [N, K // group]
+    zero_point: np.ndarray | None  # int8 [N, K // group], None when every zero-point is 0
+    bits: int
+    group: int  # K for one scale per output channel
+    dequantized: np.ndarray  # float32 [N, K]: torchao's dequantize(), what torch multiplies by
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group == self.codes.shape[1]
+
+
+def read_weights(model: Any) -> list[QuantizedWeight]:
+    """Every torchao-quantized Linear weight of ``model``; refuses layouts this module cannot write."""
+    import torch
+    import torch.nn as nn
+    from torchao.utils import TorchAOBaseTensor
+
+    out = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or not isinstance(weight, TorchAOBaseTensor):
+            continue
+        codes, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+        block = tuple(getattr(weight, "block_size", ()) or ())
+        if codes is None or scale is None or codes.dtype != torch.int8 or len(block) != 2 or block[0] != 1:
+            raise ValueError(f"export_qdq: layer {name!r} holds a {type(weight).__name__} whose layout "
+                             "(qdata/scale/block_size) is not the int8-unpacked one this exporter reads")
+        n, k = codes.shape
+        group = int(block[1])
+        scale = scale.detach().float().reshape(n, k // group).numpy()
+        zp = getattr(weight, "zero_point", None)
+        zp = None if zp is None else zp.detach().to(torch.int8).reshape(n, k // group).numpy()
+        if zp is not None and not zp.any():
+            zp = None
+        bits = 4 if getattr(weight, "target_dtype", None) == torch.int4 else 8
+        codes_np = codes.detach().numpy()
+        deq = weight.dequantize().detach().float().numpy()
+        ours = _dequantize(codes_np, scale, zp, group)
+        if ours.tobytes() != deq.tobytes():
+            raise ExportRefused(f"export_qdq: layer {name!r}: (codes - zero_point) * scale does not reproduce "
+                                f"torchao's dequantized weight exactly ({np.abs(ours - deq).max():.3g} off)")
+        out.append(QuantizedWeight(name, codes_np, scale, zp, bits, group, deq))
+    if not out:
+        raise ValueError(f"export_qdq: {type(model).__name__} holds no torchao-quantized Linear weight; quantize "
+                         "it with quantship.Quantizer(backend='torchao', method='int8_weight_only') first")
+    return out
+
+
+def _dequantize(codes: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, group: int) -> np.ndarray:
+    shifted = codes.astype(np.float32)
+    if zp is not None:
+        shifted = shifted - np.repeat(zp.astype(np.float32), group, axis=1)
+    return shifted * np.repeat(scale, group, axis=1)
+
+
+def float_twin(model: Any, weights: list[QuantizedWeight]) -> Any:
+    """A copy of ``model`` whose quantized Linear weights are plain float tensors of the same values."""
+    import torch
+
+    twin = copy.deepcopy(model)
+    for w in weights:
+        twin.get_submodule(w.layer).weight = torch.nn.Parameter(torch.from_numpy(w.dequantized.copy()),
+                                                                requires_grad=False)
+    return twin.eval()
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest() + str(array.shape)
+
+
+def locate(model: ir.Model, weights: list[QuantizedWeight]) -> list[tuple[QuantizedWeight, ir.Value, bool]]:
+    """(weight, initializer, transposed) for every initializer holding a quantized weight, found by its bytes.
+
+    The exporter may keep a weight as [N, K] (Gemm with transB) or fold its transpose into a [K, N]
+    initializer (MatMul); both orientations are looked up. A layer found nowhere is refused.
+    """
+    wanted: dict[str, tuple[QuantizedWeight, bool]] = {}
+    for w in weights:
+        wanted.setdefault(_digest(w.dequantized), (w, False))
+        wanted.setdefault(_digest(w.dequantized.T), (w, True))
+    found, seen = [], set()
+    for value in list(model.graph.initializers.values()):
+        tensor = value.const_value
+        if tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
+            continue
+        hit = wanted.get(_digest(tensor.numpy()))
+        if hit is not None:
+            found.append((hit[0], value, hit[1]))
+            seen.add(hit[0].layer)
+    missing = [w.layer for w in weights if w.layer not in seen]
+    if missing:
+        raise ExportRefused(f"export_qdq: the weights of {missing} are not initializers of the exported graph "
+                            "(the exporter transformed them), so they cannot be stored as integers")
+    return found
+
+
+def _initializer(model: ir.Model, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
+    model.graph.register_initializer(value)
+    return value
+
+
+def _replace_initializer(model: ir.Model, old: ir.Value, node: ir.Node) -> None:
+    """Feed ``old``'s consumers from ``node``'s output instead, and drop ``old``."""
+    ir.convenience.replace_all_uses_with(old, node.outputs[0])
+    model.graph.initializers.pop(old.name)
+    model.graph.insert_before(model.graph[0], node)
+
+
+def to_dequantize_linear(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value, bool]]) -> int:
+    """Standard form: each weight initializer becomes int codes + scales -> DequantizeLinear."""
+    for i, (w, value, transposed) in enumerate(found):
+        base = value.name
+        codes = w.codes.astype(ml_dtypes.int4) if w.bits == 4 else w.codes
+        scale, zp = (w.scale[:, 0], w.zero_point) if w.per_channel else (w.scale, w.zero_point)
+        if w.per_channel and zp is not None:
+            zp = zp[:, 0]
+        if zp is not None and w.bits == 4:
+            zp = zp.astype(ml_dtypes.int4)
+        if transposed:
+            codes, scale = codes.T.copy(), scale.T.copy()
+            zp = None if zp is None else zp.T.copy()
+        attrs: dict[str, Any] = {"axis": (1 if transposed else 0) if w.per_channel else (0 if transposed else 1)}
+        if not w.per_channel:
+            attrs["block_size"] = w.group
+        inputs = [_initializer(model, f"{base}_q{w.bits}", codes), _initializer(model, f"{base}_scale", scale)]
+        if zp is not None:
+            inputs.append(_initializer(model, f"{base}_zero_point", zp))
+        node = ir.node("DequantizeLinear", inputs, attributes=attrs, name=f"weight_dequantize_{i}")
+        node.outputs[0].name = f"{base}_dequantized"
+        _replace_initializer(model, value, node)
+    model.opset_imports[""] = max(model.opset_imports.get("", 0), WEIGHT_ONLY_OPSET)
+    return len(found)
+
+
+def nbits_block(w: QuantizedWeight) -> int:
+    """MatMulNBits block size: the group, or for one scale per channel a power of two the scale repeats over."""
+    if not w.per_channel:
+        if w.group < _MIN_NBITS_BLOCK:
+            raise ValueError(f"export_qdq(target='onnxruntime-cpu'): layer {w.layer!r} has groups of {w.group}; "
+                             f"MatMulNBits needs blocks of at least {_MIN_NBITS_BLOCK}. Quantize with "
+                             "group_size >= 16, or export the standard form (no target)")
+        return w.group
+    k = w.codes.shape[1]
+    return max(_MIN_NBITS_BLOCK, min(128, 1 << (k - 1).bit_length()))
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes packed low nibble first along the last axis (4 bits), or as they are (8 bits)."""
+    u = codes.astype(np.uint8)
+    if bits == 8:
+        return u
+    if u.shape[-1] % 2:
+        u = np.concatenate([u, np.zeros(u.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (u[..., 0::2] & 0x0F) | (u[..., 1::2] << 4)
+
+
+def nbits_tensors(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """(B [N, blocks, blob], scales [N, blocks], packed zero-points or None, block) in MatMulNBits layout."""
+    n, k = w.codes.shape
+    block = nbits_block(w)
+    blocks = -(-k // block)
+    offset = 1 << (w.bits - 1)  # MatMulNBits codes are unsigned; its default zero-point is 2**(bits-1)
+    if w.per_channel:
+        scale = np.repeat(w.scale, blocks, axis=1)
+        zp = None if w.zero_point is None else np.repeat(w.zero_point, blocks, axis=1)
+    else:
+        scale, zp = w.scale, w.zero_point
+    codes = w.codes.astype(np.int16) + offset
+    pad = blocks * block - k
+    if pad:  # padded codes sit at the zero-point: they dequantize to 0 (and ORT ignores them)
+        fill = offset if zp is None else int(zp[0, -1]) + offset
+        codes = np.concatenate([codes, np.full((n, pad), fill, np.int16)], axis=1)
+    b = _pack(codes.reshape(n, blocks, block), w.bits)
+    packed_zp = None if zp is None else _pack((zp.astype(np.int16) + offset), w.bits).reshape(-1)
+    return b, np.ascontiguousarray(scale, np.float32), packed_zp, block
+
+
+def _gemm_is_plain(node: ir.Node) -> bool:
+    attr = {k: v.value for k, v in node.attributes.items()}
+    return attr.get("transA", 0) == 0 and attr.get("transB", 0) == 1 and attr.get("alpha", 1.0) == 1.0 \
+        and attr.get("beta", 1.0) == 1.0
+
+
+def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value, bool]]) -> int:
+    """ONNX Runtime form: each MatMul/Gemm reading a quantized weight becomes one MatMulNBits node."""
+    n_nodes = 0
+    for i, (w, value, transposed) in enumerate(found):
+        n, k = w.codes.shape
+        b, scale, zp, block = nbits_tensors(w)
+        for user, index in list(value.uses()):
+            if transposed and user.op_type == "MatMul" and index == 1:
+                a, bias, out = user.inputs[0], None, user.outputs[0]
+                drop = [user]
+            elif not transposed and user.op_type == "Gemm" and index == 1 and _gemm_is_plain(user):
+                a, bias, out = user.inputs[0], (user.inputs[2] if len(user.inputs) > 2 else None), user.outputs[0]
+                drop = [user]
+            elif not transposed and user.op_type == "Transpose" and len(user.outputs[0].uses()) == 1 \
+                    and next(iter(user.outputs[0].uses()))[0].op_type == "MatMul":
+                mm = next(iter(user.outputs[0].uses()))[0]
+                a, bias, out = mm.inputs[0], None, mm.outputs[0]
+                drop = [mm, user]
+            else:
+                raise ExportRefused(f"export_qdq(target='onnxruntime-cpu'): layer {w.layer!r} is read by a "
+                                    f"{user.op_type} node that MatMulNBits cannot replace; export the standard form")
+            base = f"{value.name}_{n_nodes}"
+            inputs = [a, _initializer(model, f"{base}_q{w.bits}_packed", b),
+                      _initializer(model, f"{base}_scale", scale)]
+            inputs.append(_initializer(model, f"{base}_zero_point", zp) if zp is not None else None)
+            if bias is not None:
+                inputs += [None, bias]
+            while inputs and inputs[-1] is None:
+                inputs.pop()
+            node = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"matmul_nbits_{i}_{n_nodes}",
+                           attributes={"K": k, "N": n, "bits": w.bits, "block_size": block})
+            node.outputs[0].type, node.outputs[0].shape = out.type, out.shape
+            ir.convenience.replace_all_uses_with(out, node.outputs[0], replace_graph_outputs=True)
+            name = out.name
+            model.graph.insert_before(drop[0], node)
+            for old in drop:
+                model.graph.remove(old, safe=True)
+            node.outputs[0].name = name
+            n_nodes += 1
+        model.graph.initializers.pop(value.name)
+    model.opset_imports[MS_DOMAIN] = 1
+    return n_nodes
+
+
+def run_literal(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """ORT with no graph optimization and no weight prepacking: a MatMul multiplies the same way whether
+    its weight is an initializer or a DequantizeLinear output (prepacked GEMMs accumulate in another order)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, dict(zip([i.name for i in session.get_inputs()], inputs)))
+
+
+def _check_exact(model: onnx.ModelProto, reference: list[np.ndarray], inputs: list[np.ndarray], what: str) -> None:
+    try:
+        outputs = run_literal(model, inputs)
+    except Exception as exc:  # ORT raises its own exception types; all mean "does not run"
+        raise ExportRefused(f"{what}: ONNX Runtime cannot run the rewritten graph ({type(exc).__name__}: {exc})") from exc
+    for i, (got, ref) in enumerate(zip(outputs, reference)):
+        if got.shape != ref.shape or got.tobytes() != ref.tobytes():
+            raise ExportRefused(f"{what}: output {i} is not byte-identical to the float export "
+                                f"(max abs difference {relative_error(got, ref) * np.abs(ref).max():.3g}); refused")
+
+
+def relative_error(got: np.ndarray, reference: np.ndarray) -> float:
+    """max |got - reference| / max |reference|."""
+    ref = reference.astype(np.float64)
+    return float(np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12))
+
+
+def _check_close(outputs: list[np.ndarray], reference: list[np.ndarray], what: str, against: str) -> float:
+    worst = 0.0
+    for i, (got, ref) in enumerate(zip(outputs, reference)):
+        if got.shape != ref.shape:
+            raise ExportRefused(f"{what}: output {i} has shape {got.shape}, {against} {ref.shape}")
+        worst = max(worst, relative_error(got, ref))
+    if not worst <= WEIGHT_ONLY_RTOL:
+        raise ExportRefused(f"{what}: outputs differ from {against} by {worst:.2e} (relative to the largest output), "
+                            f"above the {WEIGHT_ONLY_RTOL:g} the exporter guarantees; nothing was written")
+    return worst
+
+
+def check_targets(target: str | None) -> None:
+    if target not in WEIGHT_ONLY_TARGETS:
+        raise ValueError(f"export_qdq: target={target!r} for a weight-only model; valid: None (standard "
+                         "DequantizeLinear form) or 'onnxruntime-cpu' (com.microsoft MatMulNBits)")
+
+
+def export_weight_only(
+    model: Any,
+    sample: Any,
+    path: str | Path,
+    spec: QuantSpec,
+    *,
+    opset_version: int = WEIGHT_ONLY_OPSET,
+    target: str | None = None,
+    dynamic_batch: bool = False,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+) -> Path:
+    """Write a torchao weight-only model at ``path``: the standard form, or MatMulNBits for ONNX Runtime CPU.
+
+    The standard form declares opset ``max(opset_version, 21)`` (block-wise and int4 DequantizeLinear
+    need 21). Refusals raise ``ValueError`` and leave nothing at ``path``.
+    """
+    import torch
+
+    check_targets(target)
+    weights = read_weights(model)
+    if target == "onnxruntime-cpu":
+        for w in weights:
+            nbits_block(w)  # refuse groups MatMulNBits cannot hold before any work
+    inputs = capture.as_arrays(sample)
+    with torch.no_grad():
+        torch_out = model(*capture.as_inputs(sample))
+    torch_out = [t.detach().float().numpy() for t in (torch_out if isinstance(torch_out, (tuple, list)) else [torch_out])]
+    with artifact.atomic_destination(path) as staged:
+        try:
+            produced = capture.dynamo_export(float_twin(model, weights), sample, opset_version=capture.EXPORTER_OPSET,
+                                             dynamic_batch=dynamic_batch, input_names=input_names,
+                                             output_names=output_names)
+        except Exception as exc:  # the exporter raises many types; name the step and keep the cause
+            raise ExportRefused(f"the dynamo ONNX exporter failed on {type(model).__name__}: "
+                                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
+        reference = run_literal(produced, inputs)
+        _check_close(reference, torch_out, "the float export", "the torch weight-only model")
+
+        standard = ir.from_proto(produced)
+        to_dequantize_linear(standard, locate(standard, weights))
+        standard.opset_imports[""] = max(standard.opset_imports[""], opset_version)
+        standard_proto = ir.to_proto(standard)
+        check_model(standard_proto, "storing the weights as integers with DequantizeLinear")
+        _check_exact(standard_proto, reference, inputs, "storing the weights as integers with DequantizeLinear")
+        if target == "onnxruntime-cpu":
+            nbits = ir.from_proto(produced)
+            to_matmul_nbits(nbits, locate(nbits, weights))
+            final_ir, fmt = nbits, "MatMulNBits"
+            final_proto = ir.to_proto(nbits)
+            check_model(final_proto, "replacing MatMul/Gemm by MatMulNBits")
+            got = run_literal(final_proto, inputs)
+            _check_close(got, reference, "the MatMulNBits form", "the standard form")
+        else:
+            final_ir, fmt, got = standard, "DequantizeLinear", reference
+        _check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
+        for node in final_ir.graph.all_nodes():  # the exporter's per-node debug notes (stack traces, local paths)
+            node.metadata_props.clear()
+        write_metadata(final_ir, spec, activation_dtype="float32", target=target)
+        final_ir.metadata_props[FORMAT_KEY] = fmt
+        artifact.save_model(ir.to_proto(final_ir), staged)
+        check_written(staged, weights, fmt)
+        check_runs_optimized(staged, inputs, "the written file")
+    return Path(path).expanduser().resolve()
+
+
+def check_written(path: Path, weights: list[QuantizedWeight], fmt: str) -> None:
+    """Read the file back: every quantized layer is stored as integers in the form announced."""
+    model = onnx.load(str(path), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    if fmt == "MatMulNBits":
+        count = ops.count("MatMulNBits")
+    else:
+        count = sum(1 for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.startswith("weight_"))
+    if count < len(weights):
+        raise ExportRefused(f"the written file holds {count} {fmt} weight(s) for {len(weights)} quantized layers")
