@@ -191,7 +191,9 @@ def test_quantize_verdict_is_check_run_on_the_calibration_inputs(tmp_path, capsy
     report = json.loads(capsys.readouterr().out)
     assert out.is_file() and report["verdict"] == verdict == report["check"]["verdict"]
     (run,) = report["check"]["runs"]
-    assert run["consumer"] == "ONNX Runtime" and run["inputs"] == "given" and run["n_inputs"] == 4
+    # the file serves any batch, so every one of the 8 calibration samples is its own run input
+    assert report["batch"] == "any"
+    assert run["consumer"] == "ONNX Runtime" and run["inputs"] == "given" and run["n_inputs"] == 8
     readings = report["ort_readings"]
     assert readings["literal_lsb"] is not None and readings["fused_lsb"] is not None
     assert main(["check", str(out), "--target", "onnxruntime", "--run", "--inputs", str(calib)]) == code

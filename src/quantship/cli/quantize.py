@@ -86,6 +86,7 @@ def _run(args: argparse.Namespace, out) -> int:
     ui = common.Output(args)
     config = options.read_config(args.config)
     target = preset(args.target or config.get("target") or "onnxruntime-cpu")
+    overrides = options.quantizer_options(args, config)  # option refusals come before any model or data work
     if args.backend != "pt2e":
         raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "
                          "models stay in PyTorch (use the Python API for them)")
@@ -104,7 +105,6 @@ def _run(args: argparse.Namespace, out) -> int:
     ui.say(f"calibration: {sum(len(b) for b in batches)} sample(s) in {len(batches)} batch(es) of up to "
            f"{args.batch_size} from {args.calib}")
     sample, dynamic = _export_sample(batches, args.static_batch)
-    overrides = options.quantizer_options(args, config)
     labelled = labelled_batches = None
     if args.eval:
         labelled = read_labelled(args.eval, common.preprocessing(args))
