@@ -48,6 +48,17 @@ def output_path(out: str):
     return path
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, *, hf: bool = False) -> None:
+    """MODEL, --weights and --trust-pickle: how every command that builds a PyTorch model gets it."""
+    sources = "torchvision:NAME, timm:NAME, path/to/file.py:factory (runs that file's Python code, with its folder on " \
+              "the import path)" + (", or hf:reference|DIR|config.json (weight-only methods)" if hf else "")
+    parser.add_argument("model", metavar="MODEL", help=sources)
+    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set name "
+                        "(IMAGENET1K_V1, DEFAULT) read from the local torch hub cache")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow --weights to be a whole pickled model (unpickling runs its code)")
+
+
 def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib", required=True, metavar="DATA",
                         help=".npy/.npz array (N x C x H x W) or a folder of images")

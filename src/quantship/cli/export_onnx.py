@@ -9,10 +9,7 @@ from quantship.cli import common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="torchvision:NAME, timm:NAME, or path/to/file.py:factory (runs that file's Python code)")
-    parser.add_argument("--weights", help="a state_dict (.pt), or a torchvision weight set name from the local hub cache")
-    parser.add_argument("--trust-pickle", action="store_true", help="allow --weights to be a whole pickled model")
+    common.add_model_arguments(parser)
     parser.add_argument("--out", required=True, help="the float ONNX file to write")
     parser.add_argument("--shape", required=True, metavar="N,C,H,W",
                         help="the example input's shape, e.g. 1,3,224,224 (the batch dimension stays symbolic "

@@ -15,13 +15,7 @@ from quantship.cli import common, options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="torchvision:NAME, timm:NAME, path/to/file.py:factory (runs that file's Python code, with "
-                             "its folder on the import path), or hf:reference|DIR|config.json (weight-only methods)")
-    parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set "
-                        "name (IMAGENET1K_V1, DEFAULT) read from the local torch hub cache")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="allow --weights to be a whole pickled model (unpickling runs its code)")
+    common.add_model_arguments(parser, hf=True)
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
     common.add_target_argument(parser, default=None, required=False,
                                help="deployment preset (default: the --config file's target, else onnxruntime-cpu)")

@@ -10,10 +10,7 @@ from quantship.cli import common, options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="torchvision:NAME, timm:NAME, or path/to/file.py:factory (runs that file's Python code)")
-    parser.add_argument("--weights", help="a state_dict (.pt), or a torchvision weight set name from the local hub cache")
-    parser.add_argument("--trust-pickle", action="store_true", help="allow --weights to be a whole pickled model")
+    common.add_model_arguments(parser)
     parser.add_argument("--out-dir", required=True, help="where sensitivity.png and sensitivity.html are written")
     parser.add_argument("--k", type=int, default=3, help="how many of the worst layers to suggest excluding")
     common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset to quantize with")
