@@ -116,10 +116,11 @@ def test_injected_failure_keeps_nothing_and_spares_an_existing_file(tiny_pt2e, t
     target = tmp_path / "m.onnx"
     target.write_bytes(b"an older artifact")
 
-    def broken(model, ctx):
-        raise RuntimeError("injected")
+    class Broken(qdq.KernelShapePass):
+        def rewrite(self, model):
+            raise RuntimeError("injected")
 
-    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES[:2], broken, *qdq.PASSES[2:]))
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES[:2], Broken, *qdq.PASSES[2:]))
     with pytest.raises(RuntimeError, match="injected"):
         export_qdq(tiny_pt2e, tiny_calib[0], target)
     assert target.read_bytes() == b"an older artifact"
