@@ -24,8 +24,12 @@ QUANT_OPS = {qd.quantize_per_tensor.default, qd.quantize_per_channel.default,
 
 def capture(model: torch.nn.Module, example: torch.Tensor) -> GraphModule:
     """``torch.export`` the model at the example's batch size; name the failure if it cannot."""
+    return _export(model, example).module()
+
+
+def _export(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
     try:
-        exported = torch.export.export(model, (example,), strict=False)
+        return torch.export.export(model, (example,), strict=False)
     except Exception as exc:  # torch.export raises many types; all mean "cannot capture"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
@@ -33,7 +37,6 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> GraphModule:
             f"({type(exc).__name__}: {first}). pt2e needs a model torch.export can trace: remove "
             f"data-dependent Python control flow, or use an FX backend (backend='x86')."
         ) from exc
-    return exported.module()
 
 
 def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None) -> None:
@@ -63,9 +66,8 @@ def quantize_pt2e(
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     check_module_names(model, spec.skip_activations)
-    work = copy.deepcopy(model).eval()
     log(f"pt2e: capturing the model with torch.export at batch size {batches[0].shape[0]}")
-    graph = capture(work, batches[0])
+    graph = _capture_in_eval(model, batches[0])
     quantizer = QuantshipQuantizer(spec)
     prepared = prepare_pt2e(graph, quantizer)
     report_placement(quantizer, spec, log)
@@ -74,10 +76,67 @@ def quantize_pt2e(
     run_batches(prepared, batches, verbose=verbose)
     log("pt2e: converting to a quantized graph")
     converted = convert_pt2e(prepared)
+    _unshare(converted, model)
     check_converted(converted)
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
     return converted
+
+
+def _capture_in_eval(model: torch.nn.Module, example: torch.Tensor) -> GraphModule:
+    """Capture ``model`` in eval mode without copying it first; its train/eval flags are restored.
+
+    The captured graph reads the model's own tensors (no copy of the weights is held). A model whose
+    forward writes to its buffers is captured from a deep copy instead, so calibration cannot
+    change the caller's model.
+    """
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        exported = _export(model, example)
+        if _writes_its_state(exported):
+            exported = _export(copy.deepcopy(model), example)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return exported.module()
+
+
+def _writes_its_state(exported: torch.export.ExportedProgram) -> bool:
+    """Whether the captured forward writes to one of the model's parameters or buffers."""
+    signature = exported.graph_signature
+    if signature.buffers_to_mutate:
+        return True
+    state = {*signature.inputs_to_parameters, *signature.inputs_to_buffers}
+    for node in exported.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.is_mutable:
+            written = [a for a, arg in zip(node.args, schema.arguments) if arg.alias_info and arg.alias_info.is_write]
+            if any(getattr(a, "name", None) in state for a in written):
+                return True
+    return False
+
+
+def _unshare(converted: GraphModule, model: torch.nn.Module) -> None:
+    """Give ``converted`` its own copy of every tensor it still shares with ``model`` (e.g. a Linear
+    bias that no folding replaced), so later changes to either model never reach the other."""
+    theirs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+    for name, value in [*converted.named_parameters(), *converted.named_buffers()]:
+        if value.numel() and value.untyped_storage().data_ptr() in theirs:
+            owner, _, leaf = name.rpartition(".")
+            module = converted.get_submodule(owner) if owner else converted
+            copied = value.detach().clone()
+            if isinstance(value, torch.nn.Parameter):
+                copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
+            setattr(module, leaf, copied)
+    for node in converted.graph.nodes:  # constants the graph reads as plain attributes
+        if node.op == "get_attr":
+            owner, _, leaf = node.target.rpartition(".")
+            module = converted.get_submodule(owner) if owner else converted
+            value = getattr(module, leaf, None)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.numel() \
+                    and value.untyped_storage().data_ptr() in theirs:
+                setattr(module, leaf, value.detach().clone())
 
 
 def report_placement(quantizer: QuantshipQuantizer, spec: QuantSpec, log: Callable[[str], None]) -> None:
