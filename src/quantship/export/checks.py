@@ -64,7 +64,8 @@ class ExactPass(ir.passes.InPlacePass):
     ``changed`` (whether the graph differs, e.g. a declared opset) and ``verify(proto)`` (checks
     beyond identity). When the graph changed, ``ensures`` serialises it once and refuses the pass
     unless ONNX Runtime, optimizations off, returns the reference bytes. An unchanged graph is the
-    same graph state as before, so it is not run again. ``ctx`` carries ``reference`` and ``inputs``.
+    same graph state as before, so it is not run again. ``ctx`` carries ``reference`` and ``inputs``,
+    and receives the checked graph as ``checked``.
     """
 
     what = "a rewrite"  # names the pass in a refusal
@@ -94,6 +95,7 @@ class ExactPass(ir.passes.InPlacePass):
         proto = ir.to_proto(model)
         self.verify(proto)
         check_identical(proto, self.ctx.reference, self.ctx.inputs, self.what)
+        self.ctx.checked = proto  # serialised once: the file is written from it if nothing changes after
 
 
 def run_passes(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.passes.PassResult:

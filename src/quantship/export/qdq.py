@@ -44,7 +44,17 @@ class ExportContext:
     activation_dtype: str
     target: str | None
     inputs: list[np.ndarray]
-    reference: list[np.ndarray] = field(default_factory=list)  # ORT outputs of the produced graph
+    produced: onnx.ModelProto
+    checked: onnx.ModelProto | None = None  # the last graph an ensures() ran, while nothing changed it since
+    _reference: list[np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def reference(self) -> list[np.ndarray]:
+        """ORT outputs (optimizations off) of the produced graph, run the first time a pass needs them:
+        when no pass changes the graph, there is nothing to compare and no session is built."""
+        if self._reference is None:
+            self._reference = run_unoptimized(self.produced, self.inputs)
+        return self._reference
 
 
 class LowerOpsetPass(ExactPass):
@@ -106,12 +116,14 @@ class MetadataPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx = self.ctx
         write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype, target=ctx.target)
+        ctx.checked = None  # the model now differs from the last checked graph
         return ir.passes.PassResult(model, modified=True)
 
 
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
+# Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    LowerOpsetPass, KernelShapePass, ActivationDtypePass, MetadataPass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass,
 )
 
 
@@ -177,12 +189,11 @@ def export_qdq(
                            input_names=input_names, output_names=output_names)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
-                            inputs=inputs, reference=run_unoptimized(produced, inputs))
+                            inputs=inputs, produced=produced)
         model_ir = ir.from_proto(produced)
-        del produced  # the IR holds what it needs
         run_passes([make(ctx) for make in PASSES], model_ir)
-        final = ir.to_proto(model_ir)
-        del model_ir
+        final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
+        del model_ir, ctx, produced
         artifact.save_model(final, staged)
         del final
         check_file(staged, spec, activation_dtype=dtype, opset_version=opset_version)
