@@ -112,9 +112,19 @@ def _writes_its_state(exported: torch.export.ExportedProgram) -> bool:
         schema = getattr(node.target, "_schema", None)
         if node.op == "call_function" and schema is not None and schema.is_mutable:
             written = [a for a, arg in zip(node.args, schema.arguments) if arg.alias_info and arg.alias_info.is_write]
-            if any(getattr(a, "name", None) in state for a in written):
+            if any(_viewed_base(a).name in state for a in written if isinstance(a, torch.fx.Node)):
                 return True
     return False
+
+
+def _viewed_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a chain of views (select, slice, view...) reads, so a write through a view is seen."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
 
 
 def _unshare(converted: GraphModule, model: torch.nn.Module) -> None:
