@@ -114,7 +114,8 @@ def run_quantship(model_name: str, batch: int, size: int, target: str, clock: Cl
     import quantship.export.qdq as qdq
     import quantship.quantize.pt2e as pt2e
 
-    _timed(pt2e, "capture", clock, "capture", before="quantize: copy, checks")
+    capture = "_capture_in_eval" if hasattr(pt2e, "_capture_in_eval") else "capture"  # older releases: capture
+    _timed(pt2e, capture, clock, "capture", before="quantize: copy, checks")
     _timed(torchao_pt2e, "prepare_pt2e", clock, "prepare")
     _timed(pt2e, "run_batches", clock, "calibrate", before="quantize: copy, checks")
     _timed(torchao_pt2e, "convert_pt2e", clock, "convert")
