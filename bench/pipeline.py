@@ -1,15 +1,25 @@
-"""Wall time and peak memory of the quantship pipeline: quantize (pt2e) and export_qdq.
+"""Cold pipeline cost: quantship (quantize + export_qdq) next to the raw torchao + dynamo exporter path.
 
-Each case runs in a fresh subprocess so its peak RSS is its own.
+Both paths quantize the same untrained torchvision model with the same annotator
+(``QuantshipQuantizer`` of the preset's spec) on the same batches. The raw path is what a user
+writes by hand: ``torch.export`` -> ``prepare_pt2e`` -> calibrate -> ``convert_pt2e`` ->
+``torch.onnx.export(dynamo=True)`` -> save, with no checks. quantship's path adds its own checks
+(each rewrite byte-identical in ONNX Runtime, post-conditions on the file, the target's rules).
 
-    python bench/pipeline.py [--models resnet18 mobilenet_v2] [--batch 8]
+Every run is a fresh process, so imports and first-call costs count and the peak RSS is its own.
+Runs alternate between the two paths; the table gives medians (wall and CPU seconds, CPU being
+less sensitive to other processes on a shared machine) and the ratio quantship / raw.
+
+    python bench/pipeline.py [--models resnet18] [--batch 8] [--size 224] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,53 +27,168 @@ import time
 import warnings
 from pathlib import Path
 
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+STAGES = ("imports", "capture", "prepare", "calibrate", "convert", "export", "checks")
 
 
-def run_one(model_name: str, batch: int, target: str) -> dict:
-    warnings.filterwarnings("ignore")
+class Clock:
+    """Wall and CPU seconds per stage, and the peak RSS when each stage ended."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict[str, float]] = {}
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, stage: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        entry = self.stages.setdefault(stage, {"wall_s": 0.0, "cpu_s": 0.0})
+        entry["wall_s"] += wall - self._wall
+        entry["cpu_s"] += cpu - self._cpu
+        entry["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        self._wall, self._cpu = wall, cpu
+
+
+def _inputs(batch: int, size: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(batch, 3, size, size, generator=g) for _ in range(4)]
+
+
+def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock) -> None:
+    """The hand-written torchao + exporter path, one stage at a time."""
+    import torch
+    import torchvision
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from quantship.precision import preset, resolve_spec
+    from quantship.quantize.annotator import QuantshipQuantizer
+
+    clock.lap("imports")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, model_name)(weights=None).eval()
+    calib = _inputs(batch, size)
+    clock.lap("model")
+    graph = torch.export.export(model, (calib[0],), strict=False).module()
+    clock.lap("capture")
+    prepared = prepare_pt2e(graph, QuantshipQuantizer(resolve_spec(**preset(target).spec_kwargs)))
+    clock.lap("prepare")
+    with torch.no_grad():
+        for x in calib:
+            prepared(x)
+    clock.lap("calibrate")
+    converted = convert_pt2e(prepared)
+    clock.lap("convert")
+    with tempfile.TemporaryDirectory() as tmp:
+        program = torch.onnx.export(converted, (calib[0],), None, dynamo=True, opset_version=18, verbose=False)
+        program.save(str(Path(tmp) / "model.onnx"))
+        clock.lap("export")
+
+
+def _timed(module, name: str, clock: Clock, stage: str, before: str | None = None) -> None:
+    """Wrap ``module.name`` so that its call closes ``stage`` on the clock (and ``before`` on entry)."""
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        if before:
+            clock.lap(before)
+        out = real(*args, **kwargs)
+        clock.lap(stage)
+        return out
+
+    setattr(module, name, wrapper)
+
+
+def run_quantship(model_name: str, batch: int, size: int, target: str, clock: Clock) -> None:
+    """``Quantizer.for_target(target).quantize`` then ``export_qdq``; stages read at their boundaries."""
     import torch
     import torchvision
 
     from quantship import Quantizer, export_qdq
 
+    clock.lap("imports")
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()
-    calib = [torch.randn(batch, 3, 224, 224) for _ in range(4)]
-    rss_model = _peak_rss_mb()
-    t0 = time.perf_counter()
-    qmodel = Quantizer.for_target(target).quantize(model, calib, max_calibration_samples=4 * batch)
-    t1 = time.perf_counter()
-    rss_quantize = _peak_rss_mb()
+    calib = _inputs(batch, size)
+    clock.lap("model")
+    import torchao.quantization.pt2e.quantize_pt2e as torchao_pt2e
+
+    import quantship.export.qdq as qdq
+    import quantship.quantize.pt2e as pt2e
+
+    capture = "_capture_in_eval" if hasattr(pt2e, "_capture_in_eval") else "capture"  # older releases: capture
+    _timed(pt2e, capture, clock, "capture", before="quantize: copy, checks")
+    _timed(torchao_pt2e, "prepare_pt2e", clock, "prepare")
+    _timed(pt2e, "run_batches", clock, "calibrate", before="quantize: copy, checks")
+    _timed(torchao_pt2e, "convert_pt2e", clock, "convert")
+    _timed(qdq, "produce", clock, "export", before="checks")
+    qmodel = Quantizer.for_target(target).quantize(model, calib, max_calibration_samples=len(calib) * batch)
+    clock.lap("quantize: copy, checks")
     with tempfile.TemporaryDirectory() as tmp:
-        export_qdq(qmodel, calib[0], Path(tmp) / "model.onnx", target=target)
-    t2 = time.perf_counter()
-    return {"model": model_name, "batch": batch, "target": target, "quantize_s": t1 - t0,
-            "export_s": t2 - t1, "peak_rss_mb_after_load": rss_model,
-            "peak_rss_mb_after_quantize": rss_quantize, "peak_rss_mb": _peak_rss_mb()}
+        export_qdq(qmodel, calib[0], Path(tmp) / "model.onnx")
+        clock.lap("checks")
+
+
+def run_one(path: str, model_name: str, batch: int, size: int, target: str) -> dict:
+    warnings.filterwarnings("ignore")
+    clock = Clock()
+    (run_raw if path == "raw" else run_quantship)(model_name, batch, size, target, clock)
+    stages = clock.stages
+    work = [s for s in stages if s != "model"]  # building the float model and data is not the pipeline's
+    return {"path": path, "stages": stages,
+            "wall_s": sum(stages[s]["wall_s"] for s in work), "cpu_s": sum(stages[s]["cpu_s"] for s in work),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _fresh(path: str, args: argparse.Namespace, model_name: str) -> dict:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, __file__, "--one", path, "--models", model_name, "--batch", str(args.batch),
+                          "--size", str(args.size), "--target", args.target],
+                         capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median(runs: list[dict], *keys: str) -> float:
+    values = []
+    for r in runs:
+        value = r
+        for k in keys:
+            value = value.get(k, {}) if isinstance(value, dict) else {}
+        values.append(value if isinstance(value, float) else 0.0)
+    return statistics.median(values)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--models", nargs="+", default=["resnet18"])
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--target", default="onnxruntime-cpu")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=3, help="fresh runs per path (medians are reported)")
+    parser.add_argument("--one", choices=("raw", "quantship"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args.batch, args.target)))
+        print(json.dumps(run_one(args.one, args.models[0], args.batch, args.size, args.target)))
         return 0
-    print("| model | batch | target | quantize s | export_qdq s | peak RSS MB (model loaded / after quantize / end) |")
-    print("|---|---|---|---|---|---|")
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+          f"medians of {args.repeat} fresh run(s) per path, runs alternating")
     for name in args.models:
-        out = subprocess.run([sys.executable, __file__, "--one", name, "--batch", str(args.batch),
-                              "--target", args.target], capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['batch']} | {r['target']} | {r['quantize_s']:.1f} | {r['export_s']:.1f} | "
-              f"{r['peak_rss_mb_after_load']:.0f} / {r['peak_rss_mb_after_quantize']:.0f} / {r['peak_rss_mb']:.0f} |",
-              flush=True)
+        runs: dict[str, list[dict]] = {"raw": [], "quantship": []}
+        for _ in range(args.repeat):
+            for path in runs:
+                runs[path].append(_fresh(path, args, name))
+        print(f"\n{name}, batch {args.batch}, {args.size}x{args.size}, target {args.target}\n")
+        print("| stage | raw wall s | raw CPU s | quantship wall s | quantship CPU s | peak RSS MB raw / quantship |")
+        print("|---|---|---|---|---|---|")
+        stages = [s for s in (*STAGES, "quantize: copy, checks") if any(s in r["stages"] for rs in runs.values() for r in rs)]
+        for stage in stages:
+            cells = [f"{_median(runs[p], 'stages', stage, k):.2f}" for p in runs for k in ("wall_s", "cpu_s")]
+            rss = " / ".join(f"{_median(runs[p], 'stages', stage, 'peak_rss_mb'):.0f}" for p in runs)
+            print(f"| {stage} | {' | '.join(cells)} | {rss} |")
+        total = {p: (_median(rs, "wall_s"), _median(rs, "cpu_s"), _median(rs, "peak_rss_mb")) for p, rs in runs.items()}
+        (rw, rc, rm), (qw, qc, qm) = total["raw"], total["quantship"]
+        print(f"| **total** | {rw:.2f} | {rc:.2f} | {qw:.2f} | {qc:.2f} | {rm:.0f} / {qm:.0f} |")
+        print(f"\nquantship / raw: wall {qw / rw:.2f}x, CPU {qc / rc:.2f}x, peak RSS {qm / rm:.2f}x "
+              f"(every wall run: raw {[round(r['wall_s'], 1) for r in runs['raw']]}, "
+              f"quantship {[round(r['wall_s'], 1) for r in runs['quantship']]})", flush=True)
     return 0
 
 

@@ -1,4 +1,9 @@
-"""Shared fixtures: small models and quantized ResNet-18 built once per session."""
+"""Shared fixtures: small models, and the reference ResNet-18 quantized once per session.
+
+ResNet-18 is quantized at 224x224 here (the reference figures) and by the ResNet-18 walk-through
+(docs/); tests about graph shape use ``small_resnet``, torchvision's ResNet with one block per
+stage, whose counts are read off its own modules.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,28 @@ class ResidualNet(nn.Module):
 def residual_net():
     torch.manual_seed(0)
     return ResidualNet().eval()
+
+
+@pytest.fixture(scope="session")
+def small_resnet():
+    """torchvision's ResNet with one BasicBlock per stage (a ResNet-10): ResNet-18's layer kinds
+    (stride-2 downsample convs, residual adds, max and average pooling, the fc head) at half the depth."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    return ResNet(BasicBlock, [1, 1, 1, 1]).eval()
+
+
+@pytest.fixture(scope="session")
+def small_resnet_counts(small_resnet):
+    """Convolutions, Linear layers and residual additions of ``small_resnet``, counted on its modules."""
+    from torchvision.models.resnet import BasicBlock
+
+    counts = {"conv": sum(isinstance(m, nn.Conv2d) for m in small_resnet.modules()),
+              "linear": sum(isinstance(m, nn.Linear) for m in small_resnet.modules()),
+              "add": sum(isinstance(m, BasicBlock) for m in small_resnet.modules())}
+    assert counts == {"conv": 12, "linear": 1, "add": 4}  # 1 stem + 4 x 2 + 3 downsample convs
+    return counts
 
 
 @pytest.fixture(scope="session")

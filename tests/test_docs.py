@@ -1,6 +1,10 @@
-"""The walk-throughs in docs/ are scripts that run: run them and check what they print."""
+"""The walk-throughs in docs/ are scripts that run: run them and check what they print.
 
-import subprocess
+Each runs as ``__main__`` with its command line, inside the test process: the imports and the
+exporter's first-call set-up are paid once per suite rather than once per script.
+"""
+
+import runpy
 import sys
 from pathlib import Path
 
@@ -9,16 +13,20 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def _run(name: str, tmp_path: Path) -> str:
-    done = subprocess.run([sys.executable, str(DOCS / name), "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def _run(name: str, tmp_path: Path, monkeypatch, capsys) -> str:
+    monkeypatch.syspath_prepend(str(DOCS))
+    monkeypatch.setattr(sys, "argv", [str(DOCS / name), "--out-dir", str(tmp_path)])
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(DOCS / name), run_name="__main__")
+    except SystemExit as exc:
+        assert exc.code in (None, 0), f"{name} exited with {exc.code}"
+    return capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_walkthrough_resnet18(tmp_path):
-    out = _run("walkthrough_resnet18.py", tmp_path)
+def test_walkthrough_resnet18(tmp_path, monkeypatch, capsys):
+    out = _run("walkthrough_resnet18.py", tmp_path, monkeypatch, capsys)
     assert "11,689,512 parameters" in out
     assert "'n_per_channel': 21, 'n_nonzero_zero_point': 0, 'n_unquantized_conv_add': 0" in out
     assert "'n_unquantized_conv_add': 8" in out and "cleared 8 of 8" in out
@@ -27,17 +35,17 @@ def test_walkthrough_resnet18(tmp_path):
 
 
 @pytest.mark.slow
-def test_walkthrough_deploy(tmp_path):
-    out = _run("walkthrough_deploy.py", tmp_path)
+def test_walkthrough_deploy(tmp_path, monkeypatch, capsys):
+    out = _run("walkthrough_deploy.py", tmp_path, monkeypatch, capsys)
     for target in ("onnxruntime", "tensorrt", "openvino", "tigris"):
         assert f"check {target}: accepted" in out, out
     assert "onnxruntime-cpu file checked against tensorrt: REFUSED" in out
 
 
 @pytest.mark.slow
-def test_walkthrough_qat(tmp_path):
+def test_walkthrough_qat(tmp_path, monkeypatch, capsys):
     if not (DOCS / "walkthrough_qat.py").exists():
         pytest.fail("docs/walkthrough_qat.py is missing")
-    out = _run("walkthrough_qat.py", tmp_path)
+    out = _run("walkthrough_qat.py", tmp_path, monkeypatch, capsys)
     assert "method': 'qat'" in out and "Wilson 95%" in out
     assert "'n_per_channel': 7" in out  # 6 convs + head: weights per channel, activations per tensor

@@ -1,6 +1,7 @@
 """`quantship demo`: the main job on the built-in reference task, every figure read off the artifacts."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +20,17 @@ def test_demo_table(tmp_path, capsys):
     assert k_fp32 >= 350 and k_file >= k_fp32 - 3, report["accuracy"]
     assert report["agreement_int8_file_vs_torch"] >= 0.99
     assert report["logit_error_vs_torch"]["max_lsb"] <= 2.0 + 1e-4
-    assert report["size_bytes"]["ratio"] > 1.0
+    # figures read off the artifacts: the sizes are the files' own, the ratios follow from them
+    sizes = report["size_bytes"]
+    on_disk = {k: sum(p.stat().st_size for p in tmp_path.iterdir() if p.name.startswith(Path(report["files"][k]).name))
+               for k in ("fp32", "int8")}
+    assert (sizes["fp32"], sizes["int8"]) == (on_disk["fp32"], on_disk["int8"])
+    assert sizes["ratio"] == pytest.approx(sizes["fp32"] / sizes["int8"]) and sizes["ratio"] > 1.0
     assert report["qdq_stats"]["n_uint8"] > 0 and report["qdq_stats"]["n_per_channel"] == 7
     assert report["checks"]["onnxruntime"]["ok"] and report["checks"]["tigris"]["ok"]
     assert not report["checks"]["tensorrt"]["ok"]  # uint8 zero-point 128: the ORT preset is not for TensorRT
-    assert report["latency_ms"]["speedup"] > 0
+    latency = report["latency_ms"]
+    assert latency["runs"] == 5 and latency["batch"] == 40
+    assert 0 < latency["fp32"] < 10_000 and 0 < latency["int8"] < 10_000  # milliseconds, measured
+    assert latency["speedup"] == pytest.approx(latency["fp32"] / latency["int8"])
     assert (tmp_path / "digits_int8_onnxruntime-cpu.onnx").is_file()

@@ -115,10 +115,11 @@ def test_injected_failure_keeps_nothing_and_spares_an_existing_file(tiny_pt2e, t
     target = tmp_path / "m.onnx"
     target.write_bytes(b"an older artifact")
 
-    def broken(model, ctx):
-        raise RuntimeError("injected")
+    class Broken(qdq.KernelShapePass):
+        def rewrite(self, model):
+            raise RuntimeError("injected")
 
-    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES[:2], broken, *qdq.PASSES[2:]))
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES[:2], Broken, *qdq.PASSES[2:]))
     with pytest.raises(RuntimeError, match="injected"):
         export_qdq(tiny_pt2e, tiny_calib[0], target)
     assert target.read_bytes() == b"an older artifact"
@@ -208,14 +209,19 @@ def test_kernel_shape_is_restored_from_the_weight(tiny_qdq):
     assert restored == {k: list(v) for k, v in expected.items()}
 
 
-def test_unequal_or_bad_arguments_refused_before_work(tiny_pt2e, tiny_calib, tmp_path):
-    with pytest.raises(ValueError, match="activation_dtype='int4'"):
-        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "a.onnx", activation_dtype="int4")
-    with pytest.raises(ValueError, match="opset_version=16"):
-        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "b.onnx", opset_version=16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _only(tmp_path)
+def test_unequal_or_bad_arguments_refused_before_work(tiny_pt2e, tiny_calib, tmp_path, monkeypatch):
+    def no_export(*args, **kwargs):
+        raise AssertionError("the exporter ran before the arguments were checked")
+
+    monkeypatch.setattr(qdq, "produce", no_export)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="activation_dtype='int4'"):
+            export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "a.onnx", activation_dtype="int4")
+        with pytest.raises(ValueError, match="opset_version=16"):
+            export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "b.onnx", opset_version=16)
+    assert [str(w.message) for w in caught] == []  # refused in one line, nothing else said
+    _only(tmp_path)
 
 
 def test_uint8_read_back_refuses_an_incomplete_rewrite(tiny_pt2e, tiny_calib, tmp_path, monkeypatch, reuse_produced):
@@ -240,3 +246,42 @@ def test_uint8_refuses_an_integer_tensor_read_by_another_op():
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     with pytest.raises(ActivationDtypeRefused, match="Identity 'raw_reader'"):
         to_uint8_activations(model)
+
+
+def test_an_inexact_pass_is_refused_by_its_ensures(tiny_pt2e, tiny_calib, tmp_path, monkeypatch, reuse_produced):
+    """A pass's ensures() runs the rewritten graph in ORT and refuses it, by name, unless the bytes match."""
+    import onnx_ir as ir
+
+    from quantship.errors import ExportRefused
+
+    class DoubledScale(qdq.KernelShapePass):
+        what = "doubling one activation scale"
+
+        def rewrite(self, model):
+            node = next(n for n in model.graph if n.op_type == "QuantizeLinear")
+            doubled = ir.Value(name="doubled_scale", const_value=ir.tensor(node.inputs[1].const_value.numpy() * 2))
+            model.graph.register_initializer(doubled)
+            node.replace_input_with(1, doubled)
+            return 1
+
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES, DoubledScale))
+    with pytest.raises(ExportRefused, match="doubling one activation scale: output 0 differs from the graph as produced"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx")
+    _only(tmp_path)
+
+
+def test_passes_report_what_they_changed(tiny_produced, tiny_pt2e, tiny_calib):
+    """PassResult.modified: an opset-18 int8 export changes nothing an ORT run could see, so no session is built."""
+    import onnx_ir as ir
+
+    ctx = qdq.ExportContext(spec=quant_spec(tiny_pt2e), opset_version=18, activation_dtype="int8", target=None,
+                            inputs=[tiny_calib[0].numpy()], produced=tiny_produced)
+    model = ir.from_proto(tiny_produced)
+    passes = [make(ctx) for make in qdq.PASSES]
+    result = qdq.run_passes(passes, model)
+    assert result.modified  # the metadata pass always writes
+    by_name = {type(p).__name__: p for p in passes}
+    assert not by_name["LowerOpsetPass"].modified and not by_name["ActivationDtypePass"].modified
+    kernel = by_name["KernelShapePass"]
+    assert kernel.modified == (kernel.count > 0)
+    assert (ctx._reference is not None) == kernel.modified  # the reference ran only if something needed it

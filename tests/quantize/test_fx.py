@@ -1,4 +1,4 @@
-"""FX backends: static PTQ on ResNet-18 for each engine, dynamic on Linear/LSTM, refusals."""
+"""FX backends: static PTQ on a torchvision ResNet for each engine, dynamic on Linear/LSTM, refusals."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ BACKENDS = ("x86", "fbgemm", "onednn", "qnnpack")
 
 
 @pytest.fixture(scope="module")
-def calib_64():
+def calib_32():
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(4, 3, 64, 64, generator=g) for _ in range(2)]
+    return [torch.randn(4, 3, 32, 32, generator=g) for _ in range(2)]
 
 
 class SeqNet(nn.Module):
@@ -45,18 +45,19 @@ class ConvOnly(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_resnet18_static_each_backend(backend, resnet18, calib_64):
+def test_resnet_static_each_backend(backend, small_resnet, small_resnet_counts, calib_32):
+    resnet18 = small_resnet  # one block per stage: ResNet-18's layer kinds, half its depth
     engine_before = torch.backends.quantized.engine
     before = {k: v.clone() for k, v in resnet18.state_dict().items()}
-    q = Quantizer(backend, "static").quantize(resnet18, calib_64)
+    q = Quantizer(backend, "static").quantize(resnet18, calib_32)
     assert torch.backends.quantized.engine == engine_before  # restored
     spec = quant_spec(q)
     assert (spec.label, spec.symmetric, spec.engine, spec.method) == ("W8A8", False, backend, "static")
     assert spec.qscheme == ("per_tensor" if backend == "qnnpack" else "per_channel")
     assert not spec.exports
-    # 20 convolutions (batch-norm folded, ReLU fused) + the fc layer became quantized modules
-    assert len(fx.quantized_modules(q)) == 21
-    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    # every convolution (batch-norm folded, ReLU fused) + the fc layer became quantized modules
+    assert len(fx.quantized_modules(q)) == small_resnet_counts["conv"] + small_resnet_counts["linear"]
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref, out = resnet18(x), q(x)
     err = (out - ref).abs().max().item()

@@ -57,6 +57,59 @@ def test_small_residual_net(residual_net):
     assert quant_spec(residual_net) is None
 
 
+def test_input_model_keeps_its_mode_and_shares_no_tensor(residual_net):
+    """Captured without a copy: the caller's train/eval flags come back, and no tensor stays shared."""
+    residual_net.train()
+    residual_net.head.eval()  # mixed flags are restored module by module
+    with torch.no_grad():
+        residual_net.stem[1].running_var.uniform_(0.5, 2.0)  # a BatchNorm that folding really changes
+    before = {k: v.clone() for k, v in residual_net.state_dict().items()}
+    q = Quantizer().quantize(residual_net, [torch.randn(4, 1, 8, 8) for _ in range(2)])
+    assert residual_net.training and residual_net.stem.training and not residual_net.head.training
+    for k, v in residual_net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ours = {t.untyped_storage().data_ptr() for t in residual_net.state_dict().values()}
+    theirs = [*q.state_dict().values(), *(v for v in vars(q).values() if isinstance(v, torch.Tensor))]
+    assert theirs and not [t for t in theirs if t.numel() and t.untyped_storage().data_ptr() in ours]
+    with torch.no_grad():  # training the float model afterwards leaves the quantized one as it was
+        x = torch.randn(4, 1, 8, 8)
+        out = q(x)
+        residual_net.head.bias.add_(1.0)
+        assert torch.equal(q(x), out)
+
+
+class CountingNet(torch.nn.Module):
+    """A forward that writes to a buffer: captured from a copy, so calibration cannot count."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.conv(x)
+
+
+class ViewCountingNet(CountingNet):
+    """The same write, through a view of the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(2))
+
+    def forward(self, x):
+        self.calls[0].add_(1)
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("net", [CountingNet, ViewCountingNet])
+def test_a_forward_that_writes_buffers_leaves_the_input_untouched(net):
+    model = net().eval()
+    Quantizer().quantize(model, [torch.randn(2, 1, 8, 8) for _ in range(3)])
+    assert model.calls.sum().item() == 0
+
+
 def test_per_tensor_has_no_per_channel(residual_net):
     q = Quantizer(qscheme="per_tensor").quantize(residual_net, [torch.randn(4, 1, 8, 8)])
     counts = op_counts(q)

@@ -1,7 +1,8 @@
 """``export_qdq``: a pt2e-quantized model to a QDQ ONNX file, every guarantee checked on the file.
 
-The pipeline is a list of small passes, each with one job and its own check against the graph
-as the exporter produced it (ONNX Runtime, optimizations off, byte-identical outputs). The file is
+The pipeline is a list of small onnx_ir passes, each with one job; each pass's ``ensures()`` checks
+it against the graph as the exporter produced it (ONNX Runtime, optimizations off, byte-identical
+outputs). The file is
 written atomically: it appears at ``path`` only when every pass and post-condition held.
 """
 
@@ -20,10 +21,11 @@ import onnx_ir as ir
 from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
+    ExactPass,
     ExportRefused,
-    check_identical,
     check_model,
     check_runs_optimized,
+    run_passes,
     run_unoptimized,
 )
 from quantship.export.kernel_shape import write_kernel_shapes
@@ -45,51 +47,86 @@ class ExportContext:
     activation_dtype: str
     target: str | None
     inputs: list[np.ndarray]
-    reference: list[np.ndarray] = field(default_factory=list)  # ORT outputs of the produced graph
-    log: dict[str, int] = field(default_factory=dict)
+    produced: onnx.ModelProto
+    checked: onnx.ModelProto | None = None  # the last graph an ensures() ran, while nothing changed it since
+    _reference: list[np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def reference(self) -> list[np.ndarray]:
+        """ORT outputs (optimizations off) of the produced graph, run the first time a pass needs them:
+        when no pass changes the graph, there is nothing to compare and no session is built."""
+        if self._reference is None:
+            self._reference = run_unoptimized(self.produced, self.inputs)
+        return self._reference
 
 
-def lower_opset_pass(model: ir.Model, ctx: ExportContext) -> None:
-    """Declare the requested opset; checked by onnx.checker and an identical ORT run."""
-    n = lower_opset(model, ctx.opset_version)
-    ctx.log["opset_rewrites"] = n
-    if n or model.opset_imports.get("") != capture.EXPORTER_OPSET:
-        proto = ir.to_proto(model)
-        what = f"lowering to opset {ctx.opset_version}"
-        check_model(proto, what)
-        check_identical(proto, ctx.reference, ctx.inputs, what)
+class LowerOpsetPass(ExactPass):
+    """Declare the requested opset; ensured by onnx.checker and an identical ORT run."""
+
+    def __init__(self, ctx: ExportContext):
+        super().__init__(ctx)
+        self.what = f"lowering to opset {ctx.opset_version}"
+
+    def rewrite(self, model: ir.Model) -> int:
+        return lower_opset(model, self.ctx.opset_version)
+
+    def changed(self, model: ir.Model) -> bool:
+        return self.count > 0 or model.opset_imports.get("") != capture.EXPORTER_OPSET
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
 
 
-def kernel_shape_pass(model: ir.Model, ctx: ExportContext) -> None:
-    """Every Conv carries kernel_shape; checked by an identical ORT run when anything was written."""
-    n = write_kernel_shapes(model)
-    ctx.log["kernel_shapes_written"] = n
-    if n:
-        check_identical(ir.to_proto(model), ctx.reference, ctx.inputs, "writing Conv kernel_shape")
+class KernelShapePass(ExactPass):
+    """Every Conv carries kernel_shape; ensured by an identical ORT run when anything was written."""
+
+    what = "writing Conv kernel_shape"
+
+    def rewrite(self, model: ir.Model) -> int:
+        return write_kernel_shapes(model)
 
 
-def activation_dtype_pass(model: ir.Model, ctx: ExportContext) -> None:
-    """uint8 activations when asked; read back node by node, checked, identical, and run optimized."""
-    if ctx.activation_dtype != "uint8":
-        return
-    before = ir.to_proto(model)
-    to_uint8_activations(model)
-    after = ir.to_proto(model)
+class ActivationDtypePass(ExactPass):
+    """uint8 activations when asked; ensured by a node-by-node read-back, onnx.checker and identity.
+
+    The optimized ORT run of this graph state is the written file's (metadata changes no output).
+    """
+
     what = "moving activations to uint8"
-    ctx.log["uint8_nodes"] = check_read_back(before, after)
-    check_model(after, what)
-    check_identical(after, ctx.reference, ctx.inputs, what)
-    check_runs_optimized(after, ctx.inputs, what)
+    _before: onnx.ModelProto | None = None  # the graph before the move, for the read-back
+
+    def rewrite(self, model: ir.Model) -> int:
+        if self.ctx.activation_dtype != "uint8":
+            return 0
+        self._before = ir.to_proto(model)
+        return to_uint8_activations(model)
+
+    def changed(self, model: ir.Model) -> bool:
+        return self.ctx.activation_dtype == "uint8"
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        before, self._before = self._before, None
+        self.count = check_read_back(before, proto)
+        check_model(proto, self.what)
 
 
-def metadata_pass(model: ir.Model, ctx: ExportContext) -> None:
-    """Write the spec and provenance into metadata_props."""
-    write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype, target=ctx.target)
+class MetadataPass(ir.passes.InPlacePass):
+    """Write the spec and provenance into metadata_props (no output changes: nothing to run)."""
+
+    def __init__(self, ctx: ExportContext):
+        self.ctx = ctx
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        ctx = self.ctx
+        write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype, target=ctx.target)
+        ctx.checked = None  # the model now differs from the last checked graph
+        return ir.passes.PassResult(model, modified=True)
 
 
-# The pass list: one place, run in order by export_qdq.
-PASSES: tuple[Callable[[ir.Model, ExportContext], None], ...] = (
-    lower_opset_pass, kernel_shape_pass, activation_dtype_pass, metadata_pass,
+# The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
+# Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
+PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
+    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass,
 )
 
 
@@ -203,12 +240,13 @@ def export_qdq(
                            input_names=input_names, output_names=output_names)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
-                            inputs=inputs, reference=run_unoptimized(produced, inputs))
+                            inputs=inputs, produced=produced)
         model_ir = ir.from_proto(produced)
-        for step in PASSES:
-            step(model_ir, ctx)
-        final = ir.to_proto(model_ir)
+        run_passes([make(ctx) for make in PASSES], model_ir)
+        final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
+        del model_ir, ctx, produced
         artifact.save_model(final, staged)
+        del final
         check_file(staged, spec, activation_dtype=dtype, opset_version=opset_version)
         if target is not None:
             check_target(staged, target)
