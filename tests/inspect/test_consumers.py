@@ -186,3 +186,17 @@ def test_constant_output_file_is_inconclusive_never_a_pass(constant_file):
     (result,) = report.runs
     assert result.ran and result.status == "inconclusive" and "real inputs" in result.detail
     assert report.verdict == "inconclusive" and not report.ok
+
+
+def test_a_consumer_crash_is_a_failed_run_not_a_dead_process(digits_files, tmp_path, monkeypatch):
+    """OpenVINO runs in a child process: a crash inside it (a segfault was seen on a DenseNet-121 file)
+    becomes a failed run with a one-line reason, and this process lives on."""
+    pytest.importorskip("openvino")
+    from quantship.inspect import consumers
+
+    crasher = tmp_path / "python-that-crashes"
+    crasher.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crasher.chmod(0o755)
+    monkeypatch.setattr(consumers.sys, "executable", str(crasher))
+    result = consumers.run_consumer(digits_files["int8"], "openvino", n_inputs=2)
+    assert result.ran and not result.ok and "OpenVINO crashed on this file (signal 11)" in result.detail

@@ -167,17 +167,28 @@ def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = F
 
 
 def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]]:
-    """Compile on CPU with f32 inference precision and run each feed."""
-    import openvino as ov
+    """Compile on CPU with f32 inference precision and run each feed, in a child process (a crash
+    inside OpenVINO's plugin becomes an error here, not the end of this process)."""
+    import importlib.util
 
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    request = compiled.create_infer_request()
-    results = []
-    for feed in feeds:
-        out = request.infer(feed)
-        results.append([np.array(out[port]) for port in compiled.outputs])
-    return results
+    if importlib.util.find_spec("openvino") is None:
+        raise ModuleNotFoundError("openvino is not installed (pip install openvino)")
+    with tempfile.TemporaryDirectory(prefix="quantship-ov-") as tmp:
+        feeds_path, out_path = Path(tmp) / "feeds.npz", Path(tmp) / "outputs.npz"
+        np.savez(feeds_path, **{f"{i}:{name}": array for i, feed in enumerate(feeds) for name, array in feed.items()})
+        done = subprocess.run([sys.executable, "-m", "quantship.inspect.openvino_worker", str(path), str(feeds_path),
+                               str(out_path)], capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            if done.returncode < 0:
+                raise RuntimeError(f"OpenVINO crashed on this file (signal {-done.returncode}) while compiling or running it")
+            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            raise RuntimeError(f"OpenVINO could not run the file: {lines[-1] if lines else f'exit {done.returncode}'}")
+        with np.load(out_path, allow_pickle=False) as archive:
+            outputs: dict[int, dict[int, np.ndarray]] = {}
+            for key in archive.files:
+                i, _, j = key.partition(":")
+                outputs.setdefault(int(i), {})[int(j)] = archive[key]
+    return [[outputs[i][j] for j in sorted(outputs[i])] for i in range(len(feeds))]
 
 
 def tigris_executable() -> str | None:
