@@ -50,6 +50,7 @@ class Quantizer:
         act_observer: str | None = None,
         reduce_range: bool | None = None,
         verbose: bool = False,
+        strict: bool = False,
     ):
         self.spec: QuantSpec = resolve_spec(
             backend, method, weight_bits=weight_bits, act_bits=act_bits, qscheme=qscheme,
@@ -57,6 +58,13 @@ class Quantizer:
             skip_activations=skip_activations, act_observer=act_observer, reduce_range=reduce_range,
         )
         self.verbose = verbose
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict={strict!r} must be True or False")
+        if strict and self.spec.backend != "pt2e":
+            raise ValueError(f"strict=True refuses ops quantship's pt2e annotator has no rule for; backend="
+                             f"{self.spec.backend!r} does not use it: use backend='pt2e' or strict=False")
+        self.strict = strict
+        self.report = None  # pt2e: what the annotator did on the last quantize() (ops left float, by module)
         self.target: str | None = None
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
@@ -107,5 +115,10 @@ class Quantizer:
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
-        quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose)
+        extra = {"strict": True} if self.strict else {}
+        quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose, **extra)
+        if spec.backend == "pt2e":
+            from quantship.quantize.pt2e import annotation_report
+
+            self.report = annotation_report(quantized)
         return tag_model(quantized, spec)
