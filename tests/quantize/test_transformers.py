@@ -65,7 +65,7 @@ def _build(name: str):
         model = torchvision.models.get_model(name, weights=None)
         for p_name, p in model.named_parameters():
             if p_name.endswith("layer_scale"):  # ConvNeXt starts them at 1e-6: blocks would not count
-                nn.init.constant_(p, 0.5)
+                nn.init.constant_(p, 0.1)
         size = 32
     return (model.eval(), [torch.randn(1, 3, size, size, generator=g) for _ in range(2)],
             torch.randn(1, 3, size, size, generator=g))

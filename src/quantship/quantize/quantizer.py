@@ -31,6 +31,9 @@ _NEEDS_CALIBRATION = {"static"}
 class Quantizer:
     """A validated precision request and the verb that applies it.
 
+    pt2e: ops the annotator has no INT8 rule for are quantized around and named, by module path, in
+    ``report`` after ``quantize`` (and in the verbose log); ``strict=True`` refuses such a model.
+
     >>> Quantizer(backend='pt2e').spec.label
     'W8A8'
     """
