@@ -65,7 +65,8 @@ SHARED_SCALE_OPS = {
     aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
     aten.flatten.using_ints, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
     aten.permute.default, aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.unsqueeze.default, aten.unflatten.int, aten.dropout.default,
+    aten.squeeze.default, aten.unsqueeze.default, aten.unflatten.int,
+    aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
     aten.clone.default, aten.contiguous.default, aten.alias.default,
     aten.pixel_shuffle.default, aten.upsample_nearest2d.vec,
     # index and window ops of ViT / Swin: class-token select, window partition and reverse, shifts
