@@ -59,12 +59,13 @@ BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten
 # activation x activation products (attention scores, attention x values): both inputs per tensor
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 MATMUL_ADD_OPS = {aten.baddbmm.default}  # addend + product: addend, both factors and output quantized
+EINSUM_OPS = {aten.einsum.default}  # every operand per tensor, output quantized (ORT runs Einsum in float)
 CAT_OPS = {aten.cat.default, aten.concat.default, aten.stack.default}
 # output keeps the input's scale (no arithmetic on values, or max-selection only)
 SHARED_SCALE_OPS = {
     aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
     aten.flatten.using_ints, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
-    aten.permute.default, aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.permute.default, aten.transpose.int, aten.t.default, aten.swapaxes.default, aten.swapdims.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze.default, aten.unsqueeze.default, aten.unflatten.int,
     aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
     aten.clone.default, aten.contiguous.default, aten.alias.default,
@@ -80,7 +81,8 @@ SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, 
 # table lookups: the table is a stored weight (per tensor), the rows read keep its scale
 EMBEDDING_OPS = {aten.embedding.default}
 # output gets its own scale; the input is quantized too (norms compute in float between the two)
-NORM_OPS = {aten.layer_norm.default, aten.group_norm.default}
+# (a batch norm that follows a conv is part of the conv's partition and never reaches this role)
+NORM_OPS = {aten.layer_norm.default, aten.group_norm.default, aten.batch_norm.default}
 OWN_SCALE_OPS = NORM_OPS | {
     aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.avg_pool1d.default,
     aten.avg_pool2d.default, aten.mean.dim, aten.mean.default,
@@ -101,6 +103,7 @@ ROLES: dict = {
     **{op: "weighted" for op in WEIGHTED_OPS},
     **{op: "binary" for op in BINARY_OPS},
     **{op: "matmul" for op in MATMUL_OPS | MATMUL_ADD_OPS},
+    **{op: "einsum" for op in EINSUM_OPS},
     **{op: "cat" for op in CAT_OPS},
     **{op: "embedding" for op in EMBEDDING_OPS},
     **{op: "shared_scale" for op in SHARED_SCALE_OPS | ZERO_PAD_OPS | SPLIT_OPS},
@@ -388,6 +391,11 @@ class QuantshipQuantizer(Quantizer):
             inputs[node.args[0]] = self._input_spec(node.args[0])
         self._mark(node, inputs, self._act)
 
+    def _annotate_einsum(self, node: Node, cleared: set[Node]) -> None:
+        operands = [t for t in node.args[1] if self._quantizable_input(t)]
+        if _is_float_tensor(node):
+            self._mark(node, {t: self._input_spec(t) for t in operands}, self._act)
+
     def _annotate_cat(self, node: Node, cleared: set[Node]) -> None:
         tensors = [t for t in node.args[0] if self._quantizable_input(t)]
         varying = [t for t in tensors if not self._constant(t)]
@@ -437,7 +445,7 @@ class QuantshipQuantizer(Quantizer):
         self.report.n_float_select += 1
 
     _HANDLERS = {
-        "binary": _annotate_binary, "matmul": _annotate_matmul, "cat": _annotate_cat, "embedding": _annotate_embedding,
+        "binary": _annotate_binary, "matmul": _annotate_matmul, "cat": _annotate_cat, "einsum": _annotate_einsum, "embedding": _annotate_embedding,
         "shared_scale": _annotate_shared, "own_scale": _annotate_own, "float_select": _annotate_float_select,
     }
 
