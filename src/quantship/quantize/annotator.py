@@ -55,18 +55,35 @@ BATCH_NORM_OPS = {
 }
 FUSABLE_ACTIVATIONS = {aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default}
 ADD_OPS = {aten.add.Tensor, aten.add_.Tensor}
-BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor}
-CAT_OPS = {aten.cat.default, aten.concat.default}
+BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten.div.Tensor}
+# activation x activation products (attention scores, attention x values): both inputs per tensor
+MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
+MATMUL_ADD_OPS = {aten.baddbmm.default}  # addend + product: addend, both factors and output quantized
+EINSUM_OPS = {aten.einsum.default}  # every operand per tensor, output quantized (ORT runs Einsum in float)
+CAT_OPS = {aten.cat.default, aten.concat.default, aten.stack.default}
 # output keeps the input's scale (no arithmetic on values, or max-selection only)
 SHARED_SCALE_OPS = {
     aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
     aten.flatten.using_ints, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
-    aten.permute.default, aten.transpose.int, aten.squeeze.dim, aten.squeeze.dims,
-    aten.unsqueeze.default, aten.dropout.default, aten.clone.default, aten.contiguous.default,
-    aten.pixel_shuffle.default, aten.upsample_nearest2d.vec, aten.chunk.default,
+    aten.permute.default, aten.transpose.int, aten.t.default, aten.swapaxes.default, aten.swapdims.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.unsqueeze.default, aten.unflatten.int,
+    aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
+    aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.pixel_shuffle.default, aten.upsample_nearest2d.vec,
+    # index and window ops of ViT / Swin: class-token select, window partition and reverse, shifts
+    aten.select.int, aten.slice.Tensor, aten.narrow.default, aten.index.Tensor, aten.roll.default,
+    aten.expand.default, aten.repeat.default, aten.flip.default,
 }
-# output gets its own scale
-OWN_SCALE_OPS = {
+# zero padding keeps the scale: 0.0 is exactly a quantized value whatever the zero-point
+ZERO_PAD_OPS = {aten.pad.default, aten.constant_pad_nd.default}
+# several outputs (read through getitem), each keeping the input's scale
+SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default}
+# table lookups: the table is a stored weight (per tensor), the rows read keep its scale
+EMBEDDING_OPS = {aten.embedding.default}
+# output gets its own scale; the input is quantized too (norms compute in float between the two)
+# (a batch norm that follows a conv is part of the conv's partition and never reaches this role)
+NORM_OPS = {aten.layer_norm.default, aten.group_norm.default, aten.batch_norm.default}
+OWN_SCALE_OPS = NORM_OPS | {
     aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.avg_pool1d.default,
     aten.avg_pool2d.default, aten.mean.dim, aten.mean.default,
     aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default,
@@ -74,6 +91,24 @@ OWN_SCALE_OPS = {
     aten.hardswish.default, aten.hardswish_.default, aten.silu.default, aten.silu_.default,
     aten.gelu.default, aten.tanh.default, aten.softmax.int, aten._softmax.default,
     aten.upsample_bilinear2d.vec,
+}
+# attention masking: selects -inf (or a constant) where masked; kept float on purpose, since a
+# quantized -inf is a finite number. The softmax after it reads the float scores.
+FLOAT_SELECT_OPS = {aten.where.ScalarOther, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+# fresh tensors whose first argument is only a template (dtype, device): constant values
+NEW_TENSOR_OPS = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
+
+# role name of every op with a rule, for reports and tests
+ROLES: dict = {
+    **{op: "weighted" for op in WEIGHTED_OPS},
+    **{op: "binary" for op in BINARY_OPS},
+    **{op: "matmul" for op in MATMUL_OPS | MATMUL_ADD_OPS},
+    **{op: "einsum" for op in EINSUM_OPS},
+    **{op: "cat" for op in CAT_OPS},
+    **{op: "embedding" for op in EMBEDDING_OPS},
+    **{op: "shared_scale" for op in SHARED_SCALE_OPS | ZERO_PAD_OPS | SPLIT_OPS},
+    **{op: "own_scale" for op in OWN_SCALE_OPS},
+    **{op: "float_select" for op in FLOAT_SELECT_OPS},
 }
 
 
@@ -96,6 +131,38 @@ def _under(path: str, names: tuple[str, ...]) -> bool:
     return any(path == n or path.startswith(n + ".") for n in names)
 
 
+def _node_args(node: Node) -> list[Node]:
+    found: list[Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def op_name(target: object) -> str:
+    """``aten.layer_norm.default`` style name of a call target."""
+    return str(getattr(target, "__name__", target)) if not isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def _pad_value(node: Node) -> object:
+    """The fill value of a constant pad (None when the mode copies input values instead)."""
+    if node.target is aten.constant_pad_nd.default:
+        return node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    if mode != "constant":
+        return None
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+
+
+@dataclass(frozen=True)
+class FloatOp:
+    """An op the annotator has no INT8 rule for, where the model has it."""
+
+    op: str
+    module: str  # dotted module path ('' = the model's own forward)
+
+    def __str__(self) -> str:
+        return f"{self.op} in {self.module or '<top level>'}"
+
+
 @dataclass
 class AnnotationReport:
     """What the annotator did, for verbose output and for refusing what did not happen."""
@@ -103,8 +170,30 @@ class AnnotationReport:
     n_weighted: int = 0
     n_add: int = 0
     n_skipped_conv_add: int = 0
+    n_float_select: int = 0
     skipped_nodes: list[str] = field(default_factory=list)
-    unannotated_ops: dict[str, int] = field(default_factory=dict)
+    float_ops: list[FloatOp] = field(default_factory=list)
+
+    @property
+    def unannotated_ops(self) -> dict[str, int]:
+        """Op name -> how many of it stayed float for want of a rule."""
+        counts: dict[str, int] = {}
+        for f in self.float_ops:
+            counts[f.op] = counts.get(f.op, 0) + 1
+        return counts
+
+    def float_ops_by_module(self) -> dict[str, list[str]]:
+        """Module path -> the ops left float there (in graph order, repeated ops listed once)."""
+        out: dict[str, list[str]] = {}
+        for f in self.float_ops:
+            ops = out.setdefault(f.module or "<top level>", [])
+            if f.op not in ops:
+                ops.append(f.op)
+        return out
+
+    def as_dict(self) -> dict:
+        return {"n_weighted": self.n_weighted, "n_add": self.n_add, "n_skipped_conv_add": self.n_skipped_conv_add,
+                "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module()}
 
 
 class QuantshipQuantizer(Quantizer):
@@ -119,6 +208,8 @@ class QuantshipQuantizer(Quantizer):
         self.report = AnnotationReport()
         self._act = self._activation_qspec()
         self._weight = self._weight_qspec()
+        self._const = self._weight_qspec(per_channel=False)
+        self._constant_memo: dict[Node, bool] = {}
 
     # -- qspecs ----------------------------------------------------------------------------
     def _activation_qspec(self) -> QuantizationSpec:
@@ -130,8 +221,12 @@ class QuantshipQuantizer(Quantizer):
         return QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=qscheme,
                                 observer_or_fake_quant_ctr=ctr)
 
-    def _weight_qspec(self) -> QuantizationSpec:
-        per_channel = self.spec.qscheme == "per_channel"
+    def _weight_qspec(self, per_channel: bool | None = None) -> QuantizationSpec:
+        """Weights of conv/linear (per channel when the spec says so); ``per_channel=False`` gives the
+        per-tensor form used for every other constant an op reads (embeddings, class token, biases
+        added to activations): all of them are stored integer tensors, so all honour reduce_range."""
+        if per_channel is None:
+            per_channel = self.spec.qscheme == "per_channel"
         if per_channel:
             observer = MovingAveragePerChannelMinMaxObserver if self.is_qat else PerChannelMinMaxObserver
             qscheme, axis = torch.per_channel_symmetric, 0
@@ -143,7 +238,26 @@ class QuantshipQuantizer(Quantizer):
         return QuantizationSpec(dtype=torch.int8, quant_min=-bound, quant_max=bound, qscheme=qscheme,
                                 ch_axis=axis, observer_or_fake_quant_ctr=ctr)
 
-    # -- annotation ------------------------------------------------------------------------
+    # -- graph facts -----------------------------------------------------------------------
+    def _constant(self, node: object) -> bool:
+        """True for a tensor computed from parameters, buffers and literals only (never from a model
+        input): convert_pt2e folds its quantization into a stored integer tensor, i.e. a weight."""
+        if not isinstance(node, Node):
+            return True
+        if node in self._constant_memo:
+            return self._constant_memo[node]
+        if node.op == "get_attr":
+            result = True
+        elif node.op != "call_function":
+            result = False
+        else:
+            args = _node_args(node)
+            if node.target in NEW_TENSOR_OPS:
+                args = args[1:]
+            result = all(self._constant(a) for a in args)
+        self._constant_memo[node] = result
+        return result
+
     def _skipped(self, node: Node) -> bool:
         names = self.spec.skip_activations or ()
         return bool(names) and _under(module_path(node), names)
@@ -152,6 +266,10 @@ class QuantshipQuantizer(Quantizer):
         """A float tensor not produced under a ``skip_activations`` module (those stay float even
         where a quantized op outside the module reads them)."""
         return _is_float_tensor(arg) and not (arg.op == "call_function" and self._skipped(arg))
+
+    def _input_spec(self, arg: Node):
+        """The qspec of an input edge: per-tensor weight form for constants, activation otherwise."""
+        return self._const if self._constant(arg) else self._act
 
     @staticmethod
     def _mark(node: Node, inputs: dict | None = None, output=None) -> None:
@@ -186,87 +304,150 @@ class QuantshipQuantizer(Quantizer):
             chain.append(act)
         return chain
 
-    def annotate(self, model: GraphModule) -> GraphModule:
-        skip_conv_add = self.spec.qdq_placement == "skip_conv_add"
+    # -- annotation ------------------------------------------------------------------------
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        """Decompose fused attention so its two products are matmul nodes the annotator quantizes, and
+        give N-D linears a 2-D view so that each exports as one Gemm reading its dequantized weight."""
+        from quantship.quantize.decompose import decompose_attention, flatten_linear_inputs
+
+        decompose_attention(model)
+        flatten_linear_inputs(model)
+        return model
+
+    def _cleared_conv_outputs(self, model: GraphModule) -> set[Node]:
+        """skip_conv_add: the conv partitions that feed an add directly keep a float output."""
         partition_end: dict[Node, Node] = {}  # last node of a conv partition -> its conv
-        cleared_conv_outputs: set[Node] = set()
+        cleared: set[Node] = set()
+        for node in model.graph.nodes:
+            if node.op == "call_function" and node.target in CONV_OPS:
+                chain = self._weighted_partition(node)
+                partition_end[chain[-1]] = node
+        for node in model.graph.nodes:
+            if node.op != "call_function" or node.target not in ADD_OPS or self._skipped(node):
+                continue
+            for arg in node.args[:2]:
+                if arg in partition_end and len(arg.users) == 1 and arg not in cleared:
+                    cleared.add(arg)
+                    break
+        return cleared
 
-        if skip_conv_add:
-            # decide first which conv partitions feed an add directly, so their output stays float
-            for node in model.graph.nodes:
-                if node.op == "call_function" and node.target in CONV_OPS:
-                    chain = self._weighted_partition(node)
-                    partition_end[chain[-1]] = node
-            for node in model.graph.nodes:
-                if node.op != "call_function" or node.target not in ADD_OPS or self._skipped(node):
-                    continue
-                for arg in node.args[:2]:
-                    if arg in partition_end and len(arg.users) == 1 and arg not in cleared_conv_outputs:
-                        cleared_conv_outputs.add(arg)
-                        break
-
-        act, weight = self._act, self._weight
+    def annotate(self, model: GraphModule) -> GraphModule:
+        cleared = self._cleared_conv_outputs(model) if self.spec.qdq_placement == "skip_conv_add" else set()
         for node in model.graph.nodes:
             if node.op != "call_function" or self._annotated(node):
                 continue
-            target = node.target
-            skipped = self._skipped(node)
-            if target in WEIGHTED_OPS:
-                chain = self._weighted_partition(node)
-                x, w = node.args[0], node.args[1]
-                # Order matters: torchao's QAT conv-bn fusion re-keys this map by position
-                # (first entry = activation, second = weight); a float activation is an explicit None.
-                inputs = {x: act if not skipped and self._quantizable_input(x) else None}
-                if isinstance(w, Node):
-                    inputs[w] = weight
-                out = None if (skipped or chain[-1] in cleared_conv_outputs) else act
-                self._mark(node, inputs, out if len(chain) == 1 else None)
-                for later in chain[1:]:
-                    self._mark(later, {}, out if later is chain[-1] else None)
-                self.report.n_weighted += 1
-                if skipped:
-                    self.report.skipped_nodes.append(node.name)
+            if node.target in WEIGHTED_OPS:
+                self._annotate_weighted(node, cleared)
                 continue
-            if skipped:
+            if self._skipped(node):
                 self.report.skipped_nodes.append(node.name)
                 continue
-            if target in BINARY_OPS:
-                if not _is_float_tensor(node):
-                    continue  # e.g. BatchNorm's num_batches_tracked += 1 in a training capture
-                act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
-                inputs = {}
-                for arg in node.args[:2]:
-                    if self._quantizable_input(arg) and arg not in cleared_conv_outputs:
-                        inputs[arg] = act
-                    elif arg in cleared_conv_outputs:
-                        self.report.n_skipped_conv_add += 1
-                self._mark(node, inputs, None if act_after else act)
-                if act_after is not None:
-                    self._mark(act_after, {}, act)
-                if target in ADD_OPS:
-                    self.report.n_add += 1
-            elif target in CAT_OPS:
-                tensors = [t for t in node.args[0] if _is_float_tensor(t)]
-                if not tensors:
-                    continue
-                first = tensors[0]
-                inputs = {first: act}
-                inputs.update({t: SharedQuantizationSpec((first, node)) for t in tensors[1:]})
-                self._mark(node, inputs, SharedQuantizationSpec((first, node)))
-            elif target in SHARED_SCALE_OPS:
-                x = node.args[0]
-                if not self._quantizable_input(x) or not _is_float_tensor(node):
-                    continue  # float in, float out: a quantized consumer quantizes the result
-                self._mark(node, {x: act}, SharedQuantizationSpec((x, node)))
-            elif target in OWN_SCALE_OPS:
-                x = node.args[0]
-                if not _is_float_tensor(x):
-                    continue
-                self._mark(node, {x: act} if self._quantizable_input(x) else {}, act)
-            elif target is not operator.getitem and _is_float_tensor(node):
-                name = str(target)
-                self.report.unannotated_ops[name] = self.report.unannotated_ops.get(name, 0) + 1
+            if self._constant(node):
+                continue  # folded by convert_pt2e; the op that reads it quantizes it as a weight
+            handler = self._HANDLERS.get(ROLES.get(node.target))
+            if handler is not None:
+                handler(self, node, cleared)
+            elif node.target is not operator.getitem and _is_float_tensor(node):
+                self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
         return model
+
+    def _annotate_weighted(self, node: Node, cleared: set[Node]) -> None:
+        chain = self._weighted_partition(node)
+        skipped = self._skipped(node)
+        x, w = node.args[0], node.args[1]
+        # Order matters: torchao's QAT conv-bn fusion re-keys this map by position
+        # (first entry = activation, second = weight); a float activation is an explicit None.
+        inputs = {x: self._act if not skipped and self._quantizable_input(x) else None}
+        if isinstance(w, Node):
+            inputs[w] = self._weight
+        out = None if (skipped or chain[-1] in cleared) else self._act
+        self._mark(node, inputs, out if len(chain) == 1 else None)
+        for later in chain[1:]:
+            self._mark(later, {}, out if later is chain[-1] else None)
+        self.report.n_weighted += 1
+        if skipped:
+            self.report.skipped_nodes.append(node.name)
+
+    def _annotate_binary(self, node: Node, cleared: set[Node]) -> None:
+        if not _is_float_tensor(node):
+            return  # e.g. BatchNorm's num_batches_tracked += 1 in a training capture
+        act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
+        inputs = {}
+        for arg in node.args[:2]:
+            if self._quantizable_input(arg) and arg not in cleared:
+                inputs[arg] = self._input_spec(arg)
+            elif arg in cleared:
+                self.report.n_skipped_conv_add += 1
+        self._mark(node, inputs, None if act_after else self._act)
+        if act_after is not None:
+            self._mark(act_after, {}, self._act)
+        if node.target in ADD_OPS:
+            self.report.n_add += 1
+
+    def _annotate_matmul(self, node: Node, cleared: set[Node]) -> None:
+        factors = node.args[1:3] if node.target in MATMUL_ADD_OPS else node.args[:2]
+        inputs = {a: self._input_spec(a) for a in factors if self._quantizable_input(a)}
+        if node.target in MATMUL_ADD_OPS and self._quantizable_input(node.args[0]):
+            inputs[node.args[0]] = self._input_spec(node.args[0])
+        self._mark(node, inputs, self._act)
+
+    def _annotate_einsum(self, node: Node, cleared: set[Node]) -> None:
+        operands = [t for t in node.args[1] if self._quantizable_input(t)]
+        if _is_float_tensor(node):
+            self._mark(node, {t: self._input_spec(t) for t in operands}, self._act)
+
+    def _annotate_cat(self, node: Node, cleared: set[Node]) -> None:
+        tensors = [t for t in node.args[0] if self._quantizable_input(t)]
+        varying = [t for t in tensors if not self._constant(t)]
+        if not varying:
+            return
+        anchor = varying[0]
+        shared = SharedQuantizationSpec((anchor, node))
+        # constants (a class token) get their own weight-form scale: a shared activation scale
+        # would store them outside reduce_range's [-63, 63]
+        inputs = {t: self._const if self._constant(t) else shared for t in tensors}
+        inputs[anchor] = self._act
+        self._mark(node, inputs, shared)
+
+    def _annotate_shared(self, node: Node, cleared: set[Node]) -> None:
+        x = node.args[0]
+        if not self._quantizable_input(x):
+            return  # float in, float out: a quantized consumer quantizes the result
+        if node.target in ZERO_PAD_OPS and _pad_value(node) not in (None, 0, 0.0):
+            # padding with a non-zero constant is not a value of every quantized grid
+            self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
+            return
+        if node.target in SPLIT_OPS:
+            self._mark(node, {x: self._input_spec(x)}, None)
+            for user in node.users:
+                if user.op == "call_function" and user.target is operator.getitem:
+                    self._mark(user, {}, SharedQuantizationSpec((x, node)))
+            return
+        if not _is_float_tensor(node):
+            return
+        self._mark(node, {x: self._input_spec(x)}, SharedQuantizationSpec((x, node)))
+
+    def _annotate_embedding(self, node: Node, cleared: set[Node]) -> None:
+        table = node.args[0]
+        if self._quantizable_input(table) and _is_float_tensor(node):
+            self._mark(node, {table: self._input_spec(table)}, SharedQuantizationSpec((table, node)))
+
+    def _annotate_own(self, node: Node, cleared: set[Node]) -> None:
+        x = node.args[0]
+        if not _is_float_tensor(x):
+            return
+        # a masked score tensor holds -inf: the softmax reads it in float
+        from_select = x.op == "call_function" and x.target in FLOAT_SELECT_OPS
+        quantize_input = self._quantizable_input(x) and not from_select
+        self._mark(node, {x: self._input_spec(x)} if quantize_input else {}, self._act)
+
+    def _annotate_float_select(self, node: Node, cleared: set[Node]) -> None:
+        self.report.n_float_select += 1
+
+    _HANDLERS = {
+        "binary": _annotate_binary, "matmul": _annotate_matmul, "cat": _annotate_cat, "einsum": _annotate_einsum, "embedding": _annotate_embedding,
+        "shared_scale": _annotate_shared, "own_scale": _annotate_own, "float_select": _annotate_float_select,
+    }
 
     def validate(self, model: GraphModule) -> None:
         return None

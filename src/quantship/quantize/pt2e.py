@@ -13,7 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from quantship.precision import QuantSpec
-from quantship.quantize.annotator import WEIGHTED_OPS, QuantshipQuantizer
+from quantship.quantize.annotator import WEIGHTED_OPS, AnnotationReport, QuantshipQuantizer
 from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
 
@@ -21,6 +21,13 @@ qd = torch.ops.quantized_decomposed
 DEQUANT_WEIGHT_OPS = {qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default}
 QUANT_OPS = {qd.quantize_per_tensor.default, qd.quantize_per_channel.default,
              qd.quantize_per_tensor.tensor}
+REPORT_ATTRIBUTE = "_quantship_annotation"  # where a converted model carries its AnnotationReport
+
+
+def annotation_report(model: object) -> AnnotationReport | None:
+    """What the annotator did to a pt2e model quantship produced (None for any other model)."""
+    report = getattr(model, REPORT_ATTRIBUTE, None)
+    return report if isinstance(report, AnnotationReport) else None
 
 
 def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None) -> None:
@@ -44,8 +51,13 @@ def quantize_pt2e(
     *,
     log: Callable[[str], None],
     verbose: bool = False,
+    strict: bool = False,
 ) -> GraphModule:
-    """Post-training static quantization of ``model`` (left untouched) with ``spec``."""
+    """Post-training static quantization of ``model`` (left untouched) with ``spec``.
+
+    ``strict``: refuse a model with an op the annotator has no INT8 rule for (listed by module),
+    instead of quantizing around it.
+    """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -57,6 +69,8 @@ def quantize_pt2e(
     quantizer = QuantshipQuantizer(spec)
     prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
+    if strict:
+        refuse_float_ops(quantizer.report, type(model).__name__)
     n = sum(b.shape[0] for b in batches)
     log(f"pt2e: calibrating on {n} sample(s) in {len(batches)} batch(es) ({spec.act_observer} observer)")
     run_batches(prepared, batches, verbose=verbose)
@@ -70,6 +84,7 @@ def quantize_pt2e(
     check_converted(converted)
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
+    setattr(converted, REPORT_ATTRIBUTE, quantizer.report)
     return converted
 
 
@@ -83,6 +98,21 @@ def check_batch_sizes(captured: Capture, batches: list[torch.Tensor]) -> None:
             f"calibration batches have sizes {', '.join(map(str, sizes))}, but the graph was captured at a static "
             f"batch of {captured.static_batch} ({captured.reason}). Make the model's batch symbolic, or drop "
             "the batches of other sizes (DataLoader(drop_last=True))."
+        )
+
+
+def describe_float_ops(report: AnnotationReport) -> str:
+    """``module: op, op; module: op`` for the ops left float (module paths, never node names)."""
+    return "; ".join(f"{module}: {', '.join(ops)}" for module, ops in report.float_ops_by_module().items())
+
+
+def refuse_float_ops(report: AnnotationReport, model_name: str) -> None:
+    """strict=True: an op without an INT8 rule is an error, named with its module."""
+    if report.float_ops:
+        raise ValueError(
+            f"strict=True: {model_name} has {len(report.float_ops)} op(s) the INT8 annotator has no rule for, "
+            f"which would stay float: {describe_float_ops(report)}. Use strict=False to quantize around them "
+            "(Quantizer.report names them), or replace those modules"
         )
 
 
@@ -100,8 +130,11 @@ def report_placement(quantizer: QuantshipQuantizer, spec: QuantSpec, log: Callab
     if spec.skip_activations:
         log(f"pt2e: activations of {len(report.skipped_nodes)} node(s) under "
             f"{list(spec.skip_activations)} stay float")
-    if report.unannotated_ops:
-        log(f"pt2e: left in float (no INT8 rule): {report.unannotated_ops}")
+    if report.n_float_select:
+        log(f"pt2e: {report.n_float_select} attention mask selection(s) stay float by design (a quantized -inf "
+            "is finite); the softmax after each reads float scores")
+    if report.float_ops:
+        log(f"pt2e: left in float (no INT8 rule), by module: {describe_float_ops(report)}")
 
 
 def check_converted(graph: GraphModule) -> dict[str, int]:
@@ -124,6 +157,6 @@ def check_converted(graph: GraphModule) -> dict[str, int]:
     return {"n_quantized_weights": n_quantized}
 
 
-def quantize(model, spec, batches, *, log, verbose=False):
+def quantize(model, spec, batches, *, log, verbose=False, strict=False):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
-    return quantize_pt2e(model, spec, batches, log=log, verbose=verbose)
+    return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict)

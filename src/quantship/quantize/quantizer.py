@@ -33,6 +33,9 @@ _NEEDS_CALIBRATION = {"static"}
 class Quantizer:
     """A validated precision request and the verb that applies it.
 
+    pt2e: ops the annotator has no INT8 rule for are quantized around and named, by module path, in
+    ``report`` after ``quantize`` (and in the verbose log); ``strict=True`` refuses such a model.
+
     >>> Quantizer(backend='pt2e').spec.label
     'W8A8'
     """
@@ -53,6 +56,7 @@ class Quantizer:
         reduce_range: bool | None = None,
         max_accuracy_drop: float | None = None,
         verbose: bool = False,
+        strict: bool = False,
     ):
         self.spec: QuantSpec = resolve_spec(
             backend, method, weight_bits=weight_bits, act_bits=act_bits, qscheme=qscheme,
@@ -66,6 +70,13 @@ class Quantizer:
                 f"skip_activations); backend={self.spec.backend!r} method={self.spec.method!r} cannot")
         self.max_accuracy_drop = max_accuracy_drop
         self.accuracy_search = None  # the AccuracySearch of the last quantize() with a budget
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict={strict!r} must be True or False")
+        if strict and self.spec.backend != "pt2e":
+            raise SpecRefused(f"strict=True refuses ops quantship's pt2e annotator has no rule for; backend="
+                              f"{self.spec.backend!r} does not use it: use backend='pt2e' or strict=False")
+        self.strict = strict
+        self.report = None  # pt2e: what the annotator did on the last quantize() (ops left float, by module)
         self.target: str | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
@@ -124,20 +135,27 @@ class Quantizer:
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
+        extra = {"strict": True} if self.strict else {}
+
+        def run(chosen: QuantSpec) -> torch.nn.Module:
+            quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
+            if chosen.backend == "pt2e":
+                from quantship.quantize.pt2e import annotation_report
+
+                self.report = annotation_report(quantized)
+            return tag_model(quantized, chosen, self.target)
+
         if self.max_accuracy_drop is None:
             if labelled_data is not None:
                 self._log("labelled_data is only used with max_accuracy_drop; ignoring it")
-            quantized = backend.quantize(model, spec, batches, log=self._log, verbose=self.verbose)
-            return tag_model(quantized, spec, self.target)
+            return run(spec)
         if labelled_data is None:
             raise DataRefused("max_accuracy_drop needs labelled_data: (x, y) batches to measure top-1 on")
         from quantship.quantize.accuracy import search
 
         def quantize_without(excluded: tuple[str, ...]) -> torch.nn.Module:
             skip = tuple(sorted({*(spec.skip_activations or ()), *excluded})) or None
-            chosen = dataclasses.replace(spec, skip_activations=skip)
-            return tag_model(backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose),
-                             chosen, self.target)
+            return run(dataclasses.replace(spec, skip_activations=skip))
 
         quantized, self.accuracy_search = search(quantize_without, model, labelled_data, self.max_accuracy_drop,
                                                  log=self._log)

@@ -1,0 +1,131 @@
+"""Graph rewrites applied before annotation, so that every product the model computes is a node
+the annotator can quantize.
+
+``scaled_dot_product_attention`` is one fused aten op: left whole, its two matrix products stay
+float in the exported file. ``decompose_attention`` rewrites it into the arithmetic it stands for
+
+    softmax(mask(matmul(q * scale, k^T))) @ v
+
+so that both products become activation x activation ``matmul`` nodes (quantized on both inputs,
+integer MatMuls in ONNX Runtime). The rewrite keeps each node's module path and computes every
+new node's fake value, so the annotator sees the same metadata as on a captured node.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import GraphModule, Node
+
+aten = torch.ops.aten
+ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
+_ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def _fake_value(target, args: tuple, kwargs: dict) -> object:
+    """Run ``target`` on the fake values of its node arguments (shapes and dtypes only)."""
+    from torch._guards import detect_fake_mode
+
+    def val(a):
+        return a.meta["val"] if isinstance(a, Node) else a
+
+    values = tuple(val(a) for a in args)
+    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return target(*values, **kwargs)
+    with mode:
+        return target(*values, **kwargs)
+
+
+def _insert(graph, target, args: tuple, like: Node, **kwargs) -> Node:
+    node = graph.call_function(target, args, kwargs)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    node.meta["val"] = _fake_value(target, args, kwargs)
+    return node
+
+
+def _attention_args(node: Node) -> dict:
+    args = dict(zip(_ARG_NAMES, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def decomposable(node: Node) -> bool:
+    """An attention node this rewrite reproduces exactly: no dropout, no grouped-query heads."""
+    args = _attention_args(node)
+    return not args.get("dropout_p") and not args.get("enable_gqa", False)
+
+
+def decompose_attention(model: GraphModule) -> int:
+    """Rewrite each decomposable ``scaled_dot_product_attention`` node in place; return how many."""
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in ATTENTION_OPS or not decomposable(node):
+            continue
+        a = _attention_args(node)
+        q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+        q_val, k_val = q.meta["val"], k.meta["val"]
+        scale = a.get("scale")
+        if scale is None:
+            scale = 1.0 / math.sqrt(q_val.shape[-1])
+        with graph.inserting_before(node):
+            scaled_q = _insert(graph, aten.mul.Tensor, (q, float(scale)), node)
+            k_t = _insert(graph, aten.transpose.int, (k, -2, -1), node)
+            scores = _insert(graph, aten.matmul.default, (scaled_q, k_t), node)
+            if a.get("is_causal"):
+                size = (q_val.shape[-2], k_val.shape[-2])
+                ones = _insert(graph, aten.ones.default, (list(size),), node, dtype=torch.bool)
+                mask = _insert(graph, aten.tril.default, (ones,), node)
+            if isinstance(mask, Node):
+                if mask.meta["val"].dtype == torch.bool:
+                    scores = _insert(graph, aten.where.ScalarOther, (mask, scores, float("-inf")), node)
+                else:
+                    scores = _insert(graph, aten.add.Tensor, (scores, mask), node)
+            weights = _insert(graph, aten.softmax.int, (scores, -1), node)
+            out = _insert(graph, aten.matmul.default, (weights, v), node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        n += 1
+    if n:
+        graph.lint()
+        model.recompile()
+    return n
+
+
+def flatten_linear_inputs(model: GraphModule) -> int:
+    """Feed every ``linear`` on an N-D input (N > 2) a 2-D view, and restore the shape after.
+
+    The ONNX exporter writes a 2-D linear as one Gemm reading the weight's DequantizeLinear
+    directly; an N-D one becomes MatMul(x, Transpose(weight)), whose weight input is no longer a
+    dequantized tensor. The views share their input's scale, so no rounding is added, and torch
+    computes an N-D linear on this same flattened view. Skipped when a dimension other than the
+    first is symbolic (the restoring shape must be literal there).
+    """
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        x = node.args[0]
+        shape = x.meta["val"].shape if isinstance(x, Node) and "val" in x.meta else None
+        if shape is None or len(shape) <= 2 or not all(isinstance(d, int) for d in shape[1:]):
+            continue
+        out_features = node.meta["val"].shape[-1]
+        with graph.inserting_before(node):
+            flat = _insert(graph, aten.flatten.using_ints, (x, 0, len(shape) - 2), node)
+        node.replace_input_with(x, flat)
+        node.meta["val"] = _fake_value(node.target, node.args, dict(node.kwargs))
+        with graph.inserting_after(node):
+            restored = _insert(graph, aten.reshape.default, (node, [-1, *shape[1:-1], out_features]), node)
+        for user in list(node.users):
+            if user is not restored:
+                user.replace_input_with(node, restored)
+        n += 1
+    if n:
+        graph.lint()
+        model.recompile()
+    return n

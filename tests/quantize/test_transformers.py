@@ -1,0 +1,139 @@
+"""Transformers through the onnxruntime-cpu preset: fully INT8 files, close to torch, fused by ORT.
+
+Each model is quantized and exported once (module fixture) with ``target='onnxruntime-cpu'``, so
+the export itself proves the preset's own target check and the reduce_range post-condition.
+Untrained models: their zero-initialised heads and tiny layer scales are re-drawn so that the
+outputs vary and an LSB comparison means something.
+"""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from quantship import Quantizer
+from quantship.export.qdq import export_qdq
+from quantship.inspect.consumers import ort_optimized_ops
+from quantship.inspect.verify import compare_logits
+
+COMPUTE_OPS = {"Conv", "Gemm", "MatMul"}
+LSB_LITERAL = 4  # ORT with optimizations off vs the torch quantized model (rounding ties amplified by depth)
+
+
+def compute_inputs(path) -> dict[str, list[str]]:
+    """For every Conv/Gemm/MatMul of the file, the op types that produce its first two inputs."""
+    model = onnx.load(str(path), load_external_data=False)
+    producer = {out: node.op_type for node in model.graph.node for out in node.output}
+    return {n.name: [producer.get(i, "initializer/input") for i in n.input[:2]]
+            for n in model.graph.node if n.op_type in COMPUTE_OPS}
+
+
+def _build(name: str):
+    """(model, calibration batches, sample) for one of the models under test."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "bert":
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128, max_position_embeddings=32)
+
+        class Encoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.bert = BertModel(config, add_pooling_layer=False)
+
+            def forward(self, input_ids):
+                return self.bert(input_ids=input_ids).last_hidden_state
+
+        def ids():
+            return torch.randint(0, 128, (2, 16), generator=g)
+
+        return Encoder().eval(), [ids() for _ in range(2)], ids()
+    if name == "vit":
+        from torchvision.models.vision_transformer import VisionTransformer
+
+        model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64,
+                                  mlp_dim=128, num_classes=10)
+        nn.init.normal_(model.heads.head.weight, std=0.5)  # zero at init: every logit would be 0
+        size = 32
+    else:
+        import torchvision
+
+        model = torchvision.models.get_model(name, weights=None)
+        for p_name, p in model.named_parameters():
+            if p_name.endswith("layer_scale"):  # ConvNeXt starts them at 1e-6: blocks would not count
+                nn.init.constant_(p, 0.1)
+        size = 32
+    return (model.eval(), [torch.randn(1, 3, size, size, generator=g) for _ in range(2)],
+            torch.randn(1, 3, size, size, generator=g))
+
+
+@pytest.fixture(scope="module")
+def exported(request, tmp_path_factory):
+    """name -> (quantizer, quantized model, sample, file), each built once on first use."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            model, calib, sample = _build(name)
+            quantizer = Quantizer.for_target("onnxruntime-cpu", act_observer="minmax")
+            q = quantizer.quantize(model, calib)
+            path = export_qdq(q, sample, tmp_path_factory.mktemp(name) / f"{name}.onnx", target="onnxruntime-cpu")
+            cache[name] = (quantizer, q, sample, path)
+        return cache[name]
+
+    return get
+
+
+def _check_model(exported, name: str, n_compute: int) -> None:
+    quantizer, q, sample, path = exported(name)
+    inputs = compute_inputs(path)
+    assert len(inputs) == n_compute
+    float_fed = {k: v for k, v in inputs.items() if v != ["DequantizeLinear", "DequantizeLinear"]}
+    assert float_fed == {}
+    assert quantizer.report.float_ops == []
+    err = compare_logits(q, path, sample)
+    assert err.max_lsb <= LSB_LITERAL, str(err)
+    with torch.no_grad():
+        out = q(sample)
+    assert float(out.std()) > 0, "the output is constant: the LSB comparison would be vacuous"
+
+
+def test_vit_fully_int8(exported):
+    # patch conv + 4 linears per layer (in-projection, out-projection, 2 MLP) x 2 + head,
+    # and 2 attention matmuls per layer
+    _check_model(exported, "vit", 1 + 9 + 4)
+    census = ort_optimized_ops(exported("vit")[3])
+    assert (census["QLinearConv"], census["QGemm"], census["QLinearMatMul"]) == (1, 9, 4)
+
+
+def test_bert_fully_int8(exported):
+    # 6 linears per layer (q, k, v, attention output, intermediate, output) x 2, 2 matmuls per layer
+    _check_model(exported, "bert", 12 + 4)
+    census = ort_optimized_ops(exported("bert")[3])
+    assert (census["QGemm"], census["QLinearMatMul"]) == (12, 4)
+
+
+@pytest.mark.slow
+def test_convnext_tiny_fully_int8(exported):
+    _check_model(exported, "convnext_tiny", 59)  # 22 conv + 36 block linears + head
+
+
+@pytest.mark.slow
+def test_swin_t_fully_int8(exported):
+    _check_model(exported, "swin_t", 77)  # patch conv, 52 linears + 24 attention matmuls
+
+
+def test_strict_accepts_vit_blocks():
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=16, patch_size=8, num_layers=1, num_heads=2, hidden_dim=32,
+                              mlp_dim=64, num_classes=4).eval()
+    quantizer = Quantizer(strict=True, act_observer="minmax")
+    quantizer.quantize(model, [torch.randn(2, 3, 16, 16)])
+    assert quantizer.report.float_ops == []
+    assert quantizer.report.n_weighted == 1 + 4 + 1
