@@ -14,6 +14,7 @@ ARGS = {  # the positional arguments each command needs before --target
     "quantize": ["torchvision:resnet18", "--calib", "cal.npy", "--out", "x.onnx"],
     "quantize-onnx": ["float.onnx", "--calib", "cal.npy", "--out", "x.onnx"],
     "demo": [],
+    "sensitivity": ["torchvision:resnet18", "--calib", "cal.npy", "--out-dir", "report"],
 }
 
 

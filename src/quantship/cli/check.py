@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     real = inputs.read(args, limit=args.n * 64)
     report = check_file(args.file, args.target, run=args.run, n_inputs=args.n, inputs=real)
     if args.json:
-        print(report.to_json())
+        common.emit_json(args.command, report.as_dict())
         return exit_code(report)
     console = Console(highlight=False, soft_wrap=True)  # one line per finding: greppable
     colour = {"accepted": "green", "inconclusive": "yellow"}.get(report.verdict, "red")

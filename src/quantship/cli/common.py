@@ -97,11 +97,31 @@ def verdict_line(report) -> str:
     return report.summary()
 
 
+JSON_VERSION = 1  # the layout of every command's --json document (docs/json.md)
+
+
+def json_document(command: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Every command's --json in one shape: ``version`` (the document layout) first, then the quantship
+    release and the command, then the command's own keys (snake_case; counts named by what they count)."""
+    from quantship import __version__
+
+    rest = {k: v for k, v in data.items() if k not in ("version", "quantship", "command")}
+    return {"version": JSON_VERSION, "quantship": __version__, "command": command, **rest}
+
+
+def emit_json(command: str, data: dict[str, Any]) -> None:
+    """Print ``json_document`` as strict JSON: a non-finite number becomes null and is listed in ``notes``."""
+    from quantship.inspect.report_json import strict_json
+
+    print(strict_json(json.loads(json.dumps(json_document(command, data), default=str))))
+
+
 class Output:
     """Progress lines unless --quiet/--json; the final report as a table or as JSON."""
 
     def __init__(self, args: argparse.Namespace):
         self.json = bool(getattr(args, "json", False))
+        self.command = getattr(args, "command", None) or "quantship"
         self.quiet = bool(getattr(args, "quiet", False)) or self.json
         self.verbose = not self.quiet
 
@@ -111,7 +131,7 @@ class Output:
 
     def report(self, data: dict[str, Any], rows: list[tuple[str, str]], title: str = "quantship") -> None:
         if self.json:
-            print(json.dumps(data, indent=2, default=str))
+            emit_json(self.command, data)
             return
         from rich.console import Console
         from rich.table import Table

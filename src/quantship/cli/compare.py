@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=real)
     code = 1 if report.inconclusive else 0  # an inconclusive comparison is never a pass
     if args.json:
-        print(report.to_json())
+        common.emit_json(args.command, report.as_dict())
         return code
     source = f"batches from {args.inputs}" if args.inputs else "seeded random inputs"
     print(f"{report.n_inputs} {source}, errors in the INT8 file's output LSB")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from quantship.cli import common
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="an ONNX file (QDQ, QOperator, dynamic or float)")
@@ -25,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = inspect_file(args.file)
     if args.json:
-        print(report.to_json())
+        common.emit_json(args.command, report.as_dict())
         return 0
     mem = report.memory
     table = Table.grid(padding=(0, 2))

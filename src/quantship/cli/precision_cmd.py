@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import argparse
 
+from quantship.cli import common
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import asdict
 
-    from quantship import __version__
     from quantship.precision import PRESETS, SUPPORT_MATRIX, TARGET_ALIASES, precision_table, same_file_as
 
     if args.json:
-        print(json.dumps({
-            "version": __version__,
+        common.emit_json("precision", {
             "matrix": [asdict(c) | {"label": c.label} for c in SUPPORT_MATRIX],
             "presets": [asdict(p) | {"same_graph_as": same_file_as(p.target)} for p in PRESETS],
             "target_aliases": dict(TARGET_ALIASES),
-        }, indent=2))
+        })
         return 0
     print(precision_table())
     print()

@@ -124,12 +124,13 @@ def _run(args: argparse.Namespace, out) -> int:
     verdict = check_file(path, target.check_target, run=True, inputs=real)
     readings = path.readings
     result = {
-        "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": str(path),
+        "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": args.out,
         "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
         "size_bytes": size, "batch": "any" if served is None else served, "qdq_stats": stats.as_dict(),
         "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "ort_readings": readings.as_dict() if readings else None,
         "verdict": verdict.verdict, "check": verdict.as_dict(),
     }
+    result["float_ops"] = left_float = _left_float(quantizer, quant_spec(qmodel), stats)
     rows_eval: list[tuple[str, str]] = []
     if labelled is not None:
         bs = batches[0].shape[0]
@@ -146,10 +147,12 @@ def _run(args: argparse.Namespace, out) -> int:
         rows_eval.append(("accuracy-aware search", f"{len(quantizer.accuracy_search.steps)} quantization(s); kept in "
                           f"float: {', '.join(chosen.excluded) or 'nothing'}"))
     rows = [
-        ("file", f"{path} ({size / 1e6:.2f} MB)"),
+        ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights_origin(args.model, args.weights)),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("batch", "any (symbolic 'batch' dimension)" if served is None else f"static {served}"),
+        ("left in float", "; ".join(f"{f['module']}{': ' + ', '.join(f['ops']) if f['ops'] else ''} ({f['why']})"
+                                    for f in left_float["by_module"]) or "nothing (every compute op reads INT8)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
@@ -200,3 +203,14 @@ def _output_error(qmodel, path, sample):
     diff = np.abs(torch_runner(qmodel)(x) - run_session(ort_session(path), [x])[0])
     return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
             "describe": f"float output: max abs {diff.max():.4g}, mean abs {diff.mean():.4g} (no output scale)"}
+
+
+def _left_float(quantizer, spec, stats) -> dict:
+    """What stayed float, by module path and why: kept float on request (--exclude, the accuracy
+    search), or no INT8 rule in the annotator; plus the count of float compute ops in the file."""
+    by_module = [{"module": name, "ops": [], "why": "kept float on request"} for name in spec.skip_activations or ()]
+    report = getattr(quantizer, "report", None)
+    if report is not None:
+        by_module += [{"module": module, "ops": ops, "why": "no INT8 rule in the annotator"}
+                      for module, ops in report.float_ops_by_module().items()]
+    return {"n_float_compute_in_file": stats.n_float_compute, "by_module": by_module}

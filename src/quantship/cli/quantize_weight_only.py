@@ -98,13 +98,13 @@ def run(args: argparse.Namespace) -> int:
     size = file_size(path)
     form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
     result = {
-        "version": 1, "model": args.model, "target": target or "standard", "path": str(path), "spec": spec.as_dict(),
+        "version": 1, "model": args.model, "target": target or "standard", "path": args.out, "spec": spec.as_dict(),
         "label": spec.label, "size_bytes": size, "form": form, "relative_error_vs_torch": error,
         "relative_error_vs_torch_float_activations": float_error,
     }
     granularity = f"groups of {spec.group_size}" if spec.qscheme == "per_group" else "per output channel"
     ui.report(result, [
-        ("file", f"{path} ({size / 1e6:.2f} MB)"),
+        ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("precision", f"{spec.label} {spec.method}, {granularity}"),
         ("form", form),
         ("ORT vs torch", f"{error:.2e} (max |difference| / max |output|, sample of shape {tuple(sample.shape)})"),
