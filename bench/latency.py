@@ -545,37 +545,6 @@ def _encoder_section(rows: list[EncoderRow], runs: int, warmup: int) -> list[str
             _encoder_table(rows), ""]
 
 
-def _header() -> str:
-    import torchao
-
-    import quantship
-    from quantship.inspect.consumers import cpu_info
-
-    cpu, flags = cpu_info()
-
-    wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_tile"]
-    return "\n".join([
-        f"- CPU: {cpu}; {len(__import__('os').sched_getaffinity(0))} cores available",
-        f"- CPU flags: {', '.join(f for f in wanted if f in flags) or 'none of ' + ', '.join(wanted)}",
-        f"- Python {platform.python_version()}, torch {torch.__version__}, torchao {torchao.__version__}, "
-        f"onnx {onnx.__version__}, onnxruntime {ort.__version__}, quantship {quantship.__version__}",
-        f"- measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-    ])
-
-
-def _table(rows: list[Row]) -> str:
-    lines = ["| model | batch | file | median ms | min-max ms | speedup vs FP32 | fused Conv | QGemm | QLinearAdd "
-             "| size MB | LSB vs torch (literal / fused) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c = r.census
-        lines.append(
-            f"| {r.model} | {r.batch} | {r.name} | {r.median_ms:.1f} | {r.min_ms:.1f}-{r.max_ms:.1f} | "
-            f"{r.speedup:.2f}x | {c['fused_conv']}/{c['total_conv']} | {c['QGemm']} | {c['QLinearAdd']} | "
-            f"{r.size_mb:.1f} | {r.parity or '-'} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["resnet18", "mobilenet_v2"])
