@@ -214,10 +214,16 @@ def test_an_unreadable_file_is_one_line_in_process(argv, denied, files, sandbox,
     assert Path(str(files[denied])).name in err[0]
 
 
+def _default_sigint() -> None:
+    # a shell starts background jobs (and some CI runners their children) with SIGINT ignored, and
+    # an ignored signal is inherited: give the child the default, as a terminal would
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*argv: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "quantship", *argv], stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=full_env, **kwargs)
+                            stdout=subprocess.PIPE, text=True, env=full_env, preexec_fn=_default_sigint, **kwargs)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="running as root: chmod 000 does not deny root a read, so an "

@@ -167,7 +167,15 @@ def test_stale_temp_dirs_are_removed_but_a_live_one_is_kept(tmp_path):
     assert _listing(tmp_path) == sorted([unrelated.name, fresh.name, "m.onnx"])
 
 
-def test_a_swallowed_ctrl_c_stops_the_commit(tmp_path):
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler, whatever the runner started us with (a background job ignores SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_swallowed_ctrl_c_stops_the_commit(tmp_path, default_sigint):
     out = tmp_path / "m.onnx"
     _write(out, 1.0)
     with pytest.raises(KeyboardInterrupt):

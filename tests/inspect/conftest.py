@@ -142,6 +142,8 @@ def small_qdq(tmp_path_factory) -> Path:
     calib = [torch.randn(1, 3, 32, 32, generator=g) for _ in range(4)]
     return export_pt2e(SmallNet().eval(), calib, root / "small_int8.onnx")
 
+
+@pytest.fixture(scope="session")
 def constant_file(tmp_path_factory) -> Path:
     """A pt2e INT8 SmallNet whose first ReLU is always off: its output is the same for every input
     (like an untrained torchvision MobileNetV2's)."""

@@ -28,6 +28,8 @@ def _fake_value(target, args: tuple, kwargs: dict) -> object:
     from torch._guards import detect_fake_mode
 
     def val(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
         return a.meta["val"] if isinstance(a, Node) else a
 
     values = tuple(val(a) for a in args)
@@ -102,8 +104,8 @@ def flatten_linear_inputs(model: GraphModule) -> int:
     The ONNX exporter writes a 2-D linear as one Gemm reading the weight's DequantizeLinear
     directly; an N-D one becomes MatMul(x, Transpose(weight)), whose weight input is no longer a
     dequantized tensor. The views share their input's scale, so no rounding is added, and torch
-    computes an N-D linear on this same flattened view. Skipped when a dimension other than the
-    first is symbolic (the restoring shape must be literal there).
+    computes an N-D linear on this same flattened view. A symbolic dimension between the first and
+    the last is read back with ``sym_size`` for the restoring reshape.
     """
     graph = model.graph
     n = 0
@@ -112,15 +114,19 @@ def flatten_linear_inputs(model: GraphModule) -> int:
             continue
         x = node.args[0]
         shape = x.meta["val"].shape if isinstance(x, Node) and "val" in x.meta else None
-        if shape is None or len(shape) <= 2 or not all(isinstance(d, int) for d in shape[1:]):
+        if shape is None or len(shape) <= 2 or not isinstance(shape[-1], int):
             continue
         out_features = node.meta["val"].shape[-1]
         with graph.inserting_before(node):
+            # a symbolic middle dimension (MultiheadAttention's batch, sequence-first) is read at run time
+            sizes = {i: _insert(graph, aten.sym_size.int, (x, i), node)
+                     for i, d in enumerate(shape[1:-1], start=1) if not isinstance(d, int)}
             flat = _insert(graph, aten.flatten.using_ints, (x, 0, len(shape) - 2), node)
         node.replace_input_with(x, flat)
         node.meta["val"] = _fake_value(node.target, node.args, dict(node.kwargs))
         with graph.inserting_after(node):
-            restored = _insert(graph, aten.reshape.default, (node, [-1, *shape[1:-1], out_features]), node)
+            middle = [sizes.get(i, d) for i, d in enumerate(shape[1:-1], start=1)]
+            restored = _insert(graph, aten.reshape.default, (node, [-1, *middle, out_features]), node)
         for user in list(node.users):
             if user is not restored:
                 user.replace_input_with(node, restored)
