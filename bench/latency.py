@@ -249,22 +249,7 @@ def lm_rows(runs: int, warmup: int, workdir: Path, seq_len: int = 128,
     corpus = lm.load_corpus()
     ids = torch.from_numpy(corpus.held_out[0][:seq_len].astype(np.int64))[None]
     files, checks = _lm_files(workdir, ids, model)
-    sessions = {}
-    for name, path in files.items():
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    feed = {n: {s.get_inputs()[0].name: ids.numpy()} for n, s in sessions.items()}
-    for _ in range(warmup):
-        for n, s in sessions.items():
-            s.run(None, feed[n])
-    times: dict[str, list[float]] = {n: [] for n in sessions}
-    order = list(sessions)
-    for r in range(runs):
-        for n in order[r % len(order):] + order[:r % len(order)]:  # rotate who goes first
-            t0 = time.perf_counter()
-            sessions[n].run(None, feed[n])
-            times[n].append((time.perf_counter() - t0) * 1000)
+    times = _time(files, 1, runs, warmup, feed=ids.numpy())
     fp32 = float(np.median(times["FP32"]))
     return [LMRow(n, float(np.median(t)), float(np.min(t)), float(np.max(t)), fp32 / float(np.median(t)),
                   _size_mb(files[n]), *checks[n]) for n, t in times.items()]
