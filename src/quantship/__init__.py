@@ -5,8 +5,9 @@ Public names are loaded lazily so that ``import quantship`` (and ``quantship --h
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from quantship.lazy import load_public
 
 __version__ = "0.1.0"
 
@@ -45,11 +46,7 @@ __all__ = ["__version__", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'quantship' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    value = globals()[name] = load_public(__name__, _PUBLIC, name)
     return value
 
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None, help: str,
@@ -46,6 +51,19 @@ def output_path(out: str):
     if not path.parent.is_dir():
         raise ExportRefused(f"--out {out}: the directory {path.parent} does not exist; create it first")
     return path
+
+
+@contextlib.contextmanager
+def writing(args: argparse.Namespace) -> Iterator[Path]:
+    """``--out`` resolved (``output_path``) and locked against other writers until the block ends.
+
+    A command holds it to its end: its report reads the file this run wrote.
+    """
+    from quantship.export.artifact import destination_lock
+
+    out = output_path(args.out)
+    with destination_lock(out, wait=not args.no_wait):
+        yield out
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, hf: bool = False) -> None:

@@ -117,13 +117,10 @@ def _run(argv: list[str] | None) -> int:
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
-    import logging
-
     from quantship.export.artifact import InterruptGuard
+    from quantship.noise import silence_library_noise
 
-    # torchao registers an Enum with torch's pytree at import, and torch logs a deprecation line on
-    # stderr for it: noise that is not about the user's input (stderr holds one line on an error)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    silence_library_noise()  # stderr holds one line on an error, about the user's input
 
     interrupts = InterruptGuard()  # a Ctrl-C that a library swallowed (or wrapped) still ends the run: 130
     try:

@@ -26,10 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quantship.export.artifact import destination_lock
-
-    out = common.output_path(args.out)
-    with destination_lock(out, wait=not args.no_wait):  # held to the end: the report reads the file this run wrote
+    with common.writing(args) as out:
         return _run(args, out)
 
 

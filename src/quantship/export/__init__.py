@@ -7,8 +7,9 @@ one module of this package (``quantship.export.artifact``) does not import the e
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from quantship.lazy import load_public
 
 _PUBLIC = {
     "export_qdq": "quantship.export.qdq",
@@ -21,10 +22,7 @@ __all__ = list(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'quantship.export' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return load_public(__name__, _PUBLIC, name)
 
 
 def __dir__() -> list[str]:

@@ -5,8 +5,9 @@ Names are resolved lazily so reading a file never imports torch unless a functio
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from quantship.lazy import load_public
 
 _PUBLIC = {
     "qdq_stats": "quantship.inspect.stats",
@@ -39,7 +40,4 @@ __all__ = list(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'quantship.inspect' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return load_public(__name__, _PUBLIC, name)

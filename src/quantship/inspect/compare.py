@@ -22,7 +22,7 @@ from quantship.inspect.consumers import (
     run_openvino,
     run_tigris,
 )
-from quantship.inspect.inputs import declared_inputs
+from quantship.inspect.inputs import declared_inputs, graph_inputs
 from quantship.inspect.loading import load_onnx
 from quantship.inspect.lsb import output_scales
 from quantship.inspect.rules import target as get_target
@@ -87,7 +87,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
                          f"{len(int8_model.graph.output)}: they are not the same model")
     feeds = random_inputs(int8_model, n_inputs, seed) if inputs is None else array_inputs(int8_model, inputs)
     n_inputs = len(feeds)
-    float_names = [i.name for i in float_model.graph.input if i.name not in {t.name for t in float_model.graph.initializer}]
+    float_names = [value.name for value in graph_inputs(float_model)]
     float_feeds = [dict(zip(float_names, feed.values())) for feed in feeds]
     reference = run_onnxruntime(float_path, float_feeds, optimize=False)
     int8_ort = run_onnxruntime(int8_path, feeds, optimize=False)

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from quantship.errors import cause
+from quantship.inspect.inputs import graph_inputs
 from quantship.inspect.lsb import lsb_error, output_scales
 from quantship.inspect.rules import target as get_target
 
@@ -103,11 +104,8 @@ class RunResult:
 def random_inputs(model: onnx.ModelProto, n: int, seed: int = 0) -> list[Inputs]:
     """``n`` seeded standard-normal feeds for the graph inputs (unset dimensions taken as 1)."""
     rng = np.random.default_rng(seed)
-    initializers = {t.name for t in model.graph.initializer}
     specs = []
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
+    for value in graph_inputs(model):
         tensor_type = value.type.tensor_type
         shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in tensor_type.shape.dim]
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
@@ -122,8 +120,7 @@ def array_inputs(model: onnx.ModelProto, array: np.ndarray) -> list[Inputs]:
 
     A remainder that does not fill a batch is left out.
     """
-    initializers = {t.name for t in model.graph.initializer}
-    inputs = [v for v in model.graph.input if v.name not in initializers]
+    inputs = graph_inputs(model)
     if len(inputs) != 1:
         raise ValueError(f"the file has {len(inputs)} inputs: --inputs feeds single-input graphs only")
     dims = inputs[0].type.tensor_type.shape.dim

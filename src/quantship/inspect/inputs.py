@@ -30,13 +30,16 @@ class DeclaredInput:
         return "x".join("?" if d is None else str(d) for d in self.dims) + f" {self.dtype}"
 
 
+def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The graph inputs a feed must provide: those no initializer fills, in declared order."""
+    initializers = {t.name for t in model.graph.initializer}
+    return [value for value in model.graph.input if value.name not in initializers]
+
+
 def declared_inputs(model: onnx.ModelProto, path: str | Path) -> list[DeclaredInput]:
     """The non-initializer graph inputs of ``model``; refuses non-positive or absurd dimensions."""
-    initializers = {t.name for t in model.graph.initializer}
     found = []
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
+    for value in graph_inputs(model):
         tensor_type = value.type.tensor_type
         try:
             dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))

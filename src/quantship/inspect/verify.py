@@ -185,9 +185,10 @@ def _check_batch(path: str | Path, batch_size: int) -> None:
     """Refuse batches whose size is not the file's fixed batch size (read off the file, no session)."""
     import onnx
 
+    from quantship.inspect.inputs import graph_inputs
+
     model = onnx.load(str(path), load_external_data=False)
-    initializers = {t.name for t in model.graph.initializer}
-    first = next((v for v in model.graph.input if v.name not in initializers), None)
+    first = next(iter(graph_inputs(model)), None)
     dims = first.type.tensor_type.shape.dim if first is not None else []
     dim = dims[0].dim_value if dims and dims[0].HasField("dim_value") else None
     if isinstance(dim, int) and dim != batch_size:

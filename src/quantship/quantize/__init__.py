@@ -1,10 +1,8 @@
 """Apply a validated precision to a model: pt2e, FX backends, torchao, QAT callback."""
 
-import logging
+from quantship.noise import silence_library_noise
 
-# torchao registers an Enum with torch's pytree at import, and torch logs a deprecation line for it
-# (``W... _pytree.py ... KernelPreference``) on stderr: noise a quantship user cannot act on.
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+silence_library_noise()  # before torchao loads
 
 from quantship.quantize.quantizer import Quantizer  # noqa: E402
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import warnings
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -45,24 +44,13 @@ class Quantizer:
         backend: str = "pt2e",
         method: str | None = None,
         *,
-        weight_bits: int | Mapping[str, int] | None = None,
-        act_bits: int | None = None,
-        qscheme: str | None = None,
-        symmetric: bool | None = None,
-        group_size: int | None = None,
-        qdq_placement: str | None = None,
-        skip_activations: Iterable[str] | None = None,
-        act_observer: str | None = None,
-        reduce_range: bool | None = None,
         max_accuracy_drop: float | None = None,
         verbose: bool = False,
         strict: bool = False,
+        **request: Any,
     ):
-        self.spec: QuantSpec = resolve_spec(
-            backend, method, weight_bits=weight_bits, act_bits=act_bits, qscheme=qscheme,
-            symmetric=symmetric, group_size=group_size, qdq_placement=qdq_placement,
-            skip_activations=skip_activations, act_observer=act_observer, reduce_range=reduce_range,
-        )
+        """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ...)."""
+        self.spec: QuantSpec = resolve_spec(backend, method, **request)
         self.verbose = verbose
         if max_accuracy_drop is not None and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
             raise SpecRefused(
