@@ -416,19 +416,6 @@ ENCODER_SEQ = 128
 ENCODER_VOCAB = 30522
 
 
-@dataclass
-class EncoderRow:
-    batch: int
-    name: str
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    speedup: float
-    census: dict
-    size_mb: float
-    parity: str = ""
-
-
 def _encoder_model() -> torch.nn.Module:
     from transformers import BertConfig, BertModel
 
@@ -497,16 +484,16 @@ def _encoder_census(path: Path) -> dict:
                                 "DynamicQuantizeMatMul", "MatMul", "FusedMatMul", "Gemm")}
 
 
-def run_encoder_case(batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int) -> list[EncoderRow]:
+def run_encoder_case(batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int) -> list[Row]:
     files, parity = _encoder_files(batch, workdir, calib_batches)
     ids = np.random.default_rng(0).integers(0, ENCODER_VOCAB, (batch, ENCODER_SEQ)).astype(np.int64)
     times = _time(files, batch, runs, warmup, feed=ids)
     fp32 = float(np.median(times["FP32"]))
-    return [EncoderRow(batch, n, float(np.median(t)), float(np.min(t)), float(np.max(t)), fp32 / float(np.median(t)),
-                       _encoder_census(files[n]), _size_mb(files[n]), parity.get(n, "")) for n, t in times.items()]
+    return [Row("encoder", batch, n, float(np.median(t)), float(np.min(t)), float(np.max(t)), fp32 / float(np.median(t)),
+                _encoder_census(files[n]), _size_mb(files[n]), parity.get(n, "")) for n, t in times.items()]
 
 
-def _encoder_table(rows: list[EncoderRow]) -> str:
+def _encoder_table(rows: list[Row]) -> str:
     keys = ["QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "MatMulInteger", "QAttention", "DynamicQuantizeMatMul"]
     lines = ["| batch | file | median ms | min-max ms | speedup vs FP32 | " + " | ".join(keys)
              + " | float MatMul/Gemm | size MB | LSB vs torch (literal / fused) |",
@@ -519,7 +506,7 @@ def _encoder_table(rows: list[EncoderRow]) -> str:
     return "\n".join(lines)
 
 
-def _encoder_section(rows: list[EncoderRow], runs: int, warmup: int) -> list[str]:
+def _encoder_section(rows: list[Row], runs: int, warmup: int) -> list[str]:
     if not rows:
         return []
     shape = ", ".join(f"{k}={v}" for k, v in ENCODER.items())
@@ -562,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{model_name}] quantizing and exporting once, timing each file at batch "
                   f"{', '.join(map(str, args.batches))} ({args.runs} rounds)...", flush=True)
             rows += run_case(model_name, args.batches, args.runs, args.warmup, Path(tmp), args.calib_batches)
-        encoder_rows: list[EncoderRow] = []
+        encoder_rows: list[Row] = []
         for batch in ([] if args.lm_only else args.encoder_batches):
             print(f"[BERT-style encoder batch {batch}] quantizing, exporting, timing {args.runs} rounds...", flush=True)
             encoder_rows += run_encoder_case(batch, args.runs, args.warmup, Path(tmp), args.calib_batches)
