@@ -159,3 +159,17 @@ def test_type_refusals(kwargs, pattern):
 
 def test_at_least_thirty_refusals_pinned():
     assert len(REFUSALS) >= 30
+
+
+def test_quantizer_signature_lists_every_precision_keyword():
+    """Quantizer forwards its precision keywords to resolve_spec; its visible signature still names them all."""
+    import inspect
+
+    from quantship import Quantizer, resolve_spec
+
+    shown = inspect.signature(Quantizer).parameters
+    for name in inspect.signature(resolve_spec).parameters:
+        assert name in shown, name
+    assert {"max_accuracy_drop", "verbose", "strict"} <= set(shown)
+    with pytest.raises(TypeError, match="weight_bitz"):
+        Quantizer(weight_bitz=8)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import warnings
 from typing import Any
 
@@ -148,3 +149,17 @@ class Quantizer:
         quantized, self.accuracy_search = search(quantize_without, model, labelled_data, self.max_accuracy_drop,
                                                  log=self._log)
         return quantized
+
+
+def _public_signature() -> inspect.Signature:
+    """``Quantizer``'s signature as ``help()`` and IDEs that read ``__signature__`` show it: its own options
+    plus every precision keyword of ``resolve_spec``, which it forwards (one list of names, not two)."""
+    own = inspect.signature(Quantizer.__init__).parameters
+    spec = inspect.signature(resolve_spec).parameters
+    params = [own["self"], spec["backend"], spec["method"]]
+    params += [p for p in spec.values() if p.kind is p.KEYWORD_ONLY]
+    params += [p for p in own.values() if p.kind is p.KEYWORD_ONLY]
+    return inspect.Signature(params)
+
+
+Quantizer.__init__.__signature__ = _public_signature()
