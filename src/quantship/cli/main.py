@@ -119,6 +119,7 @@ def _run(argv: list[str] | None) -> int:
         return 2
     import logging
 
+    from quantship.cli.common import terminal_progress
     from quantship.export.artifact import InterruptGuard
 
     # torchao registers an Enum with torch's pytree at import, and torch logs a deprecation line on
@@ -127,7 +128,7 @@ def _run(argv: list[str] | None) -> int:
 
     interrupts = InterruptGuard()  # a Ctrl-C that a library swallowed (or wrapped) still ends the run: 130
     try:
-        with interrupts:
+        with interrupts, terminal_progress(args):  # the steps the library marks, on a terminal only
             mod = importlib.import_module(f"quantship.cli.{args._module}")
             code = int(mod.run(args) or 0)
             interrupts.check()

@@ -83,8 +83,16 @@ def _reads_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
     return False
 
 
-def count_qdq(view: GraphView) -> QDQStats:
-    """The counts of ``QDQStats``, read off one view (``qdq_stats`` gets them from ``FileFacts``)."""
+def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto]]:
+    """The compute operators (``COMPUTE_OPS``) reading a float activation that no DequantizeLinear produced,
+    with their index in the graph, in graph order."""
+    return [(i, node) for i, node in enumerate(view.nodes)
+            if node.op_type in COMPUTE_OPS and _reads_float_activation(view, node)]
+
+
+def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
+    """The counts of ``QDQStats``, read off one view (``qdq_stats`` gets them from ``FileFacts``, which
+    passes the float compute ops it already found)."""
     counts = dict.fromkeys(QDQ_OPS, 0)
     n_per_channel = n_nonzero = n_uint8 = 0
     for node in view.nodes:
@@ -111,7 +119,7 @@ def count_qdq(view: GraphView) -> QDQStats:
         n_quantize=counts["QuantizeLinear"], n_dequantize=counts["DequantizeLinear"],
         n_per_channel=n_per_channel, n_nonzero_zero_point=n_nonzero,
         n_unquantized_conv_add=n_bare, n_uint8=n_uint8,
-        n_float_compute=sum(node.op_type in COMPUTE_OPS and _reads_float_activation(view, node) for node in view.nodes),
+        n_float_compute=len(float_compute_nodes(view)) if n_float_compute is None else n_float_compute,
     )
 
 
