@@ -141,7 +141,7 @@ class TerminalProgress:
                 from rich.live import Live
 
                 self.live = Live(self, console=self.console, transient=True, refresh_per_second=8)
-                self.live.start()
+                self.live.start(refresh=True)
         elif event == END:
             if step in self.running:
                 self.running.remove(step)
