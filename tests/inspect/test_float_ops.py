@@ -163,7 +163,7 @@ def test_inspect_lists_the_float_op_by_module_as_quantize_does(kept_float_file, 
     assert report["by_module"] == expected and report["n_float_compute_in_file"] == facts.stats.n_float_compute == 1
     # quantize builds its list from the same read of the file it wrote: the same entries and keys
     quantized = _left_float(type("Q", (), {"report": None})(), facts)
-    assert quantized["by_module"] == expected and quantized["requested_not_float"] == []
+    assert quantized["by_module"] == expected and quantized["requested_outputs_only"] == []
     assert main(["inspect", str(kept_float_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["float_ops"]["by_module"] == expected
     assert main(["inspect", str(kept_float_file)]) == 0

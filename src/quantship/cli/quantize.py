@@ -162,8 +162,9 @@ def _run(args: argparse.Namespace, out) -> int:
         ("left in float", describe_float_ops(left_float)),
         *([("no INT8 rule (torch ops)", "; ".join(f"{m}: {', '.join(ops)}" for m, ops in left_float["no_int8_rule"].items()))]
           if left_float["no_int8_rule"] else []),
-        *([("kept float, yet INT8 in the file", ", ".join(left_float["requested_not_float"])
-            + " (every compute op under them reads a dequantized input in the file)")] if left_float["requested_not_float"] else []),
+        *([("kept float: outputs only", ", ".join(left_float["requested_outputs_only"])
+            + " (their compute ops read dequantized inputs in the file; their outputs stay float)")]
+          if left_float["requested_outputs_only"] else []),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
@@ -227,9 +228,9 @@ def _left_float(quantizer, facts) -> dict:
     out = float_ops(facts, no_rule_modules=no_rule)
     out["no_int8_rule"] = no_rule
     floated = [f.module for f in facts.float_compute if f.module is not None]
-    requested = (facts.spec or {}).get("skip_activations") or [] if isinstance(facts.spec, dict) else []
-    # a module kept float whose compute ops still read DequantizeLinear outputs in the file: its input
-    # is quantized for another consumer, so ORT may run it as INT8 anyway
-    out["requested_not_float"] = [name for name in requested
-                                  if not any(m == name or m.startswith(name + ".") for m in floated)]
+    requested = (facts.spec.get("skip_activations") or []) if isinstance(facts.spec, dict) else []
+    # a module kept float whose compute ops all read DequantizeLinear outputs in the file (their input is
+    # quantized for another consumer): only what they write stays float
+    out["requested_outputs_only"] = [name for name in requested
+                                     if not any(m == name or m.startswith(name + ".") for m in floated)]
     return out
