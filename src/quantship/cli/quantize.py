@@ -46,8 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from quantship.export.artifact import destination_lock
+    from quantship.progress import step
 
     out = common.output_path(args.out)
+    with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
+        import torch  # noqa: F401
+        import torchao.quantization.pt2e  # noqa: F401
+
+        import quantship.export.qdq  # noqa: F401
     with destination_lock(out, wait=not args.no_wait):  # held to the end: the report reads the file this run wrote
         return _run(args, out)
 
@@ -90,8 +96,10 @@ def _run(args: argparse.Namespace, out) -> int:
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
     if args.static_batch is not None and args.static_batch < 1:
         raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
-    model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
-    batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
+    with step(f"quantize: loading {args.model}"):
+        model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
+    with step(f"quantize: reading {args.calib}"):
+        batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
     with torch.no_grad():  # a model that cannot run on the data is bad input, found before any quantization
         try:
             model(batches[0])
