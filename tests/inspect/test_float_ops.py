@@ -2,8 +2,10 @@
 
 One export of a small residual CNN with one block kept in float (``skip_activations=['block2']``),
 written for onnxruntime-cpu at opset 17 so every export pass runs (metadata, opset lowering,
-kernel_shape, the uint8 move): the Conv inside ``block2`` that reads ``block2``'s float output is
-the one float compute op, named ``block2.conv2`` from ``pkg.torch.onnx.name_scopes``.
+kernel_shape, the uint8 move): the two Convs of ``block2`` run in float (the first writes a float
+result, the second reads it), named ``block2.conv1`` and ``block2.conv2`` from
+``pkg.torch.onnx.name_scopes``. ONNX Runtime agrees: its optimized graph keeps exactly two float
+Convs.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ def _float_conv_file(with_scopes: bool) -> onnx.ModelProto:
     conv = helper.make_node("Conv", ["x", "w"], ["y"], name="conv_a")
     q = helper.make_node("QuantizeLinear", ["y", "s", "z"], ["yq"], name="q")
     dq = helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["yd"], name="dq")
-    conv_b = helper.make_node("Conv", ["yd", "w"], ["out"], name="conv_b")
+    conv_b = helper.make_node("Conv", ["yd", "w"], ["z_b"], name="conv_b")
+    q_b = helper.make_node("QuantizeLinear", ["z_b", "s", "z"], ["zq"], name="q_b")
+    dq_b = helper.make_node("DequantizeLinear", ["zq", "s", "z"], ["out"], name="dq_b")
     if with_scopes:
         conv.metadata_props.add(key=NAME_SCOPES_KEY, value="['', 'features', 'features.0', 'conv2d']")
     graph = helper.make_graph(
-        [conv, q, dq, conv_b], "g",
+        [conv, q, dq, conv_b, q_b, dq_b], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 1, 4, 4])],
         [helper.make_tensor("w", TensorProto.FLOAT, [1, 1, 1, 1], [1.0]),
@@ -157,16 +161,21 @@ def test_inspect_lists_the_float_op_by_module_as_quantize_does(kept_float_file, 
     from quantship.cli.quantize import _left_float
 
     facts = read_file(kept_float_file)
-    expected = [{"module": "block2.conv2", "ops": ["Conv"], "nodes": [facts.float_compute[0].node],
-                 "why": WHY_REQUESTED}]
+    # block2.conv1 writes a float result (the ReLU after it is block2's), block2.conv2 reads it
+    expected = [{"module": f"block2.conv{i + 1}", "ops": ["Conv"], "nodes": [facts.float_compute[i].node],
+                 "why": WHY_REQUESTED} for i in range(2)]
     report = inspect_file(facts).float_ops
-    assert report["by_module"] == expected and report["n_float_compute_in_file"] == facts.stats.n_float_compute == 1
+    assert report["by_module"] == expected and report["n_float_compute_in_file"] == facts.stats.n_float_compute == 2
     # quantize builds its list from the same read of the file it wrote: the same entries and keys
     quantized = _left_float(type("Q", (), {"report": None})(), facts)
-    assert quantized["by_module"] == expected and quantized["requested_outputs_only"] == []
+    assert quantized["by_module"] == expected and quantized["requested_but_int8"] == []
     assert main(["inspect", str(kept_float_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["float_ops"]["by_module"] == expected
     assert main(["inspect", str(kept_float_file)]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "left in float" in out and "block2.conv2: Conv (kept float on request)" in out
+    assert "left in float" in out and "block2.conv1: Conv (kept float on request); block2.conv2: Conv" in out
     assert describe_float_ops(quantized) in out
+    from quantship.inspect.consumers import ort_optimized_ops
+
+    ran = ort_optimized_ops(kept_float_file)
+    assert ran["QLinearConv"] == 3 and ran.get("Conv", 0) + ran.get("FusedConv", 0) == 2

@@ -170,9 +170,9 @@ def _run(args: argparse.Namespace, out) -> int:
         ("left in float", describe_float_ops(left_float)),
         *([("no INT8 rule (torch ops)", "; ".join(f"{m}: {', '.join(ops)}" for m, ops in left_float["no_int8_rule"].items()))]
           if left_float["no_int8_rule"] else []),
-        *([("kept float: outputs only", ", ".join(left_float["requested_outputs_only"])
-            + " (their compute ops read dequantized inputs in the file; their outputs stay float)")]
-          if left_float["requested_outputs_only"] else []),
+        *([("kept float on request, yet INT8", ", ".join(left_float["requested_but_int8"])
+            + " (other ops quantize what these modules read and write, so their compute ops run in INT8)")]
+          if left_float["requested_but_int8"] else []),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
@@ -237,8 +237,8 @@ def _left_float(quantizer, facts) -> dict:
     out["no_int8_rule"] = no_rule
     floated = [f.module for f in facts.float_compute if f.module is not None]
     requested = (facts.spec.get("skip_activations") or []) if isinstance(facts.spec, dict) else []
-    # a module kept float whose compute ops all read DequantizeLinear outputs in the file (their input is
-    # quantized for another consumer): only what they write stays float
-    out["requested_outputs_only"] = [name for name in requested
-                                     if not any(m == name or m.startswith(name + ".") for m in floated)]
+    # a module kept float whose compute ops all read and write INT8 in the file: the ops around it quantize
+    # its inputs and outputs for their own sake (e.g. a conv whose ReLU is another module)
+    out["requested_but_int8"] = [name for name in requested
+                                 if not any(m == name or m.startswith(name + ".") for m in floated)]
     return out

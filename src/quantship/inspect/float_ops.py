@@ -110,7 +110,7 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None)
 def describe_float_ops(report: dict[str, Any]) -> str:
     """One line for a table: each module (or node) with its ops and why, or that nothing is float."""
     if not report["by_module"]:
-        return "nothing (every compute op reads INT8)"
+        return "nothing (every compute op reads and writes INT8)"
     line = "; ".join(f"{g['module']}: {', '.join(g['ops'])} ({g['why']})" for g in report["by_module"])
     if report["named_by"] == NAMED_BY_NODE:
         line = f"by node name (the file records no module names): {line}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
-from quantship.inspect.view import DEQUANTIZE, FLOAT_TYPES, GraphView
+from quantship.inspect.view import DEQUANTIZE, FLOAT_TYPES, FUSED_ACTIVATIONS, QUANTIZE, SHAPE_ONLY, GraphView
 from quantship.precision import QuantSpec
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ class QDQStats:
     Q/DQ nodes with any non-zero zero-point element. ``n_uint8``: Q/DQ nodes whose zero-point is
     uint8. ``n_unquantized_conv_add``: Add inputs that come straight from a Conv (through
     single-consumer activations) with no Q/DQ pair in between. ``n_float_compute``: compute
-    operators (Conv, Gemm, MatMul, ...) reading a float activation that no DequantizeLinear produced.
+    operators (Conv, Gemm, MatMul, ...) that run in float: reading a float activation that no
+    DequantizeLinear produced, or writing one that no QuantizeLinear requantizes (``float_compute_nodes``).
     """
 
     n_quantize: int
@@ -83,11 +84,41 @@ def _reads_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
     return False
 
 
+# what a compute op's result may pass through and still be quantized "at its output": activations a
+# runtime fuses into it, shape-only ops, and the add of a bias or of a residual (conv + add fusion)
+_FUSED_AFTER_COMPUTE = FUSED_ACTIVATIONS | SHAPE_ONLY | {"Add"}
+
+
+def _writes_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
+    """Does the op's float result reach a graph output or an op other than QuantizeLinear (looking through
+    ``_FUSED_AFTER_COMPUTE``)? Then a QDQ runtime cannot run the op in INT8: nothing requantizes it."""
+    frontier = [name for name in node.output[:1] if name and view.is_float(name)]
+    seen: set[str] = set()
+    outputs = set(view.outputs)
+    while frontier:
+        name = frontier.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in outputs:
+            return True
+        for user in view.consumer_nodes(name):
+            if user.op_type == QUANTIZE:
+                continue
+            if user.op_type in _FUSED_AFTER_COMPUTE and user.output:
+                frontier.append(user.output[0])
+                continue
+            return True
+    return False
+
+
 def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto]]:
-    """The compute operators (``COMPUTE_OPS``) reading a float activation that no DequantizeLinear produced,
-    with their index in the graph, in graph order."""
+    """The compute operators (``COMPUTE_OPS``) that run in float in the file, with their index in the graph,
+    in graph order: those reading a float activation that no DequantizeLinear produced, and those whose
+    float result nothing quantizes (it reaches an output or another op before any QuantizeLinear)."""
     return [(i, node) for i, node in enumerate(view.nodes)
-            if node.op_type in COMPUTE_OPS and _reads_float_activation(view, node)]
+            if node.op_type in COMPUTE_OPS and (_reads_float_activation(view, node)
+                                                or _writes_float_activation(view, node))]
 
 
 def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
