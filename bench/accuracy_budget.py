@@ -37,6 +37,7 @@ class Case:
     observer: str
     budget: float
     fp32: str
+    int8_plain: str  # top-1 in torch with nothing kept float (the search's step 0)
     int8: str
     kept_float: tuple[str, ...]
     n_quantizations: int
@@ -100,7 +101,8 @@ def run_case(observer: str, budget: float, batches: list[int], runs: int, workdi
     step = search.chosen
     assert set(step.excluded) == set(quant_spec(chosen).skip_activations or ())  # the file is the row's model
     return Case(
-        observer, budget, f"{search.fp32_correct}/{search.n}", f"{step.correct}/{step.n}",
+        observer, budget, f"{search.fp32_correct}/{search.n}", f"{search.steps[0].correct}/{search.n}",
+        f"{step.correct}/{step.n}",
         tuple(quant_spec(chosen).skip_activations or ()), len(search.steps), search.met,
         (qdq_stats(files["with"]).n_float_compute, qdq_stats(files["without"]).n_float_compute),
         (_fused(files["with"]), _fused(files["without"])),
@@ -108,14 +110,14 @@ def run_case(observer: str, budget: float, batches: list[int], runs: int, workdi
 
 
 def table(cases: list[Case], batches: list[int]) -> str:
-    head = ("| observer | budget (points) | FP32 top-1 | INT8 top-1 (torch) | kept in float | quantizations | met | "
+    head = ("| observer | budget (points) | FP32 top-1 | INT8 top-1, nothing float / chosen (torch) | kept in float | quantizations | met | "
             "float compute ops in file | ORT fuses (with / without) | ORT top-1 (with / without) | "
             + " | ".join(f"ORT ms batch {b} (with / without, cost)" for b in batches) + " |")
     lines = [head, "|" + "---|" * (10 + len(batches))]
     for c in cases:
         cost = " | ".join(f"{w:.3f} / {wo:.3f} ({100 * (w / wo - 1):+.1f}%)" for w, wo in
                           (c.latency_ms[b] for b in batches))
-        lines.append(f"| {c.observer} | {c.budget:g} | {c.fp32} | {c.int8} | {', '.join(c.kept_float) or '(none)'} | "
+        lines.append(f"| {c.observer} | {c.budget:g} | {c.fp32} | {c.int8_plain} / {c.int8} | {', '.join(c.kept_float) or '(none)'} | "
                      f"{c.n_quantizations} | {'yes' if c.met else 'no'} | {c.n_float_compute[0]} / "
                      f"{c.n_float_compute[1]} | {c.fused[0]} / {c.fused[1]} | {c.ort_top1[0]} / {c.ort_top1[1]} | "
                      f"{cost} |")

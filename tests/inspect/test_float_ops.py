@@ -24,9 +24,9 @@ from quantship.inspect.float_ops import (
     NAME_SCOPES_KEY,
     NAMED_BY_MODULE,
     NAMED_BY_NODE,
-    WHY_OTHER,
+    UNRECORDED,
+    WHY_INPUT,
     WHY_REQUESTED,
-    WHY_UNRECORDED,
     describe_float_ops,
     float_ops,
     module_path,
@@ -75,11 +75,11 @@ def _float_conv_file(with_scopes: bool) -> onnx.ModelProto:
 def test_a_file_without_module_metadata_is_named_by_node_and_says_so():
     report = float_ops(read_model(_float_conv_file(with_scopes=False)))
     assert report["named_by"] == NAMED_BY_NODE and report["n_float_compute_in_file"] == 1
-    assert report["by_module"] == [{"module": "conv_a", "ops": ["Conv"], "nodes": ["conv_a"], "why": WHY_UNRECORDED}]
+    assert report["by_module"] == [{"module": "conv_a", "ops": ["Conv"], "nodes": ["conv_a"], "why": WHY_INPUT + UNRECORDED}]
     assert describe_float_ops(report).startswith("1 compute op(s): by node name (the file records no module names)")
     named = float_ops(read_model(_float_conv_file(with_scopes=True)), no_rule_modules=[])
     assert named["named_by"] == NAMED_BY_MODULE
-    assert named["by_module"][0]["module"] == "features.0" and named["by_module"][0]["why"] == WHY_OTHER
+    assert named["by_module"][0]["module"] == "features.0" and named["by_module"][0]["why"] == WHY_INPUT
 
 
 class _Block(torch.nn.Module):

@@ -133,8 +133,8 @@ def _read_spec(model: onnx.ModelProto, source: str) -> Any:
 def read_model(model: onnx.ModelProto, source: str = "the model") -> FileFacts:
     """The facts of an in-memory model (``source`` names it in refusals)."""
     view = GraphView.of(model, source)
-    float_compute = tuple(FloatCompute(node_label(node, i), node.op_type, module_path(node))
-                          for i, node in float_compute_nodes(view))
+    float_compute = tuple(FloatCompute(node_label(node, i), node.op_type, module_path(node), reads)
+                          for i, node, reads in float_compute_nodes(view))
     return FileFacts(path=source, model=model, view=view, quant=quant_facts(view),
                      stats=count_qdq(view, n_float_compute=len(float_compute)), output_scales=_output_scales(view),
                      spec=_read_spec(model, source), float_compute=float_compute)

@@ -27,8 +27,10 @@ _MAX_SCOPES_CHARS = 8192  # no module path is this long; longer text is not read
 
 WHY_REQUESTED = "kept float on request"
 WHY_NO_RULE = "no INT8 rule in the annotator"
-WHY_OTHER = "its input is not quantized"  # neither requested nor a missing rule in its own module
-WHY_UNRECORDED = "its input is not quantized; the file does not record why"
+# neither requested nor a missing rule in its own module: what the file shows
+WHY_INPUT = "its input is not quantized"
+WHY_OUTPUT = "nothing requantizes its result"
+UNRECORDED = "; the file does not record why"  # inspect: the file alone cannot say more
 NAMED_BY_MODULE = "module"
 NAMED_BY_NODE = "node"  # the file has no module metadata (another tool wrote it)
 NAMED_BY_MIXED = "module, else node"  # some nodes carry no scopes: those are named by node
@@ -36,11 +38,13 @@ NAMED_BY_MIXED = "module, else node"  # some nodes carry no scopes: those are na
 
 @dataclass(frozen=True)
 class FloatCompute:
-    """One compute op reading a float activation: its node, op type, and module path (None: not recorded)."""
+    """One compute op that runs in float: its node, op type, module path (None: not recorded), and whether
+    it reads a float activation (else only its result is not requantized)."""
 
     node: str
     op_type: str
     module: str | None
+    reads_float: bool = True
 
 
 def module_path(node: onnx.NodeProto) -> str | None:
@@ -74,14 +78,16 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None)
 
     Why: the file's spec lists the module in ``skip_activations`` (kept float on request); else, when
     the caller knows which modules its annotator had no INT8 rule for (``no_rule_modules``, with
-    ``TOP_LEVEL`` for the model's own forward), that, else its input is simply not quantized; without
-    that knowledge (``inspect``), the file does not record why.
+    ``TOP_LEVEL`` for the model's own forward), that; else what the file shows (its input is not
+    quantized, or nothing requantizes its result), and, without the caller's knowledge (``inspect``),
+    that the file does not record why.
     """
     requested = _requested(facts.spec)
     no_rule = None if no_rule_modules is None else tuple(no_rule_modules)
     recorded = [f.module is not None for f in facts.float_compute]
     groups: dict[str, dict[str, Any]] = {}
     modules: dict[str, set[str]] = {}
+    reads: dict[str, bool] = {}
     for f in facts.float_compute:  # a node without scopes is named by itself (a file from another tool)
         key = f.node if f.module is None else (f.module or TOP_LEVEL)
         group = groups.setdefault(key, {"module": key, "ops": [], "nodes": [], "why": ""})
@@ -90,16 +96,18 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None)
         group["nodes"].append(f.node)
         if f.module is not None:
             modules.setdefault(key, set()).add(f.module)
+        reads[key] = reads.get(key, False) or f.reads_float
     for key, group in groups.items():
         found = modules.get(key, set())
+        seen = WHY_INPUT if reads[key] else WHY_OUTPUT
         if found and all(_under(m, requested) for m in found):
             group["why"] = WHY_REQUESTED
         elif no_rule is None:
-            group["why"] = WHY_UNRECORDED
+            group["why"] = seen + UNRECORDED
         elif found and all((m or TOP_LEVEL) in no_rule for m in found):
             group["why"] = WHY_NO_RULE
         else:
-            group["why"] = WHY_OTHER
+            group["why"] = seen
     named_by = NAMED_BY_NODE if recorded and not any(recorded) else NAMED_BY_MODULE
     if any(recorded) and not all(recorded):
         named_by = NAMED_BY_MIXED

@@ -85,8 +85,9 @@ def _reads_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
 
 
 # what a compute op's result may pass through and still be quantized "at its output": activations a
-# runtime fuses into it, shape-only ops, and the add of a bias or of a residual (conv + add fusion)
-_FUSED_AFTER_COMPUTE = FUSED_ACTIVATIONS | SHAPE_ONLY | {"Add"}
+# runtime fuses into it and shape-only ops; an Add only when it adds a constant (a bias). A residual Add
+# is not looked through: ONNX Runtime runs a conv whose result meets a float Add in float.
+_FUSED_AFTER_COMPUTE = FUSED_ACTIVATIONS | SHAPE_ONLY
 
 
 def _writes_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
@@ -105,20 +106,26 @@ def _writes_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
         for user in view.consumer_nodes(name):
             if user.op_type == QUANTIZE:
                 continue
-            if user.op_type in _FUSED_AFTER_COMPUTE and user.output:
+            bias_add = user.op_type == "Add" and any(i in view.constant for i in user.input if i != name)
+            if (user.op_type in _FUSED_AFTER_COMPUTE or bias_add) and user.output:
                 frontier.append(user.output[0])
                 continue
             return True
     return False
 
 
-def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto]]:
-    """The compute operators (``COMPUTE_OPS``) that run in float in the file, with their index in the graph,
-    in graph order: those reading a float activation that no DequantizeLinear produced, and those whose
-    float result nothing quantizes (it reaches an output or another op before any QuantizeLinear)."""
-    return [(i, node) for i, node in enumerate(view.nodes)
-            if node.op_type in COMPUTE_OPS and (_reads_float_activation(view, node)
-                                                or _writes_float_activation(view, node))]
+def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto, bool]]:
+    """The compute operators (``COMPUTE_OPS``) that run in float in the file, in graph order, as (index,
+    node, reads_float): those reading a float activation that no DequantizeLinear produced
+    (``reads_float``), and those whose float result nothing requantizes (it reaches an output or
+    another op before any QuantizeLinear)."""
+    found = []
+    for i, node in enumerate(view.nodes):
+        if node.op_type in COMPUTE_OPS:
+            reads = _reads_float_activation(view, node)
+            if reads or _writes_float_activation(view, node):
+                found.append((i, node, reads))
+    return found
 
 
 def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
