@@ -120,7 +120,7 @@ def kept_float_run(tmp_path_factory):
     with listening(lambda event, step: ended.append(step.label) if event == END else None):
         qmodel = Quantizer.for_target("onnxruntime-cpu", skip_activations=["block2"]).quantize(model, batches)
         export_qdq(qmodel, batches[0], path, target="onnxruntime-cpu", opset_version=17)
-    return path, ended
+    return path, ended, qmodel, batches[0]
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +129,32 @@ def kept_float_file(kept_float_run):
 
 
 @pytest.mark.slow
+def test_every_export_pass_keeps_the_module_scopes(kept_float_run):
+    """The pass list run one pass at a time on the exporter's graph: after each, every compute node
+    still carries its name_scopes (a pass that rebuilds a node must carry them over)."""
+    import onnx_ir as ir
+
+    from quantship import quant_spec
+    from quantship.export import capture, qdq
+    from quantship.export.checks import run_passes
+
+    _, _, qmodel, sample = kept_float_run
+    produced = qdq.produce(qmodel, sample, opset_version=17, dynamic_batch=True, input_names=None, output_names=None)
+    ctx = qdq.ExportContext(spec=quant_spec(qmodel), opset_version=17, activation_dtype="uint8",
+                            target="onnxruntime-cpu", inputs=capture.as_arrays(sample), produced=produced)
+    model = ir.from_proto(produced)
+    for make in qdq.PASSES:
+        run_passes([make(ctx)], model)
+        compute = [n for n in model.graph.all_nodes() if n.op_type in COMPUTE_OPS]
+        assert len(compute) == 6, make.__name__
+        missing = [n.name for n in compute if NAME_SCOPES_KEY not in n.metadata_props]
+        assert not missing, f"{make.__name__} dropped the module scopes of {missing}"
+
+
+@pytest.mark.slow
 def test_quantize_and_export_mark_every_step(kept_float_run):
     """Each step that can take seconds is marked, in order; each export check is its own step."""
-    _, ended = kept_float_run
+    ended = kept_float_run[1]
     assert ended == [
         "quantize: capture (torch.export)", "quantize: insert observers (prepare_pt2e)", "quantize: calibrating",
         "quantize: convert (convert_pt2e)", "export: torch.onnx.export (dynamo)",
