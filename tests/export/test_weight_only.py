@@ -94,6 +94,15 @@ def test_both_forms_match_torch_and_each_other(mlp, x, tmp_path, kwargs, dtype, 
     props = {p.key: p.value for p in onnx.load(str(nbits)).metadata_props}
     assert props[weight_only.FORMAT_KEY] == "MatMulNBits" and props["quantship.target"] == "onnxruntime-cpu"
     assert json.loads(props[METADATA_KEY])["method"] == spec.method
+    # every compute node of both forms still names its module (MatMulNBits takes its MatMul's scopes);
+    # no node carries the exporting machine's stack trace
+    from quantship.export.metadata import SOURCE_NODE_KEYS
+    from quantship.inspect.float_ops import module_path
+
+    for path, compute in ((std, "Gemm"), (nbits, "MatMulNBits")):
+        nodes = onnx.load(str(path)).graph.node
+        assert sorted(module_path(n) for n in nodes if n.op_type == compute) == ["fc1", "fc2"]
+        assert not any(p.key in SOURCE_NODE_KEYS for n in nodes for p in n.metadata_props)
 
     ref = torch_out(q, x)
     a, b = run(std, x), run(nbits, x)

@@ -37,6 +37,8 @@ def test_compare_cli_prints_two_rows(digits_files, capsys):
                  "--n", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["version"] == 1 and data["rows"][1]["max_lsb"] is None
+    # counts say what they count: runs (one batch each) and the inputs in them (a batch-1 file: equal)
+    assert data["n_batches"] == 2 and data["n_samples"] == 2 and "n_inputs" not in data
 
 
 def test_compare_refuses_a_float_second_file(digits_files):
@@ -53,11 +55,11 @@ def test_compare_on_real_inputs_is_far_smaller_than_on_noise(digits_files, tmp_p
     real = load_split().x_test[:24].numpy()
     on_real = compare_files(digits_files["float"], digits_files["int8"], target="onnxruntime", inputs=real)
     on_noise = compare_files(digits_files["float"], digits_files["int8"], target="onnxruntime", n_inputs=24)
-    assert on_real.n_inputs == 24  # batch 1 file: one feed per image
+    assert on_real.n_batches == 24 and on_real.n_samples == 24  # batch 1 file: one feed per image
     assert on_real.rows[0].max_lsb < on_noise.rows[0].max_lsb
     np.save(tmp_path / "x.npy", real)
     assert main(["compare", str(digits_files["float"]), str(digits_files["int8"]), "--target", "onnxruntime",
                  "--inputs", str(tmp_path / "x.npy")]) == 0
-    assert "24 batches from" in capsys.readouterr().out
+    assert "24 from " in (out := capsys.readouterr().out) and "input(s) in 24 batch(es)" in out
     with pytest.raises(ValueError, match="do not fit"):
         compare_files(digits_files["float"], digits_files["int8"], inputs=np.zeros((4, 3, 32, 32), np.float32))

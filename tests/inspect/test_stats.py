@@ -84,6 +84,17 @@ def test_a_conv_reading_a_float_activation_is_float_compute():
     assert qdq_stats(model).n_float_compute == 1
 
 
+def test_a_conv_whose_result_nothing_requantizes_is_float_compute():
+    """An op reading INT8 but writing a float result that reaches another op (or an output) before any
+    QuantizeLinear runs in float too; a fused ReLU on the way is looked through."""
+    model = _graph(quantize_residual=True)  # Conv -> Relu -> Q: the fused ReLU is looked through
+    assert qdq_stats(model).n_float_compute == 0
+    model.graph.output.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 2, 4, 4]))
+    assert qdq_stats(model).n_float_compute == 1  # the raw conv result is also a float output
+    # Conv -> Relu -> Add (a residual, not a bias: ONNX Runtime runs the conv in float) -> output
+    assert qdq_stats(_graph(quantize_residual=False)).n_float_compute == 1
+
+
 def test_a_missing_file_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         qdq_stats(tmp_path / "nothing.onnx")

@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         common.emit_json(args.command, report.as_dict())
         return code
-    source = f"batches from {args.inputs}" if args.inputs else "seeded random inputs"
-    print(f"{report.n_inputs} {source}, errors in the INT8 file's output LSB")
+    source = f"from {args.inputs}" if args.inputs else "seeded random"
+    print(f"{report.n_samples} {source} input(s) in {report.n_batches} batch(es), errors in the INT8 file's output LSB")
     for row in report.rows:
         print(f"  {row}")
     if report.inconclusive:

@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from quantship.inspect.float_ops import describe_float_ops
     from quantship.inspect.graph import inspect_file
 
     report = inspect_file(args.file)
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
                                         f"{_size(mem.largest_tensor.bytes)} as stored, {_size(largest.bytes)} at 1 byte")
     if mem.unknown_shapes:
         table.add_row("unknown shapes", f"{len(mem.unknown_shapes)} tensors left out of the peak")
+    if report.float_ops:  # the same words as quantize's "left in float" row
+        table.add_row("left in float", describe_float_ops(report.float_ops))
     if report.float_tensors:
         shown = ", ".join(report.float_tensors[:8])
         table.add_row("float tensors", f"{len(report.float_tensors)}: {shown}")

@@ -117,6 +117,7 @@ def _run(argv: list[str] | None) -> int:
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
+    from quantship.cli.common import terminal_progress
     from quantship.export.artifact import InterruptGuard
     from quantship.noise import silence_library_noise
 
@@ -124,7 +125,7 @@ def _run(argv: list[str] | None) -> int:
 
     interrupts = InterruptGuard()  # a Ctrl-C that a library swallowed (or wrapped) still ends the run: 130
     try:
-        with interrupts:
+        with interrupts, terminal_progress(args):  # the steps the library marks, on a terminal only
             mod = importlib.import_module(f"quantship.cli.{args._module}")
             code = int(mod.run(args) or 0)
             interrupts.check()

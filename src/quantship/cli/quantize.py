@@ -45,7 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with common.writing(args) as out:
+    from quantship.progress import step
+
+    with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
+        with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
+            import torch  # noqa: F401
+            import torchao.quantization.pt2e  # noqa: F401
+
+            import quantship.export.qdq  # noqa: F401
         return _run(args, out)
 
 
@@ -63,10 +70,12 @@ def _run(args: argparse.Namespace, out) -> int:
     from quantship.errors import DataRefused, cause
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
+    from quantship.inspect.facts import read_file
+    from quantship.inspect.float_ops import describe_float_ops
     from quantship.inspect.loading import file_size
-    from quantship.inspect.stats import qdq_stats
     from quantship.inspect.verify import FusedKernelDrift
     from quantship.precision import preset
+    from quantship.progress import step
 
     if args.method != "static":
         from quantship.cli import quantize_weight_only
@@ -85,8 +94,10 @@ def _run(args: argparse.Namespace, out) -> int:
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
     if args.static_batch is not None and args.static_batch < 1:
         raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
-    model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
-    batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
+    with step(f"quantize: loading {args.model}"):
+        model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
+    with step(f"quantize: reading {args.calib}"):
+        batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
     with torch.no_grad():  # a model that cannot run on the data is bad input, found before any quantization
         try:
             model(batches[0])
@@ -115,7 +126,8 @@ def _run(args: argparse.Namespace, out) -> int:
         error = _output_error(qmodel, path, sample if served is None else sample[:served])
     for warning in caught:
         ui.say(f"warning: {warning.message}")
-    stats = qdq_stats(path)
+    facts = read_file(path)
+    stats = facts.stats
     size = file_size(path)
     real = np.concatenate([b.numpy() for b in batches])  # the calibration data: real inputs for the run
     verdict = check_file(path, target.check_target, run=True, inputs=real)
@@ -127,13 +139,18 @@ def _run(args: argparse.Namespace, out) -> int:
         "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "ort_readings": readings.as_dict() if readings else None,
         "verdict": verdict.verdict, "check": verdict.as_dict(),
     }
-    result["float_ops"] = left_float = _left_float(quantizer, quant_spec(qmodel), stats)
+    result["float_ops"] = left_float = _left_float(quantizer, facts)
+    del facts
     rows_eval: list[tuple[str, str]] = []
     if labelled is not None:
         bs = batches[0].shape[0]
-        accuracy = {"fp32_torch": top1(torch_runner(model), labelled, bs),
-                    "int8_torch": top1(torch_runner(qmodel), labelled, bs),
-                    "int8_file_ort": top1(file_runner(path), labelled, bs)}
+        runners = {"fp32_torch": ("FP32 torch", lambda: torch_runner(model)),
+                   "int8_torch": ("INT8 torch", lambda: torch_runner(qmodel)),
+                   "int8_file_ort": ("INT8 file in ORT", lambda: file_runner(path))}
+        accuracy = {}
+        for key, (what, runner) in runners.items():
+            with step(f"--eval: top-1 of {what} on {len(labelled.y)} sample(s)"):
+                accuracy[key] = top1(runner(), labelled, bs)
         result["accuracy"] = {k: v.as_dict() for k, v in accuracy.items()}
         rows_eval = [("top-1 FP32 (torch)", accuracy["fp32_torch"].describe()),
                      ("top-1 INT8 (torch)", accuracy["int8_torch"].describe()),
@@ -148,8 +165,12 @@ def _run(args: argparse.Namespace, out) -> int:
         ("weights", weights_origin(args.model, args.weights)),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("batch", "any (symbolic 'batch' dimension)" if served is None else f"static {served}"),
-        ("left in float", "; ".join(f"{f['module']}{': ' + ', '.join(f['ops']) if f['ops'] else ''} ({f['why']})"
-                                    for f in left_float["by_module"]) or "nothing (every compute op reads INT8)"),
+        ("left in float", describe_float_ops(left_float)),
+        *([("no INT8 rule (torch ops)", "; ".join(f"{m}: {', '.join(ops)}" for m, ops in left_float["no_int8_rule"].items()))]
+          if left_float["no_int8_rule"] else []),
+        *([("kept float on request, yet INT8", ", ".join(left_float["requested_but_int8"])
+            + " (other ops quantize what these modules read and write, so their compute ops run in INT8)")]
+          if left_float["requested_but_int8"] else []),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_nonzero_zero_point} non-zero zero-points, {stats.n_uint8} uint8"),
         ("ORT vs torch INT8", error["describe"] if isinstance(error, dict) else str(error)),
@@ -202,12 +223,20 @@ def _output_error(qmodel, path, sample):
             "describe": f"float output: max abs {diff.max():.4g}, mean abs {diff.mean():.4g} (no output scale)"}
 
 
-def _left_float(quantizer, spec, stats) -> dict:
-    """What stayed float, by module path and why: kept float on request (--exclude, the accuracy
-    search), or no INT8 rule in the annotator; plus the count of float compute ops in the file."""
-    by_module = [{"module": name, "ops": [], "why": "kept float on request"} for name in spec.skip_activations or ()]
+def _left_float(quantizer, facts) -> dict:
+    """The compute ops the written file leaves in float, by module path and why (the list ``inspect``
+    prints for the file, with what only the quantizer knows: which modules its annotator had no INT8
+    rule for), plus every torch op the annotator left float, compute or not (``no_int8_rule``)."""
+    from quantship.inspect.float_ops import float_ops
+
     report = getattr(quantizer, "report", None)
-    if report is not None:
-        by_module += [{"module": module, "ops": ops, "why": "no INT8 rule in the annotator"}
-                      for module, ops in report.float_ops_by_module().items()]
-    return {"n_float_compute_in_file": stats.n_float_compute, "by_module": by_module}
+    no_rule = report.float_ops_by_module() if report is not None else {}
+    out = float_ops(facts, no_rule_modules=no_rule)
+    out["no_int8_rule"] = no_rule
+    floated = [f.module for f in facts.float_compute if f.module is not None]
+    requested = (facts.spec.get("skip_activations") or []) if isinstance(facts.spec, dict) else []
+    # a module kept float whose compute ops all read and write INT8 in the file: the ops around it quantize
+    # its inputs and outputs for their own sake (e.g. a conv whose ReLU is another module)
+    out["requested_but_int8"] = [name for name in requested
+                                 if not any(m == name or m.startswith(name + ".") for m in floated)]
+    return out

@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from quantship.errors import ExportRefused, one_line
 from quantship.inspect.verify import ort_session, run_session
+from quantship.progress import step
 
 
 def run_unoptimized(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -92,9 +93,10 @@ class ExactPass(ir.passes.InPlacePass):
     def ensures(self, model: ir.Model) -> None:
         if not self.modified:
             return
-        proto = ir.to_proto(model)
-        self.verify(proto)
-        check_identical(proto, self.ctx.reference, self.ctx.inputs, self.what)
+        with step(f"export check: {self.what}"):
+            proto = ir.to_proto(model)
+            self.verify(proto)
+            check_identical(proto, self.ctx.reference, self.ctx.inputs, self.what)
         self.ctx.checked = proto  # serialised once: the file is written from it if nothing changes after
 
 

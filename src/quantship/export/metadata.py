@@ -9,6 +9,10 @@ from quantship.precision import METADATA_KEY, QuantSpec
 VERSION_KEY = "quantship.version"
 ACTIVATION_DTYPE_KEY = "quantship.activation_dtype"
 TARGET_KEY = "quantship.target"
+# per-node properties torch's exporter writes that a deployable file should not carry: the Python stack
+# of each op (absolute paths and source lines of the exporting machine) and the FX node's text. The
+# module scopes (pkg.torch.onnx.name_scopes), the namespace and class hierarchy stay: inspect reads them.
+SOURCE_NODE_KEYS = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node")
 
 
 def write_metadata(model: ir.Model, spec: QuantSpec, *, activation_dtype: str, target: str | None) -> None:
@@ -20,3 +24,13 @@ def write_metadata(model: ir.Model, spec: QuantSpec, *, activation_dtype: str, t
     model.metadata_props[ACTIVATION_DTYPE_KEY] = activation_dtype
     if target is not None:
         model.metadata_props[TARGET_KEY] = target
+
+
+def strip_source_metadata(model: ir.Model) -> int:
+    """Drop ``SOURCE_NODE_KEYS`` from every node (subgraphs included); returns how many were dropped."""
+    dropped = 0
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for key in SOURCE_NODE_KEYS:
+            if node.metadata_props.pop(key, None) is not None:
+                dropped += 1
+    return dropped

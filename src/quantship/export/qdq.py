@@ -29,12 +29,13 @@ from quantship.export.checks import (
     run_unoptimized,
 )
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.export.metadata import write_metadata
+from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.inspect.verify import MeasuredPath, measure_readings, torch_outputs, warn_if_drift
 from quantship.precision import QuantSpec, preset, quant_target
+from quantship.progress import step
 from quantship.ranks import rank_zero_writes
 
 
@@ -111,7 +112,8 @@ class ActivationDtypePass(ExactPass):
 
 
 class MetadataPass(ir.passes.InPlacePass):
-    """Write the spec and provenance into metadata_props (no output changes: nothing to run)."""
+    """Write the spec and provenance into metadata_props, and drop the exporter's per-node source text
+    (stack traces with the machine's paths, FX node text; module scopes stay). No output changes."""
 
     def __init__(self, ctx: ExportContext):
         self.ctx = ctx
@@ -119,6 +121,7 @@ class MetadataPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx = self.ctx
         write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype, target=ctx.target)
+        strip_source_metadata(model)
         ctx.checked = None  # the model now differs from the last checked graph
         return ir.passes.PassResult(model, modified=True)
 
@@ -236,8 +239,9 @@ def export_qdq(
     dynamic = resolve_dynamic_batch(dynamic_batch, target)
     sample = _export_sample(model, sample, dynamic_batch, target)
     with artifact.atomic_destination(path) as staged:
-        produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
-                           input_names=input_names, output_names=output_names)
+        with step("export: torch.onnx.export (dynamo)"):
+            produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
+                               input_names=input_names, output_names=output_names)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
                             inputs=inputs, produced=produced)
@@ -245,13 +249,18 @@ def export_qdq(
         run_passes([make(ctx) for make in PASSES], model_ir)
         final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
         del model_ir, ctx, produced
-        artifact.save_model(final, staged)
+        with step("export: writing the file"):
+            artifact.save_model(final, staged)
         del final
-        check_file(staged, spec, activation_dtype=dtype, opset_version=opset_version)
+        with step("export check: the file holds the spec"):
+            check_file(staged, spec, activation_dtype=dtype, opset_version=opset_version)
         if target is not None:
-            check_target(staged, target)
-        check_runs_optimized(staged, inputs, "the written file")
-        readings = measure_readings(staged, [inputs], torch_outputs(model, [sample]))
+            with step(f"export check: {target} rules"):
+                check_target(staged, target)
+        with step("export check: runs with ORT optimizations on"):
+            check_runs_optimized(staged, inputs, "the written file")
+        with step("export check: ORT readings vs torch"):
+            readings = measure_readings(staged, [inputs], torch_outputs(model, [sample]))
     out = MeasuredPath.of(Path(path).expanduser().resolve(), readings)  # a Path; .readings: both ORT readings
     logging.getLogger(__name__).info("%s: %s", out, readings)
     warn_if_drift(readings, str(out))

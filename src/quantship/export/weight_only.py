@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from quantship.export import artifact, capture
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
-from quantship.export.metadata import write_metadata
+from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.precision import QuantSpec
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
@@ -268,6 +268,7 @@ def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value
             node = ir.node("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"matmul_nbits_{i}_{n_nodes}",
                            attributes={"K": k, "N": n, "bits": w.bits, "block_size": block})
             node.outputs[0].type, node.outputs[0].shape = out.type, out.shape
+            node.metadata_props.update(drop[0].metadata_props)  # the module it came from (name_scopes)
             ir.convenience.replace_all_uses_with(out, node.outputs[0], replace_graph_outputs=True)
             name = out.name
             model.graph.insert_before(drop[0], node)
@@ -384,8 +385,7 @@ def export_weight_only(
         else:
             final_ir, fmt, got = standard, "DequantizeLinear", reference
         _check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
-        for node in final_ir.graph.all_nodes():  # the exporter's per-node debug notes (stack traces, local paths)
-            node.metadata_props.clear()
+        strip_source_metadata(final_ir)  # the exporter's stack traces (local paths); module scopes stay
         write_metadata(final_ir, spec, activation_dtype="float32", target=target)
         final_ir.metadata_props[FORMAT_KEY] = fmt
         artifact.save_model(ir.to_proto(final_ir), staged)

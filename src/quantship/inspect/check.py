@@ -139,6 +139,8 @@ def check_file(path: str | Path | FileFacts, target: str, run: bool = False, n_i
                          report=report_of(facts))
     if run:
         from quantship.inspect.consumers import run_consumer
+        from quantship.progress import step
 
-        report.runs.append(run_consumer(facts.path, target, n_inputs=n_inputs, inputs=inputs))
+        with step(f"check --run: {target}"):
+            report.runs.append(run_consumer(facts.path, target, n_inputs=n_inputs, inputs=inputs))
     return report

@@ -52,7 +52,8 @@ class CompareReport:
     float_path: str
     int8_path: str
     target: str
-    n_inputs: int
+    n_batches: int  # runs of each file, one batch each
+    n_samples: int  # inputs in those batches (batches x the file's batch size)
     rows: list[CompareRow] = field(default_factory=list)
     version: int = REPORT_VERSION
     inconclusive: str = ""  # why the rows prove nothing (e.g. the float output is the same for every input)
@@ -86,12 +87,12 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
         raise ValueError(f"the float file has {len(float_model.graph.output)} outputs and the INT8 file "
                          f"{len(int8_model.graph.output)}: they are not the same model")
     feeds = random_inputs(int8_model, n_inputs, seed) if inputs is None else array_inputs(int8_model, inputs)
-    n_inputs = len(feeds)
     float_names = [value.name for value in graph_inputs(float_model)]
     float_feeds = [dict(zip(float_names, feed.values())) for feed in feeds]
     reference = run_onnxruntime(float_path, float_feeds, optimize=False)
     int8_ort = run_onnxruntime(int8_path, feeds, optimize=False)
-    report = CompareReport(str(float_path), str(int8_path), target, n_inputs)
+    n_samples = sum(int(next(iter(feed.values())).shape[0]) if next(iter(feed.values())).ndim else 1 for feed in feeds)
+    report = CompareReport(str(float_path), str(int8_path), target, n_batches=len(feeds), n_samples=n_samples)
     if constant_reference(reference):
         report.inconclusive = ("the float file's output is the same for every input, so these rows prove "
                                "nothing; pass real inputs (--inputs) or a trained model")

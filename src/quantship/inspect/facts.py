@@ -21,10 +21,11 @@ from typing import Any
 import onnx
 
 from quantship.errors import FileRefused, cause
+from quantship.inspect.float_ops import FloatCompute, module_path
 from quantship.inspect.loading import load_onnx
 from quantship.inspect.quantization import QuantFacts, quant_facts
-from quantship.inspect.stats import QDQStats, count_qdq
-from quantship.inspect.view import DEQUANTIZE, GraphView
+from quantship.inspect.stats import QDQStats, count_qdq, float_compute_nodes
+from quantship.inspect.view import DEQUANTIZE, GraphView, node_label
 from quantship.precision import METADATA_KEY, QuantSpec
 
 MAX_SPEC_DEPTH = 16  # quantship writes a spec two levels deep; anything this deep is not one
@@ -42,6 +43,8 @@ class FileFacts:
     stats: QDQStats
     output_scales: dict[str, float | None]
     spec: Any = None  # the parsed quantship spec metadata (a dict), {"unreadable": text}, or None
+    # compute ops reading a float activation, each with the module path its node's metadata records
+    float_compute: tuple[FloatCompute, ...] = ()
 
     @property
     def opset_imports(self) -> dict[str, int]:
@@ -130,8 +133,11 @@ def _read_spec(model: onnx.ModelProto, source: str) -> Any:
 def read_model(model: onnx.ModelProto, source: str = "the model") -> FileFacts:
     """The facts of an in-memory model (``source`` names it in refusals)."""
     view = GraphView.of(model, source)
-    return FileFacts(path=source, model=model, view=view, quant=quant_facts(view), stats=count_qdq(view),
-                     output_scales=_output_scales(view), spec=_read_spec(model, source))
+    float_compute = tuple(FloatCompute(node_label(node, i), node.op_type, module_path(node), reads)
+                          for i, node, reads in float_compute_nodes(view))
+    return FileFacts(path=source, model=model, view=view, quant=quant_facts(view),
+                     stats=count_qdq(view, n_float_compute=len(float_compute)), output_scales=_output_scales(view),
+                     spec=_read_spec(model, source), float_compute=float_compute)
 
 
 def read_file(path: str | Path) -> FileFacts:

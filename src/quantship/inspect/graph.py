@@ -15,6 +15,7 @@ from typing import Any
 import onnx
 
 from quantship.inspect.facts import FileFacts, facts_of
+from quantship.inspect.float_ops import float_ops
 from quantship.inspect.memory import TensorSize, naive_peak
 from quantship.inspect.report_json import strict_json
 from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, dtype_size
@@ -81,6 +82,8 @@ class FileReport:
     memory: MemoryReport
     float_tensors: list[str]
     quant_spec: dict[str, Any] | None = None
+    # the compute ops left in float, by module path (``float_ops``: the list ``quantize`` prints)
+    float_ops: dict[str, Any] = field(default_factory=dict)
     version: int = REPORT_VERSION
 
     def as_dict(self) -> dict[str, Any]:
@@ -162,6 +165,7 @@ def report_of(file: FileFacts) -> FileReport:
                             list(stored.unknown_shapes)),
         float_tensors=list(facts.float_tensors) if facts.format != "float" else [],
         quant_spec=file.spec,
+        float_ops=float_ops(file) if facts.format != "float" else {},
     )
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
-from quantship.inspect.view import DEQUANTIZE, FLOAT_TYPES, GraphView
+from quantship.inspect.view import DEQUANTIZE, FLOAT_TYPES, FUSED_ACTIVATIONS, QUANTIZE, SHAPE_ONLY, GraphView
 from quantship.precision import QuantSpec
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ class QDQStats:
     Q/DQ nodes with any non-zero zero-point element. ``n_uint8``: Q/DQ nodes whose zero-point is
     uint8. ``n_unquantized_conv_add``: Add inputs that come straight from a Conv (through
     single-consumer activations) with no Q/DQ pair in between. ``n_float_compute``: compute
-    operators (Conv, Gemm, MatMul, ...) reading a float activation that no DequantizeLinear produced.
+    operators (Conv, Gemm, MatMul, ...) that run in float: reading a float activation that no
+    DequantizeLinear produced, or writing one that no QuantizeLinear requantizes (``float_compute_nodes``).
     """
 
     n_quantize: int
@@ -83,8 +84,53 @@ def _reads_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
     return False
 
 
-def count_qdq(view: GraphView) -> QDQStats:
-    """The counts of ``QDQStats``, read off one view (``qdq_stats`` gets them from ``FileFacts``)."""
+# what a compute op's result may pass through and still be quantized "at its output": activations a
+# runtime fuses into it and shape-only ops; an Add only when it adds a constant (a bias). A residual Add
+# is not looked through: ONNX Runtime runs a conv whose result meets a float Add in float.
+_FUSED_AFTER_COMPUTE = FUSED_ACTIVATIONS | SHAPE_ONLY
+
+
+def _writes_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
+    """Does the op's float result reach a graph output or an op other than QuantizeLinear (looking through
+    ``_FUSED_AFTER_COMPUTE``)? Then a QDQ runtime cannot run the op in INT8: nothing requantizes it."""
+    frontier = [name for name in node.output[:1] if name and view.is_float(name)]
+    seen: set[str] = set()
+    outputs = set(view.outputs)
+    while frontier:
+        name = frontier.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in outputs:
+            return True
+        for user in view.consumer_nodes(name):
+            if user.op_type == QUANTIZE:
+                continue
+            bias_add = user.op_type == "Add" and any(i in view.constant for i in user.input if i != name)
+            if (user.op_type in _FUSED_AFTER_COMPUTE or bias_add) and user.output:
+                frontier.append(user.output[0])
+                continue
+            return True
+    return False
+
+
+def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto, bool]]:
+    """The compute operators (``COMPUTE_OPS``) that run in float in the file, in graph order, as (index,
+    node, reads_float): those reading a float activation that no DequantizeLinear produced
+    (``reads_float``), and those whose float result nothing requantizes (it reaches an output or
+    another op before any QuantizeLinear)."""
+    found = []
+    for i, node in enumerate(view.nodes):
+        if node.op_type in COMPUTE_OPS:
+            reads = _reads_float_activation(view, node)
+            if reads or _writes_float_activation(view, node):
+                found.append((i, node, reads))
+    return found
+
+
+def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
+    """The counts of ``QDQStats``, read off one view (``qdq_stats`` gets them from ``FileFacts``, which
+    passes the float compute ops it already found)."""
     counts = dict.fromkeys(QDQ_OPS, 0)
     n_per_channel = n_nonzero = n_uint8 = 0
     for node in view.nodes:
@@ -111,7 +157,7 @@ def count_qdq(view: GraphView) -> QDQStats:
         n_quantize=counts["QuantizeLinear"], n_dequantize=counts["DequantizeLinear"],
         n_per_channel=n_per_channel, n_nonzero_zero_point=n_nonzero,
         n_unquantized_conv_add=n_bare, n_uint8=n_uint8,
-        n_float_compute=sum(node.op_type in COMPUTE_OPS and _reads_float_activation(view, node) for node in view.nodes),
+        n_float_compute=len(float_compute_nodes(view)) if n_float_compute is None else n_float_compute,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from quantship.errors import DataRefused, QuantshipError
+from quantship.progress import step as progress_step
 
 
 class AccuracyBudgetMissed(QuantshipError):
@@ -157,22 +158,26 @@ def search(
     batches = labelled_batches(labelled)
     n = sum(len(y) for _, y in batches)
     model = model.eval()
-    fp32 = count_correct(model, batches)
+    with progress_step("accuracy search: top-1 of FP32"):
+        fp32 = count_correct(model, batches)
     result = AccuracySearch(fp32, n, float(max_drop_points), order=[])
     excluded: tuple[str, ...] = ()
-    current = quantize(excluded)
-    result.steps.append(SearchStep(excluded, count_correct(current, batches), n))
+    with progress_step("accuracy search: step 0 (nothing kept in float)"):
+        current = quantize(excluded)
+        result.steps.append(SearchStep(excluded, count_correct(current, batches), n))
     log(f"accuracy: FP32 {fp32}/{n}; INT8 {result.steps[-1].correct}/{n} "
         f"(drop {result.drop_points(result.steps[-1]):+.2f} points, budget {max_drop_points:g})")
     if result.within(result.steps[-1]):
         return current, result
     if max_steps != 0:
-        result.order = sensitivity_order(model, current, [x for x, _ in batches])
+        with progress_step("accuracy search: per-layer SQNR order"):
+            result.order = sensitivity_order(model, current, [x for x, _ in batches])
     limit = len(result.order) if max_steps is None else min(max_steps, len(result.order))
     for name in result.order[:limit]:
         excluded = (*excluded, name)
-        candidate = quantize(excluded)
-        step = SearchStep(excluded, count_correct(candidate, batches), n)
+        with progress_step(f"accuracy search: step {len(result.steps)} (keeping {name} in float)"):
+            candidate = quantize(excluded)
+            step = SearchStep(excluded, count_correct(candidate, batches), n)
         result.steps.append(step)
         log(f"accuracy: keeping {list(excluded)} in float: {step.correct}/{n} "
             f"(drop {result.drop_points(step):+.2f} points)")

@@ -110,11 +110,18 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
 
 def run_batches(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool = False,
                 description: str = "calibrating") -> None:
-    """Feed every batch through ``model`` without gradients, with a progress bar when verbose."""
+    """Feed every batch through ``model`` without gradients: a marked step (``quantship.progress``), and
+    a progress bar on a terminal stdout when verbose and no listener shows the step."""
+    import sys
+
+    from quantship.progress import active, step
+
     with torch.no_grad():
-        if not verbose:
-            for x in batches:
-                model(x)
+        if not verbose or active() or not sys.stdout.isatty():
+            with step(f"quantize: {description}", total=sum(b.shape[0] for b in batches)) as current:
+                for x in batches:
+                    model(x)
+                    current.advance(x.shape[0])
             return
         from rich.progress import Progress
 

@@ -13,6 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from quantship.precision import QuantSpec
+from quantship.progress import step
 from quantship.quantize.annotator import WEIGHTED_OPS, AnnotationReport, QuantshipQuantizer
 from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
@@ -64,10 +65,12 @@ def quantize_pt2e(
     check_module_names(model, spec.skip_activations)
     work = copy.deepcopy(model).eval()
     log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
-    captured = capture(work, batches[0], log=log)
+    with step("quantize: capture (torch.export)"):
+        captured = capture(work, batches[0], log=log)
     check_batch_sizes(captured, batches)
     quantizer = QuantshipQuantizer(spec)
-    prepared = prepare_pt2e(captured.graph, quantizer)
+    with step("quantize: insert observers (prepare_pt2e)"):
+        prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
     if strict:
         refuse_float_ops(quantizer.report, type(model).__name__)
@@ -79,7 +82,8 @@ def quantize_pt2e(
     if (merged := merge_observers(prepared, n_samples=n)) is not None:
         log(f"pt2e: merged {merged.n_observers} observer(s) across ranks ({merged.n_floats} floats, {merged.seconds:.3f} s)")
     log("pt2e: converting to a quantized graph")
-    converted = convert_pt2e(prepared)
+    with step("quantize: convert (convert_pt2e)"):
+        converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
     check_converted(converted)
     # users call .eval() on what they get back; make that a supported no-op-like switch

@@ -1,0 +1,127 @@
+"""The compute operators a file leaves in float, by the module that produced them, and why.
+
+torch's dynamo exporter records on every node the module scopes it was traced under
+(``pkg.torch.onnx.name_scopes``, e.g. ``['', 'block1', 'block1.conv1', 'conv2d_1']``: the
+modules from the root down, then the node's own name). ``FileFacts`` reads that once per float
+compute node; this module groups them by module and gives the reason. ``quantship inspect``
+builds the list from the file alone; ``quantship quantize`` builds the same list from the file it
+wrote and adds what only the quantizer knows (the ops its annotator has no INT8 rule for). A file
+from another tool carries no scopes: its ops are then named by node, and the report says so.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+if TYPE_CHECKING:
+    from quantship.inspect.facts import FileFacts
+
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+TOP_LEVEL = "<top level>"  # ops of the model's own forward (the annotator's word for it too)
+_MAX_SCOPES_CHARS = 8192  # no module path is this long; longer text is not read
+
+WHY_REQUESTED = "kept float on request"
+WHY_NO_RULE = "no INT8 rule in the annotator"
+# neither requested nor a missing rule in its own module: what the file shows
+WHY_INPUT = "its input is not quantized"
+WHY_OUTPUT = "nothing requantizes its result"
+UNRECORDED = "; the file does not record why"  # inspect: the file alone cannot say more
+NAMED_BY_MODULE = "module"
+NAMED_BY_NODE = "node"  # the file has no module metadata (another tool wrote it)
+NAMED_BY_MIXED = "module, else node"  # some nodes carry no scopes: those are named by node
+
+
+@dataclass(frozen=True)
+class FloatCompute:
+    """One compute op that runs in float: its node, op type, module path (None: not recorded), and whether
+    it reads a float activation (else only its result is not requantized)."""
+
+    node: str
+    op_type: str
+    module: str | None
+    reads_float: bool = True
+
+
+def module_path(node: onnx.NodeProto) -> str | None:
+    """The dotted path of the innermost module ``node`` was exported from ('' = the model's own forward),
+    read from its ``pkg.torch.onnx.name_scopes``; None when the node carries no readable scopes."""
+    text = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES_KEY), None)
+    if not isinstance(text, str) or len(text) > _MAX_SCOPES_CHARS:
+        return None
+    try:
+        scopes = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
+        return None
+    return scopes[-2] if len(scopes) >= 2 else ""
+
+
+def _under(module: str, names: Iterable[str]) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def _requested(spec: Any) -> tuple[str, ...]:
+    """The modules the file's quantship spec says were kept float on request (``skip_activations``)."""
+    skip = spec.get("skip_activations") if isinstance(spec, dict) else None
+    return tuple(s for s in skip if isinstance(s, str)) if isinstance(skip, list) else ()
+
+
+def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None) -> dict[str, Any]:
+    """The float compute ops of a file, grouped by module path (by node name when the file records no
+    modules), each group with its ONNX op types, nodes, and why it is float.
+
+    Why: the file's spec lists the module in ``skip_activations`` (kept float on request); else, when
+    the caller knows which modules its annotator had no INT8 rule for (``no_rule_modules``, with
+    ``TOP_LEVEL`` for the model's own forward), that; else what the file shows (its input is not
+    quantized, or nothing requantizes its result), and, without the caller's knowledge (``inspect``),
+    that the file does not record why.
+    """
+    requested = _requested(facts.spec)
+    no_rule = None if no_rule_modules is None else tuple(no_rule_modules)
+    recorded = [f.module is not None for f in facts.float_compute]
+    groups: dict[str, dict[str, Any]] = {}
+    modules: dict[str, set[str]] = {}
+    reads: dict[str, bool] = {}
+    for f in facts.float_compute:  # a node without scopes is named by itself (a file from another tool)
+        key = f.node if f.module is None else (f.module or TOP_LEVEL)
+        group = groups.setdefault(key, {"module": key, "ops": [], "nodes": [], "why": ""})
+        if f.op_type not in group["ops"]:
+            group["ops"].append(f.op_type)
+        group["nodes"].append(f.node)
+        if f.module is not None:
+            modules.setdefault(key, set()).add(f.module)
+        reads[key] = reads.get(key, False) or f.reads_float
+    for key, group in groups.items():
+        found = modules.get(key, set())
+        seen = WHY_INPUT if reads[key] else WHY_OUTPUT
+        if found and all(_under(m, requested) for m in found):
+            group["why"] = WHY_REQUESTED
+        elif no_rule is None:
+            group["why"] = seen + UNRECORDED
+        elif found and all((m or TOP_LEVEL) in no_rule for m in found):
+            group["why"] = WHY_NO_RULE
+        else:
+            group["why"] = seen
+    named_by = NAMED_BY_NODE if recorded and not any(recorded) else NAMED_BY_MODULE
+    if any(recorded) and not all(recorded):
+        named_by = NAMED_BY_MIXED
+    return {"n_float_compute_in_file": len(facts.float_compute), "named_by": named_by,
+            "by_module": list(groups.values())}
+
+
+def describe_float_ops(report: dict[str, Any]) -> str:
+    """One line for a table: each module (or node) with its ops and why, or that nothing is float."""
+    if not report["by_module"]:
+        return "nothing (every compute op reads and writes INT8)"
+    line = "; ".join(f"{g['module']}: {', '.join(g['ops'])} ({g['why']})" for g in report["by_module"])
+    if report["named_by"] == NAMED_BY_NODE:
+        line = f"by node name (the file records no module names): {line}"
+    elif report["named_by"] == NAMED_BY_MIXED:
+        line = f"by module, by node name where the file records none: {line}"
+    return f"{report['n_float_compute_in_file']} compute op(s): {line}"
