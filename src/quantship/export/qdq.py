@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
+from quantship.export.binary_constants import constants_to_uint8
 from quantship.export.checks import (
     ExactPass,
     ExportRefused,
@@ -110,6 +111,19 @@ class ActivationDtypePass(ExactPass):
         check_model(proto, self.what)
 
 
+class BinaryConstantDtypePass(ExactPass):
+    """In a uint8 file, the stored int8 operand of an Add/Mul beside a uint8 activation moves to uint8
+    (q + 128, z + 128), so ONNX Runtime fuses QLinearAdd/QLinearMul; ensured by an identical ORT run."""
+
+    what = "moving Add/Mul constants to uint8"
+
+    def rewrite(self, model: ir.Model) -> int:
+        return constants_to_uint8(model) if self.ctx.activation_dtype == "uint8" else 0
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
+
+
 class MetadataPass(ir.passes.InPlacePass):
     """Write the spec and provenance into metadata_props (no output changes: nothing to run)."""
 
@@ -126,7 +140,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass, BinaryConstantDtypePass,
 )
 
 

@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 
 aten = torch.ops.aten
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
+EINSUM_OPS = {aten.einsum.default}
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
@@ -130,6 +131,63 @@ def flatten_linear_inputs(model: GraphModule) -> int:
         for user in list(node.users):
             if user is not restored:
                 user.replace_input_with(node, restored)
+        n += 1
+    if n:
+        graph.lint()
+        model.recompile()
+    return n
+
+
+def batched_matmul_form(equation: str) -> bool | None:
+    """For a two-operand einsum that is a batched matrix product, whether the second operand enters
+    transposed ('bik,bjk->bij': True; 'bik,bkj->bij': False); None for any other equation.
+
+    Batch labels must be the same, in the same order, on both operands and the output."""
+    compact = equation.replace(" ", "")
+    if "." in compact or "->" not in compact:
+        return None
+    operands, out = compact.split("->")
+    parts = operands.split(",")
+    if len(parts) != 2:
+        return None
+    a, b = parts
+    if not (len(a) == len(b) == len(out) >= 2) or any(len(set(t)) != len(t) for t in (a, b, out)):
+        return None
+    batch, (i, k) = a[:-2], a[-2:]
+    if b[:-2] != batch or out[:-2] != batch or out[-2] != i:
+        return None
+    j = out[-1]
+    if len({i, j, k}) != 3 or {i, j, k} & set(batch):
+        return None
+    if b[-2:] == j + k:
+        return True
+    if b[-2:] == k + j:
+        return False
+    return None
+
+
+def decompose_einsum(model: GraphModule) -> int:
+    """Rewrite each two-operand ``einsum`` that is a batched matrix product into ``matmul`` (with a
+    transpose of the second operand where the equation asks for one); return how many.
+
+    ONNX Runtime has no integer Einsum; a MatMul between two DequantizeLinear and a QuantizeLinear
+    becomes QLinearMatMul. Other equations are left as they are."""
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in EINSUM_OPS:
+            continue
+        equation, operands = node.args[0], node.args[1]
+        transpose = batched_matmul_form(equation) if isinstance(equation, str) and len(operands) == 2 else None
+        if transpose is None or not all(isinstance(t, Node) for t in operands):
+            continue
+        a, b = operands
+        with graph.inserting_before(node):
+            if transpose:
+                b = _insert(graph, aten.transpose.int, (b, -2, -1), node)
+            out = _insert(graph, aten.matmul.default, (a, b), node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
         n += 1
     if n:
         graph.lint()

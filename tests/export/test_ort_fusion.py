@@ -1,0 +1,128 @@
+"""Placements made for ONNX Runtime's QDQ fusions: Add/Mul constants beside uint8 activations are
+stored uint8 (QLinearAdd / QLinearMul), batched-matmul einsums become MatMul (QLinearMatMul).
+
+Each test exports one small hand-built module with the onnxruntime-cpu preset and reads both the
+file and the graph ONNX Runtime optimizes from it (real ORT, default optimizations)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+from onnx import numpy_helper
+
+from quantship import Quantizer, export_qdq
+from quantship.inspect.consumers import ort_optimized_ops
+from quantship.quantize.decompose import batched_matmul_form
+
+
+class PositionAdd(nn.Module):
+    """ViT's pattern: a learned position embedding added to the patch tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.pos = nn.Parameter(torch.randn(1, 4, 16) * 0.5)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.head(self.proj(x) + self.pos)
+
+
+class LayerScale(nn.Module):
+    """ConvNeXt's pattern: a per-channel learned scale multiplying the block's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(8, 1, 1) + 0.1)
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.out(self.gamma * self.conv(x))
+
+
+class EinsumAttention(nn.Module):
+    """MaxViT's pattern: both attention products written as einsums."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (batch, heads, tokens, 8)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = torch.einsum("b h i d, b h j d -> b h i j", q, k).softmax(dim=-1)
+        return self.out(torch.einsum("bhij,bhjd->bhid", scores, v))
+
+
+def _export(module: nn.Module, shape: tuple, tmp_path, target: str = "onnxruntime-cpu"):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    calib = [torch.randn(*shape, generator=gen) for _ in range(2)]
+    qmodel = Quantizer.for_target(target, act_observer="minmax").quantize(module.eval(), calib)
+    path = export_qdq(qmodel, calib[0], tmp_path / "m.onnx", target=target)
+    return path, onnx.load(str(path))
+
+
+def _constant_dq_of(model: onnx.ModelProto, op_type: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(stored tensor, zero-point) of each DequantizeLinear reading an initializer and feeding ``op_type``."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found = []
+    for node in model.graph.node:
+        if node.op_type != op_type:
+            continue
+        for name in node.input:
+            dq = producer.get(name)
+            if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in inits:
+                found.append((inits[dq.input[0]], inits[dq.input[2]]))
+    return found
+
+
+@pytest.mark.parametrize(("module", "shape", "op", "fused"), [
+    (PositionAdd, (2, 4, 16), "Add", "QLinearAdd"),
+    (LayerScale, (2, 4, 6, 6), "Mul", "QLinearMul"),
+])
+def test_binary_constant_is_stored_uint8_and_fused(module, shape, op, fused, tmp_path):
+    torch.manual_seed(0)
+    path, model = _export(module(), shape, tmp_path)
+    (stored, zero_point), = _constant_dq_of(model, op)
+    assert stored.dtype == np.uint8 and zero_point.dtype == np.uint8
+    assert zero_point.reshape(-1).tolist() == [128]  # the symmetric int8 constant, shifted by 128
+    assert np.abs(stored.astype(int) - 128).max() <= 63  # still inside reduce_range's 7 bits
+    ops = ort_optimized_ops(path)
+    assert ops[fused] == 1 and ops[op] == 0, ops
+    assert path.readings.literal_lsb <= 1
+
+
+def test_int8_target_keeps_its_constants_int8(tmp_path):
+    torch.manual_seed(0)
+    path, model = _export(PositionAdd(), (2, 4, 16), tmp_path, target="tensorrt")
+    (stored, zero_point), = _constant_dq_of(model, "Add")
+    assert stored.dtype == np.int8 and zero_point.dtype == np.int8
+
+
+def test_batched_matmul_einsum_runs_as_qlinearmatmul(tmp_path):
+    torch.manual_seed(0)
+    path, model = _export(EinsumAttention(), (1, 2, 5, 8), tmp_path)
+    assert not [n for n in model.graph.node if n.op_type == "Einsum"]
+    ops = ort_optimized_ops(path)
+    assert ops["QLinearMatMul"] == 2 and ops["Einsum"] == 0 and ops["MatMul"] == 0, ops
+    assert path.readings.literal_lsb <= 1
+
+
+@pytest.mark.parametrize(("equation", "transposed"), [
+    ("B G H I D, B G H J D -> B G H I J", True),
+    ("bhij,bhjd->bhid", False),
+    ("ik,jk->ij", True),
+    ("bik,bkj->bji", None),  # output transposed
+    ("bij,cjk->bik", None),  # batch labels differ
+    ("...ik,...kj->...ij", None),  # ellipsis
+    ("bik,bkj,bjl->bil", None),  # three operands
+    ("bii,bij->bij", None),  # repeated label
+])
+def test_batched_matmul_form(equation, transposed):
+    assert batched_matmul_form(equation) is transposed
