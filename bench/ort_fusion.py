@@ -6,8 +6,10 @@ that hold one value everywhere, such as a zero classifier head or ConvNeXt's 1e-
 perturbed so that outputs and LSB figures are not vacuous):
 
 - ``before``: the placement as it was: Add/Mul constants stored int8 beside uint8 activations,
-  batched-matmul einsums left as Einsum;
-- ``after``: the current code (``export.binary_constants`` and ``decompose.decompose_einsum``).
+  the attention scale a float literal, batched-matmul einsums left as Einsum, Conv -> Relu -> Q
+  with the Relu's zero-point above the minimum left as it is;
+- ``after``: the current code (``export.ort_fusion``, ``decompose.decompose_einsum`` and the
+  stored attention scale of ``decompose.decompose_attention``).
 
 Printed per file: ONNX Runtime's integer kernels in its optimized graph (the census of
 ``inspect.consumers.ort_optimized_ops``), the ops it still computes in float with the reason read
@@ -120,17 +122,19 @@ def float_leftovers(path: Path) -> collections.Counter:
 
 @contextlib.contextmanager
 def placement_before():
-    """The placement as it was before this change: no einsum rewrite, no constant move."""
+    """The placement as it was before this change: no einsum rewrite, the attention scale a float
+    literal, Add/Mul constants left int8, no requantization before a Relu."""
     from quantship.export import qdq
     from quantship.quantize import decompose
 
-    saved = qdq.PASSES, decompose.decompose_einsum
-    qdq.PASSES = tuple(p for p in qdq.PASSES if p is not qdq.BinaryConstantDtypePass)
+    saved = qdq.PASSES, decompose.decompose_einsum, decompose._scalar_constant
+    qdq.PASSES = tuple(p for p in qdq.PASSES if p not in (qdq.BinaryConstantDtypePass, qdq.ReluRequantizePass))
     decompose.decompose_einsum = lambda model: 0
+    decompose._scalar_constant = lambda model, value, like: value
     try:
         yield
     finally:
-        qdq.PASSES, decompose.decompose_einsum = saved
+        qdq.PASSES, decompose.decompose_einsum, decompose._scalar_constant = saved
 
 
 def build_files(name: str, workdir: Path) -> tuple[dict, int]:

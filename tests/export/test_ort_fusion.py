@@ -58,6 +58,35 @@ class EinsumAttention(nn.Module):
         return self.out(torch.einsum("bhij,bhjd->bhid", scores, v))
 
 
+class DenseStem(nn.Module):
+    """DenseNet's stem: conv -> ReLU -> max-pool, whose output joins a concatenation with a conv
+    output that goes negative (so the ReLU's shared scale has a zero-point above the minimum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu0 = nn.ReLU()
+        self.pool0 = nn.MaxPool2d(2)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        y = self.pool0(self.relu0(self.conv0(x)))
+        return self.head(torch.cat([y, self.conv1(y)], dim=1))
+
+
+class ScaledAttention(nn.Module):
+    """Fused attention, decomposed before annotation: its 1/sqrt(d) scale is a stored constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):  # x: (batch, heads, tokens, 8)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
 def _export(module: nn.Module, shape: tuple, tmp_path, target: str = "onnxruntime-cpu"):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
@@ -98,6 +127,16 @@ def test_binary_constant_is_stored_uint8_and_fused(module, shape, op, fused, tmp
     assert path.readings.literal_lsb <= 1
 
 
+def test_attention_scale_is_a_quantized_constant(tmp_path):
+    torch.manual_seed(0)
+    path, model = _export(ScaledAttention(), (1, 2, 5, 8), tmp_path)
+    (stored, zero_point), = _constant_dq_of(model, "Mul")
+    assert stored.shape == () and stored.dtype == np.uint8 and zero_point.dtype == np.uint8
+    ops = ort_optimized_ops(path)
+    assert ops["QLinearMul"] == 1 and ops["Mul"] == 0 and ops["QLinearMatMul"] == 2, ops
+    assert path.readings.literal_lsb <= 1
+
+
 def test_int8_target_keeps_its_constants_int8(tmp_path):
     torch.manual_seed(0)
     path, model = _export(PositionAdd(), (2, 4, 16), tmp_path, target="tensorrt")
@@ -111,6 +150,21 @@ def test_batched_matmul_einsum_runs_as_qlinearmatmul(tmp_path):
     assert not [n for n in model.graph.node if n.op_type == "Einsum"]
     ops = ort_optimized_ops(path)
     assert ops["QLinearMatMul"] == 2 and ops["Einsum"] == 0 and ops["MatMul"] == 0, ops
+    assert path.readings.literal_lsb <= 1
+
+
+def test_relu_with_shared_scale_is_requantized_so_the_conv_fuses(tmp_path):
+    torch.manual_seed(0)
+    path, model = _export(DenseStem(), (2, 3, 8, 8), tmp_path)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    (relu,) = [n for n in model.graph.node if n.op_type == "Relu"]
+    dq = producer[relu.input[0]]
+    q = producer[dq.input[0]]
+    assert (dq.op_type, q.op_type, producer[q.input[0]].op_type) == ("DequantizeLinear", "QuantizeLinear", "Conv")
+    assert inits[q.input[2]].dtype == np.uint8 and int(inits[q.input[2]]) > 0  # why ORT keeps the Relu
+    ops = ort_optimized_ops(path)
+    assert ops["QLinearConv"] == 3 and ops["Conv"] == ops["FusedConv"] == 0, ops
     assert path.readings.literal_lsb <= 1
 
 

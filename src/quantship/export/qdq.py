@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
-from quantship.export.binary_constants import constants_to_uint8
+from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.checks import (
     ExactPass,
     ExportRefused,
@@ -35,7 +35,7 @@ from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.inspect.verify import MeasuredPath, measure_readings, torch_outputs, warn_if_drift
-from quantship.precision import QuantSpec, preset, quant_target
+from quantship.precision import QuantSpec, canonical_target, preset, quant_target
 from quantship.ranks import rank_zero_writes
 
 
@@ -124,6 +124,23 @@ class BinaryConstantDtypePass(ExactPass):
         check_model(proto, self.what)
 
 
+class ReluRequantizePass(ExactPass):
+    """For ONNX Runtime: a Q/DQ pair between a Conv/Gemm/MatMul and the Relu it feeds, where ORT could
+    not fold that Relu into its QuantizeLinear (zero-point above the type's minimum), so the product
+    fuses into an integer kernel; ensured by an identical ORT run."""
+
+    what = "requantizing before a Relu"
+
+    def rewrite(self, model: ir.Model) -> int:
+        target = self.ctx.target
+        if self.ctx.activation_dtype != "uint8" or (target is not None and canonical_target(target) != "onnxruntime-cpu"):
+            return 0
+        return requantize_before_relu(model)
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
+
+
 class MetadataPass(ir.passes.InPlacePass):
     """Write the spec and provenance into metadata_props (no output changes: nothing to run)."""
 
@@ -141,6 +158,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
     MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass, BinaryConstantDtypePass,
+    ReluRequantizePass,
 )
 
 

@@ -50,6 +50,24 @@ def _insert(graph, target, args: tuple, like: Node, **kwargs) -> Node:
     return node
 
 
+def _scalar_constant(model: GraphModule, value: float, like: Node) -> Node:
+    """A 0-d buffer holding ``value`` (``like``'s dtype), read by a get_attr node: a tensor the
+    annotator quantizes like any other constant, where a Python float would stay a float literal."""
+    from torch._guards import detect_fake_mode
+
+    val = like.meta["val"]
+    n = 0
+    while hasattr(model, f"_quantship_scale_{n}"):
+        n += 1
+    name = f"_quantship_scale_{n}"
+    model.register_buffer(name, torch.tensor(value, dtype=val.dtype))
+    node = model.graph.get_attr(name)
+    mode = detect_fake_mode([val])
+    buffer = getattr(model, name)
+    node.meta["val"] = mode.from_tensor(buffer) if mode is not None else buffer
+    return node
+
+
 def _attention_args(node: Node) -> dict:
     args = dict(zip(_ARG_NAMES, node.args))
     args.update(node.kwargs)
@@ -76,7 +94,8 @@ def decompose_attention(model: GraphModule) -> int:
         if scale is None:
             scale = 1.0 / math.sqrt(q_val.shape[-1])
         with graph.inserting_before(node):
-            scaled_q = _insert(graph, aten.mul.Tensor, (q, float(scale)), node)
+            # a stored scalar, not a literal: quantized, ONNX Runtime fuses the product (QLinearMul)
+            scaled_q = _insert(graph, aten.mul.Tensor, (q, _scalar_constant(model, float(scale), q)), node)
             k_t = _insert(graph, aten.transpose.int, (k, -2, -1), node)
             scores = _insert(graph, aten.matmul.default, (scaled_q, k_t), node)
             if a.get("is_causal"):
