@@ -20,7 +20,6 @@ import onnx_ir as ir
 
 from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
-from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.checks import (
     ExactPass,
     ExportRefused,
@@ -32,6 +31,7 @@ from quantship.export.checks import (
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
+from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.inspect.verify import MeasuredPath, measure_readings, torch_outputs, warn_if_drift
