@@ -6,7 +6,7 @@ that hold one value everywhere, such as a zero classifier head or ConvNeXt's 1e-
 perturbed so that outputs and LSB figures are not vacuous):
 
 - ``before``: the placement as it was: Add/Mul constants stored int8 beside uint8 activations,
-  the attention scale a float literal, batched-matmul einsums left as Einsum, Conv -> Relu -> Q
+  the attention scale and other number operands of mul/add float literals, batched-matmul einsums left as Einsum, Conv -> Relu -> Q
   with the Relu's zero-point above the minimum left as it is;
 - ``after``: the current code (``export.ort_fusion``, ``decompose.decompose_einsum`` and the
   stored attention scale of ``decompose.decompose_attention``).
@@ -17,7 +17,7 @@ off the graph, the max error vs the torch quantized model in output LSB (ORT lit
 optimizations, on 4 seeded inputs), and the median latency at ORT's default optimizations (both
 files timed in one process, interleaved round by round, with ``bench/latency.py``'s loop).
 
-    python bench/ort_fusion.py [--models vit convnext densenet maxvit] [--runs 50]
+    python bench/ort_fusion.py [--models vit convnext densenet maxvit_small maxvit] [--runs 50]
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ def _models() -> dict:
         "convnext": (lambda: torchvision.models.convnext_tiny(), 32),
         "densenet": (lambda: torchvision.models.densenet121(), 32),
         "maxvit": (lambda: torchvision.models.maxvit_t(), 224),
+        # maxvit_t's block kinds (MBConv, block and grid attention with einsum products) at a size that
+        # quantizes in seconds: one stage of one layer, 32x32 input
+        "maxvit_small": (lambda: torchvision.models.maxvit.MaxVit(
+            input_size=(32, 32), stem_channels=16, partition_size=4, block_channels=[32], block_layers=[1],
+            head_dim=16, stochastic_depth_prob=0.0, num_classes=10), 32),
     }
 
 
@@ -122,8 +127,8 @@ def float_leftovers(path: Path) -> collections.Counter:
 
 @contextlib.contextmanager
 def placement_before():
-    """The placement as it was before this change: no einsum rewrite, the attention scale a float
-    literal, Add/Mul constants left int8, no requantization before a Relu."""
+    """The placement as it was before this change: no einsum rewrite, number operands of mul/add
+    (the attention scale among them) float literals, Add/Mul constants left int8, no requantization before a Relu."""
     from quantship.export import qdq
     from quantship.quantize import decompose
 

@@ -137,6 +137,29 @@ def test_attention_scale_is_a_quantized_constant(tmp_path):
     assert path.readings.literal_lsb <= 1
 
 
+class ScaledProduct(nn.Module):
+    """MaxViT's and Swin's attention: the query multiplied by a Python number, then a bias added."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(self.fc(x) * 0.25 + 1)
+
+
+def test_number_operands_are_quantized_constants(tmp_path):
+    torch.manual_seed(0)
+    path, model = _export(ScaledProduct(), (2, 8), tmp_path)
+    for op in ("Mul", "Add"):
+        (stored, zero_point), = _constant_dq_of(model, op)
+        assert stored.shape == () and stored.dtype == np.uint8 and zero_point.dtype == np.uint8
+    ops = ort_optimized_ops(path)
+    assert ops["QLinearMul"] == ops["QLinearAdd"] == 1 and ops["Mul"] == ops["Add"] == 0, ops
+    assert path.readings.literal_lsb <= 1
+
+
 def test_int8_target_keeps_its_constants_int8(tmp_path):
     torch.manual_seed(0)
     path, model = _export(PositionAdd(), (2, 4, 16), tmp_path, target="tensorrt")

@@ -144,10 +144,11 @@ PATTERNS = {
     "group_norm": (lambda: nn.GroupNorm(2, 4), lambda: x4(2, 4, 3, 3), (2, 2, 0)),
     "softmax": (lambda: nn.Softmax(-1), lambda: x4(2, 5), (2, 2, 0)),
     "gelu": (nn.GELU, lambda: x4(2, 5), (2, 2, 0)),
-    "sdpa": (Attention, lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (8, 8, 0)),
-    "sdpa_causal": (lambda: Attention("causal"), lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (8, 8, 0)),
-    "sdpa_bool_mask": (lambda: Attention("bool"), lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (8, 8, 0)),
-    "multihead_attention": (SelfAttention, lambda: x4(2, 5, 8), (32, 34, 2)),
+    # attention: the 1/sqrt(d) scale is a stored constant (one more DequantizeLinear, no QuantizeLinear)
+    "sdpa": (Attention, lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (8, 9, 0)),
+    "sdpa_causal": (lambda: Attention("causal"), lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (8, 9, 0)),
+    "sdpa_bool_mask": (lambda: Attention("bool"), lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (8, 9, 0)),
+    "multihead_attention": (SelfAttention, lambda: x4(2, 5, 8), (32, 35, 2)),
     "class_token": (ClassToken, lambda: x4(2, 4, 8), (3, 5, 0)),
     "select_slice_index": (lambda: Unary(lambda x: x[:, 0] + x[:, 1:3][:, 1] * x[:, torch.tensor([3, 0])][:, 0]),
                            lambda: x4(2, 4, 8), (8, 10, 0)),
@@ -155,8 +156,11 @@ PATTERNS = {
     "dropout_eval": (lambda: nn.Dropout(0.5), lambda: x4(2, 5), (2, 2, 0)),
     "chunk": (lambda: Unary(lambda x: torch.mul(*x.chunk(2, dim=-1))), lambda: x4(2, 8), (4, 4, 0)),
     "embedding": (lambda: nn.Embedding(10, 8), lambda: torch.tensor([[1, 2, 3]]), (1, 2, 0)),
+    # a batched-matmul einsum becomes transpose + matmul (the transpose keeps its input's scale)
     "einsum": (lambda: Binary(lambda a, b: torch.einsum("bhid,bhjd->bhij", a, b)),
-               lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (3, 3, 0)),
+               lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (4, 4, 0)),
+    "einsum_other": (lambda: Binary(lambda a, b: torch.einsum("bij,bkj->bjik", a, b)),
+                     lambda: (x4(2, 3, 4), x4(2, 5, 4)), (3, 3, 0)),
     "swapaxes": (lambda: Unary(lambda x: torch.swapaxes(x, 1, 2)), lambda: x4(2, 3, 4), (2, 2, 0)),
     "batch_norm_alone": (lambda: nn.BatchNorm2d(3), lambda: x4(2, 3, 4, 4), (2, 2, 0)),
 }

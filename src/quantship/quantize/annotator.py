@@ -307,12 +307,18 @@ class QuantshipQuantizer(Quantizer):
     # -- annotation ------------------------------------------------------------------------
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         """Decompose fused attention and batched-matmul einsums so their products are matmul nodes the
-        annotator quantizes, and give N-D linears a 2-D view so that each exports as one Gemm reading
-        its dequantized weight."""
-        from quantship.quantize.decompose import decompose_attention, decompose_einsum, flatten_linear_inputs
+        annotator quantizes, store the number operand of mul/add as a constant, and give N-D linears a
+        2-D view so that each exports as one Gemm reading its dequantized weight."""
+        from quantship.quantize.decompose import (
+            decompose_attention,
+            decompose_einsum,
+            flatten_linear_inputs,
+            scalars_as_constants,
+        )
 
         decompose_attention(model)
         decompose_einsum(model)
+        scalars_as_constants(model)
         flatten_linear_inputs(model)
         return model
 

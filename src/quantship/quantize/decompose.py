@@ -21,6 +21,8 @@ from torch.fx import GraphModule, Node
 aten = torch.ops.aten
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 EINSUM_OPS = {aten.einsum.default}
+# products and sums ONNX Runtime fuses (QLinearMul, QLinearAdd) once both inputs are dequantized
+SCALAR_OPERAND_OPS = {aten.mul.Tensor, aten.add.Tensor}
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
@@ -210,5 +212,33 @@ def decompose_einsum(model: GraphModule) -> int:
         n += 1
     if n:
         graph.lint()
+        model.recompile()
+    return n
+
+
+def scalars_as_constants(model: GraphModule) -> int:
+    """Replace the Python number operand of each ``mul``/``add`` of a float tensor (``q * scale``
+    in MaxViT's and Swin's attention) by a stored 0-d constant; return how many.
+
+    A literal stays a float initializer in the file, and ONNX Runtime runs the op in float between a
+    DequantizeLinear and a QuantizeLinear; a stored constant is quantized like any other (its value
+    is the largest integer of its grid times its own scale), and the op runs as QLinearMul/QLinearAdd."""
+    n = 0
+    for node in list(model.graph.nodes):
+        if node.op != "call_function" or node.target not in SCALAR_OPERAND_OPS or node.kwargs or len(node.args) != 2:
+            continue
+        a, b = node.args
+        tensor, number = (a, b) if isinstance(a, Node) else (b, a)
+        val = tensor.meta.get("val") if isinstance(tensor, Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            continue
+        with model.graph.inserting_before(node):
+            constant = _scalar_constant(model, float(number), tensor)
+        node.args = (tensor, constant) if tensor is a else (constant, tensor)
+        n += 1
+    if n:
+        model.graph.lint()
         model.recompile()
     return n
