@@ -160,6 +160,13 @@ def test_number_operands_are_quantized_constants(tmp_path):
     assert path.readings.literal_lsb <= 1
 
 
+def test_symmetric_int8_keeps_number_operands_literal(tmp_path):
+    # TiGrIS's runtime misreads a stored 0-d Mul/Add operand: symmetric specs keep the literal
+    torch.manual_seed(0)
+    path, model = _export(ScaledProduct(), (2, 8), tmp_path, target="tigris")
+    assert _constant_dq_of(model, "Mul") == [] and _constant_dq_of(model, "Add") == []
+
+
 def test_int8_target_keeps_its_constants_int8(tmp_path):
     torch.manual_seed(0)
     path, model = _export(PositionAdd(), (2, 4, 16), tmp_path, target="tensorrt")

@@ -307,7 +307,7 @@ class QuantshipQuantizer(Quantizer):
     # -- annotation ------------------------------------------------------------------------
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         """Decompose fused attention and batched-matmul einsums so their products are matmul nodes the
-        annotator quantizes, store the number operand of mul/add as a constant, and give N-D linears a
+        annotator quantizes, store the number operand of mul/add as a constant (affine specs), and give N-D linears a
         2-D view so that each exports as one Gemm reading its dequantized weight."""
         from quantship.quantize.decompose import (
             decompose_attention,
@@ -318,7 +318,10 @@ class QuantshipQuantizer(Quantizer):
 
         decompose_attention(model)
         decompose_einsum(model)
-        scalars_as_constants(model)
+        if not self.spec.symmetric:
+            # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
+            # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured)
+            scalars_as_constants(model)
         flatten_linear_inputs(model)
         return model
 

@@ -96,8 +96,7 @@ def decompose_attention(model: GraphModule) -> int:
         if scale is None:
             scale = 1.0 / math.sqrt(q_val.shape[-1])
         with graph.inserting_before(node):
-            # a stored scalar, not a literal: quantized, ONNX Runtime fuses the product (QLinearMul)
-            scaled_q = _insert(graph, aten.mul.Tensor, (q, _scalar_constant(model, float(scale), q)), node)
+            scaled_q = _insert(graph, aten.mul.Tensor, (q, float(scale)), node)
             k_t = _insert(graph, aten.transpose.int, (k, -2, -1), node)
             scores = _insert(graph, aten.matmul.default, (scaled_q, k_t), node)
             if a.get("is_causal"):
@@ -217,8 +216,9 @@ def decompose_einsum(model: GraphModule) -> int:
 
 
 def scalars_as_constants(model: GraphModule) -> int:
-    """Replace the Python number operand of each ``mul``/``add`` of a float tensor (``q * scale``
-    in MaxViT's and Swin's attention) by a stored 0-d constant; return how many.
+    """Replace the Python number operand of each ``mul``/``add`` of a float tensor (the attention
+    scale of ``decompose_attention``, ``q * scale`` in MaxViT's and Swin's attention) by a stored 0-d
+    constant; return how many.
 
     A literal stays a float initializer in the file, and ONNX Runtime runs the op in float between a
     DequantizeLinear and a QuantizeLinear; a stored constant is quantized like any other (its value
