@@ -155,8 +155,11 @@ PATTERNS = {
     "dropout_eval": (lambda: nn.Dropout(0.5), lambda: x4(2, 5), (2, 2, 0)),
     "chunk": (lambda: Unary(lambda x: torch.mul(*x.chunk(2, dim=-1))), lambda: x4(2, 8), (4, 4, 0)),
     "embedding": (lambda: nn.Embedding(10, 8), lambda: torch.tensor([[1, 2, 3]]), (1, 2, 0)),
+    # a batched-matmul einsum becomes transpose + matmul (the transpose keeps its input's scale)
     "einsum": (lambda: Binary(lambda a, b: torch.einsum("bhid,bhjd->bhij", a, b)),
-               lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (3, 3, 0)),
+               lambda: (x4(2, 2, 5, 4), x4(2, 2, 5, 4)), (4, 4, 0)),
+    "einsum_other": (lambda: Binary(lambda a, b: torch.einsum("bij,bkj->bjik", a, b)),
+                     lambda: (x4(2, 3, 4), x4(2, 5, 4)), (3, 3, 0)),
     "swapaxes": (lambda: Unary(lambda x: torch.swapaxes(x, 1, 2)), lambda: x4(2, 3, 4), (2, 2, 0)),
     "batch_norm_alone": (lambda: nn.BatchNorm2d(3), lambda: x4(2, 3, 4, 4), (2, 2, 0)),
 }

@@ -31,10 +31,11 @@ from quantship.export.checks import (
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
+from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_file, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.inspect.verify import MeasuredPath, measure_readings, torch_outputs, warn_if_drift
-from quantship.precision import QuantSpec, preset, quant_target
+from quantship.precision import QuantSpec, canonical_target, preset, quant_target
 from quantship.progress import step
 from quantship.ranks import rank_zero_writes
 
@@ -111,6 +112,36 @@ class ActivationDtypePass(ExactPass):
         check_model(proto, self.what)
 
 
+class BinaryConstantDtypePass(ExactPass):
+    """In a uint8 file, the stored int8 operand of an Add/Mul beside a uint8 activation moves to uint8
+    (q + 128, z + 128), so ONNX Runtime fuses QLinearAdd/QLinearMul; ensured by an identical ORT run."""
+
+    what = "moving Add/Mul constants to uint8"
+
+    def rewrite(self, model: ir.Model) -> int:
+        return constants_to_uint8(model) if self.ctx.activation_dtype == "uint8" else 0
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
+
+
+class ReluRequantizePass(ExactPass):
+    """For ONNX Runtime: a Q/DQ pair between a Conv/Gemm/MatMul and the Relu it feeds, where ORT could
+    not fold that Relu into its QuantizeLinear (zero-point above the type's minimum), so the product
+    fuses into an integer kernel; ensured by an identical ORT run."""
+
+    what = "requantizing before a Relu"
+
+    def rewrite(self, model: ir.Model) -> int:
+        target = self.ctx.target
+        if self.ctx.activation_dtype != "uint8" or (target is not None and canonical_target(target) != "onnxruntime-cpu"):
+            return 0
+        return requantize_before_relu(model)
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
+
+
 class MetadataPass(ir.passes.InPlacePass):
     """Write the spec and provenance into metadata_props, and drop the exporter's per-node source text
     (stack traces with the machine's paths, FX node text; module scopes stay). No output changes."""
@@ -129,7 +160,8 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass, BinaryConstantDtypePass,
+    ReluRequantizePass,
 )
 
 

@@ -67,13 +67,16 @@ class FileFacts:
                               "re-export the file with quantship") from None
 
     def widest_stored_weight(self) -> int:
-        """The largest |value| among the stored integer tensors that DequantizeLinear reads directly."""
+        """The largest |value - zero-point| among the stored integer tensors that DequantizeLinear reads
+        directly (a uint8 constant stored with zero-point 128 spans the same range as its int8 form)."""
         widest = 0
         for node in self.view.nodes:
             if node.op_type == DEQUANTIZE and node.input and node.input[0] in self.view.initializers:
                 values = self.view.value(node.input[0])
                 if values is not None and values.dtype.kind in "iu" and values.size:
-                    widest = max(widest, abs(int(values.min())), abs(int(values.max())))
+                    zero = self.view.value(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+                    offset = int(zero.reshape(-1)[0]) if zero is not None and zero.size == 1 else 0
+                    widest = max(widest, abs(int(values.min()) - offset), abs(int(values.max()) - offset))
         return widest
 
 

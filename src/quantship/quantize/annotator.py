@@ -306,11 +306,22 @@ class QuantshipQuantizer(Quantizer):
 
     # -- annotation ------------------------------------------------------------------------
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        """Decompose fused attention so its two products are matmul nodes the annotator quantizes, and
-        give N-D linears a 2-D view so that each exports as one Gemm reading its dequantized weight."""
-        from quantship.quantize.decompose import decompose_attention, flatten_linear_inputs
+        """Decompose fused attention and batched-matmul einsums so their products are matmul nodes the
+        annotator quantizes, store the number operand of mul/add as a constant (affine specs), and give N-D linears a
+        2-D view so that each exports as one Gemm reading its dequantized weight."""
+        from quantship.quantize.decompose import (
+            decompose_attention,
+            decompose_einsum,
+            flatten_linear_inputs,
+            scalars_as_constants,
+        )
 
         decompose_attention(model)
+        decompose_einsum(model)
+        if not self.spec.symmetric:
+            # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
+            # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured)
+            scalars_as_constants(model)
         flatten_linear_inputs(model)
         return model
 

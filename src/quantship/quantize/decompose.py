@@ -20,6 +20,9 @@ from torch.fx import GraphModule, Node
 
 aten = torch.ops.aten
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
+EINSUM_OPS = {aten.einsum.default}
+# products and sums ONNX Runtime fuses (QLinearMul, QLinearAdd) once both inputs are dequantized
+SCALAR_OPERAND_OPS = {aten.mul.Tensor, aten.add.Tensor}
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
@@ -46,6 +49,24 @@ def _insert(graph, target, args: tuple, like: Node, **kwargs) -> Node:
         if key in like.meta:
             node.meta[key] = like.meta[key]
     node.meta["val"] = _fake_value(target, args, kwargs)
+    return node
+
+
+def _scalar_constant(model: GraphModule, value: float, like: Node) -> Node:
+    """A 0-d buffer holding ``value`` (``like``'s dtype), read by a get_attr node: a tensor the
+    annotator quantizes like any other constant, where a Python float would stay a float literal."""
+    from torch._guards import detect_fake_mode
+
+    val = like.meta["val"]
+    n = 0
+    while hasattr(model, f"_quantship_scale_{n}"):
+        n += 1
+    name = f"_quantship_scale_{n}"
+    model.register_buffer(name, torch.tensor(value, dtype=val.dtype))
+    node = model.graph.get_attr(name)
+    mode = detect_fake_mode([val])
+    buffer = getattr(model, name)
+    node.meta["val"] = mode.from_tensor(buffer) if mode is not None else buffer
     return node
 
 
@@ -133,5 +154,91 @@ def flatten_linear_inputs(model: GraphModule) -> int:
         n += 1
     if n:
         graph.lint()
+        model.recompile()
+    return n
+
+
+def batched_matmul_form(equation: str) -> bool | None:
+    """For a two-operand einsum that is a batched matrix product, whether the second operand enters
+    transposed ('bik,bjk->bij': True; 'bik,bkj->bij': False); None for any other equation.
+
+    Batch labels must be the same, in the same order, on both operands and the output."""
+    compact = equation.replace(" ", "")
+    if "." in compact or "->" not in compact:
+        return None
+    operands, out = compact.split("->")
+    parts = operands.split(",")
+    if len(parts) != 2:
+        return None
+    a, b = parts
+    if not (len(a) == len(b) == len(out) >= 2) or any(len(set(t)) != len(t) for t in (a, b, out)):
+        return None
+    batch, (i, k) = a[:-2], a[-2:]
+    if b[:-2] != batch or out[:-2] != batch or out[-2] != i:
+        return None
+    j = out[-1]
+    if len({i, j, k}) != 3 or {i, j, k} & set(batch):
+        return None
+    if b[-2:] == j + k:
+        return True
+    if b[-2:] == k + j:
+        return False
+    return None
+
+
+def decompose_einsum(model: GraphModule) -> int:
+    """Rewrite each two-operand ``einsum`` that is a batched matrix product into ``matmul`` (with a
+    transpose of the second operand where the equation asks for one); return how many.
+
+    ONNX Runtime has no integer Einsum; a MatMul between two DequantizeLinear and a QuantizeLinear
+    becomes QLinearMatMul. Other equations are left as they are."""
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in EINSUM_OPS:
+            continue
+        equation, operands = node.args[0], node.args[1]
+        transpose = batched_matmul_form(equation) if isinstance(equation, str) and len(operands) == 2 else None
+        if transpose is None or not all(isinstance(t, Node) for t in operands):
+            continue
+        a, b = operands
+        with graph.inserting_before(node):
+            if transpose:
+                b = _insert(graph, aten.transpose.int, (b, -2, -1), node)
+            out = _insert(graph, aten.matmul.default, (a, b), node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        n += 1
+    if n:
+        graph.lint()
+        model.recompile()
+    return n
+
+
+def scalars_as_constants(model: GraphModule) -> int:
+    """Replace the Python number operand of each ``mul``/``add`` of a float tensor (the attention
+    scale of ``decompose_attention``, ``q * scale`` in MaxViT's and Swin's attention) by a stored 0-d
+    constant; return how many.
+
+    A literal stays a float initializer in the file, and ONNX Runtime runs the op in float between a
+    DequantizeLinear and a QuantizeLinear; a stored constant is quantized like any other (its value
+    is the largest integer of its grid times its own scale), and the op runs as QLinearMul/QLinearAdd."""
+    n = 0
+    for node in list(model.graph.nodes):
+        if node.op != "call_function" or node.target not in SCALAR_OPERAND_OPS or node.kwargs or len(node.args) != 2:
+            continue
+        a, b = node.args
+        tensor, number = (a, b) if isinstance(a, Node) else (b, a)
+        val = tensor.meta.get("val") if isinstance(tensor, Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            continue
+        with model.graph.inserting_before(node):
+            constant = _scalar_constant(model, float(number), tensor)
+        node.args = (tensor, constant) if tensor is a else (constant, tensor)
+        n += 1
+    if n:
+        model.graph.lint()
         model.recompile()
     return n
