@@ -34,6 +34,8 @@ _PUBLIC = {
     "tigris_analyze": "quantship.inspect.consumers",
     "compare_files": "quantship.inspect.compare",
     "CompareReport": "quantship.inspect.compare",
+    "trace_divergence": "quantship.inspect.divergence",
+    "DivergenceReport": "quantship.inspect.divergence",
 }
 
 __all__ = list(_PUBLIC)
