@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 
 from quantship.inspect.consumers import ort_session, run_session
+from quantship.inspect.stats import constant_values
 
 __all__ = ["DivergenceReport", "LayerDivergence", "trace_divergence"]
 
@@ -95,17 +96,9 @@ class DivergenceReport:
                 f"{self.n_local} element(s), {where}; propagated: max {prop}")
 
 
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = onnx.numpy_helper.to_array(node.attribute[0].t)
-    return values
-
-
 def _file_quantizers(model: onnx.ModelProto) -> list[tuple[str, str, float, int]]:
     """(output, input, scale, zero-point) of every per-tensor QuantizeLinear, in graph order."""
-    values = _constants(model)
+    values = constant_values(model)
     found = []
     for node in model.graph.node:
         if node.op_type != "QuantizeLinear":
