@@ -7,6 +7,8 @@ stage, whose counts are read off its own modules.
 
 from __future__ import annotations
 
+import subprocess
+import time
 import warnings
 
 import pytest
@@ -14,6 +16,20 @@ import torch
 import torch.nn as nn
 
 warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*deprecated.*")
+
+
+def wait_for(proc: subprocess.Popen, marker: str, timeout: float = 120) -> None:
+    """Read ``proc``'s stderr line by line until one holds ``marker`` (a pause point it printed);
+    kill it and fail if it exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if marker in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"the process never reached {marker!r} (exit {proc.poll()})")
 
 
 class ResidualNet(nn.Module):
@@ -85,3 +101,17 @@ def resnet18_pt2e(resnet18, resnet18_calib):
     from quantship import Quantizer
 
     return Quantizer(backend="pt2e").quantize(resnet18, resnet18_calib, max_calibration_samples=32)
+
+
+@pytest.fixture(scope="session")
+def mobilenet_v2_pt2e():
+    """Untrained torchvision MobileNetV2 (seed 0) quantized by pt2e with the defaults at 96x96, once per
+    session; its batch is symbolic, so a file can be written from it at any batch."""
+    from torchvision.models import mobilenet_v2
+
+    from quantship import Quantizer
+
+    torch.manual_seed(0)
+    model = mobilenet_v2(weights=None).eval()
+    calib = [torch.randn(2, 3, 96, 96) for _ in range(2)]
+    return Quantizer().quantize(model, calib)

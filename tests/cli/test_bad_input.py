@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from quantship.cli.main import main
+from tests.conftest import wait_for
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 MODEL_PY = """
@@ -241,18 +242,6 @@ def test_an_unreadable_file_through_real_processes(files, tmp_path):
         locked.unlink()
 
 
-def _wait_for(proc: subprocess.Popen, marker: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if marker in line:
-            return
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"never reached {marker!r} (exit {proc.poll()})")
-
-
 def test_real_processes_kill_9_second_writer_and_ctrl_c(files, tmp_path):
     """quantize-onnx as a user runs it: a writer paused before its commit holds the lock; a second
     writer with --no-wait is refused; kill -9 keeps the old file; the next run cleans up; Ctrl-C
@@ -262,7 +251,7 @@ def test_real_processes_kill_9_second_writer_and_ctrl_c(files, tmp_path):
     argv = ("quantize-onnx", str(files["FLOAT"]), "--calib", str(files["CAL"]), "--out", str(out), "--quiet")
 
     first = _cli(*argv, env={"QUANTSHIP_PAUSE_AT": "staged"})
-    _wait_for(first, "quantship-paused:staged")
+    wait_for(first, "quantship-paused:staged")
     second = _cli(*argv, "--no-wait")
     _, err = second.communicate(timeout=120)
     assert second.returncode == 2 and "another process is writing" in err and len(err.strip().splitlines()) == 1, err
@@ -272,7 +261,7 @@ def test_real_processes_kill_9_second_writer_and_ctrl_c(files, tmp_path):
     assert any(p.name.startswith(".quantship-") for p in tmp_path.iterdir())  # the killed run's temp dir
 
     third = _cli(*argv, env={"QUANTSHIP_PAUSE_AT": "staged"})
-    _wait_for(third, "quantship-paused:staged")
+    wait_for(third, "quantship-paused:staged")
     third.send_signal(signal.SIGINT)
     _, err = third.communicate(timeout=60)
     assert third.returncode == 130 and "interrupted" in err and "Traceback" not in err, err

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import quantship.export.artifact as artifact
 from quantship.errors import ExportRefused
+from tests.conftest import wait_for
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -79,18 +80,6 @@ def _spawn(tmp_path: Path, out: Path, value: float, *, external: bool, wait: boo
         env[artifact.PAUSE_ENV] = pause
     return subprocess.Popen([sys.executable, str(script), str(out), str(value), "1" if external else "0",
                              "1" if wait else "0"], stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _wait_for(proc: subprocess.Popen, marker: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if marker in line:
-            return
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"the writer never reached {marker!r} (exit {proc.poll()})")
 
 
 def _listing(directory: Path) -> list[str]:
@@ -203,7 +192,7 @@ def test_kill_9_at_each_stage_leaves_the_old_or_the_new_file(tmp_path, external)
         proc = _spawn(tmp_path, out, 1.0, external=external)
         assert proc.wait(60) == 0, proc.stderr.read()
         proc = _spawn(tmp_path, out, 2.0, external=external, pause=stage)
-        _wait_for(proc, f"quantship-paused:{stage}")
+        wait_for(proc, f"quantship-paused:{stage}")
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         assert any(p.name.startswith(".quantship-") for p in work.iterdir())  # the killed run's leftovers
@@ -224,7 +213,7 @@ def test_kill_9_at_each_stage_leaves_the_old_or_the_new_file(tmp_path, external)
 def test_a_second_writer_waits_or_is_refused_with_no_wait(tmp_path):
     out = tmp_path / "m.onnx"
     first = _spawn(tmp_path, out, 1.0, external=False, pause="staged")
-    _wait_for(first, "quantship-paused:staged")
+    wait_for(first, "quantship-paused:staged")
     refused = _spawn(tmp_path, out, 2.0, external=False, wait=False)
     assert refused.wait(60) == 2
     assert "another process is writing" in refused.stderr.read()
