@@ -18,21 +18,6 @@ import torch.nn as nn
 warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*deprecated.*")
 
 
-# Session fixtures that quantize or export a full-size model: every test that needs one of them runs
-# on the same pytest-xdist worker, so that each is built once per run (`make test` uses `-n 2`).
-SHARED_FULL_SIZE = ("resnet18", "mobilenet_v2_pt2e")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`--dist loadgroup`): one group per test file, so module fixtures are built
-    once, and one group for every test of any file that uses a full-size session model."""
-    if not config.pluginmanager.hasplugin("xdist") or getattr(config.option, "numprocesses", None) in (None, 0):
-        return
-    for item in items:
-        shared = any(name in item.fixturenames for name in SHARED_FULL_SIZE)
-        item.add_marker(pytest.mark.xdist_group("full-size-models" if shared else item.nodeid.split("::")[0]))
-
-
 def wait_for(proc: subprocess.Popen, marker: str, timeout: float = 120) -> None:
     """Read ``proc``'s stderr line by line until one holds ``marker`` (a pause point it printed);
     kill it and fail if it exits or ``timeout`` seconds pass first."""
