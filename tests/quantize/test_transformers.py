@@ -60,9 +60,9 @@ def _build(name: str):
         nn.init.normal_(model.heads.head.weight, std=0.5)  # zero at init: every logit would be 0
         size = 32
     else:
-        # torchvision's ConvNeXt-T and Swin-T widths, at 1 block per stage (ConvNeXt) and 2 (Swin: one
-        # plain, one shifted-window block): every block kind of the full models, at a fraction of their
-        # export time (the full models are bench/zoo.py's)
+        # torchvision's ConvNeXt at ConvNeXt-T's widths with 1 block per stage, and its Swin at a third of
+        # Swin-T's width with 2 blocks per stage (one plain, one shifted-window): every block kind of the
+        # full models, at a fraction of their export time (the full models are bench/zoo.py's)
         from torchvision.models.convnext import CNBlockConfig, ConvNeXt
         from torchvision.models.swin_transformer import SwinTransformer
 
@@ -70,7 +70,7 @@ def _build(name: str):
             model = ConvNeXt([CNBlockConfig(96, 192, 1), CNBlockConfig(192, 384, 1), CNBlockConfig(384, 768, 1),
                               CNBlockConfig(768, None, 1)])
         else:
-            model = SwinTransformer(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 2, 2], num_heads=[3, 6, 12, 24],
+            model = SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8],
                                     window_size=[7, 7])
         for p_name, p in model.named_parameters():
             if p_name.endswith("layer_scale"):  # ConvNeXt starts them at 1e-6: blocks would not count
