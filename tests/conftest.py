@@ -85,3 +85,17 @@ def resnet18_pt2e(resnet18, resnet18_calib):
     from quantship import Quantizer
 
     return Quantizer(backend="pt2e").quantize(resnet18, resnet18_calib, max_calibration_samples=32)
+
+
+@pytest.fixture(scope="session")
+def mobilenet_v2_pt2e():
+    """Untrained torchvision MobileNetV2 (seed 0) quantized by pt2e with the defaults at 96x96, once per
+    session; its batch is symbolic, so a file can be written from it at any batch."""
+    from torchvision.models import mobilenet_v2
+
+    from quantship import Quantizer
+
+    torch.manual_seed(0)
+    model = mobilenet_v2(weights=None).eval()
+    calib = [torch.randn(2, 3, 96, 96) for _ in range(2)]
+    return Quantizer().quantize(model, calib)

@@ -21,9 +21,15 @@ def calib_npy(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_quantize_torchvision_resnet18_passes_check(calib_npy, tmp_path, capsys):
-    out = tmp_path / "r18.onnx"
-    code = main(["quantize", "torchvision:resnet18", "--calib", str(calib_npy), "--out", str(out),
+def test_quantize_torchvision_model_passes_check(calib_npy, tmp_path, capsys):
+    """A torchvision:NAME model end to end. SqueezeNet 1.1 (26 convs, Concat, no Linear) rather than
+    ResNet-18: the suite's ResNet-18 is quantized once (tests/conftest.py), and the onnxruntime-cpu
+    preset on a residual network is tests/export/test_targets.py's."""
+    import torchvision
+
+    n_conv = sum(isinstance(m, torch.nn.Conv2d) for m in torchvision.models.squeezenet1_1().modules())
+    out = tmp_path / "squeezenet.onnx"
+    code = main(["quantize", "torchvision:squeezenet1_1", "--calib", str(calib_npy), "--out", str(out),
                  "--target", "onnxruntime-cpu", "--batch-size", "3", "--json"])  # batches of 3, 3, 2
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and out.is_file()
@@ -33,7 +39,7 @@ def test_quantize_torchvision_resnet18_passes_check(calib_npy, tmp_path, capsys)
     for n in (1, 32):  # --batch-size is the calibration batch only: the file serves any batch
         x = np.random.default_rng(n).standard_normal((n, 3, 64, 64)).astype(np.float32)
         assert run_session(ort_session(out, optimized=True), [x])[0].shape == (n, 1000)
-    assert report["check"]["ok"] is True and report["qdq_stats"]["n_per_channel"] == 21
+    assert n_conv == 26 and report["check"]["ok"] is True and report["qdq_stats"]["n_per_channel"] == n_conv
     assert report["spec"]["reduce_range"] is True and report["qdq_stats"]["n_uint8"] > 0
     assert main(["check", str(out), "--target", "onnxruntime"]) == 0
 

@@ -61,19 +61,19 @@ def export_float(model: nn.Module, sample: torch.Tensor, path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def files(tmp_path_factory) -> dict[str, Path]:
-    """pt2e MobileNetV2 (96x96) and ResNet-18 (64x64) files, batch 1, and ResNet-18 with uint8 activations."""
-    from torchvision.models import mobilenet_v2, resnet18
+def files(tmp_path_factory, mobilenet_v2_pt2e, resnet18_pt2e) -> dict[str, Path]:
+    """pt2e MobileNetV2 (96x96) and ResNet-18 (224x224) files, batch 1, and ResNet-18 with uint8 activations.
 
+    Both models are the session's quantized ones (tests/conftest.py, batch symbolic), written here at
+    batch 1: neither is quantized a second time.
+    """
     root = tmp_path_factory.mktemp("pt2e")
-    out = {}
-    for name, build, size in (("mobilenetv2", mobilenet_v2, 96), ("resnet18", resnet18, 64)):
-        torch.manual_seed(0)
-        g = torch.Generator().manual_seed(1)
-        calib = [torch.randn(1, 3, size, size, generator=g) for _ in range(4)]
-        quantized = quantize_pt2e(build(weights=None).eval(), calib)
-        out[name] = export_pt2e(None, calib, root / f"{name}.onnx", quantized=quantized)
-    out["resnet18_uint8"] = export_pt2e(None, calib, root / "resnet18_uint8.onnx", quantized=quantized,
+    g = torch.Generator().manual_seed(1)
+    out = {"mobilenetv2": export_pt2e(None, [torch.randn(1, 3, 96, 96, generator=g)], root / "mobilenetv2.onnx",
+                                      quantized=mobilenet_v2_pt2e)}
+    sample = [torch.randn(1, 3, 224, 224, generator=g)]
+    out["resnet18"] = export_pt2e(None, sample, root / "resnet18.onnx", quantized=resnet18_pt2e)
+    out["resnet18_uint8"] = export_pt2e(None, sample, root / "resnet18_uint8.onnx", quantized=resnet18_pt2e,
                                         activation_dtype="uint8")
     return out
 

@@ -64,12 +64,26 @@ class HyperSpy(Callback):
             raise StopHere("optimizer recorded")
 
 
-def test_import_quantship_does_not_import_fastai():
+@pytest.fixture(scope="module")
+def fresh_process_lines():
+    """One fresh interpreter (torch imported once for both tests below): first whether
+    ``quantship.Quantizer`` pulled fastai in, then the error ``quantship.QuantizeCallback`` raises
+    once fastai cannot be imported."""
     import subprocess
 
-    code = "import quantship, sys; quantship.Quantizer; print('fastai' in sys.modules)"
+    code = (
+        "import sys, quantship\n"
+        "quantship.Quantizer\n"
+        "print('fastai' in sys.modules)\n"
+        "sys.modules['fastai'] = None; sys.modules['fastai.callback.core'] = None\n"
+        "try:\n    quantship.QuantizeCallback\nexcept ImportError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    return out.stdout.strip().splitlines()
+
+
+def test_import_quantship_does_not_import_fastai(fresh_process_lines):
+    assert fresh_process_lines[0] == "False"
 
 
 def test_loader_batch_sizes(split):
@@ -181,13 +195,5 @@ def test_qat_fit_x86_and_pt2e_accuracy(split):
         assert wilson_interval(k, n)[1] > 0.9, name
 
 
-def test_missing_fastai_names_the_extra():
-    import subprocess
-
-    code = (
-        "import sys; sys.modules['fastai'] = None; sys.modules['fastai.callback.core'] = None\n"
-        "import quantship\n"
-        "try:\n    quantship.QuantizeCallback\nexcept ImportError as e:\n    print(e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "pip install 'quantship[fastai]'" in out.stdout
+def test_missing_fastai_names_the_extra(fresh_process_lines):
+    assert "pip install 'quantship[fastai]'" in "\n".join(fresh_process_lines[1:])

@@ -34,14 +34,8 @@ def test_resnet18_close_to_float(resnet18, resnet18_pt2e, resnet18_sample):
 
 
 @pytest.mark.slow
-def test_mobilenet_v2_fully_quantized():
-    from torchvision.models import mobilenet_v2
-
-    torch.manual_seed(0)
-    model = mobilenet_v2(weights=None).eval()
-    calib = [torch.randn(2, 3, 96, 96) for _ in range(2)]
-    q = Quantizer().quantize(model, calib)
-    _assert_fully_int8(q, 53)  # 52 convolutions + the classifier
+def test_mobilenet_v2_fully_quantized(mobilenet_v2_pt2e):
+    _assert_fully_int8(mobilenet_v2_pt2e, 53)  # 52 convolutions + the classifier
 
 
 def test_small_residual_net(residual_net):

@@ -60,9 +60,18 @@ def _build(name: str):
         nn.init.normal_(model.heads.head.weight, std=0.5)  # zero at init: every logit would be 0
         size = 32
     else:
-        import torchvision
+        # torchvision's ConvNeXt at ConvNeXt-T's widths with 1 block per stage, and its Swin at a third of
+        # Swin-T's width with 2 blocks per stage (one plain, one shifted-window): every block kind of the
+        # full models, at a fraction of their export time (the full models are bench/zoo.py's)
+        from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+        from torchvision.models.swin_transformer import SwinTransformer
 
-        model = torchvision.models.get_model(name, weights=None)
+        if name == "convnext":
+            model = ConvNeXt([CNBlockConfig(96, 192, 1), CNBlockConfig(192, 384, 1), CNBlockConfig(384, 768, 1),
+                              CNBlockConfig(768, None, 1)])
+        else:
+            model = SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8],
+                                    window_size=[7, 7])
         for p_name, p in model.named_parameters():
             if p_name.endswith("layer_scale"):  # ConvNeXt starts them at 1e-6: blocks would not count
                 nn.init.constant_(p, 0.1)
@@ -118,13 +127,13 @@ def test_bert_fully_int8(exported):
 
 
 @pytest.mark.slow
-def test_convnext_tiny_fully_int8(exported):
-    _check_model(exported, "convnext_tiny", 59)  # 22 conv + 36 block linears + head
+def test_convnext_fully_int8(exported):
+    _check_model(exported, "convnext", 17)  # 8 conv (stem, 4 depthwise, 3 downsample) + 8 block linears + head
 
 
 @pytest.mark.slow
-def test_swin_t_fully_int8(exported):
-    _check_model(exported, "swin_t", 77)  # patch conv, 52 linears + 24 attention matmuls
+def test_swin_fully_int8(exported):
+    _check_model(exported, "swin", 53)  # patch conv, 36 linears (4 x 8 blocks, 3 merges, head) + 16 attention matmuls
 
 
 def test_strict_accepts_vit_blocks():

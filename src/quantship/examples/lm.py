@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -149,7 +150,7 @@ def trained_model(*, retrain: bool = False, log: Callable[[str], None] | None = 
         return model.eval()
     model = train(load_corpus(), log=log)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes training at once never share a temp file
     torch.save(model.state_dict(), tmp)
     tmp.replace(path)
     return model
