@@ -10,7 +10,7 @@ demo: $(STAMP)
 	$(VENV)/bin/quantship demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 install: $(STAMP)
 

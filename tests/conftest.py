@@ -15,6 +15,48 @@ import torch.nn as nn
 
 warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*deprecated.*")
 
+# `make test` runs the suite on two xdist workers. The files below share the session's quantized
+# ResNet-18 and MobileNetV2, so they are one unit of work for one worker: each model is quantized
+# once per run. Every other file is its own unit. A file that starts using those fixtures without
+# being listed here stops the collection (the list cannot go stale silently).
+SESSION_MODEL_FILES = frozenset({
+    "tests/export/test_qdq_resnet18.py",
+    "tests/inspect/test_file_facts.py",
+    "tests/inspect/test_graph.py",
+    "tests/inspect/test_rules.py",
+    "tests/quantize/test_pt2e.py",
+})
+_SESSION_MODELS = {"resnet18_pt2e", "mobilenet_v2_pt2e"}
+
+
+def _unit_of_work(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "session-models" if path in SESSION_MODEL_FILES else path
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if _SESSION_MODELS & set(getattr(item, "fixturenames", ())) and path not in SESSION_MODEL_FILES:
+            raise pytest.UsageError(f"{path} uses a session-quantized model: add it to SESSION_MODEL_FILES in "
+                                    "tests/conftest.py so that it shares their xdist worker")
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # plain `pytest` without the xdist plugin: nothing to schedule
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class _SessionModelScheduling(LoadScopeScheduling):
+        """xdist's per-scope scheduling, where the scope is the file, or the session-model group."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of_work(nodeid)
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _SessionModelScheduling(config, log)
+
 
 class ResidualNet(nn.Module):
     """A small CNN with a residual add and a Linear head (8x8 or larger inputs, 1 channel)."""
