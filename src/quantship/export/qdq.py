@@ -2,8 +2,9 @@
 
 The pipeline is a list of small onnx_ir passes, each with one job; each pass's ``ensures()`` checks
 it against the graph as the exporter produced it (ONNX Runtime, optimizations off, byte-identical
-outputs). The file is
-written atomically: it appears at ``path`` only when every pass and post-condition held.
+outputs; on one row of the sample when the batch is symbolic). Each graph state is run once: the
+written file is loaded optimized once (its own check and the fused reading). The file is written
+atomically: it appears at ``path`` only when every pass and post-condition held.
 """
 
 from __future__ import annotations
@@ -272,10 +273,10 @@ def export_qdq(
     ranks wait at a barrier and return the same path (rank 0's refusal is raised on every rank);
     a call on some ranks only is refused after ``QUANTSHIP_DIST_TIMEOUT`` seconds (default 300).
 
-    The written file is run on ``sample`` twice in ONNX Runtime, literally and with its default
-    optimizations; the returned ``Path`` carries both readings (``.readings``: max LSB vs the
-    torch model, and their gap), and ``FusedKernelDrift`` is warned when they differ by more than
-    2 LSB.
+    The file is read on ``sample`` twice in ONNX Runtime, literally (when the identity checks ran
+    on the whole sample, their run of the same graph) and with its default optimizations; the
+    returned ``Path`` carries both readings (``.readings``: max LSB vs the torch model, and their
+    gap), and ``FusedKernelDrift`` is warned when they differ by more than 2 LSB.
     """
     spec = exportable_spec(model)
     if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)
