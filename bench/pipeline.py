@@ -165,6 +165,44 @@ def _raw_export(converted, sample, path: Path, dynamic: bool) -> None:
     program.save(str(path))
 
 
+class Spent:
+    """Wall and CPU seconds spent inside chosen functions during export_qdq, by part."""
+
+    PARTS = {"exporter": [("quantship.export.qdq", "produce")],
+             "torch reference": [("quantship.export.qdq", "torch_outputs")],
+             "ORT sessions + runs": [(m, f) for m in ("quantship.export.checks", "quantship.export.qdq",
+                                                     "quantship.inspect.verify") for f in ("ort_session", "run_session")]}
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.seconds = {part: [0.0, 0.0] for part in self.PARTS}
+        self._depth = 0
+        for part, names in self.PARTS.items():
+            for module_name, name in names:
+                module = importlib.import_module(module_name)
+                if hasattr(module, name):
+                    setattr(module, name, self._wrap(part, getattr(module, name)))
+
+    def _wrap(self, part: str, real):
+        def wrapper(*args, **kwargs):
+            self._depth += 1
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:  # the outermost call only (verify's helpers call each other)
+                    self.seconds[part][0] += time.perf_counter() - wall
+                    self.seconds[part][1] += time.process_time() - cpu
+        return wrapper
+
+    def take(self) -> dict[str, tuple[float, float]]:
+        out = {part: (w, c) for part, (w, c) in self.seconds.items()}
+        self.seconds = {part: [0.0, 0.0] for part in self.PARTS}
+        return out
+
+
 def warm(args: argparse.Namespace) -> int:
     """Warm export_qdq vs the raw exporter of the same converted model, one process, interleaved."""
     import cProfile
@@ -178,6 +216,8 @@ def warm(args: argparse.Namespace) -> int:
     from quantship.precision import preset
 
     warnings.filterwarnings("ignore")
+    spent = Spent()
+    parts: list[str] = []
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; warm (one process, one "
           f"warm-up call each), medians of {args.repeat} interleaved repetitions; wall and CPU seconds\n")
     print("| model | target | batch | raw wall s | export_qdq wall s | ratio wall | raw CPU s | export_qdq CPU s "
@@ -197,14 +237,18 @@ def warm(args: argparse.Namespace) -> int:
                          "quantship": functools.partial(export_qdq, converted, calib[0], paths["quantship"],
                                                         target=target)}
                 times: dict[str, list[tuple[float, float]]] = {"raw": [], "quantship": []}
+                inside: list[dict[str, tuple[float, float]]] = []
                 for call in calls.values():  # warm-up
                     call()
+                spent.take()
                 for rep in range(args.repeat):
                     order = list(calls) if rep % 2 == 0 else list(calls)[::-1]
                     for key in order:
                         wall, cpu = time.perf_counter(), time.process_time()
                         calls[key]()
                         times[key].append((time.perf_counter() - wall, time.process_time() - cpu))
+                        if key == "quantship":
+                            inside.append(spent.take())
                 if args.profile:
                     profiler = cProfile.Profile()
                     profiler.runcall(calls["quantship"])
@@ -216,6 +260,16 @@ def warm(args: argparse.Namespace) -> int:
             each = [round(q[0] / r[0], 2) for r, q in zip(times["raw"], times["quantship"])]
             print(f"| {name} | {target} | {args.batch} | {rw:.2f} | {qw:.2f} | **{qw / rw:.2f}x** | {rc:.2f} | {qc:.2f} "
                   f"| {qc / rc:.2f}x | {each} |", flush=True)
+            cells = []
+            for part in Spent.PARTS:
+                w, c = (statistics.median(d[part][i] for d in inside) for i in (0, 1))
+                cells.append(f"{part} {w:.2f} s wall ({w / rw:.2f}x raw), {c:.2f} s CPU ({c / rc:.2f}x raw)")
+            rest = [statistics.median(t[i] - sum(d[p][i] for p in Spent.PARTS) for t, d in zip(times["quantship"], inside))
+                    for i in (0, 1)]
+            cells.append(f"the rest (passes, post-conditions, save) {rest[0]:.2f} s wall ({rest[0] / rw:.2f}x raw), "
+                         f"{rest[1]:.2f} s CPU ({rest[1] / rc:.2f}x raw)")
+            parts.append(f"- {name} {target} batch {args.batch}, inside export_qdq (medians): " + "; ".join(cells))
+    print("\n" + "\n".join(parts))
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
     for title, text in profiles:
         print(f"\n### cProfile, one export_qdq call: {title}\n\n```\n{text.strip()}\n```")
