@@ -187,13 +187,8 @@ def resolve_dynamic_batch(dynamic_batch: bool | None, target: str | None) -> boo
     return preset(target).dynamic_batch if target is not None else False
 
 
-def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
-            input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> onnx.ModelProto:
-    """The graph as the dynamo exporter produces it (opset 18, or the higher opset asked for).
-
-    ``dynamic_batch``: the batch dimension is symbolic and named ``batch``; a graph captured at a
-    static batch is refused with the reason torch.export gave at capture.
-    """
+def refuse_batch(model: Any, sample: Any, dynamic_batch: bool) -> None:
+    """Refuse a sample or a symbolic batch this pt2e graph cannot run, with the reason torch.export gave."""
     if dynamic_batch:
         reason = capture.static_batch_reason(model)
         if reason:
@@ -204,6 +199,16 @@ def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
     if not dynamic_batch and fixed and fixed != batch:
         raise ExportRefused(f"the sample holds {batch} input(s), but this pt2e graph runs batch {fixed} only "
                             f"({capture.static_batch_reason(model)}): export it with a sample of {fixed}")
+
+
+def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
+            input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> onnx.ModelProto:
+    """The graph as the dynamo exporter produces it (opset 18, or the higher opset asked for).
+
+    ``dynamic_batch``: the batch dimension is symbolic and named ``batch``; a graph captured at a
+    static batch is refused with the reason torch.export gave at capture.
+    """
+    refuse_batch(model, sample, dynamic_batch)
     try:
         proto = capture.dynamo_export(
             model, sample, opset_version=max(opset_version, capture.EXPORTER_OPSET), dynamic_batch=dynamic_batch,
@@ -293,7 +298,12 @@ def export_qdq(
     sample = _export_sample(model, sample, dynamic_batch, target)
     # the torch reference first: a forward right after torch.export of the same module was measured 3-10x
     # slower on CPU (ResNet-18 pt2e, batch 1: 3.0 s instead of 0.3 s)
-    reference = torch_outputs(model, [sample])
+    refuse_batch(model, sample, dynamic)
+    try:
+        reference = torch_outputs(model, [sample])
+    except Exception as exc:  # a model that cannot run its own sample: say so before exporting
+        raise ExportRefused(f"{type(model).__name__} does not run on the sample in torch "
+                            f"({type(exc).__name__}: {one_line(exc)})") from exc
     with artifact.atomic_destination(path) as staged:
         produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
                            input_names=input_names, output_names=output_names)
