@@ -11,11 +11,19 @@ Runs alternate between the two paths; the table gives medians (wall and CPU seco
 less sensitive to other processes on a shared machine) and the ratio quantship / raw.
 
     python bench/pipeline.py [--models resnet18] [--batch 8] [--size 224] [--repeat 3]
+
+``--warm``: in one process, after one warm-up call of each, ``export_qdq`` of a converted model next
+to the raw ``torch.onnx.export(dynamo=True)`` + save of the same converted model (same batch dimension:
+symbolic when the target's preset asks for it), repetitions interleaved, for every ``--targets``;
+``--profile`` adds the cProfile of one ``export_qdq`` call (cumulative time).
+
+    python bench/pipeline.py --warm [--targets onnxruntime-cpu tensorrt] [--batch 8] [--repeat 5] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -146,6 +154,128 @@ def _fresh(path: str, args: argparse.Namespace, model_name: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _raw_export(converted, sample, path: Path, dynamic: bool) -> None:
+    """What a user writes by hand: the dynamo exporter, then save; no checks."""
+    import torch
+
+    x = torch.cat([sample, sample]) if dynamic and sample.shape[0] == 1 else sample  # a size-1 dim specialises
+    shapes = ({0: torch.export.Dim.DYNAMIC},) if dynamic else None
+    program = torch.onnx.export(converted, (x,), None, dynamo=True, opset_version=18, verbose=False,
+                                dynamic_shapes=shapes)
+    program.save(str(path))
+
+
+class Spent:
+    """Wall and CPU seconds spent inside chosen functions during export_qdq, by part."""
+
+    PARTS = {"exporter": [("quantship.export.qdq", "produce")],
+             "torch reference": [("quantship.export.qdq", "torch_outputs")],
+             "ORT sessions + runs": [(m, f) for m in ("quantship.export.checks", "quantship.export.qdq",
+                                                     "quantship.inspect.verify") for f in ("ort_session", "run_session")]}
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.seconds = {part: [0.0, 0.0] for part in self.PARTS}
+        self._depth = 0
+        for part, names in self.PARTS.items():
+            for module_name, name in names:
+                module = importlib.import_module(module_name)
+                if hasattr(module, name):
+                    setattr(module, name, self._wrap(part, getattr(module, name)))
+
+    def _wrap(self, part: str, real):
+        def wrapper(*args, **kwargs):
+            self._depth += 1
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:  # the outermost call only (verify's helpers call each other)
+                    self.seconds[part][0] += time.perf_counter() - wall
+                    self.seconds[part][1] += time.process_time() - cpu
+        return wrapper
+
+    def take(self) -> dict[str, tuple[float, float]]:
+        out = {part: (w, c) for part, (w, c) in self.seconds.items()}
+        self.seconds = {part: [0.0, 0.0] for part in self.PARTS}
+        return out
+
+
+def warm(args: argparse.Namespace) -> int:
+    """Warm export_qdq vs the raw exporter of the same converted model, one process, interleaved."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    import torchvision
+
+    from quantship import Quantizer, export_qdq
+    from quantship.precision import preset
+
+    warnings.filterwarnings("ignore")
+    spent = Spent()
+    parts: list[str] = []
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; warm (one process, one "
+          f"warm-up call each), medians of {args.repeat} interleaved repetitions; wall and CPU seconds\n")
+    print("| model | target | batch | raw wall s | export_qdq wall s | ratio wall | raw CPU s | export_qdq CPU s "
+          "| ratio CPU | ratio wall, every rep |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    profiles = []
+    for name in args.models:
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)(weights=None).eval()
+        calib = _inputs(args.batch, args.size)
+        for target in args.targets:
+            converted = Quantizer.for_target(target).quantize(model, calib, max_calibration_samples=len(calib) * args.batch)
+            dynamic = preset(target).dynamic_batch
+            with tempfile.TemporaryDirectory() as tmp:
+                paths = {"raw": Path(tmp) / "raw.onnx", "quantship": Path(tmp) / "quantship.onnx"}
+                calls = {"raw": functools.partial(_raw_export, converted, calib[0], paths["raw"], dynamic),
+                         "quantship": functools.partial(export_qdq, converted, calib[0], paths["quantship"],
+                                                        target=target)}
+                times: dict[str, list[tuple[float, float]]] = {"raw": [], "quantship": []}
+                inside: list[dict[str, tuple[float, float]]] = []
+                for call in calls.values():  # warm-up
+                    call()
+                spent.take()
+                for rep in range(args.repeat):
+                    order = list(calls) if rep % 2 == 0 else list(calls)[::-1]
+                    for key in order:
+                        wall, cpu = time.perf_counter(), time.process_time()
+                        calls[key]()
+                        times[key].append((time.perf_counter() - wall, time.process_time() - cpu))
+                        if key == "quantship":
+                            inside.append(spent.take())
+                if args.profile:
+                    profiler = cProfile.Profile()
+                    profiler.runcall(calls["quantship"])
+                    out = io.StringIO()
+                    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats("quantship|onnxruntime|onnx_ir|/onnx/", args.profile)
+                    profiles.append((f"{name} {target}", out.getvalue()))
+            med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+            (rw, rc), (qw, qc) = med["raw"], med["quantship"]
+            each = [round(q[0] / r[0], 2) for r, q in zip(times["raw"], times["quantship"])]
+            print(f"| {name} | {target} | {args.batch} | {rw:.2f} | {qw:.2f} | **{qw / rw:.2f}x** | {rc:.2f} | {qc:.2f} "
+                  f"| {qc / rc:.2f}x | {each} |", flush=True)
+            cells = []
+            for part in Spent.PARTS:
+                w, c = (statistics.median(d[part][i] for d in inside) for i in (0, 1))
+                cells.append(f"{part} {w:.2f} s wall ({w / rw:.2f}x raw), {c:.2f} s CPU ({c / rc:.2f}x raw)")
+            rest = [statistics.median(t[i] - sum(d[p][i] for p in Spent.PARTS) for t, d in zip(times["quantship"], inside))
+                    for i in (0, 1)]
+            cells.append(f"the rest (passes, post-conditions, save) {rest[0]:.2f} s wall ({rest[0] / rw:.2f}x raw), "
+                         f"{rest[1]:.2f} s CPU ({rest[1] / rc:.2f}x raw)")
+            parts.append(f"- {name} {target} batch {args.batch}, inside export_qdq (medians): " + "; ".join(cells))
+    print("\n" + "\n".join(parts))
+    print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
+    for title, text in profiles:
+        print(f"\n### cProfile, one export_qdq call: {title}\n\n```\n{text.strip()}\n```")
+    return 0
+
+
 def _median(runs: list[dict], *keys: str) -> float:
     values = []
     for r in runs:
@@ -163,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--target", default="onnxruntime-cpu")
     parser.add_argument("--repeat", type=int, default=3, help="fresh runs per path (medians are reported)")
+    parser.add_argument("--warm", action="store_true", help="warm export_qdq vs the raw exporter, one process")
+    parser.add_argument("--targets", nargs="+", default=["onnxruntime-cpu", "tensorrt"], help="--warm: targets")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="--warm: print the N costliest functions of quantship, onnx and ORT in one export_qdq call "
+                             "(cProfile, cumulative)")
     parser.add_argument("--one", choices=("raw", "quantship"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.warm:
+        return warm(args)
     if args.one:
         print(json.dumps(run_one(args.one, args.models[0], args.batch, args.size, args.target)))
         return 0

@@ -104,6 +104,46 @@ def test_a_forward_that_writes_buffers_leaves_the_input_untouched(net):
     assert model.calls.sum().item() == 0
 
 
+def test_capture_reads_the_weights_in_place(residual_net):
+    """No deep copy of the caller's weights: the captured graph reads the model's own tensors; a
+    forward that writes a buffer is captured from a full copy (it shares nothing then)."""
+    from quantship.quantize.pt2e import capture_untouched
+
+    def storages(tensors):
+        return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+    captured = capture_untouched(residual_net, torch.randn(4, 1, 8, 8), log=lambda line: None)
+    ours = storages([*residual_net.parameters(), *residual_net.buffers()])
+    assert ours and ours <= storages(captured.graph.state_dict().values())
+    counting = CountingNet().eval()
+    copied = capture_untouched(counting, torch.randn(2, 1, 8, 8), log=lambda line: None)
+    assert not storages(copied.graph.state_dict().values()) & storages(counting.state_dict().values())
+
+
+class PythonStateNet(torch.nn.Module):
+    """A forward that changes Python attributes (a call count, a list of seen batch sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3)
+        self.n_calls = 0
+        self.seen = []
+
+    def forward(self, x):
+        self.n_calls += 1
+        self.seen.append(x.shape[0])
+        return self.conv(x)
+
+
+def test_a_forward_that_changes_python_state_leaves_the_input_untouched():
+    model = PythonStateNet().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = Quantizer().quantize(model, [torch.randn(2, 1, 8, 8) for _ in range(3)])
+    assert model.n_calls == 0 and model.seen == [] and model.training and model.conv.training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert q(torch.randn(2, 1, 8, 8)).shape == (2, 2, 6, 6)
+
+
 def test_per_tensor_has_no_per_channel(residual_net):
     q = Quantizer(qscheme="per_tensor").quantize(residual_net, [torch.randn(4, 1, 8, 8)])
     counts = op_counts(q)

@@ -46,8 +46,9 @@ def check_identical(model: onnx.ModelProto, reference: list[np.ndarray], inputs:
             )
 
 
-def check_runs_optimized(model: onnx.ModelProto | Path, inputs: list[np.ndarray], what: str) -> None:
-    """The graph must load and run at ONNX Runtime's default (full) optimization level."""
+def check_runs_optimized(model: onnx.ModelProto | Path, inputs: list[np.ndarray], what: str) -> list[np.ndarray]:
+    """The graph must load and run at ONNX Runtime's default (full) optimization level, with finite
+    outputs; returns them (the fused reading of the graph, so that no second optimized run is needed)."""
     try:
         outputs = run_session(ort_session(model, optimized=True), inputs)
     except Exception as exc:
@@ -56,6 +57,7 @@ def check_runs_optimized(model: onnx.ModelProto | Path, inputs: list[np.ndarray]
     for i, out in enumerate(outputs):
         if np.issubdtype(out.dtype, np.floating) and not np.all(np.isfinite(out)):
             raise ExportRefused(f"{what}: output {i} is not finite when ONNX Runtime optimizes the graph")
+    return outputs
 
 
 class ExactPass(ir.passes.InPlacePass):
@@ -65,8 +67,8 @@ class ExactPass(ir.passes.InPlacePass):
     ``changed`` (whether the graph differs, e.g. a declared opset) and ``verify(proto)`` (checks
     beyond identity). When the graph changed, ``ensures`` serialises it once and refuses the pass
     unless ONNX Runtime, optimizations off, returns the reference bytes. An unchanged graph is the
-    same graph state as before, so it is not run again. ``ctx`` carries ``reference`` and ``inputs``,
-    and receives the checked graph as ``checked``.
+    same graph state as before, so it is not run again. ``ctx`` carries ``reference`` and
+    ``check_inputs`` (what it was run on), and receives the checked graph as ``checked``.
     """
 
     what = "a rewrite"  # names the pass in a refusal
@@ -96,7 +98,7 @@ class ExactPass(ir.passes.InPlacePass):
         with step(f"export check: {self.what}"):
             proto = ir.to_proto(model)
             self.verify(proto)
-            check_identical(proto, self.ctx.reference, self.ctx.inputs, self.what)
+            check_identical(proto, self.ctx.reference, self.ctx.check_inputs, self.what)
         self.ctx.checked = proto  # serialised once: the file is written from it if nothing changes after
 
 

@@ -63,10 +63,9 @@ def quantize_pt2e(
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     check_module_names(model, spec.skip_activations)
-    work = copy.deepcopy(model).eval()
     log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
     with step("quantize: capture (torch.export)"):
-        captured = capture(work, batches[0], log=log)
+        captured = capture_untouched(model, batches[0], log=log)
     check_batch_sizes(captured, batches)
     quantizer = QuantshipQuantizer(spec)
     with step("quantize: insert observers (prepare_pt2e)"):
@@ -85,11 +84,83 @@ def quantize_pt2e(
     with step("quantize: convert (convert_pt2e)"):
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
+    unshare(converted, model)
     check_converted(converted)
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
     setattr(converted, REPORT_ATTRIBUTE, quantizer.report)
     return converted
+
+
+def capture_untouched(model: torch.nn.Module, example: torch.Tensor, *, log: Callable[[str], None]) -> Capture:
+    """Capture ``model`` in eval mode, leaving it as it was, without copying its weights.
+
+    The capture runs on a copy of the modules and their Python state that shares the registered
+    parameters and buffers (the weights are not duplicated), so neither ``.eval()`` nor a forward
+    that changes a Python attribute reaches the caller's model. A forward that writes to one of its
+    tensors in place (a counter buffer, a cache) would write the caller's tensors during
+    calibration: such a model is captured again from a full deep copy.
+    """
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    said: list[str] = []
+    captured = capture(copy.deepcopy(model, memo=dict(shared)).eval(), example, log=said.append)
+    if writes_its_state(captured.graph):
+        del captured
+        return capture(copy.deepcopy(model).eval(), example, log=log)
+    for line in said:
+        log(line)
+    return captured
+
+
+def writes_its_state(graph: GraphModule) -> bool:
+    """Whether the captured forward writes in place to a tensor the module holds (a parameter, buffer or
+    constant, possibly through a view of it)."""
+    for node in graph.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        written = [a for a, arg in zip(node.args, schema.arguments) if arg.alias_info and arg.alias_info.is_write]
+        if any(_viewed_base(a).op == "get_attr" for a in written if isinstance(a, torch.fx.Node)):
+            return True
+    return False
+
+
+def _viewed_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a chain of views (select, slice, view...) reads, so a write through a view is seen."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
+
+
+def unshare(converted: GraphModule, model: torch.nn.Module) -> None:
+    """Give ``converted`` its own copy of every tensor it still shares with ``model`` (e.g. a Linear
+    bias that no folding replaced), so later changes to either model never reach the other."""
+    theirs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+    copies: dict[int, torch.Tensor] = {}  # one copy per shared tensor: tied names stay tied
+
+    def own(module: torch.nn.Module, leaf: str, value: torch.Tensor) -> None:
+        if id(value) not in copies:
+            copied = value.detach().clone()
+            if isinstance(value, torch.nn.Parameter):
+                copied = torch.nn.Parameter(copied, requires_grad=value.requires_grad)
+            copies[id(value)] = copied
+        setattr(module, leaf, copies[id(value)])
+
+    named = [*converted.named_parameters(remove_duplicate=False), *converted.named_buffers(remove_duplicate=False)]
+    for name, value in named:
+        if value.numel() and value.untyped_storage().data_ptr() in theirs:
+            owner, _, leaf = name.rpartition(".")
+            own(converted.get_submodule(owner) if owner else converted, leaf, value)
+    for node in converted.graph.nodes:  # constants the graph reads as plain attributes
+        if node.op == "get_attr":
+            owner, _, leaf = node.target.rpartition(".")
+            module = converted.get_submodule(owner) if owner else converted
+            value = getattr(module, leaf, None)
+            if isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().data_ptr() in theirs:
+                own(module, leaf, value)
 
 
 def check_batch_sizes(captured: Capture, batches: list[torch.Tensor]) -> None:

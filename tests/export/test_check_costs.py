@@ -1,0 +1,99 @@
+"""What export_qdq runs in ONNX Runtime to prove a file: each graph state once, the written file
+optimized once, identity checks on one row of a symbolic batch; and they still refuse a bad rewrite."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import quantship.export.checks as checks
+import quantship.export.qdq as qdq
+from quantship import export_qdq
+from quantship.errors import ExportRefused
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """Every ONNX Runtime session export_qdq builds, as (optimized, source kind) in order."""
+    built: list[tuple[bool, str]] = []
+    real = checks.ort_session
+
+    def recording(model, *, optimized=False, **kwargs):
+        built.append((optimized, "proto" if hasattr(model, "graph") else "file"))
+        return real(model, optimized=optimized, **kwargs)
+
+    monkeypatch.setattr(checks, "ort_session", recording)
+    monkeypatch.setattr(qdq, "ort_session", recording)
+    return built
+
+
+@pytest.fixture
+def identity_inputs(monkeypatch):
+    """The inputs every identity check (check_identical) ran on."""
+    seen: list[list[np.ndarray]] = []
+    real = checks.check_identical
+
+    def recording(model, reference, inputs, what):
+        seen.append(inputs)
+        return real(model, reference, inputs, what)
+
+    monkeypatch.setattr(checks, "check_identical", recording)
+    return seen
+
+
+def test_static_int8_runs_the_produced_graph_once(tiny_pt2e, tiny_calib, tmp_path, reuse_produced, sessions,
+                                                  identity_inputs):
+    out = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx")
+    # no rewrite changed an output-bearing part (the exporter wrote kernel_shape), so nothing is compared;
+    # the literal reading is the produced graph's run (the file is that graph plus metadata), and the
+    # written file is built once, optimized, for its own check and the fused reading
+    assert identity_inputs == []
+    assert sessions == [(False, "proto"), (True, "file")]
+    assert out.readings.literal_lsb is not None and out.readings.fused_lsb is not None
+
+
+def test_uint8_runs_each_graph_state_once(tiny_affine_pt2e, tiny_calib, tmp_path, sessions, identity_inputs):
+    export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "m.onnx", activation_dtype="uint8")
+    # the produced graph (the reference) and the uint8 graph, on the whole static sample; the literal
+    # reading reuses the reference, proven identical to the file's graph
+    assert [x[0].shape[0] for x in identity_inputs] == [8]
+    assert sessions == [(False, "proto"), (False, "proto"), (True, "file")]
+
+
+def test_symbolic_batch_checks_run_on_one_row(tiny_affine_pt2e, tiny_calib, tmp_path, sessions, identity_inputs):
+    out = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "m.onnx", activation_dtype="uint8",
+                     dynamic_batch=True)
+    assert [x[0].shape for x in identity_inputs] == [(1, 1, 32, 32)]
+    # the two readings still cover the whole sample: the file optimized once, and literally once
+    assert sessions == [(False, "proto"), (False, "proto"), (True, "file"), (False, "file")]
+    assert out.readings.n_values == 8 * 10
+
+
+def test_an_inexact_rewrite_is_refused_on_the_one_row(tiny_pt2e, tiny_calib, tmp_path, monkeypatch):
+    import onnx_ir as ir
+
+    class DoubledScale(qdq.KernelShapePass):
+        what = "doubling one activation scale"
+
+        def rewrite(self, model):
+            node = next(n for n in model.graph if n.op_type == "QuantizeLinear")
+            doubled = ir.Value(name="doubled_scale", const_value=ir.tensor(node.inputs[1].const_value.numpy() * 2))
+            model.graph.register_initializer(doubled)
+            node.replace_input_with(1, doubled)
+            return 1
+
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES, DoubledScale))
+    with pytest.raises(ExportRefused, match="doubling one activation scale: output 0 differs"):
+        export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx", dynamic_batch=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_one_row_probe_needs_a_symbolic_batch(tiny_produced):
+    x = np.zeros((8, 1, 32, 32), np.float32)
+    assert qdq.one_row_probe(tiny_produced, [x]) is None  # a static batch runs that batch only
+    dynamic = type(tiny_produced)()
+    dynamic.CopyFrom(tiny_produced)
+    dynamic.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    (row,) = qdq.one_row_probe(dynamic, [x])
+    assert row.shape == (1, 1, 32, 32)
+    assert qdq.one_row_probe(dynamic, [x[:1]]) is None  # already one row
