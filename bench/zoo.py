@@ -314,9 +314,10 @@ def render(records: dict[str, ZooRow], zoo: list[str]) -> str:
         "1.2e-7), so every activation near the head quantized to its zero-point, the quantized output was "
         "constant and the LSB figure vacuous. ViT's head is initialised at zero. Why only where the signal "
         "vanished: a random network whose BatchNorms all normalise to unit spread amplifies a 1-LSB rounding "
-        "difference layer after layer (measured with the re-estimation on every model: regnet_y_400mf 0 -> "
-        "0..14 LSB literal and 0 -> 29 fused, regnet_y_1_6gf 61 literal), so its figures would say more about "
-        "the random network than about the file. A record that still has a constant output says `LSB vacuous`; "
+        "difference layer after layer (measured, LSB literal / fused: regnet_y_1_6gf 0 / 3 as initialised, "
+        "61 / 72 re-estimated; regnet_y_16gf 2 / 2 and 28 / 68; regnet_y_400mf 0 / 0, and 0 / 29 or 14 / 30 "
+        "re-estimated from 8 or 64 images), so its figures would say more about the random network than "
+        "about the file. A record that still has a constant output says `LSB vacuous`; "
         "`span` says how many output steps the comparison sees.",
         "",
         f"- {len(rows)} of {len(zoo)} models run; {len(full)} of {len(exported)} exported files fully INT8 "
