@@ -174,7 +174,8 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
         path = export_qdq(qmodel, sample, workdir / f"{name}.onnx", target="onnxruntime-cpu")
     except Exception as exc:
         row.seconds = time.perf_counter() - start
-        first = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else ""
+        # the reason, without the spec's parameter dict some messages carry before it
+        first = re.sub(r" \(\{.*?\}\)", "", str(exc).strip().splitlines()[0])[:300] if str(exc).strip() else ""
         row.status = f"failed: {type(exc).__name__}" + (f": {first}" if first else "")
         traceback.print_exc()
         return row
