@@ -285,8 +285,8 @@ def render(records: dict[str, ZooRow], zoo: list[str]) -> str:
     exported = [r for r in rows if r.n_compute]
     full = [r for r in exported if r.n_float_compute == 0]
     vacuous = [r for r in rows if "vacuous" in r.status]
-    over = [r for r in exported if (r.lsb_literal or 0) > 4]
-    over_fused = [r for r in exported if (r.lsb_fused or 0) > 4]
+    over = [r for r in exported if round(r.lsb_literal or 0) > 4]  # 4.0000006 is 4 steps
+    over_fused = [r for r in exported if round(r.lsb_fused or 0) > 4]
     commits = sorted({r.commit for r in rows}, key=lambda c: min(r.measured_utc for r in rows if r.commit == c))
     times = sorted(r.measured_utc for r in rows if r.measured_utc)
     imported = [r for r in rows if r.bn_reestimated is None and r.size]
