@@ -1,26 +1,37 @@
-"""torchvision's classification zoo through the onnxruntime-cpu preset; writes ZOO.md.
+"""torchvision's classification zoo through the onnxruntime-cpu preset; results in zoo_results.json, table in ZOO.md.
 
 For every model of ``torchvision.models.list_models(module=torchvision.models)`` (``weights=None``,
-the smallest square input its float forward accepts among SIZES): quantize with
+the smallest square input its float forward accepts among SIZES): prepare the untrained model the
+same way for every model (see ``prepare_untrained``), quantize with
 ``Quantizer.for_target('onnxruntime-cpu')``, export with ``target='onnxruntime-cpu'``, then read the
 file: Conv/Gemm/MatMul that still read a float input, error vs the torch quantized model in output
 LSB (ORT literal and ORT default optimizations), ONNX Runtime's integer-kernel census, and the
-time spent. Models above GIANT_PARAMS parameters are listed as left out. ZOO.md is rewritten after
-every model, so an interrupted run keeps what it measured.
+time spent. Models above GIANT_PARAMS parameters are listed as left out.
 
-    python bench/zoo.py                       # the whole zoo (about an hour on a quiet machine)
-    python bench/zoo.py --models resnet18 vit_b_16 swin_t
+Each model's result is one record of bench/zoo_results.json (with the commit and UTC time it was
+measured at), saved as soon as the model is done; ``--models`` re-measures only those records and
+ZOO.md is always rendered from every record, so partial runs merge and an interrupted run keeps
+what it measured.
+
+    python bench/zoo.py --observer minmax                     # the whole zoo
+    python bench/zoo.py --observer minmax --models resnet18 vit_b_16
+    python bench/zoo.py --render                              # ZOO.md from the records only
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import json
+import os
 import platform
+import re
+import subprocess
 import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import onnx
@@ -28,10 +39,22 @@ import torch
 
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "zoo_results.json"
 SIZES = (32, 64, 96, 128, 160, 224, 299)
 GIANT_PARAMS = 300e6
 COMPUTE_OPS = {"Conv", "Gemm", "MatMul", "Einsum"}
 CENSUS = ("QLinearConv", "QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "QAttention")
+BN_BATCH = 8  # random images whose statistics replace BatchNorm's initial running mean 0 / variance 1
+REINIT_STD = 0.01  # weights given to a layer initialised at exactly zero
+# float output spread (max - min over the calibration images) below which the signal counts as vanished:
+# 1024 steps of the observers' smallest scale (float32 eps)
+VANISHED = 1024 * torch.finfo(torch.float32).eps
+PREPARATION = (
+    f"every Linear/Conv whose weight is exactly zero re-initialised from N(0, {REINIT_STD}) (seed 3); then, only "
+    f"if the float output's spread (max - min) over the 2 calibration images is below {VANISHED:.1e} (1024 steps "
+    f"of the observers' smallest scale, float32 eps), every BatchNorm's running statistics re-estimated from "
+    f"one batch of {BN_BATCH} random images at the model's input size (seed 2)"
+)
 
 
 @dataclass
@@ -48,6 +71,14 @@ class ZooRow:
     seconds: float = 0.0
     no_rule: str = ""  # ops the annotator has no rule for, by module
     status: str = "ok"
+    # provenance and preparation (None on records imported from the table of an earlier run)
+    commit: str = ""
+    measured_utc: str = ""
+    observer: str | None = None
+    load_avg: float | None = None  # 1-minute load average when the model finished (2 cores)
+    bn_reestimated: int | None = None  # BatchNorm modules whose statistics were re-estimated
+    zero_reinit: int | None = None  # layers whose all-zero weight was re-initialised
+    out_span_lsb: float | None = None  # (max - min) of the torch quantized output on the sample, in output LSB
 
 
 def float_compute_ops(path: Path) -> tuple[int, int]:
@@ -71,17 +102,57 @@ def smallest_size(model: torch.nn.Module) -> int | None:
     return None
 
 
+def prepare_untrained(model: torch.nn.Module, size: int, calib: list[torch.Tensor]) -> tuple[int, int]:
+    """Make an untrained model's output depend on its input; returns (BatchNorms re-estimated, layers re-initialised).
+
+    torchvision initialises depthwise convolutions with ``kaiming_normal_(mode="fan_out")``, whose fan-out
+    counts every output channel although each sees one input channel: the weights are about sqrt(C) times
+    too small, and with BatchNorm at its initial statistics (mean 0, variance 1) the signal shrinks at
+    every block, to ~1e-9..1e-15 at the head of MobileNet/MNASNet/EfficientNet, below the observers'
+    smallest scale, so the quantized output is constant. ViT initialises its head at zero. A zero weight
+    gets small random values; where the signal has vanished (VANISHED), re-estimating BatchNorm on random
+    images puts every normalised activation back at unit spread. Not everywhere: a random network whose
+    BatchNorms all normalise amplifies a 1-LSB rounding difference layer after layer (regnet_y_1_6gf: 0 ->
+    61 LSB literal), so the re-estimation is kept to the models that need it. Dropout and stochastic depth
+    stay in eval mode (only BatchNorm is switched).
+    """
+    gen = torch.Generator().manual_seed(3)
+    n_reinit = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and not module.weight.detach().any():
+            with torch.no_grad():
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * REINIT_STD)
+            n_reinit += 1
+    with torch.no_grad():
+        outs = torch.cat([torch.as_tensor(model(x)).flatten() for x in calib])
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if float(outs.max() - outs.min()) >= VANISHED or not norms:
+        return 0, n_reinit
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average: one batch gives exactly its statistics
+        m.train()
+    with torch.no_grad():
+        model(torch.randn(BN_BATCH, 3, size, size, generator=torch.Generator().manual_seed(2)))
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+        m.eval()
+    return len(norms), n_reinit
+
+
 def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
     import torchvision
 
     from quantship import Quantizer, export_qdq
     from quantship.inspect.consumers import ort_optimized_ops
+    from quantship.inspect.lsb import output_scales
     from quantship.inspect.verify import compare_logits
     from quantship.quantize.pt2e import describe_float_ops
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None).eval()
-    row = ZooRow(name, sum(p.numel() for p in model.parameters()) / 1e6)
+    row = ZooRow(name, sum(p.numel() for p in model.parameters()) / 1e6, observer=observer)
     if row.params_m * 1e6 > GIANT_PARAMS:
         row.status = f"left out: {row.params_m:.0f}M parameters (> {GIANT_PARAMS / 1e6:.0f}M on this machine)"
         return row
@@ -91,6 +162,7 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
         return row
     gen = torch.Generator().manual_seed(1)
     calib = [torch.randn(1, 3, row.size, row.size, generator=gen) for _ in range(2)]
+    row.bn_reestimated, row.zero_reinit = prepare_untrained(model, row.size, calib)
     sample = torch.randn(1, 3, row.size, row.size, generator=gen)
     start = time.perf_counter()
     try:
@@ -102,8 +174,9 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
         path = export_qdq(qmodel, sample, workdir / f"{name}.onnx", target="onnxruntime-cpu")
     except Exception as exc:
         row.seconds = time.perf_counter() - start
-        row.status = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:240]}" if str(exc).strip() \
-            else f"failed: {type(exc).__name__}"
+        # the reason, without the spec's parameter dict some messages carry before it
+        first = re.sub(r" \(\{.*?\}\)", "", str(exc).strip().splitlines()[0])[:300] if str(exc).strip() else ""
+        row.status = f"failed: {type(exc).__name__}" + (f": {first}" if first else "")
         traceback.print_exc()
         return row
     row.seconds = time.perf_counter() - start
@@ -115,19 +188,90 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
         row.status = f"LSB not measured: {exc}"
     with torch.no_grad():
         out = qmodel(sample)
-    if float(torch.as_tensor(out[0] if isinstance(out, (tuple, list)) else out).float().std()) == 0:
-        row.status = "ok; LSB vacuous: the output is constant (untrained head initialised at zero)"
+    out = torch.as_tensor(out[0] if isinstance(out, (tuple, list)) else out).float()
+    scale = next(iter(output_scales(path).values()), None)
+    if scale:
+        row.out_span_lsb = float(out.max() - out.min()) / scale
+    if float(out.max() - out.min()) == 0:  # the check stays whatever the preparation does
+        row.status = "ok; LSB vacuous: the output is constant"
     ops = ort_optimized_ops(path)
     row.census = {k: ops[k] for k in CENSUS}
     row.float_in_ort = sum(ops[k] for k in ("Conv", "FusedConv", "Gemm", "FusedGemm", "MatMul", "FusedMatMul"))
     return row
 
 
+# ---------------------------------------------------------------- records
+
+def head_commit() -> str:
+    """HEAD's short hash, with ``+dirty`` when src/ or bench/zoo.py differ from it (what this process runs)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "src", "bench/zoo.py")
+    return git("rev-parse", "--short=7", "HEAD") + ("+dirty" if dirty else "")
+
+
+def load_records(path: Path = RESULTS) -> dict[str, ZooRow]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    names = {f.name for f in fields(ZooRow)}
+    return {r["model"]: ZooRow(**{k: v for k, v in r.items() if k in names}) for r in data["records"]}
+
+
+def save_records(updates: list[ZooRow], order: list[str], path: Path = RESULTS) -> dict[str, ZooRow]:
+    """Merge ``updates`` into the file under a lock (re-read first: another run may have saved since)."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = load_records(path)
+        records.update({r.model: r for r in updates})
+        rank = {m: i for i, m in enumerate(order)}
+        ordered = sorted(records.values(), key=lambda r: rank.get(r.model, len(rank)))
+        doc = {"version": 1, "generator": "bench/zoo.py", "records": [asdict(r) for r in ordered]}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+    return {r.model: r for r in ordered}
+
+
+def import_table(md: Path, commit: str, measured: str, observer: str | None) -> list[ZooRow]:
+    """Records from the table of an earlier ZOO.md (the format this script wrote before the records file)."""
+    rows = []
+    for line in md.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 9 + len(CENSUS) or cells[0] in ("model", "---"):
+            continue
+        model, params, size, compute, lsb = cells[:5]
+        census = cells[5:5 + len(CENSUS)]
+        in_ort, secs, no_rule, status = cells[5 + len(CENSUS):]
+
+        def num(text: str) -> float | None:
+            return None if text == "-" else float(text)
+        n_float, n_all = (int(x) for x in compute.split(" / ")) if compute != "-" else (0, 0)
+        lit, fused = (num(x) for x in lsb.split(" / "))
+        rows.append(ZooRow(
+            model, float(params), None if size == "-" else int(size), n_all, n_float, lit, fused,
+            None if census[0] == "-" else dict(zip(CENSUS, map(int, census))), 0 if in_ort == "-" else int(in_ort),
+            float(secs), "" if no_rule == "-" else no_rule, status, commit, measured, observer))
+    return rows
+
+
+# ---------------------------------------------------------------- ZOO.md
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def render(rows: list[ZooRow], not_run: list[str], observer: str | None) -> str:
+def _prep(r: ZooRow) -> str:
+    if r.bn_reestimated is None:
+        return "none (earlier run)" if r.size else "-"
+    parts = [f"BN {r.bn_reestimated} re-estimated" if r.bn_reestimated else "as initialised"]
+    if r.zero_reinit:
+        parts.append(f"{r.zero_reinit} zero weight(s) re-init")
+    return ", ".join(parts)
+
+
+def render(records: dict[str, ZooRow], zoo: list[str]) -> str:
     import onnxruntime as ort
     import torchvision
 
@@ -135,37 +279,86 @@ def render(rows: list[ZooRow], not_run: list[str], observer: str | None) -> str:
 
     cpu, flags = cpu_info()
     vnni = "VNNI" if {"avx512_vnni", "avx_vnni"} & flags else "no VNNI"
-    done = [r for r in rows if r.status.startswith(("ok", "LSB"))]
-    full = [r for r in done if r.n_float_compute == 0]
+    rows = [records[m] for m in zoo if m in records]
+    left_out = [r for r in rows if r.status.startswith("left out")]
+    failed = [r for r in rows if r.status.startswith(("failed", "no float forward"))]
+    exported = [r for r in rows if r.n_compute]
+    full = [r for r in exported if r.n_float_compute == 0]
+    vacuous = [r for r in rows if "vacuous" in r.status]
+    over = [r for r in exported if round(r.lsb_literal or 0) > 4]  # 4.0000006 is 4 steps
+    over_fused = [r for r in exported if round(r.lsb_fused or 0) > 4]
+    commits = sorted({r.commit for r in rows}, key=lambda c: min(r.measured_utc for r in rows if r.commit == c))
+    times = sorted(r.measured_utc for r in rows if r.measured_utc)
+    imported = [r for r in rows if r.bn_reestimated is None and r.size]
+    loads = [r.load_avg for r in rows if r.load_avg is not None]
+    census = {k: sum((r.census or {}).get(k, 0) for r in rows) for k in CENSUS}
+    not_run = [m for m in zoo if m not in records]
+    names = ", ".join
     lines = [
         "# torchvision zoo through the onnxruntime-cpu preset", "",
-        "Generated by `python bench/zoo.py`; do not edit by hand. Untrained models (`weights=None`, seed 0),",
-        "batch 1, the smallest square input the float model accepts, 2 random calibration batches,",
-        f"activation observer: {observer or 'the preset default'}. `float compute` counts Conv/Gemm/MatMul",
-        "(and Einsum) of the file that read anything other than DequantizeLinear on their first two inputs. LSB: max error of",
-        "the file vs the torch quantized model on one sample, in output LSB, ORT read literally (optimizations",
-        "off) / ORT default optimizations. Census: integer kernels in ORT's optimized graph; `float in ORT`:",
-        "Conv/Gemm/MatMul (plain or fused) that ORT still runs in float. Time: quantize + export, seconds.",
+        "Generated by `python bench/zoo.py` from `bench/zoo_results.json` (one record per model, with the commit "
+        "and UTC time it was measured at); do not edit by hand.",
         "",
-        f"- CPU: {cpu} ({vnni}); Python {platform.python_version()}, torch {torch.__version__}, torchvision "
-        f"{torchvision.__version__}, onnxruntime {ort.__version__}",
-        f"- measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {len(full)} of {len(done)} exported "
-        f"models fully INT8 in the file",
+        "Untrained models (`weights=None`, seed 0), batch 1, the smallest square input the float model accepts, "
+        "2 random calibration batches, one random sample for the readings. `float compute` counts "
+        "Conv/Gemm/MatMul/Einsum of the file that read anything other than DequantizeLinear on their first two "
+        "inputs. LSB: max error of the file vs the torch quantized model on the sample, in output LSB, ORT read "
+        "literally (optimizations off) / ORT default optimizations; `span`: max - min of that output, in LSB "
+        "(how many steps the comparison sees). Census: integer kernels in ORT's optimized graph; `float in "
+        "ORT`: Conv/Gemm/MatMul (plain or fused) ORT still runs in float. Time: quantize + export, seconds.",
         "",
-        "| model | params M | input | float compute / all | LSB literal / fused | "
-        + " | ".join(CENSUS) + " | float in ORT | time s | ops without a rule (module: op) | status |",
-        "|---|---|---|---|---|" + "---|" * len(CENSUS) + "---|---|---|---|",
+        f"Preparation of the untrained model (column `prep`): {PREPARATION}. Why: torchvision's init for "
+        "depthwise convolutions (`kaiming_normal_(mode='fan_out')` counts all output channels as fan-out) "
+        "makes their weights ~sqrt(C) too small; with BatchNorm at mean 0 / variance 1 the signal shrinks at "
+        "every block to 1e-9..1e-15 before the head of MobileNet, MNASNet and EfficientNet (the head itself "
+        "is random, not zero: N(0, 0.01) or uniform), far below the observers' smallest scale (float32 eps, "
+        "1.2e-7), so every activation near the head quantized to its zero-point, the quantized output was "
+        "constant and the LSB figure vacuous. ViT's head is initialised at zero. Why only where the signal "
+        "vanished: a random network whose BatchNorms all normalise to unit spread amplifies a 1-LSB rounding "
+        "difference layer after layer (measured, LSB literal / fused: regnet_y_1_6gf 0 / 3 as initialised, "
+        "61 / 72 re-estimated; regnet_y_16gf 2 / 2 and 28 / 68; regnet_y_400mf 0 / 0, and 0 / 29 or 14 / 30 "
+        "re-estimated from 8 or 64 images), so its figures would say more about the random network than "
+        "about the file. The same holds, less strongly, for the models that do get it: their fused figures grow from "
+        "1-LSB differences in the first layers (mobilenet_v2, ORT's basic-level graph vs literal, per activation: "
+        "1, 1, 1, 3, 2, 2, 4, 6 ... 28 LSB by the 35th quantized activation; 0 literal), and EfficientNet-B5/B6 "
+        "and V2-M outputs span only 11-20 LSB after it. A record that still has a constant output says `LSB vacuous`; "
+        "`span` says how many output steps the comparison sees.",
+        "",
+        f"- {len(rows)} of {len(zoo)} models run; {len(full)} of {len(exported)} exported files fully INT8 "
+        f"(no float compute op); {len(over)} above 4 LSB literal"
+        + (f" ({names(f'{r.model} {r.lsb_literal:.0f}' for r in over)})" if over else "")
+        + f"; {len(over_fused)} above 4 LSB with ORT's default optimizations"
+        + (f" ({names(f'{r.model} {r.lsb_fused:.0f}' for r in over_fused)})" if over_fused else ""),
+        f"- left out ({len(left_out)}): " + (names(f"{r.model} ({r.params_m:.0f}M parameters)" for r in left_out)
+                                              or "none")
+        + f"; the rule: more than {GIANT_PARAMS / 1e6:.0f}M parameters (24 GiB machine)",
+        f"- failed ({len(failed)}): " + (names(f"{r.model}: {r.status.removeprefix('failed: ')}" for r in failed) or "none"),
+        f"- vacuous LSB ({len(vacuous)}): " + (names(r.model for r in vacuous) or "none"),
+        f"- not run yet ({len(not_run)}): " + (names(not_run) or "none"),
+        "- census totals: " + names(f"{k} {v}" for k, v in census.items()),
+        f"- commits measured at: {names(commits)}; {times[0] if times else '-'} .. {times[-1] if times else '-'}"
+        + (f". Records with `prep` 'none (earlier run)' ({len(imported)}) were imported once from an earlier "
+           "ZOO.md table (commit named in their row), measured by the previous version of this script, "
+           "without the preparation" if imported else ""),
+        f"- CPU: {cpu} ({vnni}), 2 cores shared by up to 7 engineers: the time column was measured under load "
+        f"(1-min load average at the end of each model: "
+        f"{f'{min(loads):.1f}..{max(loads):.1f}' if loads else 'not recorded'}), and is no speed figure; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+        f"onnxruntime {ort.__version__}",
+        "",
+        "| model | params M | input | prep | float compute / all | LSB literal / fused | span LSB | "
+        + " | ".join(CENSUS) + " | float in ORT | time s | load | ops without a rule (module: op) | commit | status |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(CENSUS) + "---|---|---|---|---|---|",
     ]
     for r in rows:
-        census = r.census or {}
+        c = r.census or {}
         lines.append(
-            f"| {r.model} | {r.params_m:.1f} | {r.size or '-'} | "
+            f"| {r.model} | {r.params_m:.1f} | {r.size or '-'} | {_prep(r)} | "
             f"{f'{r.n_float_compute} / {r.n_compute}' if r.n_compute else '-'} | "
-            f"{_fmt(r.lsb_literal)} / {_fmt(r.lsb_fused)} | "
-            + " | ".join(str(census.get(k, "-")) for k in CENSUS)
-            + f" | {r.float_in_ort if r.census else '-'} | {r.seconds:.0f} | {r.no_rule or '-'} | {r.status} |")
-    if not_run:
-        lines += ["", f"Not run in this invocation ({len(not_run)}): " + ", ".join(not_run)]
+            f"{_fmt(r.lsb_literal)} / {_fmt(r.lsb_fused)} | {_fmt(r.out_span_lsb)} | "
+            + " | ".join(str(c.get(k, "-")) for k in CENSUS)
+            + f" | {r.float_in_ort if r.census else '-'} | {r.seconds:.0f} | "
+            f"{'-' if r.load_avg is None else f'{r.load_avg:.1f}'} | {r.no_rule or '-'} | {r.commit} | {r.status} |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,23 +366,40 @@ def main(argv: list[str] | None = None) -> int:
     import torchvision
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", help="a subset of the zoo (default: all of it)")
+    parser.add_argument("--models", nargs="*", help="re-measure these models only (default: all of the zoo)")
     parser.add_argument("--observer", default=None, help="act_observer override, e.g. minmax (faster calibration)")
     parser.add_argument("--out", type=Path, default=ROOT / "ZOO.md")
+    parser.add_argument("--render", action="store_true", help="only render ZOO.md from the records")
+    parser.add_argument("--import-md", type=Path, metavar="ZOO_MD", help="import the table of an earlier ZOO.md once")
+    parser.add_argument("--import-commit", default="", help="the commit the imported table was measured at")
     args = parser.parse_args(argv)
     zoo = torchvision.models.list_models(module=torchvision.models)
+    if args.import_md:
+        text = args.import_md.read_text()
+        when = re.search(r"measured (\d{4}-\d\d-\d\d \d\d:\d\d UTC)", text)
+        observer = re.search(r"activation observer: (\w+)", text)
+        rows = import_table(args.import_md, args.import_commit, when.group(1) if when else "",
+                            observer.group(1) if observer else None)
+        args.out.write_text(render(save_records(rows, zoo), zoo))
+        print(f"imported {len(rows)} records from {args.import_md}")
+        return 0
+    if args.render:
+        args.out.write_text(render(load_records(), zoo))
+        return 0
     chosen = args.models or zoo
     unknown = [m for m in chosen if m not in zoo]
     if unknown:
         parser.error(f"not in torchvision's classification zoo: {unknown}")
-    rows: list[ZooRow] = []
+    commit = head_commit()
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(chosen):
             print(f"[{i + 1}/{len(chosen)}] {name}", flush=True)
             row = run_model(name, Path(tmp), args.observer)
-            rows.append(row)
+            row.commit = commit
+            row.measured_utc = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            row.load_avg = round(os.getloadavg()[0], 1)
             print(f"    {row}", flush=True)
-            args.out.write_text(render(rows, [m for m in zoo if m not in chosen], args.observer))
+            args.out.write_text(render(save_records([row], zoo), zoo))
             (Path(tmp) / f"{name}.onnx").unlink(missing_ok=True)
     print(f"wrote {args.out}")
     return 0
