@@ -79,6 +79,11 @@ class ZooRow:
     bn_reestimated: int | None = None  # BatchNorm modules whose statistics were re-estimated
     zero_reinit: int | None = None  # layers whose all-zero weight was re-initialised
     out_span_lsb: float | None = None  # (max - min) of the torch quantized output on the sample, in output LSB
+    # where the literal reading is above 4 LSB: the file's own arithmetic, tensor by tensor
+    # (quantship.inspect.trace_divergence: torch fed the file's quantized inputs), max steps / elements
+    local_max: int | None = None
+    local_count: int | None = None
+    n_quantized: int | None = None  # elements over all quantized tensors compared
 
 
 def float_compute_ops(path: Path) -> tuple[int, int]:
@@ -186,6 +191,15 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
         row.lsb_fused = compare_logits(qmodel, path, sample, optimized=True).max_lsb
     except ValueError as exc:
         row.status = f"LSB not measured: {exc}"
+    if round(row.lsb_literal or 0) > 4:  # is it the file, or one rounding flip that the network amplifies?
+        from quantship.inspect.divergence import trace_divergence
+
+        try:
+            trace = trace_divergence(qmodel, path, sample)
+            row.local_max, row.local_count = trace.max_local, trace.n_local
+            row.n_quantized = sum(r.size for r in trace.rows)
+        except ValueError as exc:
+            row.status += f"; per-tensor trace not measured: {exc}"
     with torch.no_grad():
         out = qmodel(sample)
     out = torch.as_tensor(out[0] if isinstance(out, (tuple, list)) else out).float()
@@ -329,6 +343,12 @@ def render(records: dict[str, ZooRow], zoo: list[str]) -> str:
         + (f" ({names(f'{r.model} {r.lsb_literal:.0f}' for r in over)})" if over else "")
         + f"; {len(over_fused)} above 4 LSB with ORT's default optimizations"
         + (f" ({names(f'{r.model} {r.lsb_fused:.0f}' for r in over_fused)})" if over_fused else ""),
+        f"- per quantized tensor, for the {len(over)} above 4 LSB literal (`local`: torch fed the file's own quantized "
+        "inputs, then compared integer by integer, `quantship.inspect.trace_divergence`): "
+        + (names(f"{r.model} {r.local_max} step(s) on {r.local_count} of {r.n_quantized} elements"
+                 for r in over if r.local_max is not None) or "not traced")
+        + (f"; not traced yet: {names(r.model for r in over if r.local_max is None)}"
+           if any(r.local_max is None for r in over) else ""),
         f"- left out ({len(left_out)}): " + (names(f"{r.model} ({r.params_m:.0f}M parameters)" for r in left_out)
                                               or "none")
         + f"; the rule: more than {GIANT_PARAMS / 1e6:.0f}M parameters (24 GiB machine)",
