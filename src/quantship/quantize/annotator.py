@@ -56,6 +56,9 @@ BATCH_NORM_OPS = {
 FUSABLE_ACTIVATIONS = {aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default}
 ADD_OPS = {aten.add.Tensor, aten.add_.Tensor}
 BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten.div.Tensor}
+# the divisor stays float: a quantized one rounds every value under half a step to exactly 0 (F.normalize's
+# eps clamp included: x / 0 is inf or NaN where the float model is finite), and no runtime has an integer Div
+DIV_OPS = {aten.div.Tensor}
 # activation x activation products (attention scores, attention x values): both inputs per tensor
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 MATMUL_ADD_OPS = {aten.baddbmm.default}  # addend + product: addend, both factors and output quantized
@@ -391,7 +394,7 @@ class QuantshipQuantizer(Quantizer):
             return  # e.g. BatchNorm's num_batches_tracked += 1 in a training capture
         act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
         inputs = {}
-        for arg in node.args[:2]:
+        for arg in node.args[:1] if node.target in DIV_OPS else node.args[:2]:
             if self._quantizable_input(arg) and arg not in cleared:
                 inputs[arg] = self._input_spec(arg)
             elif arg in cleared:
