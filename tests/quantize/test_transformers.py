@@ -70,12 +70,13 @@ def _build(name: str):
             model = ConvNeXt([CNBlockConfig(96, 192, 1), CNBlockConfig(192, 384, 1), CNBlockConfig(384, 768, 1),
                               CNBlockConfig(768, None, 1)])
         elif name == "swin_v2":
-            # Swin V2 blocks (cosine attention, position-bias MLP on a constant table, post-norm) at 16 px with
-            # 3x3 windows: a 4x4 map padded to 6x6, plain then shifted (masked) windows; a merge; a 2x2 map
-            # padded to one window. Keys of padding tokens are 0: F.normalize divides by its eps clamp
+            # two Swin V2 blocks (cosine attention, position-bias MLP on a constant table, post-norm) at 16 px
+            # with 3x3 windows: a 4x4 map padded to 6x6, a V2 merge, a 2x2 map padded to one window. Keys of
+            # padding tokens are 0: F.normalize divides by its eps clamp. (Shifted, masked windows: swin_v2_t
+            # in bench/zoo.py; a third block doubles this test's export time.)
             from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2
 
-            model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 1], num_heads=[1, 2],
+            model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
                                     window_size=[3, 3], block=SwinTransformerBlockV2,
                                     downsample_layer=PatchMergingV2, num_classes=10)
             nn.init.normal_(model.head.weight, std=0.5)
@@ -147,11 +148,11 @@ def test_swin_fully_int8(exported):
 
 
 def test_swin_v2_fully_int8(exported):
-    # patch conv, 4 linears x 3 blocks, 1 merge, head; 2 attention matmuls x 3 blocks. The position-bias
+    # patch conv, 4 linears x 2 blocks, 1 merge, head; 2 attention matmuls x 2 blocks. The position-bias
     # MLPs compute on constants only: folded into the stored bias each attention adds, no Gemm left
     quantizer, q, sample, path = exported("swin_v2")
     inputs = compute_inputs(path)
-    assert len(inputs) == 1 + 12 + 1 + 1 + 6
+    assert len(inputs) == 1 + 8 + 1 + 1 + 4
     assert {k: v for k, v in inputs.items() if v != ["DequantizeLinear", "DequantizeLinear"]} == {}
     # F.normalize of q and k (cosine attention): norm, eps clamp and broadcast run in float, unruled
     assert set(quantizer.report.unannotated_ops) == {"aten.linalg_vector_norm.default", "aten.clamp_min.default",
@@ -161,7 +162,7 @@ def test_swin_v2_fully_int8(exported):
     with torch.no_grad():
         assert float(q(sample).std()) > 0
     census = ort_optimized_ops(path)
-    assert (census["QLinearConv"], census["QGemm"], census["QLinearMatMul"]) == (1, 14, 6)
+    assert (census["QLinearConv"], census["QGemm"], census["QLinearMatMul"]) == (1, 10, 4)
 
 
 def test_strict_accepts_vit_blocks():
