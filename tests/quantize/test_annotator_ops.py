@@ -132,6 +132,8 @@ PATTERNS = {
     "linear_3d": (lambda: nn.Linear(8, 4), lambda: x4(2, 5, 8), (4, 4, 1)),
     "add": (lambda: Binary(torch.add), lambda: (x4(2, 4), x4(2, 4)), (3, 3, 0)),
     "mul": (lambda: Binary(torch.mul), lambda: (x4(2, 4), x4(2, 4)), (3, 3, 0)),
+    # the divisor stays float: only the dividend and the quotient are quantized
+    "div": (lambda: Binary(torch.div), lambda: (x4(2, 4), x4(2, 4).abs() + 1), (2, 2, 0)),
     "cat": (lambda: Binary(lambda a, b: torch.cat([a, b], 1)), lambda: (x4(2, 4), x4(2, 4)), (3, 3, 0)),
     "max_pool": (lambda: nn.MaxPool2d(2), lambda: x4(2, 3, 8, 8), (2, 2, 0)),
     "avg_pool": (lambda: nn.AdaptiveAvgPool2d(1), lambda: x4(2, 3, 8, 8), (2, 2, 0)),
@@ -247,3 +249,93 @@ def test_attention_decomposed_matches_fused(mask):
     counts = op_counts(graph)
     assert counts[aten.scaled_dot_product_attention.default] == 0 and counts[aten.matmul.default] == 2
     torch.testing.assert_close(graph(q, k, v), Attention(mask)(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+class ConstantBiasMLP(nn.Module):
+    """Swin V2's continuous position bias: an MLP (with an in-place ReLU) on a stored coordinate table,
+    16 * sigmoid, added to an activation. Everything before the add depends on parameters only."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.rand(6, 2) * 2 - 1)
+        self.mlp = nn.Sequential(nn.Linear(2, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+
+    def forward(self, x):  # (B, 6, 3)
+        return x + 16 * torch.sigmoid(self.mlp(self.table))
+
+
+class ZeroedSliceOfCopy(nn.Module):
+    """Swin V2's query-key-value bias: a copy of the linear's bias with its middle third zeroed in place
+    (an in-place op on a view of a tensor the linear then reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        nn.init.constant_(self.fc.bias, 2.0)
+
+    def forward(self, x):
+        b = self.fc.bias.clone()
+        b[2:4].zero_()
+        return F.linear(x, self.fc.weight, b)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_linear_on_constants_folds_into_one_stored_tensor(symmetric):
+    # the MLP is folded at conversion: no float or integer linear is left to run, and the one stored
+    # tensor the add reads is in weight form (reduce_range: [-63, 63]), within half a step of the float bias
+    torch.manual_seed(0)
+    model, x = ConstantBiasMLP().eval(), x4(2, 6, 3)
+    converted, report = _convert(model, x, symmetric=symmetric, reduce_range=True)
+    counts = op_counts(converted)
+    assert counts[aten.linear.default] == counts[aten.relu.default] == counts[aten.relu_.default] == 0
+    assert report.n_weighted == 0 and report.float_ops == []
+    assert _qdq(converted) == (2, 3, 0)  # x and the sum quantized; the folded bias dequantized
+    widths = _stored_weights(converted)
+    assert len(widths) == 1 and max(widths.values()) == 63
+    with torch.no_grad():
+        bias = 16 * torch.sigmoid(model.mlp(model.table))
+        (scale,) = [n.args[1] for n in converted.graph.nodes if n.op == "call_function"
+                    and n.target == qd.dequantize_per_tensor.default and n.args[0].op == "get_attr"]
+        stored = getattr(converted, next(iter(widths))).float() * scale
+    assert float((stored - bias).abs().max()) <= scale / 2 + 1e-6
+
+
+def test_inplace_on_a_view_of_a_shared_copy_is_kept():
+    # the zeroed slice still reaches the linear: made functional, the two middle outputs would be 2.0 off
+    torch.manual_seed(0)
+    model, x = ZeroedSliceOfCopy().eval(), x4(8, 4)
+    converted, _ = _convert(model, x, symmetric=False, reduce_range=True)
+    assert op_counts(converted)[aten.zero_.default] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), model(x), atol=0.1, rtol=0)
+
+
+def test_normalize_of_a_zero_row_stays_finite():
+    # Swin V2's cosine attention normalizes keys; a padded token's key is exactly 0, its norm is clamped
+    # to eps. A quantized divisor rounds eps to 0: 0 / 0 = NaN inside the graph, which torch's next
+    # quantize happens to map to the zero-point while ONNX Runtime's does not (45 LSB on one Swin V2 block)
+    class Keys(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.k = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return F.normalize(self.k(x), dim=-1)
+
+    class NonFinite(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and not torch.isfinite(out).all():
+                found.append(n.name)
+            return out
+
+    torch.manual_seed(0)
+    x = x4(2, 6, 8)
+    x[:, 4:] = 0  # padding tokens
+    model = Keys().eval()
+    converted, _ = _convert(model, x, symmetric=False, reduce_range=True)
+    found: list[str] = []
+    with torch.no_grad():
+        out = NonFinite(converted).run(x)
+    assert found == []
+    torch.testing.assert_close(out, model(x), atol=0.05, rtol=0)

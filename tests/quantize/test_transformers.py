@@ -69,13 +69,24 @@ def _build(name: str):
         if name == "convnext":
             model = ConvNeXt([CNBlockConfig(96, 192, 1), CNBlockConfig(192, 384, 1), CNBlockConfig(384, 768, 1),
                               CNBlockConfig(768, None, 1)])
+        elif name == "swin_v2":
+            # two Swin V2 blocks (cosine attention, position-bias MLP on a constant table, post-norm) at 16 px
+            # with 3x3 windows: a 4x4 map padded to 6x6, a V2 merge, a 2x2 map padded to one window. Keys of
+            # padding tokens are 0: F.normalize divides by its eps clamp. (Shifted, masked windows: swin_v2_t
+            # in bench/zoo.py; a third block doubles this test's export time.)
+            from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2
+
+            model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                                    window_size=[3, 3], block=SwinTransformerBlockV2,
+                                    downsample_layer=PatchMergingV2, num_classes=10)
+            nn.init.normal_(model.head.weight, std=0.5)
         else:
             model = SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8],
                                     window_size=[7, 7])
         for p_name, p in model.named_parameters():
             if p_name.endswith("layer_scale"):  # ConvNeXt starts them at 1e-6: blocks would not count
                 nn.init.constant_(p, 0.1)
-        size = 32
+        size = 16 if name == "swin_v2" else 32
     return (model.eval(), [torch.randn(1, 3, size, size, generator=g) for _ in range(2)],
             torch.randn(1, 3, size, size, generator=g))
 
@@ -134,6 +145,24 @@ def test_convnext_fully_int8(exported):
 @pytest.mark.slow
 def test_swin_fully_int8(exported):
     _check_model(exported, "swin", 53)  # patch conv, 36 linears (4 x 8 blocks, 3 merges, head) + 16 attention matmuls
+
+
+def test_swin_v2_fully_int8(exported):
+    # patch conv, 4 linears x 2 blocks, 1 merge, head; 2 attention matmuls x 2 blocks. The position-bias
+    # MLPs compute on constants only: folded into the stored bias each attention adds, no Gemm left
+    quantizer, q, sample, path = exported("swin_v2")
+    inputs = compute_inputs(path)
+    assert len(inputs) == 1 + 8 + 1 + 1 + 4
+    assert {k: v for k, v in inputs.items() if v != ["DequantizeLinear", "DequantizeLinear"]} == {}
+    # F.normalize of q and k (cosine attention): norm, eps clamp and broadcast run in float, unruled
+    assert set(quantizer.report.unannotated_ops) == {"aten.linalg_vector_norm.default", "aten.clamp_min.default",
+                                                     "aten.expand_as.default"}
+    err = compare_logits(q, path, sample)
+    assert err.max_lsb <= LSB_LITERAL, str(err)
+    with torch.no_grad():
+        assert float(q(sample).std()) > 0
+    census = ort_optimized_ops(path)
+    assert (census["QLinearConv"], census["QGemm"], census["QLinearMatMul"]) == (1, 10, 4)
 
 
 def test_strict_accepts_vit_blocks():

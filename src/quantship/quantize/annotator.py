@@ -56,6 +56,9 @@ BATCH_NORM_OPS = {
 FUSABLE_ACTIVATIONS = {aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default}
 ADD_OPS = {aten.add.Tensor, aten.add_.Tensor}
 BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten.div.Tensor}
+# the divisor stays float: a quantized one rounds every value under half a step to exactly 0 (F.normalize's
+# eps clamp included: x / 0 is inf or NaN where the float model is finite), and no runtime has an integer Div
+DIV_OPS = {aten.div.Tensor}
 # activation x activation products (attention scores, attention x values): both inputs per tensor
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 MATMUL_ADD_OPS = {aten.baddbmm.default}  # addend + product: addend, both factors and output quantized
@@ -308,11 +311,13 @@ class QuantshipQuantizer(Quantizer):
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         """Decompose fused attention and batched-matmul einsums so their products are matmul nodes the
         annotator quantizes, store the number operand of mul/add as a constant (affine specs), and give N-D linears a
-        2-D view so that each exports as one Gemm reading its dequantized weight."""
+        2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
+        constants functional, so that convert_pt2e folds the whole constant subgraph."""
         from quantship.quantize.decompose import (
             decompose_attention,
             decompose_einsum,
             flatten_linear_inputs,
+            out_of_place_on_constants,
             scalars_as_constants,
         )
 
@@ -323,6 +328,8 @@ class QuantshipQuantizer(Quantizer):
             # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured)
             scalars_as_constants(model)
         flatten_linear_inputs(model)
+        out_of_place_on_constants(model, self._constant)
+        self._constant_memo.clear()  # facts of the graph before the rewrites
         return model
 
     def _cleared_conv_outputs(self, model: GraphModule) -> set[Node]:
@@ -347,14 +354,17 @@ class QuantshipQuantizer(Quantizer):
         for node in model.graph.nodes:
             if node.op != "call_function" or self._annotated(node):
                 continue
+            if self._constant(node):
+                # folded by convert_pt2e; the op that reads it quantizes it as a weight. This holds for a
+                # conv/linear on constants too (Swin V2's position-bias MLP on its coordinate table): an
+                # annotated one would stay a Gemm run on every call, its input stored at activation range
+                continue
             if node.target in WEIGHTED_OPS:
                 self._annotate_weighted(node, cleared)
                 continue
             if self._skipped(node):
                 self.report.skipped_nodes.append(node.name)
                 continue
-            if self._constant(node):
-                continue  # folded by convert_pt2e; the op that reads it quantizes it as a weight
             handler = self._HANDLERS.get(ROLES.get(node.target))
             if handler is not None:
                 handler(self, node, cleared)
@@ -384,7 +394,7 @@ class QuantshipQuantizer(Quantizer):
             return  # e.g. BatchNorm's num_batches_tracked += 1 in a training capture
         act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
         inputs = {}
-        for arg in node.args[:2]:
+        for arg in node.args[:1] if node.target in DIV_OPS else node.args[:2]:
             if self._quantizable_input(arg) and arg not in cleared:
                 inputs[arg] = self._input_spec(arg)
             elif arg in cleared:

@@ -242,3 +242,64 @@ def scalars_as_constants(model: GraphModule) -> int:
         model.graph.lint()
         model.recompile()
     return n
+
+
+def _out_of_place(target: object) -> object | None:
+    """The functional overload of an in-place aten op (``relu_`` -> ``relu``), or None."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    overload = getattr(packet, target._overloadname, None) if packet is not None else None
+    if overload is None or overload._schema.is_mutable:
+        return None
+    return overload
+
+
+def _returns_alias(node: Node) -> bool:
+    """True when ``node`` returns a view of an input (``reshape``, ``slice``...: an aliased result)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not schema.returns or schema.returns[0].alias_info is not None
+
+
+def _sole_owner(node: Node, mutated: Node) -> bool:
+    """True when ``node`` is the only reader of the storage of ``mutated``: every tensor from the op
+    that allocated it, through the views taken of it, has exactly one reader, the next link."""
+    reader = node
+    while True:
+        if mutated.op != "call_function" or len(mutated.users) != 1 or reader not in mutated.users:
+            return False
+        if not _returns_alias(mutated):
+            return True
+        reader, mutated = mutated, mutated.args[0] if mutated.args else None
+        if not isinstance(mutated, Node):
+            return False
+
+
+def out_of_place_on_constants(model: GraphModule, is_constant) -> int:
+    """Make each in-place op on a constant tensor (``is_constant``) whose storage nothing else reads
+    functional (``relu_`` -> ``relu``); return how many.
+
+    convert_pt2e folds a constant subgraph (Swin V2's position-bias MLP on its coordinate table, whose
+    ``ReLU(inplace=True)`` is captured as ``relu_``) into the stored tensor its quantized consumer reads,
+    and then drops the nodes left without users; an in-place node counts as a side effect and would keep
+    the float chain before it alive. A mutation of a parameter, a buffer, or a tensor some other node
+    reads (Swin V2's ``qkv_bias[n:2n].zero_()`` on a slice of a copy the linear then reads) is left as is."""
+    n = 0
+    for node in list(model.graph.nodes):
+        if node.op != "call_function" or not node.args:
+            continue
+        functional = _out_of_place(node.target)
+        mutated = node.args[0]
+        if functional is None or not isinstance(mutated, Node) or not is_constant(node):
+            continue
+        if not _sole_owner(node, mutated):
+            continue
+        node.target = functional
+        n += 1
+    if n:
+        model.graph.lint()
+        model.recompile()
+    return n
