@@ -20,6 +20,7 @@ torch is imported only inside the functions that run a torch model.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,11 @@ def trace_divergence(model: Any, path: str | Path, sample: Any) -> DivergenceRep
     proto = onnx.load(str(path))
     file_q = _file_quantizers(proto)
     torch_q = _torch_quantizers(model)
+    if len(file_q) < len(torch_q):  # the exporter merges identical subgraphs (Swin's patch-merge slices): so do we
+        from torch.fx.passes.dialect.common.cse_pass import CSEPass
+
+        model = CSEPass()(copy.deepcopy(model)).graph_module
+        torch_q = _torch_quantizers(model)
     if len(file_q) != len(torch_q):
         raise ValueError(f"{path} has {len(file_q)} per-tensor QuantizeLinear nodes, the model {len(torch_q)} "
                          "quantize_per_tensor nodes: the file was not exported from this model")
