@@ -26,6 +26,20 @@ SCALAR_OPERAND_OPS = {aten.mul.Tensor, aten.add.Tensor}
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
+
+def _swap(graph, node: Node, out: Node) -> None:
+    """``out`` takes every use of ``node``, which leaves the graph."""
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def _recompiled(model: GraphModule, n: int) -> int:
+    """After ``n`` rewrites of ``model``'s graph: check it and regenerate the code (nothing to do for 0)."""
+    if n:
+        model.graph.lint()
+        model.recompile()
+    return n
+
 def _fake_value(target, args: tuple, kwargs: dict) -> object:
     """Run ``target`` on the fake values of its node arguments (shapes and dtypes only)."""
     from torch._guards import detect_fake_mode
@@ -110,13 +124,9 @@ def decompose_attention(model: GraphModule) -> int:
                     scores = _insert(graph, aten.add.Tensor, (scores, mask), node)
             weights = _insert(graph, aten.softmax.int, (scores, -1), node)
             out = _insert(graph, aten.matmul.default, (weights, v), node)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _swap(graph, node, out)
         n += 1
-    if n:
-        graph.lint()
-        model.recompile()
-    return n
+    return _recompiled(model, n)
 
 
 def flatten_linear_inputs(model: GraphModule) -> int:
@@ -152,10 +162,7 @@ def flatten_linear_inputs(model: GraphModule) -> int:
             if user is not restored:
                 user.replace_input_with(node, restored)
         n += 1
-    if n:
-        graph.lint()
-        model.recompile()
-    return n
+    return _recompiled(model, n)
 
 
 def batched_matmul_form(equation: str) -> bool | None:
@@ -206,13 +213,9 @@ def decompose_einsum(model: GraphModule) -> int:
             if transpose:
                 b = _insert(graph, aten.transpose.int, (b, -2, -1), node)
             out = _insert(graph, aten.matmul.default, (a, b), node)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _swap(graph, node, out)
         n += 1
-    if n:
-        graph.lint()
-        model.recompile()
-    return n
+    return _recompiled(model, n)
 
 
 def scalars_as_constants(model: GraphModule) -> int:
