@@ -13,3 +13,23 @@ def strip_kernel_shape(model: onnx.ModelProto) -> int:
             del node.attribute[:]
             node.attribute.extend(kept)
     return removed
+
+
+def doubled_scale_pass():
+    """An export pass (the pass class, for ``qdq.PASSES``) whose rewrite is not exact: it doubles the
+    scale of the first QuantizeLinear, so its ``ensures()`` must refuse the graph by name."""
+    import onnx_ir as ir
+
+    import quantship.export.qdq as qdq
+
+    class DoubledScale(qdq.KernelShapePass):
+        what = "doubling one activation scale"
+
+        def rewrite(self, model):
+            node = next(n for n in model.graph if n.op_type == "QuantizeLinear")
+            doubled = ir.Value(name="doubled_scale", const_value=ir.tensor(node.inputs[1].const_value.numpy() * 2))
+            model.graph.register_initializer(doubled)
+            node.replace_input_with(1, doubled)
+            return 1
+
+    return DoubledScale

@@ -10,6 +10,7 @@ import quantship.export.checks as checks
 import quantship.export.qdq as qdq
 from quantship import export_qdq
 from quantship.errors import ExportRefused
+from tests.onnx_edits import doubled_scale_pass
 
 
 @pytest.fixture
@@ -70,19 +71,7 @@ def test_symbolic_batch_checks_run_on_one_row(tiny_affine_pt2e, tiny_calib, tmp_
 
 
 def test_an_inexact_rewrite_is_refused_on_the_one_row(tiny_pt2e, tiny_calib, tmp_path, monkeypatch):
-    import onnx_ir as ir
-
-    class DoubledScale(qdq.KernelShapePass):
-        what = "doubling one activation scale"
-
-        def rewrite(self, model):
-            node = next(n for n in model.graph if n.op_type == "QuantizeLinear")
-            doubled = ir.Value(name="doubled_scale", const_value=ir.tensor(node.inputs[1].const_value.numpy() * 2))
-            model.graph.register_initializer(doubled)
-            node.replace_input_with(1, doubled)
-            return 1
-
-    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES, DoubledScale))
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES, doubled_scale_pass()))
     with pytest.raises(ExportRefused, match="doubling one activation scale: output 0 differs"):
         export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx", dynamic_batch=True)
     assert list(tmp_path.iterdir()) == []

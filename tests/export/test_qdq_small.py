@@ -18,7 +18,7 @@ from quantship import Quantizer, export_qdq, qdq_stats, quant_spec, quant_spec_o
 from quantship.examples.models import TinyResNet
 from quantship.inspect.verify import ort_session, run_session
 from quantship.precision import SPEC_ATTRIBUTE, resolve_spec, tag_model
-from tests.onnx_edits import strip_kernel_shape
+from tests.onnx_edits import doubled_scale_pass, strip_kernel_shape
 
 
 def _outputs(path, x: torch.Tensor) -> np.ndarray:
@@ -250,21 +250,9 @@ def test_uint8_refuses_an_integer_tensor_read_by_another_op():
 
 def test_an_inexact_pass_is_refused_by_its_ensures(tiny_pt2e, tiny_calib, tmp_path, monkeypatch, reuse_produced):
     """A pass's ensures() runs the rewritten graph in ORT and refuses it, by name, unless the bytes match."""
-    import onnx_ir as ir
-
     from quantship.errors import ExportRefused
 
-    class DoubledScale(qdq.KernelShapePass):
-        what = "doubling one activation scale"
-
-        def rewrite(self, model):
-            node = next(n for n in model.graph if n.op_type == "QuantizeLinear")
-            doubled = ir.Value(name="doubled_scale", const_value=ir.tensor(node.inputs[1].const_value.numpy() * 2))
-            model.graph.register_initializer(doubled)
-            node.replace_input_with(1, doubled)
-            return 1
-
-    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES, DoubledScale))
+    monkeypatch.setattr(qdq, "PASSES", (*qdq.PASSES, doubled_scale_pass()))
     with pytest.raises(ExportRefused, match="doubling one activation scale: output 0 differs from the graph as produced"):
         export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx")
     _only(tmp_path)
