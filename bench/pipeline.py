@@ -54,26 +54,28 @@ class Clock:
         self._wall, self._cpu = wall, cpu
 
 
-def _inputs(batch: int, size: int):
+def _float_model(model_name: str, batch: int, size: int):
+    """The untrained torchvision model (seed 0) and 4 calibration batches, the same for every path."""
     import torch
+    import torchvision
 
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, model_name)(weights=None).eval()
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(batch, 3, size, size, generator=g) for _ in range(4)]
+    return model, [torch.randn(batch, 3, size, size, generator=g) for _ in range(4)]
 
 
 def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock) -> None:
     """The hand-written torchao + exporter path, one stage at a time."""
     import torch
-    import torchvision
+    import torchvision  # noqa: F401  (imported here, so that the "imports" stage times it)
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from quantship.precision import preset, resolve_spec
     from quantship.quantize.annotator import QuantshipQuantizer
 
     clock.lap("imports")
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, model_name)(weights=None).eval()
-    calib = _inputs(batch, size)
+    model, calib = _float_model(model_name, batch, size)
     clock.lap("model")
     graph = torch.export.export(model, (calib[0],), strict=False).module()
     clock.lap("capture")
@@ -107,23 +109,20 @@ def _timed(module, name: str, clock: Clock, stage: str, before: str | None = Non
 
 def run_quantship(model_name: str, batch: int, size: int, target: str, clock: Clock) -> None:
     """``Quantizer.for_target(target).quantize`` then ``export_qdq``; stages read at their boundaries."""
-    import torch
-    import torchvision
+    import torch  # noqa: F401  (imported here, so that the "imports" stage times it, as on the raw path)
+    import torchvision  # noqa: F401
 
     from quantship import Quantizer, export_qdq
 
     clock.lap("imports")
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, model_name)(weights=None).eval()
-    calib = _inputs(batch, size)
+    model, calib = _float_model(model_name, batch, size)
     clock.lap("model")
     import torchao.quantization.pt2e.quantize_pt2e as torchao_pt2e
 
     import quantship.export.qdq as qdq
     import quantship.quantize.pt2e as pt2e
 
-    capture = "_capture_in_eval" if hasattr(pt2e, "_capture_in_eval") else "capture"  # older releases: capture
-    _timed(pt2e, capture, clock, "capture", before="quantize: copy, checks")
+    _timed(pt2e, "capture", clock, "capture", before="quantize: copy, checks")
     _timed(torchao_pt2e, "prepare_pt2e", clock, "prepare")
     _timed(pt2e, "run_batches", clock, "calibrate", before="quantize: copy, checks")
     _timed(torchao_pt2e, "convert_pt2e", clock, "convert")
@@ -209,9 +208,6 @@ def warm(args: argparse.Namespace) -> int:
     import io
     import pstats
 
-    import torch
-    import torchvision
-
     from quantship import Quantizer, export_qdq
     from quantship.precision import preset
 
@@ -225,9 +221,7 @@ def warm(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     profiles = []
     for name in args.models:
-        torch.manual_seed(0)
-        model = getattr(torchvision.models, name)(weights=None).eval()
-        calib = _inputs(args.batch, args.size)
+        model, calib = _float_model(name, args.batch, args.size)
         for target in args.targets:
             converted = Quantizer.for_target(target).quantize(model, calib, max_calibration_samples=len(calib) * args.batch)
             dynamic = preset(target).dynamic_batch
