@@ -3,12 +3,15 @@
 Both paths quantize the same untrained torchvision model with the same annotator
 (``QuantshipQuantizer`` of the preset's spec) on the same batches. The raw path is what a user
 writes by hand: ``torch.export`` -> ``prepare_pt2e`` -> calibrate -> ``convert_pt2e`` ->
-``torch.onnx.export(dynamo=True)`` -> save, with no checks. quantship's path adds its own checks
-(each rewrite byte-identical in ONNX Runtime, post-conditions on the file, the target's rules).
+``torch.onnx.export(dynamo=True)`` -> save, with no checks, once at the sample's static batch ("raw")
+and once writing the same kind of file as quantship when the target's preset serves any batch ("raw,
+any batch": the batch symbolic at capture and export, which costs the exporter more). quantship's path
+adds its own checks (each rewrite byte-identical in ONNX Runtime, post-conditions on the file, the
+target's rules, the file's two readings against torch).
 
 Every run is a fresh process, so imports and first-call costs count and the peak RSS is its own.
-Runs alternate between the two paths; the table gives medians (wall and CPU seconds, CPU being
-less sensitive to other processes on a shared machine) and the ratio quantship / raw.
+Runs alternate between the paths; the table gives medians (wall and CPU seconds, CPU being
+less sensitive to other processes on a shared machine) and the ratios quantship / raw.
 
     python bench/pipeline.py [--models resnet18] [--batch 8] [--size 224] [--repeat 3]
 
@@ -35,6 +38,9 @@ import time
 import warnings
 from pathlib import Path
 
+# The raw path at the sample's static batch, the raw path writing what quantship writes for a preset that
+# serves any batch (batch symbolic at capture and export), and quantship.
+PATHS = ("raw", "raw, any batch", "quantship")
 STAGES = ("imports", "capture", "prepare", "calibrate", "convert", "export", "checks")
 
 
@@ -65,8 +71,9 @@ def _float_model(model_name: str, batch: int, size: int):
     return model, [torch.randn(batch, 3, size, size, generator=g) for _ in range(4)]
 
 
-def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock) -> None:
-    """The hand-written torchao + exporter path, one stage at a time."""
+def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock, dynamic: bool = False) -> None:
+    """The hand-written torchao + exporter path, one stage at a time; ``dynamic``: the batch dimension
+    symbolic at capture and export, as in the file quantship writes when the preset serves any batch."""
     import torch
     import torchvision  # noqa: F401  (imported here, so that the "imports" stage times it)
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -77,7 +84,8 @@ def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock) -
     clock.lap("imports")
     model, calib = _float_model(model_name, batch, size)
     clock.lap("model")
-    graph = torch.export.export(model, (calib[0],), strict=False).module()
+    shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    graph = torch.export.export(model, (calib[0],), dynamic_shapes=shapes, strict=False).module()
     clock.lap("capture")
     prepared = prepare_pt2e(graph, QuantshipQuantizer(resolve_spec(**preset(target).spec_kwargs)))
     clock.lap("prepare")
@@ -88,7 +96,9 @@ def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock) -
     converted = convert_pt2e(prepared)
     clock.lap("convert")
     with tempfile.TemporaryDirectory() as tmp:
-        program = torch.onnx.export(converted, (calib[0],), None, dynamo=True, opset_version=18, verbose=False)
+        shapes = ({0: torch.export.Dim.DYNAMIC},) if dynamic else None
+        program = torch.onnx.export(converted, (calib[0],), None, dynamo=True, opset_version=18, verbose=False,
+                                    dynamic_shapes=shapes)
         program.save(str(Path(tmp) / "model.onnx"))
         clock.lap("export")
 
@@ -137,7 +147,10 @@ def run_quantship(model_name: str, batch: int, size: int, target: str, clock: Cl
 def run_one(path: str, model_name: str, batch: int, size: int, target: str) -> dict:
     warnings.filterwarnings("ignore")
     clock = Clock()
-    (run_raw if path == "raw" else run_quantship)(model_name, batch, size, target, clock)
+    if path == "quantship":
+        run_quantship(model_name, batch, size, target, clock)
+    else:
+        run_raw(model_name, batch, size, target, clock, dynamic=path == "raw, any batch")
     stages = clock.stages
     work = [s for s in stages if s != "model"]  # building the float model and data is not the pipeline's
     return {"path": path, "stages": stages,
@@ -292,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="--warm: print the N costliest functions of quantship, onnx and ORT in one export_qdq call "
                              "(cProfile, cumulative)")
-    parser.add_argument("--one", choices=("raw", "quantship"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.warm:
         return warm(args)
@@ -301,25 +314,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
           f"medians of {args.repeat} fresh run(s) per path, runs alternating")
+    from quantship.precision import preset
+
+    paths = [p for p in PATHS if p != "raw, any batch" or preset(args.target).dynamic_batch]
     for name in args.models:
-        runs: dict[str, list[dict]] = {"raw": [], "quantship": []}
+        runs: dict[str, list[dict]] = {p: [] for p in paths}
         for _ in range(args.repeat):
             for path in runs:
                 runs[path].append(_fresh(path, args, name))
         print(f"\n{name}, batch {args.batch}, {args.size}x{args.size}, target {args.target}\n")
-        print("| stage | raw wall s | raw CPU s | quantship wall s | quantship CPU s | peak RSS MB raw / quantship |")
-        print("|---|---|---|---|---|---|")
+        print("| stage | " + " | ".join(f"{p} wall s | {p} CPU s" for p in paths) + " | peak RSS MB " + " / ".join(paths) + " |")
+        print("|---|" + "---|---|" * len(paths) + "---|")
         stages = [s for s in (*STAGES, "quantize: copy, checks") if any(s in r["stages"] for rs in runs.values() for r in rs)]
         for stage in stages:
             cells = [f"{_median(runs[p], 'stages', stage, k):.2f}" for p in runs for k in ("wall_s", "cpu_s")]
             rss = " / ".join(f"{_median(runs[p], 'stages', stage, 'peak_rss_mb'):.0f}" for p in runs)
             print(f"| {stage} | {' | '.join(cells)} | {rss} |")
         total = {p: (_median(rs, "wall_s"), _median(rs, "cpu_s"), _median(rs, "peak_rss_mb")) for p, rs in runs.items()}
-        (rw, rc, rm), (qw, qc, qm) = total["raw"], total["quantship"]
-        print(f"| **total** | {rw:.2f} | {rc:.2f} | {qw:.2f} | {qc:.2f} | {rm:.0f} / {qm:.0f} |")
-        print(f"\nquantship / raw: wall {qw / rw:.2f}x, CPU {qc / rc:.2f}x, peak RSS {qm / rm:.2f}x "
-              f"(every wall run: raw {[round(r['wall_s'], 1) for r in runs['raw']]}, "
-              f"quantship {[round(r['wall_s'], 1) for r in runs['quantship']]})", flush=True)
+        cells = " | ".join(f"{w:.2f} | {c:.2f}" for w, c, _ in total.values())
+        print(f"| **total** | {cells} | {' / '.join(f'{m:.0f}' for _, _, m in total.values())} |\n")
+        qw, qc, qm = total["quantship"]
+        for p in paths[:-1]:
+            rw, rc, rm = total[p]
+            print(f"quantship / {p}: wall {qw / rw:.2f}x, CPU {qc / rc:.2f}x, peak RSS {qm / rm:.2f}x")
+        print("every wall run: " + "; ".join(f"{p} {[round(r['wall_s'], 1) for r in runs[p]]}" for p in paths)
+              + "; every peak RSS: " + "; ".join(f"{p} {[round(r['peak_rss_mb']) for r in runs[p]]}" for p in paths),
+              flush=True)
     return 0
 
 

@@ -86,3 +86,58 @@ def test_one_row_probe_needs_a_symbolic_batch(tiny_produced):
     (row,) = qdq.one_row_probe(dynamic, [x])
     assert row.shape == (1, 1, 32, 32)
     assert qdq.one_row_probe(dynamic, [x[:1]]) is None  # already one row
+
+
+@pytest.mark.parametrize("rows, cuts", [(1, [1]), (3, [3]), (4, [2, 2]), (5, [2, 3]), (8, [2, 2, 2, 2]),
+                                        (9, [2, 2, 2, 3])])
+def test_reference_cuts_of_a_symbolic_batch(rows, cuts):
+    import torch
+
+    x = torch.arange(rows * 2.0).reshape(rows, 2)
+    got = qdq.reference_batches(x, dynamic_batch=True)
+    assert [len(b) for b in got] == cuts
+    assert torch.equal(torch.cat(got), x)  # every row once, in order
+    (pair,) = qdq.reference_batches((x, x + 1), dynamic_batch=False)  # a static batch runs whole
+    assert len(pair[0]) == rows
+    assert [[len(t) for t in b] for b in qdq.reference_batches((x, x + 1), dynamic_batch=True)] == [[c, c] for c in cuts]
+
+
+def test_symbolic_batch_reference_is_the_whole_batch_reading(tiny_affine_pt2e, tiny_calib, tmp_path, monkeypatch):
+    forwards: list[int] = []
+    real = qdq.torch_outputs
+
+    def recording(model, batches):
+        forwards.extend(int(b.shape[0]) for b in batches)
+        return real(model, batches)
+
+    monkeypatch.setattr(qdq, "torch_outputs", recording)
+    cut = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "cut.onnx", dynamic_batch=True)
+    assert forwards == [2, 2, 2, 2]
+    monkeypatch.setattr(qdq, "reference_batches", lambda sample, dynamic: [sample])
+    whole = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "whole.onnx", dynamic_batch=True)
+    assert forwards[4:] == [8]
+    assert cut.readings == whole.readings
+    assert (tmp_path / "cut.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
+
+
+def test_the_exporter_builds_its_translation_table_once_per_process(tiny_pt2e, tiny_calib, monkeypatch):
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    import quantship.export.capture as capture
+
+    built = ONNXRegistry.__dict__["from_torchlib"]
+    calls: list[int] = []
+
+    def counting(cls, opset_version=18):
+        calls.append(opset_version)
+        return built.__func__(cls, opset_version=opset_version)
+
+    monkeypatch.setattr(ONNXRegistry, "from_torchlib", classmethod(counting))
+    capture._torchlib_registry.cache_clear()
+    kwargs = dict(opset_version=18, dynamic_batch=False, input_names=None, output_names=None)
+    first = capture.dynamo_export(tiny_pt2e, tiny_calib[0], **kwargs)
+    second = capture.dynamo_export(tiny_pt2e, tiny_calib[0], **kwargs)
+    assert calls == [18]  # built for the first export, reused by the second
+    assert first.SerializeToString() == second.SerializeToString()
+    assert ONNXRegistry.__dict__["from_torchlib"].__func__ is counting  # torch's own method is back after each call
+    capture._torchlib_registry.cache_clear()  # the next export builds with torch's method again

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +81,43 @@ def batch_dim_is_dynamic(model: onnx.ModelProto) -> bool:
     return bool(dims) and not dims[0].HasField("dim_value")
 
 
+@functools.cache
+def _torchlib_registry(build: Any, registry_class: type, opset_version: Any) -> Any:
+    return build(registry_class, opset_version=opset_version)
+
+
+@contextlib.contextmanager
+def one_registry() -> Iterator[None]:
+    """Inside, the exporter reuses one table of its ONNX translations per opset instead of building it anew.
+
+    ``torch.onnx.export`` rebuilds that table (``ONNXRegistry.from_torchlib``: every torchlib function,
+    0.36 s warm, 0.7 s the first time) on every call, then only reads it while no custom translation is
+    given, which is never the case here. A process that exports more than once (an accuracy search, a
+    bench, a test suite) builds it once per opset. When torch no longer has that private class, nothing
+    changes.
+    """
+    try:
+        from torch.onnx._internal.exporter import _constants
+        from torch.onnx._internal.exporter._registration import ONNXRegistry
+    except ImportError:
+        yield
+        return
+    built = ONNXRegistry.__dict__.get("from_torchlib")
+    if not isinstance(built, classmethod) or getattr(built.__func__, "_quantship_shared", False):
+        yield  # not the method we know, or already shared by an enclosing call
+        return
+
+    def shared(cls, opset_version=_constants.TORCHLIB_OPSET):
+        return _torchlib_registry(built.__func__, cls, opset_version)
+
+    shared._quantship_shared = True
+    ONNXRegistry.from_torchlib = classmethod(shared)
+    try:
+        yield
+    finally:
+        ONNXRegistry.from_torchlib = built
+
+
 def dynamo_export(
     model: Any,
     sample: Any,
@@ -100,12 +139,13 @@ def dynamo_export(
     with warnings.catch_warnings():
         # a pt2e graph has no train/eval modules: its `training` flag is not what inference runs
         warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
-        program = torch.onnx.export(
-            model, inputs, None, dynamo=True, opset_version=opset_version, verbose=False,
-            dynamic_shapes=dynamic_shapes,
-            input_names=list(input_names) if input_names else None,
-            output_names=list(output_names) if output_names else None,
-        )
+        with one_registry():
+            program = torch.onnx.export(
+                model, inputs, None, dynamo=True, opset_version=opset_version, verbose=False,
+                dynamic_shapes=dynamic_shapes,
+                input_names=list(input_names) if input_names else None,
+                output_names=list(output_names) if output_names else None,
+            )
     if program is None:
         raise RuntimeError("torch.onnx.export returned no ONNX program")
     proto = program.model_proto
