@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from quantship.precision import resolve_spec
 from quantship.quantize.annotator import ROLES, QuantshipQuantizer
+from quantship.quantize.conv_bn_fold import fold_what_can_match
 from tests.graph_counts import aten, op_counts, qd
 
 torch.manual_seed(0)
@@ -29,7 +30,8 @@ def _convert(model: nn.Module, x, **spec_kwargs):
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         prepared(*inputs)
-    return convert_pt2e(prepared), quantizer.report
+    with fold_what_can_match(prepared, qat=False):  # as quantship's pt2e path converts
+        return convert_pt2e(prepared), quantizer.report
 
 
 def _qdq(graph) -> tuple[int, int, int]:

@@ -11,8 +11,6 @@ fastai is imported only when this module is (``import quantship`` does not impor
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,42 +26,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from quantship.errors import DataRefused
 from quantship.precision import QuantSpec, resolve_spec, tag_model
 from quantship.quantize import distributed
+from quantship.quantize.conv_bn_fold import fold_what_can_match
 
 _FLAG_KEYS = ("do_wd", "force_train")  # fastai's per-parameter optimizer flags
-
-
-@contextlib.contextmanager
-def _fold_only_present_convs(graph: torch.fx.GraphModule) -> Iterator[None]:
-    """Let convert_pt2e fold QAT conv-bn patterns only for the conv kinds the graph holds.
-
-    torchao 0.18 traces 30 match/replace patterns with torch.export for each of conv1d, conv2d,
-    conv_transpose1d and conv_transpose2d (120 exports, about 1 s each on 2 cores) whatever the
-    graph contains. Skipping the kinds with no node in the graph gives the same outputs
-    (their patterns cannot match; measured identical on digits); the result is checked as usual.
-    """
-    import torch.nn.functional as F
-    from torchao.quantization.pt2e import qat_utils
-
-    aten = torch.ops.aten
-    ops_of = {F.conv1d: {aten.conv1d.default}, F.conv2d: {aten.conv2d.default},
-              F.conv_transpose1d: {aten.conv_transpose1d.default},
-              F.conv_transpose2d: {aten.conv_transpose2d.input}}
-    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
-    original = getattr(qat_utils, "_fold_conv_bn_qat_helper", None)
-    if original is None:  # another torchao layout: let it fold every kind (slower, same result)
-        yield
-        return
-
-    def helper(m: torch.fx.GraphModule, conv_fn: Any, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        if conv_fn in ops_of and not ops_of[conv_fn] & targets:
-            return m
-        return original(m, conv_fn, *args, **kwargs)
-
-    qat_utils._fold_conv_bn_qat_helper = helper
-    try:
-        yield
-    finally:
-        qat_utils._fold_conv_bn_qat_helper = original
 
 
 def qat_spec(quantizer: Any, backend: str) -> QuantSpec:
@@ -294,7 +259,7 @@ class QuantizeCallback(Callback):
 
         self._log("pt2e: converting the trained graph to a quantized one")
         move_exported_model_to_eval(prepared)
-        with _fold_only_present_convs(prepared):
+        with fold_what_can_match(prepared, qat=True):
             converted = convert_pt2e(prepared)
         carry_static_batch(prepared, converted)
         check_converted(converted)

@@ -17,6 +17,7 @@ from quantship.progress import step
 from quantship.quantize.annotator import WEIGHTED_OPS, AnnotationReport, QuantshipQuantizer
 from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
+from quantship.quantize.conv_bn_fold import fold_what_can_match
 
 qd = torch.ops.quantized_decomposed
 DEQUANT_WEIGHT_OPS = {qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default}
@@ -81,7 +82,7 @@ def quantize_pt2e(
     if (merged := merge_observers(prepared, n_samples=n)) is not None:
         log(f"pt2e: merged {merged.n_observers} observer(s) across ranks ({merged.n_floats} floats, {merged.seconds:.3f} s)")
     log("pt2e: converting to a quantized graph")
-    with step("quantize: convert (convert_pt2e)"):
+    with step("quantize: convert (convert_pt2e)"), fold_what_can_match(prepared, qat=False):
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
     unshare(converted, model)

@@ -1,0 +1,52 @@
+"""convert_pt2e's QAT conv-bn fold, run only for the patterns a graph can hold.
+
+torchao 0.18's ``convert_pt2e`` folds QAT conv-bn pairs whenever the graph holds any batch norm: it
+traces 24 match/replace patterns with torch.export for each of conv1d, conv2d, conv_transpose1d and
+conv_transpose2d (96 exports; 14-29 s on 2 cores for a graph holding one BatchNorm2d) whatever the
+graph contains. The patterns are the structure ``prepare_qat_pt2e`` writes around a conv followed by
+a batch norm, so they cannot match:
+
+- in a graph from ``prepare_pt2e`` (post-training): it folds eval-mode conv-bn pairs into the conv
+  at prepare time, and a batch norm left (one after a pooling, an activation, an input: DenseNet's
+  pre-activations) has no QAT conv structure around it;
+- in a QAT graph, for a conv kind with no node in the graph.
+
+Those patterns are skipped; every other step of the fold runs as torchao writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def fold_what_can_match(graph: torch.fx.GraphModule, *, qat: bool) -> Iterator[None]:
+    """Inside, ``convert_pt2e`` folds QAT conv-bn patterns only for the conv kinds ``graph`` holds, and
+    none when the graph was prepared for post-training quantization (``qat=False``)."""
+    import torch.nn.functional as F
+    from torchao.quantization.pt2e import qat_utils
+
+    aten = torch.ops.aten
+    ops_of = {F.conv1d: {aten.conv1d.default}, F.conv2d: {aten.conv2d.default},
+              F.conv_transpose1d: {aten.conv_transpose1d.default},
+              F.conv_transpose2d: {aten.conv_transpose2d.input}}
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"} if qat else set()
+    original = getattr(qat_utils, "_fold_conv_bn_qat_helper", None)
+    if original is None:  # another torchao layout: let it fold every kind (slower, same result)
+        yield
+        return
+
+    def helper(m: torch.fx.GraphModule, conv_fn: Any, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        if conv_fn in ops_of and not ops_of[conv_fn] & targets:
+            return m
+        return original(m, conv_fn, *args, **kwargs)
+
+    qat_utils._fold_conv_bn_qat_helper = helper
+    try:
+        yield
+    finally:
+        qat_utils._fold_conv_bn_qat_helper = original

@@ -1,0 +1,71 @@
+"""convert_pt2e's QAT conv-bn fold is skipped where its patterns cannot match, with the same result."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from quantship.precision import resolve_spec
+from quantship.quantize.annotator import QuantshipQuantizer
+from quantship.quantize.conv_bn_fold import fold_what_can_match
+
+
+class PreActivation(nn.Module):
+    """DenseNet's layer: batch norm and ReLU before the conv, so the batch norm stays in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(3)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+        self.norm1d = nn.BatchNorm1d(2)
+
+    def forward(self, x):
+        y = self.conv(torch.relu(self.norm(x)))
+        return self.norm1d(self.head(y.mean((2, 3))))
+
+
+def _prepared(x):
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    torch.manual_seed(0)
+    model = PreActivation().eval()
+    for bn in (model.norm, model.norm1d):  # running statistics away from the identity
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    graph = torch.export.export(model, (x,), strict=False).module()
+    prepared = prepare_pt2e(graph, QuantshipQuantizer(resolve_spec("pt2e", act_observer="minmax")))
+    with torch.no_grad():
+        prepared(x)
+    return prepared
+
+
+def test_post_training_graph_skips_the_qat_patterns_with_the_same_result(monkeypatch):
+    from torchao.quantization.pt2e import qat_utils
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+    from torchao.quantization.pt2e.utils import _is_bn_node
+
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    traced: list[object] = []
+    real = qat_utils._get_aten_graph_module_for_pattern
+
+    def counting(*args, **kwargs):
+        traced.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qat_utils, "_get_aten_graph_module_for_pattern", counting)
+    prepared = _prepared(x)
+    # the pre-activation batch norm stays in the graph: torchao's own test for "the fold runs" holds
+    assert [list(n.meta["nn_module_stack"].values())[-1][0] for n in prepared.graph.nodes if _is_bn_node(n)] == ["norm"]
+    with fold_what_can_match(prepared, qat=False):
+        skipped = convert_pt2e(prepared)
+    assert traced == []  # no pattern traced
+    # torchao's fold for the conv kind the graph holds (conv2d: 24 pattern exports), as QAT convert runs it
+    reference = _prepared(x)
+    with fold_what_can_match(reference, qat=True):
+        folded = convert_pt2e(reference)
+    assert len(traced) == 24
+    assert skipped.code == folded.code
+    with torch.no_grad():
+        assert torch.equal(skipped(x), folded(x))
+    assert qat_utils._fold_conv_bn_qat_helper.__module__ == qat_utils.__name__  # torchao's own helper is back
