@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from quantship.precision import resolve_spec
 from quantship.quantize.annotator import QuantshipQuantizer
-from quantship.quantize.conv_bn_fold import fold_what_can_match
+from quantship.quantize.conv_bn_fold import fold_what_can_match, patterns_traced_once
 
 
 class PreActivation(nn.Module):
@@ -69,3 +69,56 @@ def test_post_training_graph_skips_the_qat_patterns_with_the_same_result(monkeyp
     with torch.no_grad():
         assert torch.equal(skipped(x), folded(x))
     assert qat_utils._fold_conv_bn_qat_helper.__module__ == qat_utils.__name__  # torchao's own helper is back
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_qat_patterns_traced_once_fold_the_same(monkeypatch):
+    from torchao.quantization.pt2e import move_exported_model_to_eval, qat_utils
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+
+    import quantship.quantize.conv_bn_fold as conv_bn_fold
+
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def converted():
+        torch.manual_seed(0)
+        graph = torch.export.export(ConvBN().train(), (x,), strict=False).module()
+        with patterns_traced_once():
+            prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(resolve_spec("pt2e", "qat")))
+        n_prepare = len(traced)
+        code = prepared.code
+        prepared(x)  # one training step's forward: observers and batch statistics move
+        move_exported_model_to_eval(prepared)
+        with fold_what_can_match(prepared, qat=True):
+            return convert_pt2e(prepared), code, n_prepare, len(traced) - n_prepare
+
+    traced: list[object] = []
+    real = qat_utils._get_aten_graph_module_for_pattern
+
+    def counting(*args, **kwargs):
+        traced.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qat_utils, "_get_aten_graph_module_for_pattern", counting)
+    monkeypatch.setattr(conv_bn_fold, "_PATTERNS", {})
+    first, first_prepared, n_prepare, n_convert = converted()
+    # conv2d's fusion patterns at prepare and its match/replacement patterns at convert, traced by torchao
+    assert (n_prepare, n_convert) == (12, 24)
+    traced.clear()
+    second, second_prepared, n_prepare, n_convert = converted()
+    assert (n_prepare, n_convert) == (0, 0)  # the same patterns, not traced again
+    assert first_prepared == second_prepared
+    assert not any(n.target == torch.ops.aten.batch_norm.default for n in second.graph.nodes)  # folded
+    assert first.code == second.code
+    with torch.no_grad():
+        assert torch.equal(first(x), second(x))

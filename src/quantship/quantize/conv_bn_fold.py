@@ -11,12 +11,16 @@ a batch norm, so they cannot match:
   pre-activations) has no QAT conv structure around it;
 - in a QAT graph, for a conv kind with no node in the graph.
 
-Those patterns are skipped; every other step of the fold runs as torchao writes it.
+Those patterns are skipped; every other step of the fold runs as torchao writes it. The patterns
+that can match are traced once per process (torchao traces them anew on every prepare and convert:
+about 7 s for conv2d's 24 at convert): their graphs depend on the pattern's flags and the example
+inputs' shapes only, and the rewrite copies them into the model without changing them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +51,49 @@ def fold_what_can_match(graph: torch.fx.GraphModule, *, qat: bool) -> Iterator[N
 
     qat_utils._fold_conv_bn_qat_helper = helper
     try:
-        yield
+        with patterns_traced_once():
+            yield
     finally:
         qat_utils._fold_conv_bn_qat_helper = original
+
+
+@contextlib.contextmanager
+def patterns_traced_once() -> Iterator[None]:
+    """Inside, torchao's QAT conv-bn patterns (``prepare_qat_pt2e``'s fusion, ``convert_pt2e``'s fold) are
+    traced once per process and reused."""
+    from torchao.quantization.pt2e import qat_utils
+
+    trace = getattr(qat_utils, "_get_aten_graph_module_for_pattern", None)
+    if trace is None or isinstance(trace, functools.partial):  # another layout, or already inside
+        yield
+        return
+    qat_utils._get_aten_graph_module_for_pattern = functools.partial(_traced_once, trace)
+    try:
+        yield
+    finally:
+        qat_utils._get_aten_graph_module_for_pattern = trace
+
+
+_PATTERNS: dict[tuple, torch.fx.GraphModule] = {}
+
+
+def _shape_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    return ("value", value)
+
+
+def _traced_once(trace: Any, pattern: Any, example_inputs: tuple, is_cuda: bool = False, **kwargs: Any) -> Any:
+    """torchao's pattern trace, kept per pattern code, closure flags and input shapes (once per process)."""
+    try:
+        # torchao wraps each pattern function in a stateless module (``WrapperModule(fn)``)
+        fn = pattern.fn if isinstance(pattern, torch.nn.Module) and not list(pattern.state_dict()) else pattern
+        closure = tuple(cell.cell_contents for cell in fn.__closure__ or ())
+        key = (type(pattern), fn.__code__, closure, is_cuda, tuple(_shape_key(x) for x in example_inputs),
+               tuple(sorted((k, _shape_key(v)) for k, v in kwargs.items())))
+        hash(key)
+    except (AttributeError, TypeError, ValueError):  # not a plain closure over hashable flags: trace it
+        return trace(pattern, example_inputs, is_cuda, **kwargs)
+    if key not in _PATTERNS:
+        _PATTERNS[key] = trace(pattern, example_inputs, is_cuda, **kwargs)
+    return _PATTERNS[key]
