@@ -29,6 +29,21 @@ SESSION_MODEL_FILES = frozenset({
 _SESSION_MODELS = {"resnet18_pt2e", "mobilenet_v2_pt2e"}
 
 
+# The longest units of work (seconds of test time on the 2-core machine, measured at the end of wave 2),
+# handed out first so that the two workers finish together; the others follow in collection order.
+# Only the order changes: a file missing here still runs, a bit later.
+LONGEST_FIRST = (
+    "tests/quantize/test_distributed.py",  # 68 s
+    "session-models",  # 50 s
+    "tests/test_docs.py",  # 49 s
+    "tests/quantize/test_transformers.py",  # 47 s
+    "tests/quantize/test_callback.py",  # 41 s
+    "tests/cli/test_quantize_cli.py",  # 24 s
+    "tests/quantize/test_placement.py",  # 22 s
+    "tests/export/test_targets.py",  # 21 s
+)
+
+
 def _unit_of_work(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     return "session-models" if path in SESSION_MODEL_FILES else path
@@ -40,6 +55,8 @@ def pytest_collection_modifyitems(config, items):
         if _SESSION_MODELS & set(getattr(item, "fixturenames", ())) and path not in SESSION_MODEL_FILES:
             raise pytest.UsageError(f"{path} uses a session-quantized model: add it to SESSION_MODEL_FILES in "
                                     "tests/conftest.py so that it shares their xdist worker")
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit_of_work(item.nodeid), len(rank)))  # stable: file order kept
 
 
 try:
@@ -55,6 +72,7 @@ if LoadScopeScheduling is not None:
             return _unit_of_work(nodeid)
 
     def pytest_xdist_make_scheduler(config, log):
+        config.option.loadscopereorder = False  # hand units out in the collection order set above
         return _SessionModelScheduling(config, log)
 
 

@@ -45,6 +45,8 @@ def test_post_training_graph_skips_the_qat_patterns_with_the_same_result(monkeyp
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
     from torchao.quantization.pt2e.utils import _is_bn_node
 
+    import quantship.quantize.conv_bn_fold as conv_bn_fold
+
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     traced: list[object] = []
     real = qat_utils._get_aten_graph_module_for_pattern
@@ -54,6 +56,7 @@ def test_post_training_graph_skips_the_qat_patterns_with_the_same_result(monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(qat_utils, "_get_aten_graph_module_for_pattern", counting)
+    monkeypatch.setattr(conv_bn_fold, "_PATTERNS", {})  # the reference traces its own patterns
     prepared = _prepared(x)
     # the pre-activation batch norm stays in the graph: torchao's own test for "the fold runs" holds
     assert [list(n.meta["nn_module_stack"].values())[-1][0] for n in prepared.graph.nodes if _is_bn_node(n)] == ["norm"]
