@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -40,23 +41,31 @@ def _prepared(x):
     return prepared
 
 
-def test_post_training_graph_skips_the_qat_patterns_with_the_same_result(monkeypatch):
+@pytest.fixture
+def traced(monkeypatch):
+    """Every pattern torchao traces with torch.export, with quantship's pattern cache empty."""
+    from torchao.quantization.pt2e import qat_utils
+
+    import quantship.quantize.conv_bn_fold as conv_bn_fold
+
+    seen: list[object] = []
+    real = qat_utils._get_aten_graph_module_for_pattern
+
+    def counting(*args, **kwargs):
+        seen.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qat_utils, "_get_aten_graph_module_for_pattern", counting)
+    monkeypatch.setattr(conv_bn_fold, "_PATTERNS", {})  # each reference traces its own patterns
+    return seen
+
+
+def test_post_training_graph_skips_the_qat_patterns_with_the_same_result(traced):
     from torchao.quantization.pt2e import qat_utils
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
     from torchao.quantization.pt2e.utils import _is_bn_node
 
-    import quantship.quantize.conv_bn_fold as conv_bn_fold
-
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
-    traced: list[object] = []
-    real = qat_utils._get_aten_graph_module_for_pattern
-
-    def counting(*args, **kwargs):
-        traced.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(qat_utils, "_get_aten_graph_module_for_pattern", counting)
-    monkeypatch.setattr(conv_bn_fold, "_PATTERNS", {})  # the reference traces its own patterns
     prepared = _prepared(x)
     # the pre-activation batch norm stays in the graph: torchao's own test for "the fold runs" holds
     assert [list(n.meta["nn_module_stack"].values())[-1][0] for n in prepared.graph.nodes if _is_bn_node(n)] == ["norm"]
@@ -85,11 +94,9 @@ class ConvBN(nn.Module):
         return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
-def test_qat_patterns_traced_once_fold_the_same(monkeypatch):
-    from torchao.quantization.pt2e import move_exported_model_to_eval, qat_utils
+def test_qat_patterns_traced_once_fold_the_same(traced):
+    from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
-
-    import quantship.quantize.conv_bn_fold as conv_bn_fold
 
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 
@@ -105,15 +112,6 @@ def test_qat_patterns_traced_once_fold_the_same(monkeypatch):
         with fold_what_can_match(prepared, qat=True):
             return convert_pt2e(prepared), code, n_prepare, len(traced) - n_prepare
 
-    traced: list[object] = []
-    real = qat_utils._get_aten_graph_module_for_pattern
-
-    def counting(*args, **kwargs):
-        traced.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(qat_utils, "_get_aten_graph_module_for_pattern", counting)
-    monkeypatch.setattr(conv_bn_fold, "_PATTERNS", {})
     first, first_prepared, n_prepare, n_convert = converted()
     # conv2d's fusion patterns at prepare and its match/replacement patterns at convert, traced by torchao
     assert (n_prepare, n_convert) == (12, 24)
