@@ -150,6 +150,10 @@ def test_drift_warning_fires_only_beyond_2_lsb():
     message = str(record[0].message)
     for words in ("3.0 LSB", "VNNI", "u8 x s8", "target='onnxruntime-cpu'", "reduce_range=True"):
         assert words in message, message
+    with pytest.warns(FusedKernelDrift) as record:  # a 7-bit file is not told to use 7 bits
+        assert warn_if_drift(far, "model.onnx", seven_bit=True)
+    message = str(record[0].message)
+    assert "already use 7 bits" in message and "requantize" in message and "reduce_range=True" not in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not warn_if_drift(near, "model.onnx")

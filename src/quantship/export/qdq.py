@@ -396,5 +396,5 @@ def export_qdq(
         readings = read_twice(staged, inputs, literal, scale, reference)
     out = MeasuredPath.of(Path(path).expanduser().resolve(), readings)  # a Path; .readings: both ORT readings
     logging.getLogger(__name__).info("%s: %s", out, readings)
-    warn_if_drift(readings, str(out))
+    warn_if_drift(readings, str(out), stacklevel=3, seven_bit=spec.reduce_range)  # 3: past rank_zero_writes
     return out

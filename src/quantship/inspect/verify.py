@@ -123,22 +123,29 @@ def readings_of(literal: np.ndarray, fused: np.ndarray, scale: float | None,
     )
 
 
-def warn_if_drift(readings: Readings, what: str, stacklevel: int = 2) -> bool:
-    """Warn ``FusedKernelDrift`` once when the two readings differ by more than ``DRIFT_LSB``."""
+def warn_if_drift(readings: Readings, what: str, stacklevel: int = 2, *, seven_bit: bool = False) -> bool:
+    """Warn ``FusedKernelDrift`` once when the two readings differ by more than ``DRIFT_LSB``.
+
+    ``seven_bit``: the file's weights already use 7 bits (``reduce_range``), so the warning does not
+    offer them as the fix."""
     if not readings.drifts:
         return False
-    _, flags = cpu_info()
-    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
-    here = ("this CPU has VNNI, so saturation is less likely here than requantization rounding "
-            "accumulated over depth" if vnni else "this CPU has no VNNI, so saturation is the likely cause")
-    warnings.warn(
-        f"{what}: ONNX Runtime's default optimizations (its fused integer kernels) run this file "
-        f"{readings.gap_lsb:.1f} LSB away from the file read literally on this CPU ({readings.cpu or 'unknown'}). "
-        "Cause on x86 CPUs without VNNI: u8 x s8 products summed in saturating int16 pairs when int8 "
-        f"weights use their full range ({here}). Fix: quantize for target='onnxruntime-cpu' (7-bit "
-        "weights), or pass reduce_range=True.",
-        FusedKernelDrift, stacklevel=stacklevel + 1,
-    )
+    head = (f"{what}: ONNX Runtime's default optimizations (its fused integer kernels) run this file "
+            f"{readings.gap_lsb:.1f} LSB away from the file read literally on this CPU ({readings.cpu or 'unknown'}). ")
+    if seven_bit:
+        cause = ("Its weights already use 7 bits, so the u8 x s8 int16 saturation of CPUs without VNNI is not "
+                 "the cause: the fused kernels requantize each layer's output in their own rounding, and a "
+                 "deep network amplifies one-step differences. The literal reading is what the file says; "
+                 "check the fused one on your data (`quantship check --run`) before deploying.")
+    else:
+        _, flags = cpu_info()
+        vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+        here = ("this CPU has VNNI, so saturation is less likely here than requantization rounding "
+                "accumulated over depth" if vnni else "this CPU has no VNNI, so saturation is the likely cause")
+        cause = ("Cause on x86 CPUs without VNNI: u8 x s8 products summed in saturating int16 pairs when int8 "
+                 f"weights use their full range ({here}). Fix: quantize for target='onnxruntime-cpu' (7-bit "
+                 "weights), or pass reduce_range=True.")
+    warnings.warn(head + cause, FusedKernelDrift, stacklevel=stacklevel + 1)
     return True
 
 
