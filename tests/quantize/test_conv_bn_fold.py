@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
 
 from quantship.precision import resolve_spec
 from quantship.quantize.annotator import QuantshipQuantizer
-from quantship.quantize.conv_bn_fold import fold_what_can_match, patterns_traced_once
+from quantship.quantize.conv_bn_fold import fold_what_can_match, fuse_what_can_match
 
 
 class PreActivation(nn.Module):
@@ -100,26 +102,29 @@ def test_qat_patterns_traced_once_fold_the_same(traced):
 
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 
-    def converted():
+    def converted(ours: bool):
+        """(converted model, prepared code, patterns traced at prepare, at convert); ``ours``: prepare in
+        quantship's context (torchao's own prepare otherwise)."""
         torch.manual_seed(0)
         graph = torch.export.export(ConvBN().train(), (x,), strict=False).module()
-        with patterns_traced_once():
+        start = len(traced)
+        with fuse_what_can_match(graph) if ours else contextlib.nullcontext():
             prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(resolve_spec("pt2e", "qat")))
-        n_prepare = len(traced)
+        n_prepare = len(traced) - start
         code = prepared.code
         prepared(x)  # one training step's forward: observers and batch statistics move
         move_exported_model_to_eval(prepared)
         with fold_what_can_match(prepared, qat=True):
-            return convert_pt2e(prepared), code, n_prepare, len(traced) - n_prepare
+            return convert_pt2e(prepared), code, n_prepare, len(traced) - start - n_prepare
 
-    first, first_prepared, n_prepare, n_convert = converted()
-    # conv2d's fusion patterns at prepare and its match/replacement patterns at convert, traced by torchao
-    assert (n_prepare, n_convert) == (12, 24)
-    traced.clear()
-    second, second_prepared, n_prepare, n_convert = converted()
-    assert (n_prepare, n_convert) == (0, 0)  # the same patterns, not traced again
-    assert first_prepared == second_prepared
-    assert not any(n.target == torch.ops.aten.batch_norm.default for n in second.graph.nodes)  # folded
-    assert first.code == second.code
-    with torch.no_grad():
-        assert torch.equal(first(x), second(x))
+    runs = [converted(ours=False), converted(ours=True), converted(ours=True)]
+    # torchao's prepare traces 3 fusion patterns for each of 4 conv kinds; quantship's, conv2d's 3 once;
+    # the fold's 24 conv2d patterns are traced at the first convert only
+    assert [(n_prepare, n_convert) for _, _, n_prepare, n_convert in runs] == [(12, 24), (3, 0), (0, 0)]
+    (reference, reference_prepared, _, _) = runs[0]
+    assert not any(n.target == torch.ops.aten.batch_norm.default for n in reference.graph.nodes)  # folded
+    for model, prepared, _, _ in runs[1:]:
+        assert prepared == reference_prepared
+        assert model.code == reference.code
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))

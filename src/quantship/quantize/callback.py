@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from quantship.errors import DataRefused
 from quantship.precision import QuantSpec, resolve_spec, tag_model
 from quantship.quantize import distributed
-from quantship.quantize.conv_bn_fold import fold_what_can_match, patterns_traced_once
+from quantship.quantize.conv_bn_fold import fold_what_can_match, fuse_what_can_match
 
 _FLAG_KEYS = ("do_wd", "force_train")  # fastai's per-parameter optimizer flags
 
@@ -201,7 +201,7 @@ class QuantizeCallback(Callback):
         if not captured.symbolic:
             self._check_one_batch_size(captured.static_batch, captured.reason)
         quantizer = QuantshipQuantizer(self.spec, is_qat=True)
-        with patterns_traced_once():
+        with fuse_what_can_match(captured.graph):
             prepared = prepare_qat_pt2e(captured.graph, quantizer)
         carry_static_batch(captured.graph, prepared)
         report_placement(quantizer, self.spec, self._log)

@@ -1,4 +1,5 @@
-"""convert_pt2e's QAT conv-bn fold, run only for the patterns a graph can hold.
+"""torchao's QAT conv-bn patterns (prepare_qat_pt2e's fusion, convert_pt2e's fold), run only where a graph
+can match them.
 
 torchao 0.18's ``convert_pt2e`` folds QAT conv-bn pairs whenever the graph holds any batch norm: it
 traces 24 match/replace patterns with torch.export for each of conv1d, conv2d, conv_transpose1d and
@@ -11,10 +12,12 @@ a batch norm, so they cannot match:
   pre-activations) has no QAT conv structure around it;
 - in a QAT graph, for a conv kind with no node in the graph.
 
-Those patterns are skipped; every other step of the fold runs as torchao writes it. The patterns
-that can match are traced once per process (torchao traces them anew on every prepare and convert:
-about 7 s for conv2d's 24 at convert): their graphs depend on the pattern's flags and the example
-inputs' shapes only, and the rewrite copies them into the model without changing them.
+Those patterns are skipped; every other step of the fold runs as torchao writes it. The same holds
+for ``prepare_qat_pt2e``'s fusion (3 patterns per conv kind): the kinds the graph does not hold are
+skipped. The patterns that can match are traced once per process (torchao traces them anew on every
+prepare and convert: about 7 s for conv2d's 24 at convert): their graphs depend on the pattern's
+flags and the example inputs' shapes only, and the rewrite copies them into the model without
+changing them.
 """
 
 from __future__ import annotations
@@ -27,34 +30,58 @@ from typing import Any
 import torch
 
 
-@contextlib.contextmanager
-def fold_what_can_match(graph: torch.fx.GraphModule, *, qat: bool) -> Iterator[None]:
-    """Inside, ``convert_pt2e`` folds QAT conv-bn patterns only for the conv kinds ``graph`` holds, and
-    none when the graph was prepared for post-training quantization (``qat=False``)."""
+def _conv_kinds_absent(graph: torch.fx.GraphModule | None) -> set:
+    """The conv functions torchao writes patterns for that have no node in ``graph`` (all when None)."""
     import torch.nn.functional as F
-    from torchao.quantization.pt2e import qat_utils
 
     aten = torch.ops.aten
     ops_of = {F.conv1d: {aten.conv1d.default}, F.conv2d: {aten.conv2d.default},
               F.conv_transpose1d: {aten.conv_transpose1d.default},
               F.conv_transpose2d: {aten.conv_transpose2d.input}}
-    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"} if qat else set()
-    original = getattr(qat_utils, "_fold_conv_bn_qat_helper", None)
-    if original is None:  # another torchao layout: let it fold every kind (slower, same result)
-        yield
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"} if graph is not None else set()
+    return {fn for fn, ops in ops_of.items() if not ops & targets}
+
+
+@contextlib.contextmanager
+def _skipping(helper_name: str, absent: set, skipped: Any) -> Iterator[None]:
+    """Inside, torchao's per-conv-kind ``helper_name`` returns ``skipped(m)`` for the conv kinds in ``absent``,
+    and every pattern it traces is traced once per process."""
+    from torchao.quantization.pt2e import qat_utils
+
+    original = getattr(qat_utils, helper_name, None)
+    if original is None:  # another torchao layout: let it run every kind (slower, same result)
+        with patterns_traced_once():
+            yield
         return
 
     def helper(m: torch.fx.GraphModule, conv_fn: Any, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        if conv_fn in ops_of and not ops_of[conv_fn] & targets:
-            return m
-        return original(m, conv_fn, *args, **kwargs)
+        return skipped(m) if conv_fn in absent else original(m, conv_fn, *args, **kwargs)
 
-    qat_utils._fold_conv_bn_qat_helper = helper
+    setattr(qat_utils, helper_name, helper)
     try:
         with patterns_traced_once():
             yield
     finally:
-        qat_utils._fold_conv_bn_qat_helper = original
+        setattr(qat_utils, helper_name, original)
+
+
+def fold_what_can_match(graph: torch.fx.GraphModule, *, qat: bool) -> contextlib.AbstractContextManager:
+    """Inside, ``convert_pt2e`` folds QAT conv-bn patterns only for the conv kinds ``graph`` holds, and
+    none when the graph was prepared for post-training quantization (``qat=False``)."""
+    return _skipping("_fold_conv_bn_qat_helper", _conv_kinds_absent(graph if qat else None), lambda m: m)
+
+
+def _unmatched(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    # what torchao's fusion helper leaves of a graph its patterns do not match
+    m.graph.eliminate_dead_code()
+    m.recompile()
+    return m
+
+
+def fuse_what_can_match(graph: torch.fx.GraphModule) -> contextlib.AbstractContextManager:
+    """Inside, ``prepare_qat_pt2e`` fuses conv-bn pairs for QAT only for the conv kinds ``graph`` holds
+    (torchao traces 3 patterns for each of the 4 kinds)."""
+    return _skipping("_fuse_conv_bn_qat_helper", _conv_kinds_absent(graph), _unmatched)
 
 
 @contextlib.contextmanager
