@@ -7,6 +7,7 @@ stage, whose counts are read off its own modules.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -14,6 +15,11 @@ import torch
 import torch.nn as nn
 
 warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*deprecated.*")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the 2 cores: one torch thread each (two each oversubscribe the cores, and
+    # OpenMP threads spin waiting for the ones that are descheduled)
+    torch.set_num_threads(1)
 
 # `make test` runs the suite on two xdist workers. The files below share the session's quantized
 # ResNet-18 and MobileNetV2, so they are one unit of work for one worker: each model is quantized
