@@ -75,6 +75,36 @@ def test_missed_budget_names_the_best_found():
     assert info.value.search.fp32_correct == 20 and not info.value.search.met
 
 
+def test_search_skips_a_module_whose_parent_is_already_kept_in_float(monkeypatch):
+    import quantship.quantize.accuracy as accuracy
+
+    torch.manual_seed(0)
+    x = torch.randn(20, 4)
+    y = (x[:, 0] > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].weight[1, 0] = 5.0  # a perfect classifier: FP32 20/20
+    constant = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    # the most sensitive first: a block, one of its children, a grandchild, then the head
+    monkeypatch.setattr(accuracy, "sensitivity_order",
+                        lambda *args: ["block2", "block2.conv1", "block2.conv1.act", "block20", "head"])
+    asked: list[tuple[str, ...]] = []
+
+    def quantize(excluded):
+        asked.append(excluded)
+        return model if "head" in excluded else constant
+
+    chosen, result = search(quantize, model, [(x, y)], 1.0)
+    # block2's children are under it (the same model again): not quantized; block20 is not under block2
+    assert asked == [(), ("block2",), ("block2", "block20"), ("block2", "block20", "head")]
+    assert chosen is model and result.met and result.chosen.excluded == ("block2", "block20", "head")
+    asked.clear()
+    with pytest.raises(AccuracyBudgetMissed):
+        search(quantize, model, [(x, y)], 1.0, max_steps=2)  # max_steps counts quantizations, not names
+    assert asked == [(), ("block2",), ("block2", "block20")]
+
+
 def test_refusals(task):
     model, calib, _ = task
     with pytest.raises(SpecRefused, match="max_accuracy_drop needs backend='pt2e'"):

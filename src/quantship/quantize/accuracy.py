@@ -173,7 +173,11 @@ def search(
         with progress_step("accuracy search: per-layer SQNR order"):
             result.order = sensitivity_order(model, current, [x for x, _ in batches])
     limit = len(result.order) if max_steps is None else min(max_steps, len(result.order))
-    for name in result.order[:limit]:
+    for name in result.order:
+        if len(result.steps) > limit:
+            break
+        if any(name == kept or name.startswith(kept + ".") for kept in excluded):
+            continue  # a module already kept in float keeps everything under it: the same model again
         excluded = (*excluded, name)
         with progress_step(f"accuracy search: step {len(result.steps)} (keeping {name} in float)"):
             candidate = quantize(excluded)
