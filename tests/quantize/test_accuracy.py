@@ -57,15 +57,20 @@ def test_search_keeps_the_most_sensitive_layer_in_float(task):
     assert "| 1 |" in s.to_markdown() and s.as_dict()["met"] is True
 
 
-def test_missed_budget_names_the_best_found():
+def _perfect_and_useless():
+    """20 labelled inputs, a classifier that gets all of them (FP32 20/20), and a useless model."""
     torch.manual_seed(0)
     x = torch.randn(20, 4)
     y = (x[:, 0] > 0).long()
     model = torch.nn.Sequential(torch.nn.Linear(4, 2))
     with torch.no_grad():
         model[0].weight.zero_()
-        model[0].weight[1, 0] = 5.0  # a perfect classifier: FP32 20/20
-    constant = torch.nn.Sequential(torch.nn.Linear(4, 2))  # every "quantized" candidate is useless
+        model[0].weight[1, 0] = 5.0
+    return x, y, model, torch.nn.Sequential(torch.nn.Linear(4, 2))
+
+
+def test_missed_budget_names_the_best_found():
+    x, y, model, constant = _perfect_and_useless()  # every "quantized" candidate is useless
 
     def quantize(excluded):
         return constant
@@ -78,14 +83,7 @@ def test_missed_budget_names_the_best_found():
 def test_search_skips_a_module_whose_parent_is_already_kept_in_float(monkeypatch):
     import quantship.quantize.accuracy as accuracy
 
-    torch.manual_seed(0)
-    x = torch.randn(20, 4)
-    y = (x[:, 0] > 0).long()
-    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
-    with torch.no_grad():
-        model[0].weight.zero_()
-        model[0].weight[1, 0] = 5.0  # a perfect classifier: FP32 20/20
-    constant = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    x, y, model, constant = _perfect_and_useless()
     # the most sensitive first: a block, one of its children, a grandchild, then the head
     monkeypatch.setattr(accuracy, "sensitivity_order",
                         lambda *args: ["block2", "block2.conv1", "block2.conv1.act", "block20", "head"])
