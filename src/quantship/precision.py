@@ -111,6 +111,12 @@ def _can_at(cell: Cell, accepts) -> str:
     return f"No {cell.label} backend can honour it; at another precision: {found}."
 
 
+def under_modules(path: str, names: Iterable[str]) -> bool:
+    """Whether the module at dotted ``path`` is one of ``names`` or inside one of them: what a
+    ``skip_activations`` name covers (a module and everything below it)."""
+    return any(path == n or path.startswith(n + ".") for n in names)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """A resolved precision request: frozen, hashable, comparable.

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
+from quantship.precision import under_modules
+
 if TYPE_CHECKING:
     from quantship.inspect.facts import FileFacts
 
@@ -62,10 +64,6 @@ def module_path(node: onnx.NodeProto) -> str | None:
     return scopes[-2] if len(scopes) >= 2 else ""
 
 
-def _under(module: str, names: Iterable[str]) -> bool:
-    return any(module == n or module.startswith(n + ".") for n in names)
-
-
 def _requested(spec: Any) -> tuple[str, ...]:
     """The modules the file's quantship spec says were kept float on request (``skip_activations``)."""
     skip = spec.get("skip_activations") if isinstance(spec, dict) else None
@@ -100,7 +98,7 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None)
     for key, group in groups.items():
         found = modules.get(key, set())
         seen = WHY_INPUT if reads[key] else WHY_OUTPUT
-        if found and all(_under(m, requested) for m in found):
+        if found and all(under_modules(m, requested) for m in found):
             group["why"] = WHY_REQUESTED
         elif no_rule is None:
             group["why"] = seen + UNRECORDED

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from quantship.errors import DataRefused, QuantshipError
+from quantship.precision import under_modules
 from quantship.progress import step as progress_step
 
 
@@ -176,7 +177,7 @@ def search(
     for name in result.order:
         if len(result.steps) > limit:
             break
-        if any(name == kept or name.startswith(kept + ".") for kept in excluded):
+        if under_modules(name, excluded):
             continue  # a module already kept in float keeps everything under it: the same model again
         excluded = (*excluded, name)
         with progress_step(f"accuracy search: step {len(result.steps)} (keeping {name} in float)"):

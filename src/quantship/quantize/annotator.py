@@ -38,7 +38,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from quantship.precision import QuantSpec
+from quantship.precision import QuantSpec, under_modules
 
 aten = torch.ops.aten
 WEIGHT_BOUND = 127  # int8 weights in [-127, 127]: symmetric, zero-point 0
@@ -128,10 +128,6 @@ def module_path(node: Node) -> str:
     if not stack:
         return ""
     return list(stack.values())[-1][0]
-
-
-def _under(path: str, names: tuple[str, ...]) -> bool:
-    return any(path == n or path.startswith(n + ".") for n in names)
 
 
 def _node_args(node: Node) -> list[Node]:
@@ -263,7 +259,7 @@ class QuantshipQuantizer(Quantizer):
 
     def _skipped(self, node: Node) -> bool:
         names = self.spec.skip_activations or ()
-        return bool(names) and _under(module_path(node), names)
+        return bool(names) and under_modules(module_path(node), names)
 
     def _quantizable_input(self, arg: object) -> bool:
         """A float tensor not produced under a ``skip_activations`` module (those stay float even
