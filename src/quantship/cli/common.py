@@ -190,7 +190,6 @@ class TerminalProgress:
 def terminal_progress(args: argparse.Namespace):
     """The progress display for one command: on when stderr is a terminal and neither --quiet nor
     --json was given; otherwise nothing is shown (a do-nothing context)."""
-    import contextlib
     import sys
 
     quiet = bool(getattr(args, "quiet", False)) or bool(getattr(args, "json", False))
@@ -199,23 +198,18 @@ def terminal_progress(args: argparse.Namespace):
     return _showing(sys.stderr)
 
 
-def _showing(stream):
-    import contextlib
-
+@contextlib.contextmanager
+def _showing(stream) -> Iterator[TerminalProgress]:
     from rich.console import Console
 
     from quantship.progress import listening
 
-    @contextlib.contextmanager
-    def show():
-        view = TerminalProgress(Console(file=stream, highlight=False))
-        try:
-            with listening(view):
-                yield view
-        finally:
-            view.close()
-
-    return show()
+    view = TerminalProgress(Console(file=stream, highlight=False))
+    try:
+        with listening(view):
+            yield view
+    finally:
+        view.close()
 
 
 class Output:

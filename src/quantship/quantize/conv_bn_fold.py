@@ -48,21 +48,19 @@ def _skipping(helper_name: str, absent: set, skipped: Any) -> Iterator[None]:
     and every pattern it traces is traced once per process."""
     from torchao.quantization.pt2e import qat_utils
 
-    original = getattr(qat_utils, helper_name, None)
-    if original is None:  # another torchao layout: let it run every kind (slower, same result)
-        with patterns_traced_once():
-            yield
-        return
+    original = getattr(qat_utils, helper_name, None)  # None: another torchao layout, every kind runs
 
     def helper(m: torch.fx.GraphModule, conv_fn: Any, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         return skipped(m) if conv_fn in absent else original(m, conv_fn, *args, **kwargs)
 
-    setattr(qat_utils, helper_name, helper)
+    if original is not None:
+        setattr(qat_utils, helper_name, helper)
     try:
         with patterns_traced_once():
             yield
     finally:
-        setattr(qat_utils, helper_name, original)
+        if original is not None:
+            setattr(qat_utils, helper_name, original)
 
 
 def fold_what_can_match(graph: torch.fx.GraphModule, *, qat: bool) -> contextlib.AbstractContextManager:
