@@ -133,11 +133,11 @@ def test_the_exporter_builds_its_translation_table_once_per_process(tiny_pt2e, t
         return built.__func__(cls, opset_version=opset_version)
 
     monkeypatch.setattr(ONNXRegistry, "from_torchlib", classmethod(counting))
-    capture._torchlib_registry.cache_clear()
+    capture._tables.clear()
     kwargs = dict(opset_version=18, dynamic_batch=False, input_names=None, output_names=None)
     first = capture.dynamo_export(tiny_pt2e, tiny_calib[0], **kwargs)
     second = capture.dynamo_export(tiny_pt2e, tiny_calib[0], **kwargs)
     assert calls == [18]  # built for the first export, reused by the second
     assert first.SerializeToString() == second.SerializeToString()
     assert ONNXRegistry.__dict__["from_torchlib"].__func__ is counting  # torch's own method is back after each call
-    capture._torchlib_registry.cache_clear()  # the next export builds with torch's method again
+    capture._tables.clear()  # the next export builds with torch's method again
