@@ -19,13 +19,23 @@ from quantship import Quantizer, export_onnx, export_qdq, qdq_stats, quant_spec,
 from quantship.inspect import compare_logits, quant_spec_of_file
 
 
-def main(out_dir: Path) -> None:
+def setup() -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor]:
+    """The model, the calibration batches and the export sample, the same in every process."""
     torch.manual_seed(0)
     model = resnet18(weights=None).eval()
     batch = 8  # the calibration batch; pt2e captures a symbolic batch, export_qdq writes the sample's batch
     calibration = [torch.randn(batch, 3, 224, 224) for _ in range(4)]
     sample = torch.randn(batch, 3, 224, 224)
+    return model, calibration, sample
+
+
+def main(out_dir: Path) -> None:
+    model, calibration, sample = setup()
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
+
+    # 0. The FP32 baseline first, as the seed notebook does: something to compare the INT8 file against
+    fp32 = export_onnx(model, sample, out_dir / "resnet18_fp32.onnx", dynamic_batch=False)
+    print(f"FP32 baseline: {fp32.name}, {fp32.stat().st_size / 1e6:.1f} MB")
 
     # 1. Name the precision: validated against the support matrix before any work
     quantizer = Quantizer(backend="pt2e", weight_bits=8, act_bits=8, qscheme="per_channel", symmetric=True)
@@ -39,8 +49,7 @@ def main(out_dir: Path) -> None:
     qmodel = quantizer.quantize(model, calibration_dl=calibration, max_calibration_samples=32)
     print("label:", quant_spec(qmodel).label, "| exports:", quant_spec(qmodel).exports)
 
-    # 3. Export: FP32 for comparison, then the QDQ file (checked on the file before it appears)
-    fp32 = export_onnx(model, sample, out_dir / "resnet18_fp32.onnx", dynamic_batch=False)
+    # 3. Export the QDQ file (checked on the file before it appears)
     int8 = export_qdq(qmodel, sample, out_dir / "resnet18_int8.onnx")
     print(f"FP32 {fp32.stat().st_size / 1e6:.1f} MB, INT8 {int8.stat().st_size / 1e6:.1f} MB "
           f"({fp32.stat().st_size / int8.stat().st_size:.2f}x smaller)")

@@ -6,7 +6,6 @@ in its metadata and the target's static rules all come from that one read.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from quantship.errors import ExportRefused
@@ -14,27 +13,12 @@ from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import QuantSpec
 
-# the last file read here, keyed by its identity on disk: check_target reuses check_file's read, then
-# lets it go (the facts hold the whole model)
-_last: tuple[tuple, FileFacts] | None = None
-
-
-def _identity(path: Path) -> tuple:
-    stat = os.stat(path)
-    return (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
 
 def read_written(path: Path | FileFacts) -> FileFacts:
-    """``FileFacts`` of the written file, read once for every post-condition asked of the same file."""
-    global _last
-    if isinstance(path, FileFacts):
-        return path
-    key = _identity(path)
-    if _last is not None and _last[0] == key:
-        return _last[1]
-    facts = read_file(path)
-    _last = (key, facts)
-    return facts
+    """``FileFacts`` of the written file: the facts themselves when given (one read serves every
+    post-condition), else a fresh read. Nothing is kept between calls: a cache keyed on the file's
+    identity could answer for a file rewritten in place within one timestamp tick."""
+    return path if isinstance(path, FileFacts) else read_file(path)
 
 
 def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
@@ -83,9 +67,7 @@ def check_target(path: Path | FileFacts, target: str) -> None:
     from quantship.inspect.check import check_file as check_deployable
     from quantship.precision import preset
 
-    global _last
     facts = read_written(path)
-    _last = None
     report = check_deployable(facts, preset(target).check_target)
     if not report.ok:
         reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
