@@ -128,3 +128,29 @@ def test_qat_patterns_traced_once_fold_the_same(traced):
         assert model.code == reference.code
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))
+
+
+def test_a_cached_pattern_changed_by_its_user_is_traced_anew(monkeypatch):
+    """The pattern cache never hands out a graph that differs from what a fresh trace gives."""
+    import quantship.quantize.conv_bn_fold as conv_bn_fold
+
+    monkeypatch.setattr(conv_bn_fold, "_PATTERNS", {})
+    calls: list[int] = []
+
+    def trace(pattern, example_inputs, is_cuda=False, **kwargs):
+        calls.append(1)
+        return torch.fx.symbolic_trace(pattern)
+
+    def pattern(x):
+        return torch.relu(x) + 1
+
+    x = (torch.randn(2, 3),)
+    first = conv_bn_fold._traced_once(trace, pattern, x)
+    assert conv_bn_fold._traced_once(trace, pattern, x) is first and len(calls) == 1
+    relu = next(n for n in first.graph.nodes if n.op == "call_function" and n.target is torch.relu)
+    relu.replace_all_uses_with(relu.args[0])  # a user rewrites the graph it was handed
+    first.graph.erase_node(relu)
+    first.recompile()
+    again = conv_bn_fold._traced_once(trace, pattern, x)
+    assert len(calls) == 2 and again is not first
+    assert any(n.target is torch.relu for n in again.graph.nodes)

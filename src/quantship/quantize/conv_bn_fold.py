@@ -99,7 +99,7 @@ def patterns_traced_once() -> Iterator[None]:
         qat_utils._get_aten_graph_module_for_pattern = trace
 
 
-_PATTERNS: dict[tuple, torch.fx.GraphModule] = {}
+_PATTERNS: dict[tuple, tuple[torch.fx.GraphModule, str]] = {}  # key -> (traced pattern, its code when traced)
 
 
 def _shape_key(value: Any) -> Any:
@@ -119,6 +119,8 @@ def _traced_once(trace: Any, pattern: Any, example_inputs: tuple, is_cuda: bool 
         hash(key)
     except (AttributeError, TypeError, ValueError):  # not a plain closure over hashable flags: trace it
         return trace(pattern, example_inputs, is_cuda, **kwargs)
-    if key not in _PATTERNS:
-        _PATTERNS[key] = trace(pattern, example_inputs, is_cuda, **kwargs)
-    return _PATTERNS[key]
+    kept = _PATTERNS.get(key)
+    if kept is None or kept[0].code != kept[1]:  # never traced, or changed by whoever used it: trace anew
+        traced = trace(pattern, example_inputs, is_cuda, **kwargs)
+        kept = _PATTERNS[key] = (traced, traced.code)
+    return kept[0]
