@@ -108,24 +108,28 @@ _tables = _SharedTables()
 
 
 def _translatable_operators() -> tuple | None:
-    """What ``ONNXRegistry.from_torchlib`` would read now: its torch-side translations and the torchlib
-    functions whose torch operator resolves (3-4 ms for the 557 of torch 2.14). None if torch's private
-    layout is not the one this reads."""
+    """What ``ONNXRegistry.from_torchlib`` would read now: the number of its torch-side translations, and
+    each onnxscript torchlib name with its number of functions, for the names whose torch operator
+    resolves (a few ms: names and counts only; the functions' IR, what makes a build slow, is not
+    touched). None if torch's or onnxscript's private layout is not the one this reads."""
     import logging
 
     try:
+        from onnxscript.function_libs.torch_lib import ops as _registers_every_function  # noqa: F401
+        from onnxscript.function_libs.torch_lib.registration import default_registry
         from torch.onnx._internal.exporter import _registration
         from torch.onnx._internal.exporter._torchlib import _torchlib_registry as torch_side
 
-        metas = _registration.onnxscript_apis.get_torchlib_ops()
         logger = _registration.logger
         level = logger.level
         logger.setLevel(logging.ERROR)  # torch logs every unresolved name; the build it keys logs them too
         try:
-            resolved = frozenset(m.qualified_name for m in metas if _registration._get_overload(m.qualified_name))
+            resolved = frozenset(
+                (name, len(functions.overloads), len(functions.complex)) for name, functions in default_registry.items()
+                if not name.startswith("internal::") and _registration._get_overload(name) is not None)
         finally:
             logger.setLevel(level)
-        return (len(torch_side.get_torchlib_ops()), len(metas), resolved)
+        return (len(torch_side.get_torchlib_ops()), resolved)
     except (ImportError, AttributeError):
         return None
 
