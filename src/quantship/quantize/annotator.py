@@ -25,7 +25,6 @@ from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e import (
     FakeQuantize,
     FusedMovingAvgObsFakeQuantize,
-    HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
@@ -39,6 +38,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from quantship.precision import QuantSpec, under_modules
+from quantship.quantize.histogram_search import HistogramSearchObserver
 
 aten = torch.ops.aten
 WEIGHT_BOUND = 127  # int8 weights in [-127, 127]: symmetric, zero-point 0
@@ -473,7 +473,7 @@ class QuantshipQuantizer(Quantizer):
 def activation_observer(name: str):
     """The observer constructor for an ``act_observer`` name (see ``precision.ACT_OBSERVERS``)."""
     if name == "histogram":
-        return HistogramObserver
+        return HistogramSearchObserver  # torchao's HistogramObserver, the same scales found in ms, not seconds
     if name == "minmax":
         return MinMaxObserver
     from quantship.quantize import observers
