@@ -13,13 +13,15 @@ does not depend on N (an all-reduce of the same floats; a ring sends about 2 (N-
 rank). The 1-rank figure is also given with 2 threads, the fair baseline on a 2-core machine.
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/distributed.py`` (about a minute on a quiet 2-core
-machine). Prints Markdown.
+machine). Prints Markdown. ``--smoke``: 4 batches instead of 44, every table still printed (bench/_smoke.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 OBSERVERS = ("minmax", "histogram")
 BS = 32
 N_BATCHES = 44  # 1,408 samples (the digits training split holds 1,437)
@@ -110,13 +113,18 @@ def qat_floats_per_step(model: torch.nn.Module, example: torch.Tensor) -> tuple[
     return len(found), 2 * sum(obs.min_val.numel() for _, obs in found)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import _smoke
+
     from quantship.examples import digits
     from quantship.inspect.consumers import cpu_info
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=N_BATCHES, help=f"calibration batches of {BS} (default {N_BATCHES})")
+    args = _smoke.parse_args(parser, argv, batches=4)
     split = digits.load_split()
     model = digits.trained_model()
-    batches = list(split.x_train[: N_BATCHES * BS].split(BS))
+    batches = list(split.x_train[: args.batches * BS].split(BS))
     n = sum(b.shape[0] for b in batches)
 
     single: dict[int, dict] = {}
@@ -126,7 +134,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ranked = two_ranks(model.state_dict(), batches)
 
-    print(f"## Distributed calibration, digits TinyResNet, {n} samples ({N_BATCHES} batches of {BS})\n")
+    print(f"## Distributed calibration, digits TinyResNet, {n} samples ({len(batches)} batches of {BS})\n")
     name, flags = cpu_info()
     print(f"CPU: {name} (AVX-512 VNNI: {'yes' if 'avx512_vnni' in flags else 'no'}), {os.cpu_count()} logical "
           f"cores; load average at the end {os.getloadavg()[0]:.1f}. On a loaded machine the wall times measure "
