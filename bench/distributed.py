@@ -103,11 +103,14 @@ def qat_floats_per_step(model: torch.nn.Module, example: torch.Tensor) -> tuple[
 
     from quantship import Quantizer
     from quantship.quantize.annotator import QuantshipQuantizer
+    from quantship.quantize.capture import capture
+    from quantship.quantize.conv_bn_fold import fuse_what_can_match
     from quantship.quantize.distributed import observers
-    from quantship.quantize.pt2e import capture
 
     spec = Quantizer(backend="pt2e").spec
-    prepared = prepare_qat_pt2e(capture(model.train(), example), QuantshipQuantizer(spec, is_qat=True))
+    graph = capture(model.train(), example).graph  # as QuantshipCallback prepares pt2e QAT
+    with fuse_what_can_match(graph):
+        prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(spec, is_qat=True))
     prepared(example)  # per-channel observers size their buffers on the first batch
     found = observers(prepared)
     return len(found), 2 * sum(obs.min_val.numel() for _, obs in found)
