@@ -48,8 +48,6 @@ RUNS = {
         "| resnet18 | 1 | quantship tigris", "| resnet18 | 2 | ORT quantize_static s8 |", "## BERT-style encoder",
         "| 1 | quantship onnxruntime-cpu |", "| 1 | ORT quantize_dynamic |", "## Language model, weight-only",
         "| quantship W4A16 g128 MatMulNBits |", "| ORT MatMulNBitsQuantizer 4-bit block 32 symmetric |")}),
-    "latency --u8u8": Smoke(("--u8u8", "--batches", "1"), stdout=(
-        "| resnet18 | 7-bit s8 weights (onnxruntime-cpu preset) |", "| resnet18 | 8-bit u8 weights, zero-point 128")),
     "lm_perplexity": Smoke(("--out", "{tmp}/BENCHMARKS-LM.md"), files={"BENCHMARKS-LM.md": (
         "Smoke run", "Held-out: 4 files", "| FP32 (torch) |", "| W4A16 g128 (torch) |",
         "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |")}),
@@ -80,16 +78,19 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _published() -> dict[str, tuple[int, str]]:
-    """mtime and digest of every published file, and of everything in bench/ (nothing may appear there)."""
-    paths = [*ROOT.glob("BENCHMARKS*.md"), ROOT / "ZOO.md", *BENCH.iterdir()]
-    return {str(p.relative_to(ROOT)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in paths if p.is_file()}
+def _published() -> dict[str, tuple[int, str] | None]:
+    """mtime and digest of every published file (BENCHMARKS*.md, ZOO.md, bench/*.json), and the names of
+    everything else in bench/ (nothing may appear there; the scripts themselves may be edited meanwhile)."""
+    published = [*ROOT.glob("BENCHMARKS*.md"), ROOT / "ZOO.md", *BENCH.glob("*.json")]
+    state: dict[str, tuple[int, str] | None] = {p.name: None for p in BENCH.iterdir()}
+    state.update({str(p.relative_to(ROOT)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+                  for p in published if p.is_file()})
+    return state
 
 
 def test_every_bench_script_has_a_smoke_run():
     scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")}
-    covered = {f"{name.split()[0]}.py" for name in RUNS}
+    covered = {f"{name}.py" for name in RUNS}
     assert scripts - NOT_YET == covered, "a bench script without a smoke run here (or a run of a script gone)"
     for name in covered:
         assert "_smoke.parse_args(" in (BENCH / name).read_text(), f"bench/{name} takes no --smoke"
@@ -99,7 +100,7 @@ def test_every_bench_script_has_a_smoke_run():
 @pytest.mark.parametrize("name", list(RUNS))
 def test_bench_script_runs_in_smoke_mode(name, tmp_path):
     smoke = RUNS[name]
-    script = BENCH / f"{name.split()[0]}.py"
+    script = BENCH / f"{name}.py"
     args = [a.replace("{tmp}", str(tmp_path)) for a in smoke.args]
     before = _published()
     start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
