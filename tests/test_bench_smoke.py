@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -36,6 +37,7 @@ class Smoke:
     stdout: tuple[str, ...] = ()  # each must appear in the output
     files: dict[str, tuple[str, ...]] = field(default_factory=dict)  # file in {tmp} -> text each must hold
     never: tuple[str, ...] = ()  # must appear nowhere in the output
+    lines: tuple[str, ...] = ()  # regular expressions, each matching a whole line of the output
 
 
 RUNS = {
@@ -64,8 +66,10 @@ RUNS = {
     "readings": Smoke(stdout=("| resnet18 32px | default recipe", "| resnet18 32px | onnxruntime-cpu",
                               "reference task (digits, trained)", "| tigris | ")),
     "robustness": Smoke(("--work", "{tmp}/work"), stdout=(
-        "one uninterrupted run:", "Ctrl-C (1 trials)", "kill -9 (1 trials)", "next run exit 0", "two writers",
-        "waiting: final file whole", "--no-wait: final file whole"), never=("CORRUPT", "BROKEN")),
+        "one uninterrupted run:", "Ctrl-C (1 trials)", "kill -9 (1 trials)", "two writers"),
+        never=("CORRUPT", "BROKEN"), lines=(r" +next run exit 0 +1", r" +waiting: exit codes \[0, 0\] +1",
+                                             r" +waiting: final file whole +1", r" +--no-wait: final file whole +1",
+                                             r" +temp left after the next run +0")),
     "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of "),
                                                     "zoo_results.json": ('"model": "resnet18"', '"status": "ok"')}),
 }
@@ -114,6 +118,8 @@ def test_bench_script_runs_in_smoke_mode(name, tmp_path):
         assert text in done.stdout, f"{text!r} missing from the output of bench/{script.name} --smoke"
     for text in smoke.never:
         assert text not in done.stdout, f"{text!r} in the output of bench/{script.name} --smoke"
+    for pattern in smoke.lines:
+        assert re.search(f"^{pattern}$", done.stdout, re.M), f"no line {pattern!r} in bench/{script.name}'s output"
     for file, texts in smoke.files.items():
         content = (tmp_path / file).read_text()
         for text in texts:
