@@ -9,6 +9,7 @@ the top-1 of each file in ORT, and the latency of both files at their default OR
 timed in this one process, interleaved round by round (``bench/latency.py``'s loop), median ms.
 
     python bench/accuracy_budget.py [--runs 200] [--batches 1 40]
+    python bench/accuracy_budget.py --smoke   # one case (minmax, 0 points), batch 1, one run (bench/_smoke.py)
 """
 
 from __future__ import annotations
@@ -124,13 +125,15 @@ def table(cases: list[Case], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import _smoke
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200, help="timed runs per file and batch")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, BS])
     parser.add_argument("--cases", nargs="+", default=[f"{o}:{b:g}" for o, b in CASES],
                         help="observer:budget pairs (default: histogram and minmax at 0.5 and 0)")
-    args = parser.parse_args()
+    args = _smoke.parse_args(parser, argv, runs=1, batches=[1], cases=["minmax:0"])
     torch.set_num_threads(1)  # the quantization is deterministic whatever the core count
     cases = []
     with tempfile.TemporaryDirectory() as tmp:

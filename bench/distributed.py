@@ -13,13 +13,15 @@ does not depend on N (an all-reduce of the same floats; a ring sends about 2 (N-
 rank). The 1-rank figure is also given with 2 threads, the fair baseline on a 2-core machine.
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/distributed.py`` (about a minute on a quiet 2-core
-machine). Prints Markdown.
+machine). Prints Markdown. ``--smoke``: 4 batches instead of 44, every table still printed (bench/_smoke.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 OBSERVERS = ("minmax", "histogram")
 BS = 32
 N_BATCHES = 44  # 1,408 samples (the digits training split holds 1,437)
@@ -100,23 +103,31 @@ def qat_floats_per_step(model: torch.nn.Module, example: torch.Tensor) -> tuple[
 
     from quantship import Quantizer
     from quantship.quantize.annotator import QuantshipQuantizer
+    from quantship.quantize.capture import capture
+    from quantship.quantize.conv_bn_fold import fuse_what_can_match
     from quantship.quantize.distributed import observers
-    from quantship.quantize.pt2e import capture
 
     spec = Quantizer(backend="pt2e").spec
-    prepared = prepare_qat_pt2e(capture(model.train(), example), QuantshipQuantizer(spec, is_qat=True))
+    graph = capture(model.train(), example).graph  # as QuantshipCallback prepares pt2e QAT
+    with fuse_what_can_match(graph):
+        prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(spec, is_qat=True))
     prepared(example)  # per-channel observers size their buffers on the first batch
     found = observers(prepared)
     return len(found), 2 * sum(obs.min_val.numel() for _, obs in found)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import _smoke
+
     from quantship.examples import digits
     from quantship.inspect.consumers import cpu_info
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=N_BATCHES, help=f"calibration batches of {BS} (default {N_BATCHES})")
+    args = _smoke.parse_args(parser, argv, batches=4)
     split = digits.load_split()
     model = digits.trained_model()
-    batches = list(split.x_train[: N_BATCHES * BS].split(BS))
+    batches = list(split.x_train[: args.batches * BS].split(BS))
     n = sum(b.shape[0] for b in batches)
 
     single: dict[int, dict] = {}
@@ -126,7 +137,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ranked = two_ranks(model.state_dict(), batches)
 
-    print(f"## Distributed calibration, digits TinyResNet, {n} samples ({N_BATCHES} batches of {BS})\n")
+    print(f"## Distributed calibration, digits TinyResNet, {n} samples ({len(batches)} batches of {BS})\n")
     name, flags = cpu_info()
     print(f"CPU: {name} (AVX-512 VNNI: {'yes' if 'avx512_vnni' in flags else 'no'}), {os.cpu_count()} logical "
           f"cores; load average at the end {os.getloadavg()[0]:.1f}. On a loaded machine the wall times measure "

@@ -3,11 +3,13 @@ measure the file against the torch quantized model at several batch sizes (ONNX 
 literally, optimizations off), plus the fused kernels ONNX Runtime runs for it.
 
     python bench/dynamic_batch.py [--models resnet18 mobilenet_v2] [--size 64] [--batches 1 3 8 16]
+    python bench/dynamic_batch.py --smoke   # resnet18 at 32x32, batches 1 and 3, one preset (bench/_smoke.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 import warnings
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def run(model_name: str, size: int, batches: list[int], targets: list[str], workdir: Path) -> list[str]:
@@ -48,12 +51,14 @@ def run(model_name: str, size: int, batches: list[int], targets: list[str], work
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _smoke
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 3, 8, 16])
     parser.add_argument("--targets", nargs="+", default=["onnxruntime-cpu", "tensorrt"])
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, models=["resnet18"], size=32, batches=[1, 3], targets=["onnxruntime-cpu"])
     print(f"calibration batches 8, 8, 5 at {args.size}x{args.size}; max LSB vs torch (ORT literal) at batch "
           f"{' / '.join(map(str, args.batches))}")
     print("| model | preset | max LSB per batch | QLinearConv (ORT optimized) | quantize + export s |")

@@ -7,6 +7,7 @@ warm-up, so the ratios are measured side by side. It also reads what ONNX Runtim
 The same files (one symbolic-batch file per preset, FP32 and ORT's) are timed at every batch size.
 
     python bench/latency.py [--models resnet18 mobilenet_v2] [--batches 1 8] [--runs 20]
+    python bench/latency.py --smoke [--out FILE]   # every section once, tiny models (bench/_smoke.py)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import platform
+import sys
 import tempfile
 import time
 import warnings
@@ -27,6 +29,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @dataclass
@@ -85,7 +88,8 @@ def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], recipe: str) -
 CALIB_BATCH = 8  # calibration batch; the files it gives serve every timed batch (tigris: batch 1 only)
 
 
-def _files_for(model_name: str, workdir: Path, calib_batches: int) -> tuple[dict[str, Path], dict[str, object]]:
+def _files_for(model_name: str, workdir: Path, calib_batches: int, size: int = 224
+               ) -> tuple[dict[str, Path], dict[str, object]]:
     """Every file of one model, written once: FP32 and ORT's files (any batch), quantship's presets."""
     import torchvision
 
@@ -95,7 +99,7 @@ def _files_for(model_name: str, workdir: Path, calib_batches: int) -> tuple[dict
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()
     gen = torch.Generator().manual_seed(1)
-    calib = [torch.randn(CALIB_BATCH, 3, 224, 224, generator=gen) for _ in range(calib_batches)]
+    calib = [torch.randn(CALIB_BATCH, 3, size, size, generator=gen) for _ in range(calib_batches)]
     files: dict[str, Path] = {}
     files["FP32"] = export_onnx(model, calib[0], workdir / f"{model_name}_fp32.onnx", dynamic_batch=True)
     by_graph: dict[str, tuple[list[str], Path, object]] = {}  # identical graphs are timed once
@@ -121,10 +125,10 @@ def _serves(path: Path, batch: int) -> bool:
     return not dim.HasField("dim_value") or dim.dim_value == batch
 
 
-def _parity(qmodel: object, path: Path, batch: int) -> str:
+def _parity(qmodel: object, path: Path, batch: int, size: int = 224) -> str:
     from quantship.inspect.verify import compare_logits
 
-    sample = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(2))
+    sample = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(2))
     literal = compare_logits(qmodel, path, sample).max_lsb
     fused = compare_logits(qmodel, path, sample, optimized=True).max_lsb
     return f"{literal:.0f} / {fused:.0f}"
@@ -159,17 +163,17 @@ def _size_mb(path: Path) -> float:
 
 
 def run_case(model_name: str, batches: list[int], runs: int, warmup: int, workdir: Path,
-             calib_batches: int) -> list[Row]:
+             calib_batches: int, size: int = 224) -> list[Row]:
     """The same files timed at every batch size (a static file only at its own batch)."""
-    files, qmodels = _files_for(model_name, workdir, calib_batches)
+    files, qmodels = _files_for(model_name, workdir, calib_batches, size)
     rows = []
     for batch in batches:
         usable = {name: path for name, path in files.items() if _serves(path, batch)}
-        times = _time(usable, batch, runs, warmup)
+        times = _time(usable, batch, runs, warmup, size)
         fp32 = float(np.median(times["FP32"]))
         for name, path in usable.items():
             t = times[name]
-            parity = _parity(qmodels[name], path, batch) if name in qmodels else ""
+            parity = _parity(qmodels[name], path, batch, size) if name in qmodels else ""
             rows.append(Row(model_name, batch, name, float(np.median(t)), float(np.min(t)), float(np.max(t)),
                             fp32 / float(np.median(t)), _census(path), _size_mb(path), parity))
         print(_table([r for r in rows if r.batch == batch]), flush=True)
@@ -408,18 +412,30 @@ def u8u8_table(rows: list[U8U8Row]) -> str:
 
 
 # -- BERT-style encoder rows ----------------------------------------------------------------------
-# A Hugging Face BertModel built from a config (random weights, no download): ENCODER layers, hidden
-# size, heads and intermediate size, sequences of ENCODER_SEQ token ids. FP32, the onnxruntime-cpu
+# A Hugging Face BertModel built from a config (random weights, no download): ENCODER's layers, hidden
+# size, heads and intermediate size, sequences of ENCODER.seq token ids. FP32, the onnxruntime-cpu
 # preset, ORT quantize_dynamic (ORT's usual path for transformers) and ORT quantize_static side by side.
-ENCODER = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024}
-ENCODER_SEQ = 128
-ENCODER_VOCAB = 30522
 
 
-def _encoder_model() -> torch.nn.Module:
+@dataclass(frozen=True)
+class EncoderShape:
+    config: dict  # BertConfig's layers, hidden size, heads, intermediate size
+    seq: int
+    vocab: int
+
+
+ENCODER = EncoderShape({"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+                        "intermediate_size": 1024}, seq=128, vocab=30522)
+# two layers: export_onnx's file of a one-layer BertModel is refused by ONNX Runtime at its default
+# optimizations ("Attempt to replace the existing tensor"); two layers and more load
+SMOKE_ENCODER = EncoderShape({"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                              "intermediate_size": 64}, seq=16, vocab=128)
+
+
+def _encoder_model(shape: EncoderShape = ENCODER) -> torch.nn.Module:
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(vocab_size=ENCODER_VOCAB, max_position_embeddings=512, **ENCODER)
+    config = BertConfig(vocab_size=shape.vocab, max_position_embeddings=512, **shape.config)
 
     class Encoder(torch.nn.Module):
         """input_ids -> last hidden state (one tensor in, one out: what export and timing feed)."""
@@ -446,17 +462,18 @@ class _IdsReader:
         return None if batch is None else {self._name: batch}
 
 
-def _encoder_files(batch: int, workdir: Path, calib_batches: int) -> tuple[dict[str, Path], dict[str, str]]:
+def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: EncoderShape = ENCODER
+                   ) -> tuple[dict[str, Path], dict[str, str]]:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from quantship import Quantizer, export_onnx, export_qdq
     from quantship.inspect.verify import compare_logits
 
-    model = _encoder_model()
+    model = _encoder_model(shape)
     gen = torch.Generator().manual_seed(1)
-    calib = [torch.randint(0, ENCODER_VOCAB, (batch, ENCODER_SEQ), generator=gen) for _ in range(calib_batches)]
-    sample = torch.randint(0, ENCODER_VOCAB, (batch, ENCODER_SEQ), generator=gen)
+    calib = [torch.randint(0, shape.vocab, (batch, shape.seq), generator=gen) for _ in range(calib_batches)]
+    sample = torch.randint(0, shape.vocab, (batch, shape.seq), generator=gen)
     stem = workdir / f"encoder_b{batch}"
     files = {"FP32": export_onnx(model, sample, f"{stem}_fp32.onnx", dynamic_batch=False)}
     qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calib, max_calibration_samples=batch * calib_batches)
@@ -484,9 +501,10 @@ def _encoder_census(path: Path) -> dict:
                                 "DynamicQuantizeMatMul", "MatMul", "FusedMatMul", "Gemm")}
 
 
-def run_encoder_case(batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int) -> list[Row]:
-    files, parity = _encoder_files(batch, workdir, calib_batches)
-    ids = np.random.default_rng(0).integers(0, ENCODER_VOCAB, (batch, ENCODER_SEQ)).astype(np.int64)
+def run_encoder_case(batch: int, runs: int, warmup: int, workdir: Path, calib_batches: int,
+                     shape: EncoderShape = ENCODER) -> list[Row]:
+    files, parity = _encoder_files(batch, workdir, calib_batches, shape)
+    ids = np.random.default_rng(0).integers(0, shape.vocab, (batch, shape.seq)).astype(np.int64)
     times = _time(files, batch, runs, warmup, feed=ids)
     fp32 = float(np.median(times["FP32"]))
     return [Row("encoder", batch, n, float(np.median(t)), float(np.min(t)), float(np.max(t)), fp32 / float(np.median(t)),
@@ -506,18 +524,20 @@ def _encoder_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _encoder_section(rows: list[Row], runs: int, warmup: int) -> list[str]:
+def _encoder_section(rows: list[Row], runs: int, warmup: int, shape: EncoderShape = ENCODER) -> list[str]:
     if not rows:
         return []
-    shape = ", ".join(f"{k}={v}" for k, v in ENCODER.items())
+    config = ", ".join(f"{k}={v}" for k, v in shape.config.items())
     return ["## BERT-style encoder", "",
-            f"`transformers.BertModel` from a config ({shape}), random weights, sequence length {ENCODER_SEQ},",
+            f"`transformers.BertModel` from a config ({config}), random weights, sequence length {shape.seq},",
             f"random token ids; output: the last hidden state. {warmup} warm-up runs, {runs} interleaved rounds per",
             "batch. Census: the integer kernels in ONNX Runtime's optimized graph.", "",
             _encoder_table(rows), ""]
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _smoke
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["resnet18", "mobilenet_v2"])
     parser.add_argument("--encoder-batches", nargs="*", type=int, default=[1, 8],
@@ -526,12 +546,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--calib-batches", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--out", type=Path, default=None, help="default: BENCHMARKS.md")
     parser.add_argument("--u8u8", action="store_true", help="only the U8U8 vs 7-bit comparison (printed)")
-    parser.add_argument("--size", type=int, default=224, help="input size for --u8u8")
+    parser.add_argument("--size", type=int, default=224, help="input size (torchvision models, and --u8u8)")
     parser.add_argument("--lm", action="store_true", help="add the language-model (weight-only) rows")
     parser.add_argument("--lm-only", action="store_true", help="only the language-model rows")
-    args = parser.parse_args(argv)
+    # smoke: one model at 32x32, a tiny encoder and a tiny untrained LM, one round each, all sections written
+    args = _smoke.parse_args(parser, argv, models=["resnet18"], size=32, batches=[1, 2], encoder_batches=[1],
+                             runs=1, warmup=0, calib_batches=1, lm=True)
+    args.out = _smoke.output(args, args.out, ROOT / "BENCHMARKS.md")
+    encoder = SMOKE_ENCODER if args.smoke else ENCODER
+    lm_model, lm_tokens = (_smoke.tiny_lm(), _smoke.LM_TOKENS) if args.smoke else (None, 128)
     if args.u8u8:
         with tempfile.TemporaryDirectory() as tmp:
             for model_name in args.models:
@@ -548,16 +573,17 @@ def main(argv: list[str] | None = None) -> int:
         for model_name in args.models:
             print(f"[{model_name}] quantizing and exporting once, timing each file at batch "
                   f"{', '.join(map(str, args.batches))} ({args.runs} rounds)...", flush=True)
-            rows += run_case(model_name, args.batches, args.runs, args.warmup, Path(tmp), args.calib_batches)
+            rows += run_case(model_name, args.batches, args.runs, args.warmup, Path(tmp), args.calib_batches,
+                             args.size)
         encoder_rows: list[Row] = []
         for batch in ([] if args.lm_only else args.encoder_batches):
             print(f"[BERT-style encoder batch {batch}] quantizing, exporting, timing {args.runs} rounds...", flush=True)
-            encoder_rows += run_encoder_case(batch, args.runs, args.warmup, Path(tmp), args.calib_batches)
+            encoder_rows += run_encoder_case(batch, args.runs, args.warmup, Path(tmp), args.calib_batches, encoder)
             print(_encoder_table([r for r in encoder_rows if r.batch == batch]), flush=True)
     text = "\n".join([
-        "# Benchmarks", "",
+        "# Benchmarks", "", *_smoke.banner(args),
         "Generated by `python bench/latency.py`; do not edit by hand. ONNX Runtime CPU execution provider,",
-        "default session options; untrained torchvision models (`weights=None`, seed 0) at 224x224,",
+        f"default session options; untrained torchvision models (`weights=None`, seed 0) at {args.size}x{args.size},",
         f"random calibration ({args.calib_batches} batches of {CALIB_BATCH}). Each model's files are written once",
         "with a symbolic batch (FP32, ORT's, the quantship presets; tigris is a static batch-1 file) and the",
         f"same files are timed at every batch size. Each (model, batch) case: {args.warmup} warm-up",
@@ -566,19 +592,21 @@ def main(argv: list[str] | None = None) -> int:
         "of the file against the torch quantized model on the sample batch, in output LSB, with ORT's",
         "optimizations off (the file read literally) and on (the fused integer kernels).", "",
         _header(), "", _table(rows), "",
-        *_encoder_section(encoder_rows, args.runs, args.warmup),
+        *_encoder_section(encoder_rows, args.runs, args.warmup, encoder),
     ])
     if args.lm_only:
-        text = "# Benchmarks\n\nGenerated by `python bench/latency.py --lm-only`; do not edit by hand.\n\n"
+        text = "\n".join(["# Benchmarks", "", *_smoke.banner(args),
+                          "Generated by `python bench/latency.py --lm-only`; do not edit by hand.", "", ""])
     if args.lm:
         with tempfile.TemporaryDirectory() as tmp:
-            print(f"[reference LM, 128 tokens, batch 1] quantizing, exporting, timing {args.runs} rounds...", flush=True)
-            lm_table = _lm_table(lm_rows(args.runs, args.warmup, Path(tmp)))
+            print(f"[reference LM, {lm_tokens} tokens, batch 1] quantizing, exporting, timing {args.runs} rounds...",
+                  flush=True)
+            lm_table = _lm_table(lm_rows(args.runs, args.warmup, Path(tmp), lm_tokens, lm_model))
         print(lm_table, flush=True)
         text += "\n".join([
             "## Language model, weight-only", "",
             "The reference byte-level Llama (`quantship.examples.lm`: 4 layers, hidden 256, trained on the",
-            "standard library's sources), one forward pass over 128 held-out tokens at batch 1, ORT default",
+            f"standard library's sources), one forward pass over {lm_tokens} held-out tokens at batch 1, ORT default",
             "optimizations. Error: max |ORT - torch| / max |torch| on that input, against the torch model the",
             "file comes from (the torch weight-only model for quantship's files, FP32 for ORT's quantizer).", "",
             _header(), "", lm_table, "",

@@ -11,11 +11,13 @@ sample, the onnxruntime-cpu preset). For each model it prints:
   in this network, with no file involved.
 
     python bench/lsb_trace.py --models inception_v3 regnet_x_32gf --samples 8 --inject 12
+    python bench/lsb_trace.py --smoke   # resnet18 at 32x32, one sample, one injection (bench/_smoke.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 qd = torch.ops.quantized_decomposed
 
 
@@ -94,6 +97,8 @@ def injections(model, x: torch.Tensor, scale: float, n: int, rng: np.random.Gene
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
+    import _smoke
+
     from quantship.inspect.divergence import trace_divergence
     from quantship.inspect.lsb import output_scales
 
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--observer", default="minmax")
     parser.add_argument("--samples", type=int, default=4, help="random inputs for the output-error distribution")
     parser.add_argument("--inject", type=int, default=8, help="single one-step changes injected in torch")
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, models=["resnet18"], sizes=[32], samples=1, inject=1)
     sizes = args.sizes or [96 if m == "inception_v3" else 32 for m in args.models]
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

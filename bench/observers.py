@@ -9,12 +9,16 @@ Two models, one run, same calibration and evaluation data for every observer:
   meaningless (no trained weights), so none is printed.
 
 Run: ``.venv/bin/python bench/observers.py`` (a few minutes on 2 cores). Prints Markdown.
+``--smoke``: one calibration batch of digits, MobileNetV2 at 32x32 on batches of 2 (bench/_smoke.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -22,6 +26,7 @@ from quantship import Quantizer
 from quantship.inspect.intervals import format_accuracy
 from quantship.quantize.layer_error import sqnr_db
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 OBSERVER_NAMES = ("minmax", "histogram", "percentile", "mse")
 
 
@@ -42,12 +47,12 @@ def quantize(model: torch.nn.Module, calib: list[torch.Tensor], observer: str) -
         return Quantizer(backend="pt2e", act_observer=observer).quantize(model, calib)
 
 
-def digits_rows() -> list[str]:
+def digits_rows(n_calib: int = 128) -> list[str]:
     """One Markdown row per observer on the trained reference task."""
     from quantship.examples import digits
 
     model, split = digits.trained_model(), digits.load_split()
-    calib = [split.x_train[i:i + 32] for i in range(0, 128, 32)]
+    calib = [split.x_train[i:i + 32] for i in range(0, n_calib, 32)]
     evals = [split.x_test[i:i + 32] for i in range(0, len(split.y_test) - 31, 32)]
     fp_k, n = digits.evaluate(model, split.x_test, split.y_test, batch_size=32)
     rows = []
@@ -86,14 +91,22 @@ def mobilenet_rows(size: int = 96, batch: int = 8) -> list[str]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import _smoke
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--digits-calib", type=int, default=128, help="digits calibration images (batches of 32)")
+    parser.add_argument("--size", type=int, default=96, help="MobileNetV2 input size")
+    parser.add_argument("--batch", type=int, default=8, help="MobileNetV2 batch")
+    args = _smoke.parse_args(parser, argv, digits_calib=32, size=32, batch=2)
     header = ["| model | act_observer | FP32 accuracy | INT8 accuracy | INT8/FP32 | logit SQNR (dB) | s |",
               "|---|---|---|---|---:|---:|---:|"]
-    rows = digits_rows() + mobilenet_rows()
+    rows = digits_rows(args.digits_calib) + mobilenet_rows(args.size, args.batch)
     print("\n".join(header + rows))
-    print("\nAll observers calibrated on the same batches (digits: 128 training images; MobileNetV2: 16 "
-          "random 96x96 inputs) and evaluated on the same inputs (digits: 352 held-out images; MobileNetV2: "
-          "24 random inputs). Weights: int8 per-channel symmetric in every row.")
+    print(f"\nAll observers calibrated on the same batches (digits: {args.digits_calib} training images; MobileNetV2: "
+          f"{2 * args.batch} random {args.size}x{args.size} inputs) and evaluated on the same inputs (digits: 352 "
+          f"held-out images; MobileNetV2: {3 * args.batch} random inputs). Weights: int8 per-channel symmetric in "
+          "every row.")
 
 
 if __name__ == "__main__":

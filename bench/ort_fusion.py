@@ -18,6 +18,7 @@ optimizations, on 4 seeded inputs), and the median latency at ORT's default opti
 files timed in one process, interleaved round by round, with ``bench/latency.py``'s loop).
 
     python bench/ort_fusion.py [--models vit convnext densenet maxvit_small maxvit] [--runs 50]
+    python bench/ort_fusion.py --smoke   # the 2-layer ViT at 32x32, one run (bench/_smoke.py)
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def build_files(name: str, workdir: Path) -> tuple[dict, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _smoke
     from latency import _time
 
     from quantship.inspect.consumers import cpu_info, ort_optimized_ops
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["vit", "convnext", "densenet"], choices=sorted(_models()))
     parser.add_argument("--runs", type=int, default=50)
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, models=["vit"], runs=1)
     cpu, flags = cpu_info()
     print(f"CPU: {cpu} ({'VNNI' if {'avx512_vnni', 'avx_vnni'} & flags else 'no VNNI'})")
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,11 @@ warm); ``export_qdq`` builds it once per process (``quantship.export.capture.one
     python bench/pipeline.py --warm [--targets onnxruntime-cpu tensorrt] [--batch 8] [--repeat 5] [--profile]
 
 ``--report FILE`` runs the cold table, then the warm one at ``--batch`` and at batch 1, and writes the three
-to FILE (BENCHMARKS-pipeline.md is ``--report BENCHMARKS-pipeline.md --repeat 5``).
+to FILE (BENCHMARKS-pipeline.md is ``--report BENCHMARKS-pipeline.md --repeat 5``); with ``--batch 1`` the
+two warm tables would be the same one, and it is written once.
+
+``--smoke``: ``--report`` into a temporary file (or the ``--report`` given) for resnet18 at 32x32, batch 1,
+one repetition, the onnxruntime-cpu target only (bench/_smoke.py); with ``--warm``, that warm table only.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
 
 # The raw path at the sample's static batch, the raw path writing what quantship writes for a preset that
 # serves any batch (batch symbolic at capture and export), and quantship.
@@ -92,7 +99,8 @@ def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock, d
     model, calib = _float_model(model_name, batch, size)
     clock.lap("model")
     shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
-    graph = torch.export.export(model, (calib[0],), dynamic_shapes=shapes, strict=False).module()
+    example = _example(calib[0], dynamic)
+    graph = torch.export.export(model, (example,), dynamic_shapes=shapes, strict=False).module()
     clock.lap("capture")
     prepared = prepare_pt2e(graph, QuantshipQuantizer(resolve_spec(**preset(target).spec_kwargs)))
     clock.lap("prepare")
@@ -104,10 +112,18 @@ def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock, d
     clock.lap("convert")
     with tempfile.TemporaryDirectory() as tmp:
         shapes = ({0: torch.export.Dim.DYNAMIC},) if dynamic else None
-        program = torch.onnx.export(converted, (calib[0],), None, dynamo=True, opset_version=18, verbose=False,
+        program = torch.onnx.export(converted, (example,), None, dynamo=True, opset_version=18, verbose=False,
                                     dynamic_shapes=shapes)
         program.save(str(Path(tmp) / "model.onnx"))
         clock.lap("export")
+
+
+def _example(sample, dynamic: bool):
+    """The example a symbolic batch is captured with: a batch of 1 is doubled (torch.export specialises a
+    size-1 dimension to the constant 1 and refuses to keep it symbolic)."""
+    import torch
+
+    return torch.cat([sample, sample]) if dynamic and sample.shape[0] == 1 else sample
 
 
 def _timed(module, name: str, clock: Clock, stage: str, before: str | None = None) -> None:
@@ -169,7 +185,9 @@ def _fresh(path: str, args: argparse.Namespace, model_name: str) -> dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, __file__, "--one", path, "--models", model_name, "--batch", str(args.batch),
                           "--size", str(args.size), "--target", args.target],
-                         capture_output=True, text=True, check=True, env=env)
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"the {path!r} run of {model_name} exited {out.returncode}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -177,7 +195,7 @@ def _raw_export(converted, sample, path: Path, dynamic: bool) -> None:
     """What a user writes by hand: the dynamo exporter, then save; no checks."""
     import torch
 
-    x = torch.cat([sample, sample]) if dynamic and sample.shape[0] == 1 else sample  # a size-1 dim specialises
+    x = _example(sample, dynamic)
     shapes = ({0: torch.export.Dim.DYNAMIC},) if dynamic else None
     program = torch.onnx.export(converted, (x,), None, dynamo=True, opset_version=18, verbose=False,
                                 dynamic_shapes=shapes)
@@ -314,13 +332,18 @@ class _Tee(io.TextIOBase):
 
 
 def report(args: argparse.Namespace, path: Path) -> int:
-    """The cold table, then the warm one at ``--batch`` and at batch 1, written to ``path``."""
+    """The cold table, then the warm one at ``--batch`` and at batch 1 (once if ``--batch`` is 1), written to ``path``."""
+    import _smoke
+
     tee = _Tee(sys.stdout)
     runs = [("Cold: one fresh process per run, quantize + export", {"warm": False}),
             (f"Warm: export_qdq vs the raw exporter in one process, batch {args.batch}", {"warm": True}),
             ("Warm: export_qdq vs the raw exporter in one process, batch 1", {"warm": True, "batch": 1})]
+    if args.batch == 1:
+        runs.pop()  # the warm table at --batch is the one at batch 1
     with contextlib.redirect_stdout(tee):
-        print(f"# Pipeline cost\n\nGenerated by `python bench/pipeline.py --report {path.name} --repeat {args.repeat}`; "
+        print("\n".join(["# Pipeline cost", "", *_smoke.banner(args)]))
+        print(f"Generated by `python bench/pipeline.py --report {path.name} --repeat {args.repeat}`; "
               "do not edit by hand. What each table compares is in the script's docstring.")
         for title, change in runs:
             print(f"\n## {title}\n")
@@ -330,6 +353,8 @@ def report(args: argparse.Namespace, path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _smoke
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet18"])
     parser.add_argument("--batch", type=int, default=8)
@@ -344,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", metavar="FILE",
                         help="run the cold table, then --warm at --batch and at batch 1, and write all three to FILE")
     parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, batch=1, size=32, repeat=1, targets=["onnxruntime-cpu"])
+    if args.smoke and not (args.warm or args.one):
+        args.report = _smoke.output(args, args.report and Path(args.report), ROOT / "BENCHMARKS-pipeline.md")
     if args.report:
         return report(args, Path(args.report))
     if args.warm:

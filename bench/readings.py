@@ -12,12 +12,14 @@ Table 2: the reference task (a trained TinyResNet on scikit-learn's digits) with
 360 held-out images through each consumer, against ORT's literal reading.
 
     python bench/readings.py [--models resnet18 resnet50 densenet121 mobilenet_v2] [--size 96]
+    python bench/readings.py --smoke   # resnet18 at 32x32, batch 1, and the digits table (bench/_smoke.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import tempfile
 import time
 import warnings
@@ -27,6 +29,7 @@ import onnx
 import torch
 
 warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIZES = {"resnet18": 128, "resnet50": 96, "densenet121": 96, "mobilenet_v2": 128}
 
@@ -169,6 +172,8 @@ def _table2(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _smoke
+
     from quantship.inspect.consumers import cpu_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bn", choices=["if-constant", "always", "never"], default="if-constant",
                         help="set BatchNorm statistics on random images: only where the output is otherwise "
                              "constant (default; MobileNetV2), always, or never")
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, models=["resnet18"], size=32, batch=1)
     cpu, flags = cpu_info()
     wanted = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"]
     print(f"CPU: {cpu}; flags: {', '.join(f for f in wanted if f in flags) or 'none of ' + ', '.join(wanted)}")

@@ -13,7 +13,8 @@ and interrupts it at a seeded random moment of its measured duration:
 - Two writers start together on one path: both wait (both exit 0, one whole file), and with
   ``--no-wait`` (one exits 2 with the lock message unless the runs do not overlap).
 
-    python bench/robustness.py [--trials 10] [--seed 0]
+    python bench/robustness.py [--trials 10] [--seed 0] [--work DIR]
+    python bench/robustness.py --smoke [--work DIR]   # one trial of each part (bench/_smoke.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 FACTORY = "from quantship.examples.models import TinyResNet\n\ndef build():\n    return TinyResNet()\n"
 
@@ -59,18 +61,22 @@ def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(".quantship-"))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import _smoke
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="ctrl-c,kill,writers", help="comma-separated subset to run")
-    args = parser.parse_args()
+    parser.add_argument("--work", type=Path, default=None, help="work directory (default: a new temporary one)")
+    args = _smoke.parse_args(parser, argv, trials=1)
     parts = set(args.parts.split(","))
     # a shell starts background jobs with SIGINT ignored, and children inherit an ignored signal:
     # handle it here so that every child starts with the default (and Python's KeyboardInterrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(args.seed)
-    work = Path(tempfile.mkdtemp(prefix="quantship-robustness-"))
+    work = Path(tempfile.mkdtemp(prefix="quantship-robustness-")) if args.work is None else args.work
+    work.mkdir(parents=True, exist_ok=True)
     (work / "model.py").write_text(FACTORY)
     np.save(work / "cal.npy", np.random.default_rng(0).standard_normal((16, 1, 32, 32)).astype(np.float32))
 

@@ -16,6 +16,8 @@ what it measured.
     python bench/zoo.py --observer minmax                     # the whole zoo
     python bench/zoo.py --observer minmax --models resnet18 vit_b_16
     python bench/zoo.py --render                              # ZOO.md from the records only
+    python bench/zoo.py --smoke [--out FILE] [--results FILE]  # resnet18 only, into a fresh records file
+                                                              # and table (bench/_smoke.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -39,6 +42,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = ROOT / "bench" / "zoo_results.json"
 SIZES = (32, 64, 96, 128, 160, 224, 299)
 GIANT_PARAMS = 300e6
@@ -383,16 +387,22 @@ def render(records: dict[str, ZooRow], zoo: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _smoke
     import torchvision
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", help="re-measure these models only (default: all of the zoo)")
     parser.add_argument("--observer", default=None, help="act_observer override, e.g. minmax (faster calibration)")
-    parser.add_argument("--out", type=Path, default=ROOT / "ZOO.md")
+    parser.add_argument("--out", type=Path, default=None, help="default: ZOO.md")
+    parser.add_argument("--results", type=Path, default=None, help="the records file (default: bench/zoo_results.json)")
     parser.add_argument("--render", action="store_true", help="only render ZOO.md from the records")
     parser.add_argument("--import-md", type=Path, metavar="ZOO_MD", help="import the table of an earlier ZOO.md once")
     parser.add_argument("--import-commit", default="", help="the commit the imported table was measured at")
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, models=["resnet18"], observer="minmax")
+    args.out = _smoke.output(args, args.out, ROOT / "ZOO.md")
+    if args.smoke and args.results is None:
+        args.results = args.out.with_name("zoo_results.json")
+    args.results = _smoke.output(args, args.results, RESULTS)
     zoo = torchvision.models.list_models(module=torchvision.models)
     if args.import_md:
         text = args.import_md.read_text()
@@ -400,11 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         observer = re.search(r"activation observer: (\w+)", text)
         rows = import_table(args.import_md, args.import_commit, when.group(1) if when else "",
                             observer.group(1) if observer else None)
-        args.out.write_text(render(save_records(rows, zoo), zoo))
+        args.out.write_text(render(save_records(rows, zoo, args.results), zoo))
         print(f"imported {len(rows)} records from {args.import_md}")
         return 0
     if args.render:
-        args.out.write_text(render(load_records(), zoo))
+        args.out.write_text(render(load_records(args.results), zoo))
         return 0
     chosen = args.models or zoo
     unknown = [m for m in chosen if m not in zoo]
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             row.measured_utc = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             row.load_avg = round(os.getloadavg()[0], 1)
             print(f"    {row}", flush=True)
-            args.out.write_text(render(save_records([row], zoo), zoo))
+            args.out.write_text(render(save_records([row], zoo, args.results), zoo))
             (Path(tmp) / f"{name}.onnx").unlink(missing_ok=True)
     print(f"wrote {args.out}")
     return 0

@@ -39,6 +39,7 @@ _SESSION_MODELS = {"resnet18_pt2e", "mobilenet_v2_pt2e"}
 # handed out first so that the two workers finish together; the others follow in collection order.
 # Only the order changes: a file missing here still runs, a bit later.
 LONGEST_FIRST = (
+    "tests/test_bench_smoke.py",  # 12 bench scripts in fresh processes, one after the other: 515 s CPU at load 14
     "tests/quantize/test_distributed.py",  # 68 s
     "session-models",  # 50 s
     "tests/test_docs.py",  # 49 s
