@@ -33,13 +33,17 @@ SESSION_MODEL_FILES = frozenset({
     "tests/quantize/test_pt2e.py",
 })
 _SESSION_MODELS = {"resnet18_pt2e", "mobilenet_v2_pt2e"}
+# Files whose tests each run child processes for tens of seconds and share nothing: each test is its own
+# unit of work, so the two workers split them.
+PER_TEST_FILES = frozenset({"tests/test_bench_smoke.py", "tests/test_fresh_process.py"})
 
 
 # The longest units of work (seconds of test time on the 2-core machine, measured at the end of wave 2),
 # handed out first so that the two workers finish together; the others follow in collection order.
 # Only the order changes: a file missing here still runs, a bit later.
 LONGEST_FIRST = (
-    "tests/test_bench_smoke.py",  # 12 bench scripts in fresh processes, one after the other: 515 s CPU at load 14
+    "tests/test_bench_smoke.py",  # 12 bench scripts in fresh processes: 515 s CPU at load 14, split per test
+    "tests/test_fresh_process.py",  # ResNet-18 twice and three small models in fresh processes
     "tests/quantize/test_distributed.py",  # 68 s
     "session-models",  # 50 s
     "tests/test_docs.py",  # 49 s
@@ -53,7 +57,14 @@ LONGEST_FIRST = (
 
 def _unit_of_work(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
+    if path in PER_TEST_FILES:
+        return nodeid
     return "session-models" if path in SESSION_MODEL_FILES else path
+
+
+def _rank_key(nodeid: str) -> str:
+    unit = _unit_of_work(nodeid)
+    return unit.split("::", 1)[0] if unit.split("::", 1)[0] in PER_TEST_FILES else unit
 
 
 def pytest_collection_modifyitems(config, items):
@@ -63,7 +74,7 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{path} uses a session-quantized model: add it to SESSION_MODEL_FILES in "
                                     "tests/conftest.py so that it shares their xdist worker")
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_unit_of_work(item.nodeid), len(rank)))  # stable: file order kept
+    items.sort(key=lambda item: rank.get(_rank_key(item.nodeid), len(rank)))  # stable: file order kept
 
 
 try:
