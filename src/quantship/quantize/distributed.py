@@ -11,8 +11,10 @@ merged so every rank holds what one process would have seen on all the data:
   merge first (``histograms_on_common_range``). Every rank's bins are then the same bins, and one
   ``all_reduce(SUM)`` adds counts that are whole numbers: exact, so the histograms, and the
   scales chosen from them, are bit for bit those of one process on the union (in any order of the
-  batches: each batch's counts are added, never re-binned). A histogram recorded on another range
-  is still re-binned (``observers.rebin_histogram``) before the sum; then it is an approximation.
+  batches: each batch's counts are added, never re-binned), as long as no bin holds 2**24 values
+  or more (16.8 M: the observer keeps float32 counts, which round beyond that). A histogram
+  recorded on another range is still re-binned (``observers.rebin_histogram``) before the sum;
+  then it is an approximation.
 - fake-quantizers (QAT): their observed min/max are merged after every step and their scale and
   zero-point recomputed, so every rank trains and converts with the same ranges (DDP would
   otherwise broadcast rank 0's buffers, i.e. ranges from rank 0's data alone).
