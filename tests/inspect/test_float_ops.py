@@ -157,6 +157,7 @@ def test_quantize_and_export_mark_every_step(kept_float_run):
     ended = kept_float_run[1]
     assert ended == [
         "quantize: capture (torch.export)", "quantize: insert observers (prepare_pt2e)", "quantize: calibrating",
+        "quantize: calibrating: histograms on the observed ranges",  # histogram observers: a second pass
         "quantize: convert (convert_pt2e)", "export: torch.onnx.export (dynamo)",
         "export check: lowering to opset 17", "export check: moving activations to uint8", "export: writing the file",
         "export check: the file holds the spec", "export check: onnxruntime-cpu rules",

@@ -117,6 +117,35 @@ def merged_observers(rank: int, world: int) -> dict:
     return {"qparams": qparams_of(observers), "n_floats": report.n_floats, "n_histograms": report.n_histograms}
 
 
+class Feed(torch.nn.Module):
+    """A "model" that shows every batch to each of its observers (what calibration does, layer by layer)."""
+
+    def __init__(self, observers: torch.nn.ModuleDict):
+        super().__init__()
+        self.observers = observers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for obs in self.observers.values():
+            obs(x)
+        return x
+
+
+def histograms_of(observers: torch.nn.ModuleDict) -> dict:
+    return {name: obs.histogram.tolist() for name, obs in observers.items() if hasattr(obs, "histogram")}
+
+
+def calibrated_observers(rank: int, world: int) -> dict:
+    """The calibration protocol (ranges, then histograms on the merged range), then the merge."""
+    from quantship.quantize.calibration import run_batches
+    from quantship.quantize.distributed import merge_observers
+
+    observers = observer_set()
+    batches = observer_data(rank)
+    run_batches(Feed(observers), batches)
+    merge_observers(observers, n_samples=sum(len(b) for b in batches))
+    return {"qparams": qparams_of(observers), "histograms": histograms_of(observers)}
+
+
 def bad_input_rank(rank: int, world: int, out: Path, state: dict, shards: list[list[torch.Tensor]],
                    sample: torch.Tensor) -> None:
     """Different models, an empty shard, then export_qdq called on rank 1 alone."""
@@ -125,6 +154,7 @@ def bad_input_rank(rank: int, world: int, out: Path, state: dict, shards: list[l
 
     model, shards, sample = _start(rank, world, out, state, shards, sample)
     attempt(out, rank, "observers", lambda: merged_observers(rank, world))
+    attempt(out, rank, "calibrated_observers", lambda: calibrated_observers(rank, world))
     # rank 1 quantizes a narrower model: refused on both ranks, after calibration, without a hang
     other = model if rank == 0 else TinyResNet(in_channels=1, classes=10, width=8).eval()
     attempt(out, rank, "structure", lambda: calibrate_and_export(other, shards[rank], "minmax", sample,

@@ -110,7 +110,27 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
 
 def run_batches(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool = False,
                 description: str = "calibrating") -> None:
-    """Feed every batch through ``model`` without gradients: a marked step (``quantship.progress``), and
+    """Feed every batch through ``model``'s observers; with histogram observers, twice.
+
+    The first pass finds each observer's range (merged across ranks in a process group); the
+    second records the histograms on it, so a histogram holds the counts of every value on one
+    set of bins, whatever the order of the batches or how they are split across ranks. Histogram
+    observers only track min/max in the first pass, and only they see the second.
+    """
+    from quantship.quantize import distributed
+
+    if not distributed.histogram_observers(model):
+        _feed(model, batches, verbose=verbose, description=description)
+        return
+    with distributed.histograms_track_range_only(model):
+        _feed(model, batches, verbose=verbose, description=description)
+    distributed.histograms_on_common_range(model, sum(b.shape[0] for b in batches))
+    with distributed.only_histograms_observe(model):
+        _feed(model, batches, verbose=verbose, description=f"{description}: histograms on the observed ranges")
+
+
+def _feed(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool, description: str) -> None:
+    """Every batch through ``model`` without gradients: a marked step (``quantship.progress``), and
     a progress bar on a terminal stdout when verbose and no listener shows the step."""
     import sys
 

@@ -6,9 +6,15 @@ merged so every rank holds what one process would have seen on all the data:
 - min/max (per tensor or per channel, plain or moving average): one ``all_reduce(MIN)`` over
   ``[min, -max]`` of every observer at once. Min and max are exact, so the scales are exactly
   those of one process on the union.
-- histograms (``HistogramObserver`` and quantship's percentile and MSE observers): after the
-  min/max merge each rank re-bins its histogram onto the common range
-  (``observers.histogram_on_range``) and one ``all_reduce(SUM)`` adds them.
+- histograms (``HistogramObserver`` and quantship's percentile and MSE observers): calibration
+  records them in a second pass over the batches, on the range of all the data, which the ranks
+  merge first (``histograms_on_common_range``). Every rank's bins are then the same bins, and one
+  ``all_reduce(SUM)`` adds counts that are whole numbers: exact, so the histograms, and the
+  scales chosen from them, are bit for bit those of one process on the union (in any order of the
+  batches: each batch's counts are added, never re-binned), as long as no bin holds 2**24 values
+  or more (16.8 M: the observer keeps float32 counts, which round beyond that). A histogram
+  recorded on another range is still re-binned (``observers.rebin_histogram``) before the sum;
+  then it is an approximation.
 - fake-quantizers (QAT): their observed min/max are merged after every step and their scale and
   zero-point recomputed, so every rank trains and converts with the same ranges (DDP would
   otherwise broadcast rank 0's buffers, i.e. ranges from rank 0's data alone).
@@ -27,9 +33,10 @@ channel of a per-channel one, and the bins of each histogram observer (2,048 by 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -148,6 +155,77 @@ def _min_max_merge(found: list[tuple[str, nn.Module]], what: str, timeout: float
         obs.max_val.copy_((-packed[half + offset:half + offset + k]).reshape(obs.max_val.shape))
         offset += k
     return packed.numel()
+
+
+def histogram_observers(model: nn.Module) -> list[nn.Module]:
+    """The observers of ``model`` that keep a histogram (torchao's, percentile, MSE), in module order."""
+    return [obs for _, obs in observers(model) if _is_histogram(obs)]
+
+
+@contextlib.contextmanager
+def histograms_track_range_only(model: nn.Module) -> Iterator[None]:
+    """Inside: the histogram observers of ``model`` only track min/max (the first calibration pass),
+    as torchao's observer does, ignoring infinite values; every other observer works as usual."""
+    hist = histogram_observers(model)
+    for obs in hist:
+        obs.forward = _range_tracker(obs)
+    try:
+        yield
+    finally:
+        for obs in hist:
+            del obs.forward
+
+
+def _range_tracker(obs: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x_orig: torch.Tensor) -> torch.Tensor:
+        x = x_orig.detach()
+        if x.numel() == 0:
+            return x_orig
+        lo, hi = torch.aminmax(x)
+        if bool(torch.isinf(lo)) or bool(torch.isinf(hi)):  # torchao leaves infinite values out of the range
+            x = x[x.abs() != torch.inf]
+            if x.numel() == 0:
+                return x_orig
+            lo, hi = torch.aminmax(x)
+        obs.min_val.resize_(lo.shape).copy_(torch.minimum(obs.min_val.reshape(lo.shape), lo))
+        obs.max_val.resize_(hi.shape).copy_(torch.maximum(obs.max_val.reshape(hi.shape), hi))
+        return x_orig
+
+    return forward
+
+
+def histograms_on_common_range(model: nn.Module, n_samples: int, *, timeout: float | None = None) -> None:
+    """Merge every observer's min/max across the ranks, then empty the histograms on that range.
+
+    Called between the two calibration passes: in a process group the ranks first agree on the
+    model and their data. The second pass then records every batch's counts on that one range
+    (torchao's observer re-bins what it holds only when a batch widens its range, which a batch
+    inside the range never does), so the counts are exact whole numbers on shared bins.
+    """
+    found = observers(model)
+    if ranks.world() is not None:
+        agree(model, n_samples, what="calibration", timeout=timeout)
+        _min_max_merge(found, "calibration", timeout)
+    for obs in histogram_observers(model):
+        obs.histogram.zero_()
+
+
+@contextlib.contextmanager
+def only_histograms_observe(model: nn.Module) -> Iterator[None]:
+    """Inside: every observer of ``model`` but the histogram ones passes its input through untouched
+    (the second calibration pass must not feed a moving average twice, nor redo min/max work)."""
+    others = [obs for _, obs in observers(model) if not _is_histogram(obs)]
+    for obs in others:
+        obs.forward = _pass_through
+    try:
+        yield
+    finally:
+        for obs in others:
+            del obs.forward
+
+
+def _pass_through(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _op(name: str):
