@@ -116,11 +116,11 @@ def _run(args: argparse.Namespace, out) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", FusedKernelDrift)  # measured on the file: the user hears it
-        quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
+        quantizer = Quantizer.for_target(target, verbose=ui.verbose, **overrides)
         qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples,
                                     labelled_data=labelled_batches if quantizer.max_accuracy_drop is not None else None)
         ui.say(f"export: writing {args.out} for {target.target}")
-        path = export_qdq(qmodel, sample, out, target=target.target, opset_version=args.opset,
+        path = export_qdq(qmodel, sample, out, target=target, opset_version=args.opset,
                           dynamic_batch=dynamic)
         served = _file_batch(path)
         error = _output_error(qmodel, path, sample if served is None else sample[:served])
@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace, out) -> int:
     stats = facts.stats
     size = file_size(path)
     real = np.concatenate([b.numpy() for b in batches])  # the calibration data: real inputs for the run
-    verdict = check_file(path, target.check_target, run=True, inputs=real)
+    verdict = check_file(path, target, run=True, inputs=real)
     readings = path.readings
     result = {
         "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": args.out,
@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace, out) -> int:
     if readings is not None:
         rows.append(("ORT readings (sample)", str(readings)))
     rows += [(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs]
-    rows.append((f"check {target.check_target} --run", common.verdict_line(verdict)))
+    rows.append((f"check {target.target} --run", common.verdict_line(verdict)))
     ui.report(result, rows)
     return exit_code(verdict)
 

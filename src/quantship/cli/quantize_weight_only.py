@@ -62,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.loading import file_size
 
     ui = common.Output(args)
-    from quantship.precision import canonical_target
+    from quantship.precision import ORT_CPU, preset
 
-    if args.target is not None and canonical_target(args.target) != "onnxruntime-cpu":
+    if args.target is not None and preset(args.target).target != ORT_CPU:
         raise UsageError(f"--target {args.target}: a weight-only file is written for onnxruntime-cpu; choose its form "
                          "with --weight-format matmulnbits (default) or standard (int8/int4 + DequantizeLinear, opset 21)")
-    target = "onnxruntime-cpu" if args.weight_format == "matmulnbits" else None
+    target = preset(ORT_CPU) if args.weight_format == "matmulnbits" else None
     if args.qscheme:
         raise UsageError("--qscheme is for pt2e; weight-only granularity is per channel, or per group with --group-size")
     model = load_model(args.model, args.weights)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     size = file_size(path)
     form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
     result = {
-        "version": 1, "model": args.model, "target": target or "standard", "path": args.out, "spec": spec.as_dict(),
+        "version": 1, "model": args.model, "target": target.target if target else "standard", "path": args.out, "spec": spec.as_dict(),
         "label": spec.label, "size_bytes": size, "form": form, "relative_error_vs_torch": error,
         "relative_error_vs_torch_float_activations": float_error,
     }

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qmodel = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides).quantize(
+        qmodel = Quantizer.for_target(target, verbose=ui.verbose, **overrides).quantize(
             model, batches, max_calibration_samples=args.max_samples)
         ui.say("sensitivity: measuring every quantized layer output against float")
         report = layer_error(model, qmodel, batches)

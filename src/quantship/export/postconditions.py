@@ -12,7 +12,7 @@ from pathlib import Path
 from quantship.errors import ExportRefused
 from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
-from quantship.precision import QuantSpec
+from quantship.precision import Preset, QuantSpec
 
 # the last file read here, keyed by its identity on disk: check_target reuses check_file's read, then
 # lets it go (the facts hold the whole model)
@@ -78,15 +78,14 @@ def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str
     return stats
 
 
-def check_target(path: Path | FileFacts, target: str) -> None:
+def check_target(path: Path | FileFacts, target: Preset) -> None:
     """Refuse a file that the preset's own deployment target would not accept (static rules)."""
     from quantship.inspect.check import check_file as check_deployable
-    from quantship.precision import preset
 
     global _last
     facts = read_written(path)
     _last = None
-    report = check_deployable(facts, preset(target).check_target)
+    report = check_deployable(facts, target)
     if not report.ok:
         reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
-        raise ExportRefused(f"the file written for target={target!r} fails {report.target}'s rules: {reasons}")
+        raise ExportRefused(f"the file written for target={target.target!r} fails {report.target}'s rules: {reasons}")

@@ -99,7 +99,7 @@ class QuantizeCallback(Callback):
     def __init__(self, quantizer: Any = None, backend: str = "x86", verbose: bool = False):
         super().__init__()
         self.spec = qat_spec(quantizer, backend)
-        self.target = getattr(quantizer, "target", None)  # a for_target preset travels to the model
+        self.preset = getattr(quantizer, "preset", None)  # a for_target preset travels to the model
         self.verbose = verbose
         self.prepared: nn.Module | None = None
 
@@ -133,7 +133,7 @@ class QuantizeCallback(Callback):
             converted = self._convert_pt2e(self.prepared)
         else:
             converted = self._convert_fx(self.prepared)
-        self.learn.model = distributed.place_converted(self.learn.model, tag_model(converted, self.spec, self.target),
+        self.learn.model = distributed.place_converted(self.learn.model, tag_model(converted, self.spec, self.preset),
                                                        user_wrapper=getattr(self, "_ddp", None))
         self.prepared = None
 

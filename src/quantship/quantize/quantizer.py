@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import QuantSpec, preset, resolve_spec, tag_model
+from quantship.precision import Preset, QuantSpec, resolve_spec, resolve_target, tag_model
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
 _BACKEND_MODULES = {
@@ -66,7 +66,7 @@ class Quantizer:
                               f"{self.spec.backend!r} does not use it: use backend='pt2e' or strict=False")
         self.strict = strict
         self.report = None  # pt2e: what the annotator did on the last quantize() (ops left float, by module)
-        self.target: str | None = None  # set by for_target: the model carries it to export_qdq
+        self.preset: Preset | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
                 "symmetric=False: activations are affine, so the exported file will carry non-zero "
@@ -76,15 +76,21 @@ class Quantizer:
             )
 
     @classmethod
-    def for_target(cls, target: str, *, verbose: bool = False, **overrides: Any) -> Quantizer:
-        """The deployment preset for ``target`` (see ``precision.PRESETS``), with optional overrides."""
-        p = preset(target)
+    def for_target(cls, target: str | Preset, *, verbose: bool = False, **overrides: Any) -> Quantizer:
+        """The deployment preset for ``target`` (a name, an alias, or a resolved ``Preset``; see
+        ``precision.PRESETS``), with optional overrides."""
+        p = resolve_target(target)
         kwargs = {**p.spec_kwargs, **overrides}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate
             q = cls(verbose=verbose, **kwargs)
-        q.target = p.target  # the preset's own name, whatever alias was given
+        q.preset = p
         return q
+
+    @property
+    def target(self) -> str | None:
+        """The name of the preset ``for_target`` resolved (``None`` for a plain ``Quantizer``)."""
+        return self.preset.target if self.preset is not None else None
 
     def __repr__(self) -> str:
         return f"Quantizer({self.spec.label}, {self.spec.as_dict()})"
@@ -132,7 +138,7 @@ class Quantizer:
                 from quantship.quantize.pt2e import annotation_report
 
                 self.report = annotation_report(quantized)
-            return tag_model(quantized, chosen, self.target)
+            return tag_model(quantized, chosen, self.preset)
 
         if self.max_accuracy_drop is None:
             if labelled_data is not None:
