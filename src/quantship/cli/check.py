@@ -31,7 +31,7 @@ def exit_code(report) -> int:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
     from quantship.inspect.check import check_file
     from quantship.inspect.rules import target as rule_target
 

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
 
     try:
         dims = tuple(int(d) for d in text.replace("x", ",").split(","))

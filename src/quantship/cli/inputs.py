@@ -25,7 +25,7 @@ def read(args: argparse.Namespace, limit: int | None = None):
         return None
     from pathlib import Path
 
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
     from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, load_array, load_images
 
     path = Path(args.inputs)

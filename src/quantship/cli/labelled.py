@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantship.cli.main import UsageError
+from quantship.cli.usage import UsageError
 
 
 @dataclass(frozen=True)

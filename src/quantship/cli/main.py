@@ -24,10 +24,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class UsageError(Exception):
-    """Bad input from the command line: reported in one line, exit code 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors in one line (no usage block): ``quantship CMD: error: ...``, exit 2."""
 

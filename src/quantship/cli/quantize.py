@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace, out) -> int:
     from quantship import Quantizer, quant_spec
     from quantship.cli.check import exit_code
     from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
     from quantship.cli.sources import load_model, weights_origin
     from quantship.errors import DataRefused, cause
     from quantship.export import export_qdq
@@ -188,7 +188,7 @@ def _export_sample(batches, static_batch: int | None):
     """The export sample and dynamic_batch: the preset's choice, or a static file at ``--static-batch N``."""
     import torch
 
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
 
     if static_batch is None:
         return batches[0], None

@@ -18,7 +18,7 @@ def sample_for(model, args: argparse.Namespace):
     """The export sample: token ids [1, --seq-len] for a language model, else the first --calib batch."""
     import torch
 
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
 
     if args.model.startswith("hf:"):
         vocab = int(model.lm.config.vocab_size)
@@ -32,7 +32,7 @@ def sample_for(model, args: argparse.Namespace):
 
 def choose_group_size(model, method: str, given: int | None, ui: common.Output) -> int | None:
     """The group size: as given, else int4's largest of 128/64/32 dividing every Linear layer (said aloud)."""
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
     from quantship.quantize.torchao_backend import GROUP_SIZES, auto_group_size, linear_layers
 
     if given is not None or method != "int4_weight_only":
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, __version__
-    from quantship.cli.main import UsageError
+    from quantship.cli.usage import UsageError
     from quantship.cli.sources import load_model, weights_origin
     from quantship.precision import preset
     from quantship.quantize.layer_error import layer_error, suggest_skip

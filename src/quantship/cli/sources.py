@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantship.cli.main import UsageError
+from quantship.cli.usage import UsageError
 from quantship.errors import DataRefused, cause, one_line
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
