@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common, inputs
+from quantship.cli.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +30,9 @@ def exit_code(report) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from rich.console import Console
 
-    from quantship.cli.usage import UsageError
     from quantship.inspect.check import check_file
     from quantship.inspect.rules import target as rule_target
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.cli.check import exit_code
+from quantship.precision import preset
 
 BATCH = 40  # divides the 360 held-out images; the graph is captured at this batch size
 
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ort_accuracy(path, x, y) -> tuple[int, int]:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import numpy as np
 
     from quantship.inspect.consumers import ort_session
@@ -38,6 +41,7 @@ def _ort_accuracy(path, x, y) -> tuple[int, int]:
 
 def _latency_ratio(fp32_path, int8_path, x, runs: int) -> tuple[float, float, float]:
     """Median ms of each file and FP32/INT8, interleaved in one process after a warm-up."""
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import statistics
     import time
 
@@ -59,6 +63,7 @@ def _latency_ratio(fp32_path, int8_path, x, runs: int) -> tuple[float, float, fl
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import time
     import warnings
     from pathlib import Path
@@ -72,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.rules import TARGETS
     from quantship.inspect.stats import qdq_stats
     from quantship.inspect.verify import compare_logits, verify_qdq
-    from quantship.precision import preset
 
     started = time.perf_counter()
     ui = common.Output(args)
@@ -136,6 +140,5 @@ def run(args: argparse.Namespace) -> int:
         rows.append((f"check {t}{' --run' if v.runs else ''}", common.verdict_line(v)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     ui.report(result, rows, title=f"quantship demo: digits -> {int8_path.name}")
-    from quantship.cli.check import exit_code
 
     return exit_code(verdicts[target.target])

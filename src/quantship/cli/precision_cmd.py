@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.precision import PRESETS, SUPPORT_MATRIX, TARGET_ALIASES, precision_table, same_file_as
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +15,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from quantship.precision import PRESETS, SUPPORT_MATRIX, TARGET_ALIASES, precision_table, same_file_as
 
     if args.json:
         common.emit_json("precision", {

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from quantship.cli import common, options
+from quantship.cli import common, options, quantize_weight_only
+from quantship.cli.check import exit_code
+from quantship.cli.usage import UsageError
+from quantship.errors import DataRefused, cause
+from quantship.precision import preset
+from quantship.progress import step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quantship.progress import step
 
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
@@ -57,28 +61,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, out) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
 
     import numpy as np
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.cli.check import exit_code
     from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
-    from quantship.cli.usage import UsageError
     from quantship.cli.sources import load_model, weights_origin
-    from quantship.errors import DataRefused, cause
     from quantship.export import export_qdq
     from quantship.inspect.check import check_file
     from quantship.inspect.facts import read_file
     from quantship.inspect.float_ops import describe_float_ops
     from quantship.inspect.loading import file_size
     from quantship.inspect.verify import FusedKernelDrift
-    from quantship.precision import preset
-    from quantship.progress import step
 
     if args.method != "static":
-        from quantship.cli import quantize_weight_only
 
         return quantize_weight_only.run(args)
     if not args.calib:
@@ -188,7 +187,6 @@ def _export_sample(batches, static_batch: int | None):
     """The export sample and dynamic_batch: the preset's choice, or a static file at ``--static-batch N``."""
     import torch
 
-    from quantship.cli.usage import UsageError
 
     if static_batch is None:
         return batches[0], None
@@ -209,6 +207,7 @@ def _file_batch(path) -> int | None:
 def _output_error(qmodel, path, sample):
     """ORT (literal) vs torch on the first output: in output LSB, or in absolute terms when the output
     stays float (e.g. its producer was kept in float with --exclude)."""
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import numpy as np
 
     from quantship.cli.labelled import torch_runner
@@ -227,6 +226,7 @@ def _left_float(quantizer, facts) -> dict:
     """The compute ops the written file leaves in float, by module path and why (the list ``inspect``
     prints for the file, with what only the quantizer knows: which modules its annotator had no INT8
     rule for), plus every torch op the annotator left float, compute or not (``no_int8_rule``)."""
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from quantship.inspect.float_ops import float_ops
 
     report = getattr(quantizer, "report", None)

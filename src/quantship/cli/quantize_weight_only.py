@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.cli.usage import UsageError
+from quantship.precision import ORT_CPU, preset
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
@@ -18,7 +20,6 @@ def sample_for(model, args: argparse.Namespace):
     """The export sample: token ids [1, --seq-len] for a language model, else the first --calib batch."""
     import torch
 
-    from quantship.cli.usage import UsageError
 
     if args.model.startswith("hf:"):
         vocab = int(model.lm.config.vocab_size)
@@ -32,7 +33,7 @@ def sample_for(model, args: argparse.Namespace):
 
 def choose_group_size(model, method: str, given: int | None, ui: common.Output) -> int | None:
     """The group size: as given, else int4's largest of 128/64/32 dividing every Linear layer (said aloud)."""
-    from quantship.cli.usage import UsageError
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from quantship.quantize.torchao_backend import GROUP_SIZES, auto_group_size, linear_layers
 
     if given is not None or method != "int4_weight_only":
@@ -48,6 +49,7 @@ def choose_group_size(model, method: str, given: int | None, ui: common.Output) 
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
 
     import numpy as np
@@ -55,14 +57,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.cli.usage import UsageError
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
     from quantship.inspect.loading import file_size
 
     ui = common.Output(args)
-    from quantship.precision import ORT_CPU, preset
 
     if args.target is not None and preset(args.target).target != ORT_CPU:
         raise UsageError(f"--target {args.target}: a weight-only file is written for onnxruntime-cpu; choose its form "

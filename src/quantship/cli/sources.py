@@ -271,6 +271,7 @@ def load_hf_model(name: str, weights: str | None = None):
     """``hf:reference`` (the trained byte-level Llama of quantship.examples.lm), ``hf:DIR`` (a local
     Hugging Face checkpoint, or a folder with only config.json: random weights) or ``hf:config.json``.
     Local files only; the model is wrapped to take token ids and return logits."""
+    # optional transformers: examples.lm loads it for hf: models only
     import torch
 
     from quantship.examples import lm

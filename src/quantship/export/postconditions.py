@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from quantship.errors import ExportRefused
+from quantship.inspect.check import check_file as check_deployable
 from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import Preset, QuantSpec
@@ -80,7 +81,6 @@ def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str
 
 def check_target(path: Path | FileFacts, target: Preset) -> None:
     """Refuse a file that the preset's own deployment target would not accept (static rules)."""
-    from quantship.inspect.check import check_file as check_deployable
 
     global _last
     facts = read_written(path)

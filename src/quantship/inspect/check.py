@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantship.inspect.consumers import run_consumer
 from quantship.inspect.facts import FileFacts, facts_of
 from quantship.inspect.graph import FileReport, report_of
 from quantship.inspect.quantization import QuantFacts
@@ -17,6 +18,7 @@ from quantship.inspect.report_json import strict_json
 from quantship.inspect.rules import RULES, Target
 from quantship.inspect.rules import target as get_target
 from quantship.precision import Preset
+from quantship.progress import step
 
 REPORT_VERSION = 1  # "verdict" and each run's "status" were added as new keys (readers of v1 keep working)
 ACCEPTED, REFUSED, FAILED, INCONCLUSIVE = "accepted", "refused", "failed", "inconclusive"
@@ -139,8 +141,6 @@ def check_file(path: str | Path | FileFacts, target: str | Preset | Target, run:
     report = CheckReport(facts.path, tgt.name, facts.quant.format, findings_for(facts.quant, tgt),
                          report=report_of(facts))
     if run:
-        from quantship.inspect.consumers import run_consumer
-        from quantship.progress import step
 
         with step(f"check --run: {tgt.name}"):
             report.runs.append(run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from quantship.errors import DataRefused
+from quantship.progress import active, step
 
 
 def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +115,6 @@ def run_batches(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose:
     a progress bar on a terminal stdout when verbose and no listener shows the step."""
     import sys
 
-    from quantship.progress import active, step
 
     with torch.no_grad():
         if not verbose or active() or not sys.stdout.isatty():

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from quantship import ranks
+from quantship.quantize.observers import rebin_histogram
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,6 @@ def merge_observers(model: nn.Module, *, n_samples: int | None = None, what: str
     """
     if ranks.world() is None:
         return None
-    from quantship.quantize.observers import rebin_histogram
 
     start = time.perf_counter()
     if n_samples is not None:

@@ -17,6 +17,10 @@ import torch
 
 from quantship.errors import DataRefused, SpecRefused
 from quantship.precision import Preset, QuantSpec, resolve_spec, resolve_target, tag_model
+from quantship.quantize import accuracy
+from quantship.quantize.calibration import collect_batches
+from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
+from quantship.quantize.pt2e import annotation_report
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
 _BACKEND_MODULES = {
@@ -123,8 +127,6 @@ class Quantizer:
             )
         batches = None
         if spec.method in _NEEDS_CALIBRATION:
-            from quantship.quantize.calibration import collect_batches
-            from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:
@@ -135,7 +137,6 @@ class Quantizer:
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
             if chosen.backend == "pt2e":
-                from quantship.quantize.pt2e import annotation_report
 
                 self.report = annotation_report(quantized)
             return tag_model(quantized, chosen, self.preset)
@@ -146,13 +147,12 @@ class Quantizer:
             return run(spec)
         if labelled_data is None:
             raise DataRefused("max_accuracy_drop needs labelled_data: (x, y) batches to measure top-1 on")
-        from quantship.quantize.accuracy import search
 
         def quantize_without(excluded: tuple[str, ...]) -> torch.nn.Module:
             skip = tuple(sorted({*(spec.skip_activations or ()), *excluded})) or None
             return run(dataclasses.replace(spec, skip_activations=skip))
 
-        quantized, self.accuracy_search = search(quantize_without, model, labelled_data, self.max_accuracy_drop,
+        quantized, self.accuracy_search = accuracy.search(quantize_without, model, labelled_data, self.max_accuracy_drop,
                                                  log=self._log)
         return quantized
 
