@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from quantship import __version__
 from quantship.errors import ExportRefused
-from quantship.export.artifact import destination_lock
 from quantship.inspect.report_json import strict_json
+from quantship.locks import destination_lock
 from quantship.precision import target_names
 from quantship.progress import END, START, listening
 

@@ -14,7 +14,7 @@ from quantship import __version__
 from quantship.cli.common import terminal_progress
 from quantship.cli.usage import UsageError  # noqa: F401 - re-exported: raised by every subcommand
 from quantship.errors import QuantshipError, cause, one_line
-from quantship.export.artifact import InterruptGuard
+from quantship.interrupts import InterruptGuard
 from quantship.noise import silence_library_noise
 
 # subcommand -> (module under quantship.cli, one-line help). The one list of subcommands.
