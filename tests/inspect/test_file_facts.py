@@ -14,6 +14,7 @@ from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.graph import inspect_file
 from quantship.inspect.lsb import output_scales
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
+from quantship.precision import preset
 
 TARGETS = ("onnxruntime", "openvino", "tigris", "tensorrt")
 
@@ -72,12 +73,12 @@ def test_export_postconditions_read_the_written_file_once(small_qdq, counted, mo
     monkeypatch.setattr(postconditions, "_last", None)
     spec = quant_spec_of_file(small_qdq)
     counted.update(load=0, infer=0)
-    stats = postconditions.check_file(small_qdq, spec, activation_dtype="int8", opset_version=18)
-    postconditions.check_target(small_qdq, "tigris")
+    stats = postconditions.check_spec_held(small_qdq, spec, activation_dtype="int8", opset_version=18)
+    postconditions.check_target(small_qdq, preset("tigris"))
     assert counted == {"load": 1, "infer": 1} and stats == qdq_stats(facts := read_file(small_qdq))
     assert postconditions._last is None  # the read is let go once the last post-condition used it
     for target in ("openvino", "onnxruntime-cpu"):
-        postconditions.check_target(facts, target)
+        postconditions.check_target(facts, preset(target))
     assert counted["load"] == 2  # read_file above; the checks reused its ``facts``
 
 

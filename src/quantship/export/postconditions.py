@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 
 from quantship.errors import ExportRefused
-from quantship.inspect.check import check_file as check_deployable
+from quantship.inspect import check as deployability
 from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import Preset, QuantSpec
 
-# the last file read here, keyed by its identity on disk: check_target reuses check_file's read, then
+# the last file read here, keyed by its identity on disk: check_target reuses check_spec_held's read, then
 # lets it go (the facts hold the whole model)
 _last: tuple[tuple, FileFacts] | None = None
 
@@ -38,8 +38,9 @@ def read_written(path: Path | FileFacts) -> FileFacts:
     return facts
 
 
-def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
-    """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``."""
+def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
+    """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``. (Whether a target
+    accepts a file is ``inspect.check.check_file``'s question; ``check_target`` asks it here.)"""
     facts = read_written(path)
     stats = qdq_stats(facts)
     problems: list[str] = []
@@ -85,7 +86,7 @@ def check_target(path: Path | FileFacts, target: Preset) -> None:
     global _last
     facts = read_written(path)
     _last = None
-    report = check_deployable(facts, target)
+    report = deployability.check_file(facts, target)
     if not report.ok:
         reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
         raise ExportRefused(f"the file written for target={target.target!r} fails {report.target}'s rules: {reasons}")

@@ -34,7 +34,7 @@ from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
-from quantship.export.postconditions import check_file, check_target
+from quantship.export.postconditions import check_spec_held, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.inspect.facts import read_file
 from quantship.inspect.verify import (
@@ -389,7 +389,7 @@ def export_qdq(
         del final
         with step("export check: the file holds the spec"):
             facts = read_file(staged)
-            check_file(facts, spec, activation_dtype=dtype, opset_version=opset_version)
+            check_spec_held(facts, spec, activation_dtype=dtype, opset_version=opset_version)
         if target is not None:
             with step(f"export check: {target.target} rules"):
                 check_target(facts, target)

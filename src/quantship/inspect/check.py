@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantship.inspect.consumers import run_consumer
+from quantship.inspect import consumers
 from quantship.inspect.facts import FileFacts, facts_of
 from quantship.inspect.graph import FileReport, report_of
 from quantship.inspect.quantization import QuantFacts
@@ -143,5 +143,5 @@ def check_file(path: str | Path | FileFacts, target: str | Preset | Target, run:
     if run:
 
         with step(f"check --run: {tgt.name}"):
-            report.runs.append(run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))
+            report.runs.append(consumers.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))
     return report
