@@ -29,19 +29,19 @@ def main(out_dir: Path) -> None:
     fp32 = export_onnx(model, split.x_test[:BATCH], out_dir / "digits_fp32.onnx", dynamic_batch=True)
     for p in PRESETS:
         print(f"\n== {p.target}: {p.why}")
-        qmodel = Quantizer.for_target(p.target).quantize(model, calibration, max_calibration_samples=200)
-        int8 = export_qdq(qmodel, split.x_test[:BATCH], out_dir / f"digits_{p.target}.onnx", target=p.target)
+        qmodel = Quantizer.for_target(p).quantize(model, calibration, max_calibration_samples=200)
+        int8 = export_qdq(qmodel, split.x_test[:BATCH], out_dir / f"digits_{p.target}.onnx", target=p)
         stats = qdq_stats(int8)
         print(f"file: {int8.name}, {stats.n_uint8} uint8 Q/DQ, {stats.n_nonzero_zero_point} non-zero zero-points")
-        report = check_file(int8, p.check_target, run=True)
-        print(f"check {p.check_target}: {'accepted' if report.ok else 'REFUSED'}")
+        report = check_file(int8, p, run=True)
+        print(f"check {p.target}: {'accepted' if report.ok else 'REFUSED'}")
         for finding in report.findings:
             print(f"  [{finding.severity}] {finding.rule}: {finding.message}")
         for consumer_run in report.runs:
             print(f"  run {consumer_run}")
         # three-way check on real held-out images (random inputs overstate what quantization costs)
         real = split.x_test[:200].numpy()
-        for row in compare_files(fp32, int8, target=p.check_target, inputs=real).rows:
+        for row in compare_files(fp32, int8, target=p, inputs=real).rows:
             print(f"  {row}")
     # the same file is not good for every target: the ORT preset's uint8 file against TensorRT's rules
     ort_file = out_dir / "digits_onnxruntime-cpu.onnx"

@@ -29,7 +29,7 @@ def _run(name: str, tmp_path: Path, monkeypatch, capsys) -> str:
 @pytest.mark.slow
 def test_walkthrough_deploy(tmp_path, monkeypatch, capsys):
     out = _run("walkthrough_deploy.py", tmp_path, monkeypatch, capsys)
-    for target in ("onnxruntime", "tensorrt", "openvino", "tigris"):
+    for target in ("onnxruntime-cpu", "tensorrt", "openvino", "tigris"):
         assert f"check {target}: accepted" in out, out
     assert "onnxruntime-cpu file checked against tensorrt: REFUSED" in out
 

@@ -379,18 +379,26 @@ def precision_table() -> str:
     return "\n".join([head, rule, *rows])
 
 
-def tag_model(model: Any, spec: QuantSpec, target: str | None = None) -> Any:
-    """Attach ``spec`` (and the deployment preset it was made for) to a produced model, so the
-    precision and the target travel with it to ``export_qdq``."""
+def tag_model(model: Any, spec: QuantSpec, target: Preset | None = None) -> Any:
+    """Attach ``spec`` (and the resolved deployment preset it was made for) to a produced model, so
+    the precision and the target travel with it to ``export_qdq``."""
+    if target is not None and not isinstance(target, Preset):
+        raise TypeError(f"tag_model(target={target!r}): give the resolved Preset (precision.resolve_target)")
     setattr(model, SPEC_ATTRIBUTE, spec)
-    setattr(model, TARGET_ATTRIBUTE, canonical_target(target) if target is not None else None)
+    setattr(model, TARGET_ATTRIBUTE, target)
     return model
 
 
-def quant_target(model: Any) -> str | None:
+def quant_preset(model: Any) -> Preset | None:
     """The deployment preset a model was quantized for (``Quantizer.for_target``), else ``None``."""
-    name = getattr(model, TARGET_ATTRIBUTE, None)
-    return name if isinstance(name, str) else None
+    found = getattr(model, TARGET_ATTRIBUTE, None)
+    return found if isinstance(found, Preset) else None
+
+
+def quant_target(model: Any) -> str | None:
+    """The name of the deployment preset a model was quantized for, else ``None``."""
+    found = quant_preset(model)
+    return found.target if found is not None else None
 
 
 def quant_spec(model: Any) -> QuantSpec | None:
@@ -410,31 +418,44 @@ def quant_spec(model: Any) -> QuantSpec | None:
 
 @dataclass(frozen=True)
 class Preset:
-    """A deployment preset: the request to quantize with, and how to write the file."""
+    """A deployment preset, resolved: the request to quantize with, and how to write the file.
+
+    ``target`` is the one name of the runtime everywhere inside quantship: its rule table in
+    ``inspect/rules.py`` and its consumer carry the same name. Other spellings
+    (``TARGET_ALIASES``) are resolved at the edge, by ``resolve_target``.
+    """
 
     target: str
     spec_kwargs: Mapping[str, Any] = field(default_factory=dict)
     activation_dtype: str = "int8"
-    check_target: str = ""  # the deployability rule set the file must pass
     why: str = ""
     dynamic_batch: bool = False  # True: the file serves any batch; False: a static batch-1 file
 
+    @property
+    def check_target(self) -> str:
+        """The deployability rule set the file must pass: the target's own name (kept for callers of
+        earlier releases; one name per runtime)."""
+        return self.target
+
+
+ORT_CPU = "onnxruntime-cpu"  # the one internal name of ONNX Runtime (CPU): its preset, rule table and consumer
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("onnxruntime-cpu", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8", "onnxruntime",
+    Preset(ORT_CPU, {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8",
            "uint8 affine activations let ONNX Runtime fuse every Conv/Gemm/Add into integer kernels; "
            "7-bit weights keep its u8s8 kernels from saturating on x86 CPUs without VNNI", dynamic_batch=True),
-    Preset("tensorrt", {"backend": "pt2e", "symmetric": True}, "int8", "tensorrt",
+    Preset("tensorrt", {"backend": "pt2e", "symmetric": True}, "int8",
            "TensorRT accepts only int8 with zero-point 0", dynamic_batch=True),
-    Preset("openvino", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8", "openvino",
+    Preset("openvino", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8",
            "uint8 activation files compile on CPU without a precision hint", dynamic_batch=True),
-    Preset("tigris", {"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"}, "int8", "tigris",
+    Preset("tigris", {"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"}, "int8",
            "per-tensor int8 activations, fully quantized: one dtype for the whole plan", dynamic_batch=False),
 )
 
 
-# Other spellings of a target, accepted by every command and function that takes one.
-TARGET_ALIASES: Mapping[str, str] = {"onnxruntime": "onnxruntime-cpu"}
+# Other spellings of a target, accepted by every command and public function that takes one, and
+# resolved there (``resolve_target``); nothing inside quantship compares against an alias.
+TARGET_ALIASES: Mapping[str, str] = {"onnxruntime": ORT_CPU}
 
 
 def target_names() -> tuple[str, ...]:
@@ -458,13 +479,22 @@ def preset(target: str) -> Preset:
     return next(p for p in PRESETS if p.target == name)
 
 
+def resolve_target(target: str | Preset) -> Preset:
+    """The edge's one look-up: a target name or alias becomes its ``Preset``; a ``Preset`` passes as is.
+
+    Public functions that take ``target=`` call it once at their entry and pass the object on.
+    """
+    return target if isinstance(target, Preset) else preset(target)
+
+
 def file_settings(p: Preset) -> tuple:
     """What decides the file a preset writes: the resolved spec and every export option."""
-    options = tuple(sorted((k, v) for k, v in asdict(p).items() if k not in ("target", "spec_kwargs", "check_target", "why")))
+    options = tuple(sorted((k, v) for k, v in asdict(p).items() if k not in ("target", "spec_kwargs", "why")))
     return (resolve_spec(**p.spec_kwargs), options)
 
 
-def same_file_as(target: str) -> list[str]:
+def same_file_as(target: str | Preset) -> list[str]:
     """The other presets that write exactly the same file as ``target`` (same spec, same options)."""
-    mine = file_settings(preset(target))
-    return [p.target for p in PRESETS if p.target != canonical_target(target) and file_settings(p) == mine]
+    p = resolve_target(target)
+    mine = file_settings(p)
+    return [other.target for other in PRESETS if other.target != p.target and file_settings(other) == mine]

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from quantship.cli.main import main
+from tests.pause_points import PAUSE_ENV, child_env
 from tests.processes import wait_for
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -222,7 +223,9 @@ def _default_sigint() -> None:
 
 
 def _cli(*argv: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    env = dict(env or {})
+    full_env = child_env({**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **env},
+                         env.pop(PAUSE_ENV, None))
     return subprocess.Popen([sys.executable, "-m", "quantship", *argv], stderr=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=full_env, preexec_fn=_default_sigint, **kwargs)
 
@@ -250,7 +253,7 @@ def test_real_processes_kill_9_second_writer_and_ctrl_c(files, tmp_path):
     out.write_bytes(b"the old file")
     argv = ("quantize-onnx", str(files["FLOAT"]), "--calib", str(files["CAL"]), "--out", str(out), "--quiet")
 
-    first = _cli(*argv, env={"QUANTSHIP_PAUSE_AT": "staged"})
+    first = _cli(*argv, env={PAUSE_ENV: "staged"})
     wait_for(first, "quantship-paused:staged", timeout=120)
     second = _cli(*argv, "--no-wait")
     _, err = second.communicate(timeout=120)
@@ -260,7 +263,7 @@ def test_real_processes_kill_9_second_writer_and_ctrl_c(files, tmp_path):
     assert out.read_bytes() == b"the old file"
     assert any(p.name.startswith(".quantship-") for p in tmp_path.iterdir())  # the killed run's temp dir
 
-    third = _cli(*argv, env={"QUANTSHIP_PAUSE_AT": "staged"})
+    third = _cli(*argv, env={PAUSE_ENV: "staged"})
     wait_for(third, "quantship-paused:staged", timeout=120)
     third.send_signal(signal.SIGINT)
     _, err = third.communicate(timeout=60)

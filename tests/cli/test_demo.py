@@ -27,7 +27,7 @@ def test_demo_table(tmp_path, capsys):
     assert (sizes["fp32"], sizes["int8"]) == (on_disk["fp32"], on_disk["int8"])
     assert sizes["ratio"] == pytest.approx(sizes["fp32"] / sizes["int8"]) and sizes["ratio"] > 1.0
     assert report["qdq_stats"]["n_uint8"] > 0 and report["qdq_stats"]["n_per_channel"] == 7
-    assert report["checks"]["onnxruntime"]["ok"] and report["checks"]["tigris"]["ok"]
+    assert report["checks"]["onnxruntime-cpu"]["ok"] and report["checks"]["tigris"]["ok"]
     assert not report["checks"]["tensorrt"]["ok"]  # uint8 zero-point 128: the ORT preset is not for TensorRT
     latency = report["latency_ms"]
     assert latency["runs"] == 5 and latency["batch"] == 40

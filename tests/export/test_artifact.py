@@ -1,8 +1,8 @@
 """Atomic artifacts: old or new file, never a mix; no temporaries left; one writer at a time; Ctrl-C honoured.
 
 The subprocess tests write a tiny ONNX graph (one Add of a constant) through ``atomic_destination``
-so that each process costs only the onnx import; ``QUANTSHIP_PAUSE_AT`` stops a writer at a named
-stage so the test can kill it exactly there.
+so that each process costs only the onnx import; ``tests.pause_points`` stops a writer at a named
+stage (from the test side: the library carries no hook) so the test can kill it exactly there.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import quantship.export.artifact as artifact
 from quantship.errors import ExportRefused
+from tests.pause_points import child_env, install
 from tests.processes import wait_for
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -74,10 +75,7 @@ def _spawn(tmp_path: Path, out: Path, value: float, *, external: bool, wait: boo
     script = tmp_path.parent / "writer.py"
     if not script.exists():
         script.write_text(WRITER)
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop(artifact.PAUSE_ENV, None)
-    if pause:
-        env[artifact.PAUSE_ENV] = pause
+    env = child_env({**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}, pause)
     return subprocess.Popen([sys.executable, str(script), str(out), str(value), "1" if external else "0",
                              "1" if wait else "0"], stderr=subprocess.PIPE, text=True, env=env)
 
@@ -112,9 +110,12 @@ def test_a_crash_between_the_weights_and_the_graph_keeps_the_old_pair(tmp_path, 
         if stage == "data-moved":
             raise RuntimeError("injected crash after the weights moved")
 
-    monkeypatch.setattr(artifact, "_pause", crash)
-    with pytest.raises(RuntimeError, match="injected"):
-        _write(out, 2.0)
+    undo = install(crash)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            _write(out, 2.0)
+    finally:
+        undo()
     assert _value(out) == 1.0  # the old graph, with its own weights
     assert _listing(tmp_path) == sorted(["big.onnx", *artifact.external_locations(out)])
 

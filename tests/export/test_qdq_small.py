@@ -136,7 +136,7 @@ def test_external_data_is_written_atomically(tiny_pt2e, tiny_calib, tmp_path, mo
     def failing_post_condition(*args, **kwargs):
         raise postconditions.ExportRefused("injected post-condition failure")
 
-    monkeypatch.setattr(qdq, "check_file", failing_post_condition)
+    monkeypatch.setattr(qdq, "check_spec_held", failing_post_condition)
     with pytest.raises(ValueError, match="injected"):
         export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "gone.onnx")
     _only(tmp_path, "ext.onnx", data)

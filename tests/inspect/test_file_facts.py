@@ -14,6 +14,7 @@ from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.graph import inspect_file
 from quantship.inspect.lsb import output_scales
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
+from quantship.precision import preset
 
 TARGETS = ("onnxruntime", "openvino", "tigris", "tensorrt")
 
@@ -72,9 +73,9 @@ def test_export_postconditions_read_the_written_file_once(small_qdq, counted):
     spec = quant_spec_of_file(small_qdq)
     counted.update(load=0, infer=0)
     facts = postconditions.read_written(small_qdq)  # what export_qdq does: one read, handed to every check
-    stats = postconditions.check_file(facts, spec, activation_dtype="int8", opset_version=18)
+    stats = postconditions.check_spec_held(facts, spec, activation_dtype="int8", opset_version=18)
     for target in ("tigris", "openvino", "onnxruntime-cpu"):
-        postconditions.check_target(facts, target)
+        postconditions.check_target(facts, preset(target))
     assert counted == {"load": 1, "infer": 1} and stats == qdq_stats(facts)
 
 

@@ -137,11 +137,12 @@ def test_every_export_pass_keeps_the_module_scopes(kept_float_run):
     from quantship import quant_spec
     from quantship.export import capture, qdq
     from quantship.export.checks import run_passes
+    from quantship.precision import preset
 
     _, _, qmodel, sample = kept_float_run
     produced = qdq.produce(qmodel, sample, opset_version=17, dynamic_batch=True, input_names=None, output_names=None)
     ctx = qdq.ExportContext(spec=quant_spec(qmodel), opset_version=17, activation_dtype="uint8",
-                            target="onnxruntime-cpu", inputs=capture.as_arrays(sample), produced=produced)
+                            target=preset("onnxruntime-cpu"), inputs=capture.as_arrays(sample), produced=produced)
     model = ir.from_proto(produced)
     for make in qdq.PASSES:
         run_passes([make(ctx)], model)

@@ -9,13 +9,17 @@ import pytest
 
 from quantship.inspect.check import check_file
 from quantship.inspect.rules import RULES, TARGETS
+from quantship.inspect.rules import target as rule_table
+from quantship.precision import PRESETS, preset
 from tests.onnx_edits import strip_kernel_shape
 
-ALL_TARGETS = ["onnxruntime", "tensorrt", "openvino", "tigris"]
+ALL_TARGETS = ["onnxruntime", "tensorrt", "openvino", "tigris"]  # as users name them (onnxruntime: an alias)
 
 
 def test_rule_tables_are_consistent():
-    assert list(TARGETS) == ALL_TARGETS
+    # one name per runtime: each rule table carries its preset's name, and an alias reads the same table
+    assert list(TARGETS) == [p.target for p in PRESETS] == ["onnxruntime-cpu", "tensorrt", "openvino", "tigris"]
+    assert all(rule_table(name) is TARGETS[preset(name).target] for name in ALL_TARGETS)
     for tgt in TARGETS.values():
         assert set(tgt.errors) <= set(RULES) and set(tgt.warnings) <= set(RULES)
         assert not set(tgt.errors) & set(tgt.warnings)

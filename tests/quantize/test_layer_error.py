@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from quantship import Quantizer
-from quantship.quantize.layer_error import layer_error, measure_skip, sqnr_db, suggest_skip
+from quantship.quantize.layer_error import layer_error, sqnr_db, suggest_skip
+from quantship.quantize.skip_effect import measure_skip
 
 
 @pytest.fixture(scope="module")

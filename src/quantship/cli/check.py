@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common, inputs
+from quantship.cli.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +30,9 @@ def exit_code(report) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from rich.console import Console
 
-    from quantship.cli.main import UsageError
     from quantship.inspect.check import check_file
     from quantship.inspect.rules import target as rule_target
 
@@ -40,13 +41,14 @@ def run(args: argparse.Namespace) -> int:
     if args.inputs and not args.run:
         raise UsageError("--inputs feeds the consumer's run: add --run")
     real = inputs.read(args, limit=args.n * 64)
-    report = check_file(args.file, args.target, run=args.run, n_inputs=args.n, inputs=real)
+    target = rule_target(args.target)  # the one look-up: an alias resolves here
+    report = check_file(args.file, target, run=args.run, n_inputs=args.n, inputs=real)
     if args.json:
         common.emit_json(args.command, report.as_dict())
         return exit_code(report)
     console = Console(highlight=False, soft_wrap=True)  # one line per finding: greppable
     colour = {"accepted": "green", "inconclusive": "yellow"}.get(report.verdict, "red")
-    console.print(f"{report.path}: {report.format} file, {rule_target(args.target).consumer}: "
+    console.print(f"{report.path}: {report.format} file, {target.consumer}: "
                   f"[{colour}]{report.summary()}[/]")
     for finding in report.findings:
         colour = "red" if finding.severity == "error" else "yellow"

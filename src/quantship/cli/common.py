@@ -8,6 +8,13 @@ import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from quantship import __version__
+from quantship.errors import ExportRefused
+from quantship.inspect.report_json import strict_json
+from quantship.locks import destination_lock
+from quantship.precision import target_names
+from quantship.progress import END, START, listening
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -15,7 +22,6 @@ if TYPE_CHECKING:
 def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None, help: str,
                         required: bool | None = None) -> None:
     """``--target``: every command accepts every name of the one target registry (and its aliases)."""
-    from quantship.precision import target_names
 
     required = default is None if required is None else required
     parser.add_argument("--target", default=default, required=required, choices=target_names(),
@@ -43,7 +49,6 @@ def output_path(out: str):
     """The resolved ``--out`` path, refused before any work when it cannot be a file we write."""
     from pathlib import Path
 
-    from quantship.errors import ExportRefused
 
     path = Path(out).expanduser().resolve()
     if path.is_dir():
@@ -59,7 +64,6 @@ def writing(args: argparse.Namespace) -> Iterator[Path]:
 
     A command holds it to its end: its report reads the file this run wrote.
     """
-    from quantship.export.artifact import destination_lock
 
     out = output_path(args.out)
     with destination_lock(out, wait=not args.no_wait):
@@ -97,6 +101,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def preprocessing(args: argparse.Namespace):
     """How image folders become model input (``--resize/--crop/--mean/--std``)."""
+    # cli.sources imports numpy: loaded when data is read, so --help answers at once
     from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
     return Preprocessing(resize=args.resize, crop=args.crop, mean=tuple(args.mean or IMAGENET_MEAN),
@@ -104,6 +109,7 @@ def preprocessing(args: argparse.Namespace):
 
 
 def read_calibration(args: argparse.Namespace, *, keep_last: bool = False):
+    # cli.sources imports numpy: loaded when data is read, so --help answers at once
     from quantship.cli.sources import read_calibration
 
     return read_calibration(args.calib, key=args.key, prep=preprocessing(args), batch_size=args.batch_size,
@@ -121,7 +127,6 @@ JSON_VERSION = 1  # the layout of every command's --json document (docs/json.md)
 def json_document(command: str, data: dict[str, Any]) -> dict[str, Any]:
     """Every command's --json in one shape: ``version`` (the document layout) first, then the quantship
     release and the command, then the command's own keys (snake_case; counts named by what they count)."""
-    from quantship import __version__
 
     rest = {k: v for k, v in data.items() if k not in ("version", "quantship", "command")}
     return {"version": JSON_VERSION, "quantship": __version__, "command": command, **rest}
@@ -129,7 +134,6 @@ def json_document(command: str, data: dict[str, Any]) -> dict[str, Any]:
 
 def emit_json(command: str, data: dict[str, Any]) -> None:
     """Print ``json_document`` as strict JSON: a non-finite number becomes null and is listed in ``notes``."""
-    from quantship.inspect.report_json import strict_json
 
     print(strict_json(json.loads(json.dumps(json_document(command, data), default=str))))
 
@@ -151,7 +155,6 @@ class TerminalProgress:
         self.spinner = Spinner("dots")
 
     def __call__(self, event: str, step) -> None:
-        from quantship.progress import END, START
 
         if event == START:
             self.running.append(step)
@@ -202,7 +205,6 @@ def terminal_progress(args: argparse.Namespace):
 def _showing(stream) -> Iterator[TerminalProgress]:
     from rich.console import Console
 
-    from quantship.progress import listening
 
     view = TerminalProgress(Console(file=stream, highlight=False))
     try:

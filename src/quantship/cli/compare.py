@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from quantship.inspect.compare import compare_files
 
     real = inputs.read(args)

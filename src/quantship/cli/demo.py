@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.cli.check import exit_code
+from quantship.precision import preset
 
 BATCH = 40  # divides the 360 held-out images; the graph is captured at this batch size
 
@@ -23,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ort_accuracy(path, x, y) -> tuple[int, int]:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import numpy as np
 
     from quantship.inspect.consumers import ort_session
@@ -38,6 +41,7 @@ def _ort_accuracy(path, x, y) -> tuple[int, int]:
 
 def _latency_ratio(fp32_path, int8_path, x, runs: int) -> tuple[float, float, float]:
     """Median ms of each file and FP32/INT8, interleaved in one process after a warm-up."""
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import statistics
     import time
 
@@ -59,6 +63,7 @@ def _latency_ratio(fp32_path, int8_path, x, runs: int) -> tuple[float, float, fl
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import time
     import warnings
     from pathlib import Path
@@ -72,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.rules import TARGETS
     from quantship.inspect.stats import qdq_stats
     from quantship.inspect.verify import compare_logits, verify_qdq
-    from quantship.precision import preset
 
     started = time.perf_counter()
     ui = common.Output(args)
@@ -86,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
     calibration = [split.x_train[i:i + BATCH] for i in range(0, 200, BATCH)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qmodel = Quantizer.for_target(target.target, verbose=ui.verbose).quantize(
+        qmodel = Quantizer.for_target(target, verbose=ui.verbose).quantize(
             model, calibration, max_calibration_samples=200)
         fp32_path = export_onnx(model, split.x_test[:BATCH], out_dir / "digits_fp32.onnx", dynamic_batch=False)
         # the demo feeds batches of BATCH: a preset's static file (tigris) is written at that batch here
         int8_path = export_qdq(qmodel, split.x_test[:BATCH], out_dir / f"digits_int8_{target.target}.onnx",
-                               target=target.target, dynamic_batch=None if target.dynamic_batch else False)
+                               target=target, dynamic_batch=None if target.dynamic_batch else False)
         agreement = verify_qdq(qmodel, int8_path, split.x_test, n_batches=len(split.y_test) // BATCH)
         error = compare_logits(qmodel, int8_path, split.x_test, n_batches=len(split.y_test) // BATCH)
 
@@ -103,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
     fp32_ms, int8_ms, speedup = _latency_ratio(fp32_path, int8_path, split.x_test[:BATCH].numpy(), args.runs)
     # every target's rules; the preset's own target is also run (where installed) on the held-out images,
     # the same code as `quantship check --run --inputs`, and the demo's exit code follows that verdict
-    verdicts = {t: check_file(int8_path, t, run=t == target.check_target, inputs=split.x_test.numpy())
-                for t in TARGETS}
+    verdicts = {name: check_file(int8_path, rules, run=name == target.target, inputs=split.x_test.numpy())
+                for name, rules in TARGETS.items()}
     elapsed = time.perf_counter() - started
 
     result = {
@@ -136,6 +140,5 @@ def run(args: argparse.Namespace) -> int:
         rows.append((f"check {t}{' --run' if v.runs else ''}", common.verdict_line(v)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     ui.report(result, rows, title=f"quantship demo: digits -> {int8_path.name}")
-    from quantship.cli.check import exit_code
 
-    return exit_code(verdicts[target.check_target])
+    return exit_code(verdicts[target.target])

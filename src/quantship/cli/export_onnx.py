@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from quantship import __version__
 from quantship.cli import common
+from quantship.cli.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    from quantship.cli.main import UsageError
 
     try:
         dims = tuple(int(d) for d in text.replace("x", ",").split(","))
@@ -32,9 +33,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import torch
 
-    from quantship import __version__
     from quantship.cli.sources import load_model, weights_origin
     from quantship.export import export_onnx
     from quantship.inspect.loading import file_size

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from quantship.cli.usage import UsageError
+
 
 def add_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--inputs", metavar="DATA", help=f".npy/.npz array (N x C x H x W) or a folder of images: "
@@ -23,9 +25,9 @@ def read(args: argparse.Namespace, limit: int | None = None):
     """The ``--inputs`` array (None when not given); a folder yields at most ``limit`` images."""
     if not args.inputs:
         return None
+    # cli.sources imports numpy: loaded when data is read, so --help answers at once
     from pathlib import Path
 
-    from quantship.cli.main import UsageError
     from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, load_array, load_images
 
     path = Path(args.inputs)

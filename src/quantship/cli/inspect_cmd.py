@@ -20,6 +20,7 @@ def _size(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from rich.console import Console
     from rich.table import Table
 

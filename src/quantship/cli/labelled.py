@@ -13,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from quantship.cli.main import UsageError
+from quantship.cli.sources import load_images
+from quantship.cli.usage import UsageError
+from quantship.inspect.intervals import format_accuracy, wilson_interval
+from quantship.inspect.verify import ort_session, run_session
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,6 @@ class Labelled:
 
 def read_labelled(path: str, prep) -> Labelled:
     """``--eval DATA``: a .npz with ``x`` and ``y``, or an image folder with one subfolder per class."""
-    from quantship.cli.sources import load_images
 
     p = Path(path)
     if not p.exists():
@@ -73,13 +75,11 @@ class Top1:
     vacuous: bool
 
     def describe(self) -> str:
-        from quantship.inspect.intervals import format_accuracy
 
         text = format_accuracy(self.correct, self.n)
         return text + (" (VACUOUS: the model predicts one class for every input)" if self.vacuous else "")
 
     def as_dict(self) -> dict:
-        from quantship.inspect.intervals import wilson_interval
 
         low, high = wilson_interval(self.correct, self.n)
         return {"correct": self.correct, "n": self.n, "accuracy": self.correct / self.n,
@@ -120,7 +120,6 @@ def torch_runner(model) -> Callable[[np.ndarray], np.ndarray]:
 
 def file_runner(path: str | Path) -> Callable[[np.ndarray], np.ndarray]:
     """The ONNX file in ONNX Runtime at its default optimizations (what a user gets)."""
-    from quantship.inspect.verify import ort_session, run_session
 
     session = ort_session(path, optimized=True)
 

@@ -10,6 +10,13 @@ import argparse
 import importlib
 import sys
 
+from quantship import __version__
+from quantship.cli.common import terminal_progress
+from quantship.cli.usage import UsageError  # noqa: F401 - re-exported: raised by every subcommand
+from quantship.errors import QuantshipError, cause, one_line
+from quantship.interrupts import InterruptGuard
+from quantship.noise import silence_library_noise
+
 # subcommand -> (module under quantship.cli, one-line help). The one list of subcommands.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "quantize the built-in reference task end to end and print one table"),
@@ -24,10 +31,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class UsageError(Exception):
-    """Bad input from the command line: reported in one line, exit code 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors in one line (no usage block): ``quantship CMD: error: ...``, exit 2."""
 
@@ -36,7 +39,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from quantship import __version__
 
     parser = _Parser(
         prog="quantship",
@@ -60,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _describe(exc: BaseException) -> str:
-    from quantship.errors import QuantshipError, cause, one_line
 
     if isinstance(exc, (UsageError, QuantshipError)):
         return one_line(exc)
@@ -117,9 +118,6 @@ def _run(argv: list[str] | None) -> int:
     if getattr(args, "_missing", False):
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
-    from quantship.cli.common import terminal_progress
-    from quantship.export.artifact import InterruptGuard
-    from quantship.noise import silence_library_noise
 
     silence_library_noise()  # stderr holds one line on an error, about the user's input
 

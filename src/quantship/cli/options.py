@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from quantship.cli.main import UsageError
+from quantship.cli.usage import UsageError
 
 # every Quantizer keyword a config file may set (the signature of quantship.Quantizer)
 QUANTIZER_KEYS = ("backend", "method", "weight_bits", "act_bits", "qscheme", "symmetric", "group_size",

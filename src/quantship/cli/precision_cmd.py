@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.precision import PRESETS, SUPPORT_MATRIX, TARGET_ALIASES, precision_table, same_file_as
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,12 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from quantship.precision import PRESETS, SUPPORT_MATRIX, TARGET_ALIASES, precision_table, same_file_as
 
     if args.json:
         common.emit_json("precision", {
             "matrix": [asdict(c) | {"label": c.label} for c in SUPPORT_MATRIX],
-            "presets": [asdict(p) | {"same_graph_as": same_file_as(p.target)} for p in PRESETS],
+            "presets": [asdict(p) | {"check_target": p.check_target, "same_graph_as": same_file_as(p)} for p in PRESETS],
             "target_aliases": dict(TARGET_ALIASES),
         })
         return 0
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|")
     for p in PRESETS:
         request = ", ".join(f"{k}={v!r}" for k, v in p.spec_kwargs.items())
-        twins = ", ".join(f"`{t}`" for t in same_file_as(p.target)) or "no other preset"
+        twins = ", ".join(f"`{t}`" for t in same_file_as(p)) or "no other preset"
         print(f"| `{p.target}` | {request} | {p.activation_dtype} | {p.check_target} | {twins} |")
     aliases = ", ".join(f"`{a}` = `{t}`" for a, t in TARGET_ALIASES.items())
     print(f"\nEvery command's --target accepts every name above; aliases: {aliases}.")

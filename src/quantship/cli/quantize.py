@@ -10,8 +10,15 @@ writes nothing).
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+from typing import Any
 
-from quantship.cli import common, options
+from quantship.cli import common, options, quantize_weight_only
+from quantship.cli.check import exit_code
+from quantship.cli.usage import UsageError
+from quantship.errors import DataRefused, cause
+from quantship.precision import ORT_CPU, Preset, preset
+from quantship.progress import step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,47 +52,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quantship.progress import step
-
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
             import torch  # noqa: F401
             import torchao.quantization.pt2e  # noqa: F401
 
             import quantship.export.qdq  # noqa: F401
-        return _run(args, out)
+        if args.method != "static":  # torchao weight-only (W8A16 / W4A16): no calibration, its own writer
+            return quantize_weight_only.run(args)
+        return _static(args, out)
 
 
-def _run(args: argparse.Namespace, out) -> int:
-    import warnings
+@dataclass
+class _Run:
+    """What one static run has in hand, step by step: the request, the data, the model and the file."""
 
-    import numpy as np
-    import torch
+    args: argparse.Namespace
+    ui: common.Output
+    target: Preset
+    overrides: dict[str, Any]
+    model: Any = None
+    batches: list = field(default_factory=list)
+    labelled: Any = None  # the --eval data (x, y), and the same cut into calibration-sized batches
+    labelled_batches: list | None = None
+    quantizer: Any = None
+    qmodel: Any = None
+    path: Any = None  # the written file (a MeasuredPath: it carries the export's ORT readings)
+    served: int | None = None  # the file's static batch, None when it serves any batch
+    error: Any = None  # ORT vs torch INT8 on the first output
 
-    from quantship import Quantizer, quant_spec
-    from quantship.cli.check import exit_code
-    from quantship.cli.labelled import file_runner, read_labelled, top1, torch_runner
-    from quantship.cli.main import UsageError
-    from quantship.cli.sources import load_model, weights_origin
-    from quantship.errors import DataRefused, cause
-    from quantship.export import export_qdq
-    from quantship.inspect.check import check_file
-    from quantship.inspect.facts import read_file
-    from quantship.inspect.float_ops import describe_float_ops
-    from quantship.inspect.loading import file_size
-    from quantship.inspect.verify import FusedKernelDrift
-    from quantship.precision import preset
-    from quantship.progress import step
 
-    if args.method != "static":
-        from quantship.cli import quantize_weight_only
+def _static(args: argparse.Namespace, out) -> int:
+    """Static W8A8: refuse bad options, read the model and data, quantize and export, then report."""
+    run = _request(args)
+    _read_model_and_data(run)
+    sample, dynamic = _export_sample(run.batches, args.static_batch)
+    _read_labelled(run)
+    _quantize_and_export(run, out, sample, dynamic)
+    return _report(run)
 
-        return quantize_weight_only.run(args)
+
+def _request(args: argparse.Namespace) -> _Run:
+    """The options, refused before any model or data work; the target resolved once, here."""
     if not args.calib:
         raise UsageError("--calib is required for static W8A8 quantization")
     ui = common.Output(args)
     config = options.read_config(args.config)
-    target = preset(args.target or config.get("target") or "onnxruntime-cpu")
+    target = preset(args.target or config.get("target") or ORT_CPU)
     overrides = options.quantizer_options(args, config)  # option refusals come before any model or data work
     if args.backend != "pt2e":
         raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "
@@ -94,75 +107,108 @@ def _run(args: argparse.Namespace, out) -> int:
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
     if args.static_batch is not None and args.static_batch < 1:
         raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
+    return _Run(args, ui, target, overrides)
+
+
+def _read_model_and_data(run: _Run) -> None:
+    """The model and the calibration batches; a model that cannot run on the data is bad input, found
+    before any quantization."""
+    # imported when the command runs (torch, numpy behind these), so --help answers at once
+    import torch
+
+    from quantship.cli.sources import load_model
+
+    args = run.args
     with step(f"quantize: loading {args.model}"):
-        model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
+        run.model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     with step(f"quantize: reading {args.calib}"):
-        batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
-    with torch.no_grad():  # a model that cannot run on the data is bad input, found before any quantization
+        run.batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
+    with torch.no_grad():
         try:
-            model(batches[0])
+            run.model(run.batches[0])
         except Exception as exc:
-            raise DataRefused(f"{args.model} cannot run on a calibration batch of shape {list(batches[0].shape)}: "
-                              f"{cause(exc)}") from None
-    ui.say(f"calibration: {sum(len(b) for b in batches)} sample(s) in {len(batches)} batch(es) of up to "
-           f"{args.batch_size} from {args.calib}")
-    sample, dynamic = _export_sample(batches, args.static_batch)
-    labelled = labelled_batches = None
-    if args.eval:
-        labelled = read_labelled(args.eval, common.preprocessing(args))
-        bs = batches[0].shape[0]
-        labelled_batches = [(torch.from_numpy(labelled.x[i:i + bs]), torch.from_numpy(labelled.y[i:i + bs]))
+            raise DataRefused(f"{args.model} cannot run on a calibration batch of shape "
+                              f"{list(run.batches[0].shape)}: {cause(exc)}") from None
+    run.ui.say(f"calibration: {sum(len(b) for b in run.batches)} sample(s) in {len(run.batches)} batch(es) of up "
+               f"to {args.batch_size} from {args.calib}")
+
+
+def _read_labelled(run: _Run) -> None:
+    """``--eval``: the labelled data, and the same cut into batches of the calibration batch size."""
+    if not run.args.eval:
+        return
+    # imported when the command runs (torch, numpy behind these), so --help answers at once
+    import torch
+
+    from quantship.cli.labelled import read_labelled
+
+    run.labelled = labelled = read_labelled(run.args.eval, common.preprocessing(run.args))
+    bs = run.batches[0].shape[0]
+    run.labelled_batches = [(torch.from_numpy(labelled.x[i:i + bs]), torch.from_numpy(labelled.y[i:i + bs]))
                             for i in range(0, (len(labelled.y) // bs) * bs, bs)]
+
+
+def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
+    """Quantize for the target and write the checked file; warnings measured on the file are said."""
+    # imported when the command runs (torch, onnx behind these), so --help answers at once
+    import warnings
+
+    from quantship import Quantizer
+    from quantship.export import export_qdq
+    from quantship.inspect.verify import FusedKernelDrift
+
+    args, ui = run.args, run.ui
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", FusedKernelDrift)  # measured on the file: the user hears it
-        quantizer = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides)
-        qmodel = quantizer.quantize(model, batches, max_calibration_samples=args.max_samples,
-                                    labelled_data=labelled_batches if quantizer.max_accuracy_drop is not None else None)
-        ui.say(f"export: writing {args.out} for {target.target}")
-        path = export_qdq(qmodel, sample, out, target=target.target, opset_version=args.opset,
-                          dynamic_batch=dynamic)
-        served = _file_batch(path)
-        error = _output_error(qmodel, path, sample if served is None else sample[:served])
+        run.quantizer = quantizer = Quantizer.for_target(run.target, verbose=ui.verbose, **run.overrides)
+        budget = quantizer.max_accuracy_drop is not None
+        run.qmodel = quantizer.quantize(run.model, run.batches, max_calibration_samples=args.max_samples,
+                                        labelled_data=run.labelled_batches if budget else None)
+        ui.say(f"export: writing {args.out} for {run.target.target}")
+        run.path = export_qdq(run.qmodel, sample, out, target=run.target, opset_version=args.opset,
+                              dynamic_batch=dynamic)
+        run.served = _file_batch(run.path)
+        run.error = _output_error(run.qmodel, run.path, sample if run.served is None else sample[:run.served])
     for warning in caught:
         ui.say(f"warning: {warning.message}")
+
+
+def _report(run: _Run) -> int:
+    """The file read back and checked as ``quantship check --run`` would, printed as one table or JSON."""
+    # imported when the command runs (onnx, numpy behind these), so --help answers at once
+    import numpy as np
+
+    from quantship import quant_spec
+    from quantship.cli.sources import weights_origin
+    from quantship.inspect.check import check_file
+    from quantship.inspect.facts import read_file
+    from quantship.inspect.float_ops import describe_float_ops
+    from quantship.inspect.loading import file_size
+
+    args, target, path, served, error = run.args, run.target, run.path, run.served, run.error
+    spec = quant_spec(run.qmodel)
     facts = read_file(path)
     stats = facts.stats
     size = file_size(path)
-    real = np.concatenate([b.numpy() for b in batches])  # the calibration data: real inputs for the run
-    verdict = check_file(path, target.check_target, run=True, inputs=real)
+    real = np.concatenate([b.numpy() for b in run.batches])  # the calibration data: real inputs for the run
+    verdict = check_file(path, target, run=True, inputs=real)
     readings = path.readings
+    weights = weights_origin(args.model, args.weights)
     result = {
-        "version": 1, "model": args.model, "weights": weights_origin(args.model, args.weights), "target": target.target, "path": args.out,
-        "spec": quant_spec(qmodel).as_dict(), "label": quant_spec(qmodel).label,
+        "version": 1, "model": args.model, "weights": weights, "target": target.target, "path": args.out,
+        "spec": spec.as_dict(), "label": spec.label,
         "size_bytes": size, "batch": "any" if served is None else served, "qdq_stats": stats.as_dict(),
-        "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(), "ort_readings": readings.as_dict() if readings else None,
+        "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(),
+        "ort_readings": readings.as_dict() if readings else None,
         "verdict": verdict.verdict, "check": verdict.as_dict(),
     }
-    result["float_ops"] = left_float = _left_float(quantizer, facts)
+    result["float_ops"] = left_float = _left_float(run.quantizer, facts)
     del facts
-    rows_eval: list[tuple[str, str]] = []
-    if labelled is not None:
-        bs = batches[0].shape[0]
-        runners = {"fp32_torch": ("FP32 torch", lambda: torch_runner(model)),
-                   "int8_torch": ("INT8 torch", lambda: torch_runner(qmodel)),
-                   "int8_file_ort": ("INT8 file in ORT", lambda: file_runner(path))}
-        accuracy = {}
-        for key, (what, runner) in runners.items():
-            with step(f"--eval: top-1 of {what} on {len(labelled.y)} sample(s)"):
-                accuracy[key] = top1(runner(), labelled, bs)
-        result["accuracy"] = {k: v.as_dict() for k, v in accuracy.items()}
-        rows_eval = [("top-1 FP32 (torch)", accuracy["fp32_torch"].describe()),
-                     ("top-1 INT8 (torch)", accuracy["int8_torch"].describe()),
-                     ("top-1 INT8 (file, ORT)", accuracy["int8_file_ort"].describe())]
-    if quantizer.accuracy_search is not None:
-        result["accuracy_search"] = quantizer.accuracy_search.as_dict()
-        chosen = quantizer.accuracy_search.chosen
-        rows_eval.append(("accuracy-aware search", f"{len(quantizer.accuracy_search.steps)} quantization(s); kept in "
-                          f"float: {', '.join(chosen.excluded) or 'nothing'}"))
+    rows_eval = _accuracy_rows(run, result)
     rows = [
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
-        ("weights", weights_origin(args.model, args.weights)),
+        ("weights", weights),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
         ("batch", "any (symbolic 'batch' dimension)" if served is None else f"static {served}"),
         ("left in float", describe_float_ops(left_float)),
@@ -179,16 +225,42 @@ def _run(args: argparse.Namespace, out) -> int:
     if readings is not None:
         rows.append(("ORT readings (sample)", str(readings)))
     rows += [(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs]
-    rows.append((f"check {target.check_target} --run", common.verdict_line(verdict)))
-    ui.report(result, rows)
+    rows.append((f"check {target.target} --run", common.verdict_line(verdict)))
+    run.ui.report(result, rows)
     return exit_code(verdict)
+
+
+def _accuracy_rows(run: _Run, result: dict) -> list[tuple[str, str]]:
+    """``--eval``'s top-1 of FP32, INT8 torch and the INT8 file, and the accuracy-aware search (into ``result``)."""
+    # imported when the command runs (torch, onnxruntime behind these), so --help answers at once
+    from quantship.cli.labelled import file_runner, top1, torch_runner
+
+    rows: list[tuple[str, str]] = []
+    labelled = run.labelled
+    if labelled is not None:
+        bs = run.batches[0].shape[0]
+        runners = {"fp32_torch": ("FP32 torch", lambda: torch_runner(run.model)),
+                   "int8_torch": ("INT8 torch", lambda: torch_runner(run.qmodel)),
+                   "int8_file_ort": ("INT8 file in ORT", lambda: file_runner(run.path))}
+        accuracy = {}
+        for key, (what, runner) in runners.items():
+            with step(f"--eval: top-1 of {what} on {len(labelled.y)} sample(s)"):
+                accuracy[key] = top1(runner(), labelled, bs)
+        result["accuracy"] = {k: v.as_dict() for k, v in accuracy.items()}
+        rows = [("top-1 FP32 (torch)", accuracy["fp32_torch"].describe()),
+                ("top-1 INT8 (torch)", accuracy["int8_torch"].describe()),
+                ("top-1 INT8 (file, ORT)", accuracy["int8_file_ort"].describe())]
+    search = run.quantizer.accuracy_search
+    if search is not None:
+        result["accuracy_search"] = search.as_dict()
+        rows.append(("accuracy-aware search", f"{len(search.steps)} quantization(s); kept in "
+                     f"float: {', '.join(search.chosen.excluded) or 'nothing'}"))
+    return rows
 
 
 def _export_sample(batches, static_batch: int | None):
     """The export sample and dynamic_batch: the preset's choice, or a static file at ``--static-batch N``."""
-    import torch
-
-    from quantship.cli.main import UsageError
+    import torch  # the CLI loads torch when a command runs, not for --help
 
     if static_batch is None:
         return batches[0], None
@@ -206,9 +278,11 @@ def _file_batch(path) -> int | None:
     dim = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
     return dim.dim_value if dim.HasField("dim_value") else None
 
+
 def _output_error(qmodel, path, sample):
     """ORT (literal) vs torch on the first output: in output LSB, or in absolute terms when the output
     stays float (e.g. its producer was kept in float with --exclude)."""
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import numpy as np
 
     from quantship.cli.labelled import torch_runner
@@ -227,6 +301,7 @@ def _left_float(quantizer, facts) -> dict:
     """The compute ops the written file leaves in float, by module path and why (the list ``inspect``
     prints for the file, with what only the quantizer knows: which modules its annotator had no INT8
     rule for), plus every torch op the annotator left float, compute or not (``no_int8_rule``)."""
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from quantship.inspect.float_ops import float_ops
 
     report = getattr(quantizer, "report", None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.cli.usage import UsageError
+from quantship.precision import ORT_CPU, preset
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
@@ -18,7 +20,6 @@ def sample_for(model, args: argparse.Namespace):
     """The export sample: token ids [1, --seq-len] for a language model, else the first --calib batch."""
     import torch
 
-    from quantship.cli.main import UsageError
 
     if args.model.startswith("hf:"):
         vocab = int(model.lm.config.vocab_size)
@@ -32,7 +33,7 @@ def sample_for(model, args: argparse.Namespace):
 
 def choose_group_size(model, method: str, given: int | None, ui: common.Output) -> int | None:
     """The group size: as given, else int4's largest of 128/64/32 dividing every Linear layer (said aloud)."""
-    from quantship.cli.main import UsageError
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from quantship.quantize.torchao_backend import GROUP_SIZES, auto_group_size, linear_layers
 
     if given is not None or method != "int4_weight_only":
@@ -48,6 +49,7 @@ def choose_group_size(model, method: str, given: int | None, ui: common.Output) 
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
 
     import numpy as np
@@ -55,19 +57,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
     from quantship.inspect.loading import file_size
 
     ui = common.Output(args)
-    from quantship.precision import canonical_target
 
-    if args.target is not None and canonical_target(args.target) != "onnxruntime-cpu":
+    if args.target is not None and preset(args.target).target != ORT_CPU:
         raise UsageError(f"--target {args.target}: a weight-only file is written for onnxruntime-cpu; choose its form "
                          "with --weight-format matmulnbits (default) or standard (int8/int4 + DequantizeLinear, opset 21)")
-    target = "onnxruntime-cpu" if args.weight_format == "matmulnbits" else None
+    target = preset(ORT_CPU) if args.weight_format == "matmulnbits" else None
     if args.qscheme:
         raise UsageError("--qscheme is for pt2e; weight-only granularity is per channel, or per group with --group-size")
     model = load_model(args.model, args.weights)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     size = file_size(path)
     form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
     result = {
-        "version": 1, "model": args.model, "target": target or "standard", "path": args.out, "spec": spec.as_dict(),
+        "version": 1, "model": args.model, "target": target.target if target else "standard", "path": args.out, "spec": spec.as_dict(),
         "label": spec.label, "size_bytes": size, "form": form, "relative_error_vs_torch": error,
         "relative_error_vs_torch_float_activations": float_error,
     }

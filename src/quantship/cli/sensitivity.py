@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common, options
+from quantship.cli.usage import UsageError
+from quantship.precision import preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,15 +44,14 @@ td,th{{border:1px solid #ccc;padding:2px 8px}}tr.worst{{background:#fdd}}</style
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
     from pathlib import Path
 
     import torch
 
     from quantship import Quantizer, __version__
-    from quantship.cli.main import UsageError
     from quantship.cli.sources import load_model, weights_origin
-    from quantship.precision import preset
     from quantship.quantize.layer_error import layer_error, suggest_skip
 
     ui = common.Output(args)
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qmodel = Quantizer.for_target(target.target, verbose=ui.verbose, **overrides).quantize(
+        qmodel = Quantizer.for_target(target, verbose=ui.verbose, **overrides).quantize(
             model, batches, max_calibration_samples=args.max_samples)
         ui.say("sensitivity: measuring every quantized layer output against float")
         report = layer_error(model, qmodel, batches)

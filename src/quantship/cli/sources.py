@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from quantship.cli.main import UsageError
+from quantship import calibration
+from quantship.cli.usage import UsageError
 from quantship.errors import DataRefused, cause, one_line
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
@@ -246,17 +247,9 @@ def load_images(folder: str, prep: Preprocessing, limit: int) -> np.ndarray:
 
 def calibration_batches(array: np.ndarray, batch_size: int, max_samples: int, *,
                         keep_last: bool = False) -> list[np.ndarray]:
-    """Batches of ``batch_size`` up to ``max_samples``, C-contiguous; ``keep_last`` keeps a shorter last
-    batch (a symbolic-batch capture takes it), otherwise only whole batches are used."""
-    if batch_size < 1:
-        raise UsageError(f"--batch-size {batch_size} must be at least 1")
-    n = min(len(array), max_samples)
-    if n < batch_size and not keep_last:
-        raise UsageError(
-            f"calibration data holds {len(array)} sample(s), fewer than --batch-size {batch_size}; "
-            "give more samples or a smaller --batch-size")
-    usable = n if keep_last else (n // batch_size) * batch_size
-    return [np.ascontiguousarray(array[i:min(i + batch_size, usable)]) for i in range(0, usable, batch_size)]
+    """Batches of ``batch_size`` up to ``max_samples`` (``quantship.calibration.split``, in the CLI's words)."""
+    return calibration.split(array, batch_size, max_samples, keep_last=keep_last, batch_size_name="--batch-size",
+                             cap_name="--max-samples")
 
 
 def read_calibration(path: str, *, key: str | None, prep: Preprocessing, batch_size: int,
@@ -271,6 +264,7 @@ def load_hf_model(name: str, weights: str | None = None):
     """``hf:reference`` (the trained byte-level Llama of quantship.examples.lm), ``hf:DIR`` (a local
     Hugging Face checkpoint, or a folder with only config.json: random weights) or ``hf:config.json``.
     Local files only; the model is wrapped to take token ids and return logits."""
+    # optional transformers: examples.lm loads it for hf: models only
     import torch
 
     from quantship.examples import lm

@@ -7,9 +7,9 @@ a file already at the destination is left untouched. A run killed with ``kill -9
 directory behind; the next run in that directory recognises it (its owner no longer holds the
 directory's lock) and removes it.
 
-Two writers to one path take turns: an advisory lock (``flock``) on a hidden sibling lock file.
-The second waits, or is refused at once with ``wait=False``; it never replaces a file silently
-while the first is still writing and checking it.
+Two writers to one path take turns (``quantship.locks``: an advisory lock on a hidden sibling
+file); the second never replaces a file silently while the first is still writing and checking it.
+A Ctrl-C is held off during the commit and honoured after it (``quantship.interrupts``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import os
 import re
 import secrets
 import shutil
-import signal
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantship.errors import ExportRefused
+from quantship.interrupts import InterruptGuard
+from quantship.locks import HIDDEN_PREFIX, LOCKFILE, destination_lock, remove_free_lock
 
 if TYPE_CHECKING:
     import onnx
@@ -37,11 +36,9 @@ if TYPE_CHECKING:
 # protobuf cannot serialise 2 GiB; larger models keep their tensors in one external-data file
 EXTERNAL_DATA_THRESHOLD = 1_500_000_000
 
-WORKDIR_PREFIX = ".quantship-"  # .quantship-<name>-<pid>-<token>.tmp, beside the destination
+WORKDIR_PREFIX = HIDDEN_PREFIX  # .quantship-<name>-<pid>-<token>.tmp, beside the destination
 _WORKDIR = re.compile(r"^\.quantship-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<state>tmp|new)$")
-_LOCKFILE = re.compile(r"^\.quantship-.+\.lock$")
 _STALE_AFTER_S = 60.0  # a .new directory (created, not yet locked and renamed) is kept this long
-PAUSE_ENV = "QUANTSHIP_PAUSE_AT"  # test hook: stop at a named stage so a test can kill the process there
 
 
 def external_data_name(path: Path) -> str:
@@ -81,153 +78,6 @@ def external_locations(path: Path) -> set[str]:
     return found
 
 
-def _pause(stage: str) -> None:
-    """Test hook: with ``QUANTSHIP_PAUSE_AT=stage``, say so on stderr and wait to be killed."""
-    if os.environ.get(PAUSE_ENV) == stage:
-        print(f"quantship-paused:{stage}", file=sys.stderr, flush=True)
-        time.sleep(120)
-
-
-# --- interruption -----------------------------------------------------------------------------
-
-class InterruptGuard:
-    """Records every SIGINT while active, so a KeyboardInterrupt swallowed by a library is not lost.
-
-    The signal still raises ``KeyboardInterrupt`` as usual; ``check()`` raises it again if one was
-    recorded, which callers do before any irreversible step (the rename into place).
-    """
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.deferred = False
-        self._previous = None
-        self._installed = False
-
-    def _handle(self, signum, frame) -> None:
-        self.count += 1
-        previous = self._previous
-        if isinstance(getattr(previous, "__self__", None), InterruptGuard):
-            previous.__self__.count += 1  # an outer guard (the CLI's) records it too
-        if not self.deferred:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def defer(self) -> Iterator[None]:
-        """Record SIGINT without raising inside the block (a commit is never cut in half); raise after it."""
-        self.deferred = True
-        try:
-            yield
-        finally:
-            self.deferred = False
-        self.check()
-
-    def __enter__(self) -> InterruptGuard:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            outer = getattr(self._previous, "__self__", None)
-            if isinstance(outer, InterruptGuard):
-                self.count = outer.count  # a Ctrl-C before this write began still stops it
-            if self._previous is not signal.SIG_IGN:
-                signal.signal(signal.SIGINT, self._handle)
-                self._installed = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-
-    def check(self) -> None:
-        if self.count:
-            raise KeyboardInterrupt("interrupted (Ctrl-C) while writing")
-
-
-# --- the destination lock ---------------------------------------------------------------------
-
-_held: dict[tuple[Path, int], list] = {}  # (destination, thread) -> [fd, depth]: re-entrant in one thread
-_held_guard = threading.Lock()
-
-
-def lock_path(final: Path) -> Path:
-    return final.parent / f"{WORKDIR_PREFIX}{final.name}.lock"
-
-
-@contextlib.contextmanager
-def destination_lock(path: str | Path, *, wait: bool = True) -> Iterator[Path]:
-    """Hold the advisory write lock of ``path`` (re-entrant in one thread); yields the resolved path.
-
-    ``wait=False`` refuses at once when another process holds it. The lock file is removed on
-    release; a waiter that wakes on a removed lock file takes the new one instead.
-    """
-    final = Path(path).expanduser().resolve()
-    key = (final, threading.get_ident())  # another thread takes its own flock, and so waits like a process
-    with _held_guard:
-        entry = _held.get(key)
-        if entry is not None:
-            entry[1] += 1
-    if entry is not None:
-        try:
-            yield final
-        finally:
-            with _held_guard:
-                entry[1] -= 1
-        return
-    if not final.parent.is_dir():
-        raise ExportRefused(f"{final.parent} does not exist: create the directory first")
-    lock = lock_path(final)
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                raise ExportRefused(
-                    f"another process is writing {final} (lock {lock.name}); wait for it to finish, or "
-                    "run again without --no-wait to wait for it") from None
-            try:
-                same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-        except BaseException:
-            os.close(fd)
-            raise
-        if same:
-            break
-        os.close(fd)  # the holder removed that lock file as it released it: take the current one
-    with _held_guard:
-        _held[key] = entry = [fd, 1]
-    try:
-        yield final
-    finally:
-        with _held_guard:
-            entry[1] -= 1
-            last = entry[1] == 0
-            if last:
-                del _held[key]
-        if last:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
-            os.close(fd)
-
-
-# --- leftovers of killed runs -----------------------------------------------------------------
-
-def _remove_free_lock(lock: Path) -> None:
-    """A lock file left by a killed writer: removed while we hold it (a waiter on it retries the new one)."""
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-            os.unlink(lock)
-    except OSError:  # held by a live writer, or already gone
-        pass
-    finally:
-        os.close(fd)
-
-
 def remove_stale_workdirs(directory: Path) -> list[Path]:
     """Remove the temporary directories of killed runs in ``directory``; returns what was removed.
 
@@ -241,8 +91,8 @@ def remove_stale_workdirs(directory: Path) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
-        if _LOCKFILE.match(entry.name) and entry.is_file() and not entry.is_symlink():
-            _remove_free_lock(entry)
+        if LOCKFILE.match(entry.name) and entry.is_file() and not entry.is_symlink():
+            remove_free_lock(entry)
             continue
         match = _WORKDIR.match(entry.name)
         if match is None or not entry.is_dir() or entry.is_symlink():
@@ -330,14 +180,12 @@ def _commit(staged: Path, final: Path, guard: InterruptGuard) -> None:
         for name in sorted(new_data):
             os.replace(staged.parent / name, final.parent / name)
             moved.append(final.parent / name)
-        _pause("data-moved")
         os.replace(staged, final)
     except BaseException:
         for p in moved:
             with contextlib.suppress(OSError):
                 p.unlink()
         raise
-    _pause("graph-replaced")
     for name in old_data - new_data:
         if _own_data(final).match(name) or name == final.name + ".data":
             with contextlib.suppress(FileNotFoundError):
@@ -362,6 +210,5 @@ def atomic_destination(path: str | Path, *, wait: bool = True) -> Iterator[Path]
         yield staged
         if not staged.is_file():
             raise ExportRefused(f"the exporter wrote nothing at {staged}")
-        _pause("staged")
         with guard.defer():
             _commit(staged, final, guard)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from quantship import __version__
 from quantship.precision import METADATA_KEY, QuantSpec
 
 VERSION_KEY = "quantship.version"
@@ -17,7 +18,6 @@ SOURCE_NODE_KEYS = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node")
 
 def write_metadata(model: ir.Model, spec: QuantSpec, *, activation_dtype: str, target: str | None) -> None:
     """Record ``spec`` (as JSON), the quantship version and the export choices in ``metadata_props``."""
-    from quantship import __version__
 
     model.metadata_props[METADATA_KEY] = spec.to_json()
     model.metadata_props[VERSION_KEY] = __version__

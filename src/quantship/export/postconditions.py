@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantship.errors import ExportRefused
+from quantship.inspect import check as deployability
 from quantship.inspect.facts import FileFacts, read_file
 from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
-from quantship.precision import QuantSpec
+from quantship.precision import Preset, QuantSpec
 
 
 def read_written(path: Path | FileFacts) -> FileFacts:
@@ -21,8 +22,9 @@ def read_written(path: Path | FileFacts) -> FileFacts:
     return path if isinstance(path, FileFacts) else read_file(path)
 
 
-def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
-    """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``."""
+def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
+    """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``. (Whether a target
+    accepts a file is ``inspect.check.check_file``'s question; ``check_target`` asks it here.)"""
     facts = read_written(path)
     stats = qdq_stats(facts)
     problems: list[str] = []
@@ -62,13 +64,11 @@ def check_file(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str
     return stats
 
 
-def check_target(path: Path | FileFacts, target: str) -> None:
+def check_target(path: Path | FileFacts, target: Preset) -> None:
     """Refuse a file that the preset's own deployment target would not accept (static rules)."""
-    from quantship.inspect.check import check_file as check_deployable
-    from quantship.precision import preset
 
     facts = read_written(path)
-    report = check_deployable(facts, preset(target).check_target)
+    report = deployability.check_file(facts, target)
     if not report.ok:
         reasons = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors)
-        raise ExportRefused(f"the file written for target={target!r} fails {report.target}'s rules: {reasons}")
+        raise ExportRefused(f"the file written for target={target.target!r} fails {report.target}'s rules: {reasons}")

@@ -34,7 +34,7 @@ from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
-from quantship.export.postconditions import check_file, check_target
+from quantship.export.postconditions import check_spec_held, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
 from quantship.inspect.facts import read_file
 from quantship.inspect.verify import (
@@ -46,7 +46,7 @@ from quantship.inspect.verify import (
     torch_outputs,
     warn_if_drift,
 )
-from quantship.precision import QuantSpec, canonical_target, preset, quant_target
+from quantship.precision import ORT_CPU, Preset, QuantSpec, quant_preset, resolve_target
 from quantship.progress import step
 from quantship.ranks import rank_zero_writes
 
@@ -58,7 +58,7 @@ class ExportContext:
     spec: QuantSpec
     opset_version: int
     activation_dtype: str
-    target: str | None
+    target: Preset | None
     inputs: list[np.ndarray]
     produced: onnx.ModelProto
     checked: onnx.ModelProto | None = None  # the last graph an ensures() ran, while nothing changed it since
@@ -176,7 +176,7 @@ class ReluRequantizePass(ExactPass):
 
     def rewrite(self, model: ir.Model) -> int:
         target = self.ctx.target
-        if self.ctx.activation_dtype != "uint8" or (target is not None and canonical_target(target) != "onnxruntime-cpu"):
+        if self.ctx.activation_dtype != "uint8" or (target is not None and target.target != ORT_CPU):
             return 0
         return requantize_before_relu(model)
 
@@ -193,7 +193,8 @@ class MetadataPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         ctx = self.ctx
-        write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype, target=ctx.target)
+        write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype,
+                       target=ctx.target.target if ctx.target is not None else None)
         strip_source_metadata(model)
         ctx.checked = None  # the model now differs from the last checked graph
         return ir.passes.PassResult(model, modified=True)
@@ -213,13 +214,13 @@ def _check_opset(opset_version: int) -> None:
                          f"(per-axis QuantizeLinear/DequantizeLinear and the exporter's translation need it)")
 
 
-def resolve_dynamic_batch(dynamic_batch: bool | None, target: str | None) -> bool:
+def resolve_dynamic_batch(dynamic_batch: bool | None, target: Preset | None) -> bool:
     """``dynamic_batch`` as given, else the target preset's choice, else False (the sample's batch)."""
     if dynamic_batch is not None:
         if not isinstance(dynamic_batch, bool):
             raise ValueError(f"dynamic_batch={dynamic_batch!r} must be True, False or None (the target's choice)")
         return dynamic_batch
-    return preset(target).dynamic_batch if target is not None else False
+    return target.dynamic_batch if target is not None else False
 
 
 def refuse_batch(model: Any, sample: Any, dynamic_batch: bool) -> None:
@@ -259,9 +260,9 @@ def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
     return proto
 
 
-def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: str | None) -> Any:
+def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: Preset | None) -> Any:
     # a target whose preset is static (tigris) gets a batch-1 file whenever the graph can run batch 1
-    if dynamic_batch is not None or target is None or preset(target).dynamic_batch:
+    if dynamic_batch is not None or target is None or target.dynamic_batch:
         return sample
     if capture.static_batch_reason(model):
         return sample
@@ -321,7 +322,7 @@ def export_qdq(
     dynamic_batch: bool | None = None,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
-    target: str | None = None,
+    target: str | Preset | None = None,
 ) -> Path:
     """Export a pt2e-quantized model to QDQ ONNX at ``path``, keeping its scales, zero-points and axes.
 
@@ -344,14 +345,15 @@ def export_qdq(
     returned ``Path`` carries both readings (``.readings``: max LSB vs the torch model, and their
     gap), and ``FusedKernelDrift`` is warned when they differ by more than 2 LSB.
     """
+    target = resolve_target(target) if target is not None else None  # the one look-up: a Preset from here on
     spec = exportable_spec(model)
     if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)
         return weight_only.export_weight_only(model, sample, path, spec, opset_version=opset_version, target=target,
                                               dynamic_batch=dynamic_batch, input_names=input_names,
                                               output_names=output_names)
     if target is None:  # the preset the model was quantized for travels with it, unless an explicit
-        travelled = quant_target(model)  # activation_dtype asks for another file
-        if travelled is not None and activation_dtype in (None, preset(travelled).activation_dtype):
+        travelled = quant_preset(model)  # activation_dtype asks for another file
+        if travelled is not None and activation_dtype in (None, travelled.activation_dtype):
             target = travelled
     dtype = resolve_activation_dtype(activation_dtype, target)
     _check_opset(opset_version)
@@ -387,9 +389,9 @@ def export_qdq(
         del final
         with step("export check: the file holds the spec"):
             facts = read_file(staged)
-            check_file(facts, spec, activation_dtype=dtype, opset_version=opset_version)
+            check_spec_held(facts, spec, activation_dtype=dtype, opset_version=opset_version)
         if target is not None:
-            with step(f"export check: {target} rules"):
+            with step(f"export check: {target.target} rules"):
                 check_target(facts, target)
         scale = next(iter(facts.output_scales.values()), None)
         del facts

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from quantship.errors import ExportRefused
-from quantship.precision import QuantSpec, preset, quant_spec
+from quantship.precision import Preset, QuantSpec, quant_spec
 
 ACTIVATION_DTYPES = ("int8", "uint8")
 _QD_NAMESPACE = "quantized_decomposed"
@@ -55,16 +55,16 @@ def exportable_spec(model: Any) -> QuantSpec:
     )
 
 
-def resolve_activation_dtype(activation_dtype: str | None, target: str | None) -> str:
+def resolve_activation_dtype(activation_dtype: str | None, target: Preset | None) -> str:
     """``activation_dtype`` as given, else the target preset's, else ``'int8'``; conflicts are refused."""
     if activation_dtype is not None and activation_dtype not in ACTIVATION_DTYPES:
         raise ExportRefused(f"activation_dtype={activation_dtype!r} is not supported; valid values: {list(ACTIVATION_DTYPES)}")
     if target is None:
         return activation_dtype or "int8"
-    wanted = preset(target).activation_dtype
+    wanted = target.activation_dtype
     if activation_dtype is not None and activation_dtype != wanted:
         raise ExportRefused(
-            f"activation_dtype={activation_dtype!r} conflicts with target={target!r}, whose preset writes "
+            f"activation_dtype={activation_dtype!r} conflicts with target={target.target!r}, whose preset writes "
             f"{wanted!r} activations: drop one of the two arguments"
         )
     return wanted

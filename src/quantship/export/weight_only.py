@@ -31,11 +31,11 @@ import onnx_ir as ir
 from quantship.export import artifact, capture
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
 from quantship.export.metadata import strip_source_metadata, write_metadata
-from quantship.precision import QuantSpec
+from quantship.precision import ORT_CPU, Preset, QuantSpec
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 WEIGHT_ONLY_OPSET = 21  # block-wise DequantizeLinear and int4 tensors
-WEIGHT_ONLY_TARGETS = (None, "onnxruntime-cpu")
+WEIGHT_ONLY_TARGETS = (None, ORT_CPU)  # None: the standard DequantizeLinear form
 WEIGHT_ONLY_RTOL = 2e-3  # max |ONNX - torch| / max |torch| on the sample
 MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
@@ -323,9 +323,10 @@ def _check_close(outputs: list[np.ndarray], reference: list[np.ndarray], what: s
     return worst
 
 
-def check_targets(target: str | None) -> None:
-    if target not in WEIGHT_ONLY_TARGETS:
-        raise ValueError(f"export_qdq: target={target!r} for a weight-only model; valid: None (standard "
+def check_targets(target: Preset | None) -> None:
+    name = target.target if target is not None else None
+    if name not in WEIGHT_ONLY_TARGETS:
+        raise ValueError(f"export_qdq: target={name!r} for a weight-only model; valid: None (standard "
                          "DequantizeLinear form) or 'onnxruntime-cpu' (com.microsoft MatMulNBits)")
 
 
@@ -336,7 +337,7 @@ def export_weight_only(
     spec: QuantSpec,
     *,
     opset_version: int = WEIGHT_ONLY_OPSET,
-    target: str | None = None,
+    target: Preset | None = None,
     dynamic_batch: bool = False,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
@@ -349,8 +350,9 @@ def export_weight_only(
     import torch
 
     check_targets(target)
+    nbits_form = target is not None  # check_targets let through ORT_CPU only: com.microsoft MatMulNBits
     weights = read_weights(model)
-    if target == "onnxruntime-cpu":
+    if nbits_form:
         for w in weights:
             nbits_block(w)  # refuse groups MatMulNBits cannot hold before any work
     inputs = capture.as_arrays(sample)
@@ -374,7 +376,7 @@ def export_weight_only(
         standard_proto = ir.to_proto(standard)
         check_model(standard_proto, "storing the weights as integers with DequantizeLinear")
         _check_exact(standard_proto, reference, inputs, "storing the weights as integers with DequantizeLinear")
-        if target == "onnxruntime-cpu":
+        if nbits_form:
             nbits = ir.from_proto(produced)
             to_matmul_nbits(nbits, locate(nbits, weights))
             final_ir, fmt = nbits, "MatMulNBits"
@@ -386,7 +388,7 @@ def export_weight_only(
             final_ir, fmt, got = standard, "DequantizeLinear", reference
         _check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
         strip_source_metadata(final_ir)  # the exporter's stack traces (local paths); module scopes stay
-        write_metadata(final_ir, spec, activation_dtype="float32", target=target)
+        write_metadata(final_ir, spec, activation_dtype="float32", target=target.target if nbits_form else None)
         final_ir.metadata_props[FORMAT_KEY] = fmt
         artifact.save_model(ir.to_proto(final_ir), staged)
         check_written(staged, weights, fmt)

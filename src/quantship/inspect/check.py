@@ -10,12 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantship.inspect import consumers
 from quantship.inspect.facts import FileFacts, facts_of
 from quantship.inspect.graph import FileReport, report_of
 from quantship.inspect.quantization import QuantFacts
 from quantship.inspect.report_json import strict_json
 from quantship.inspect.rules import RULES, Target
 from quantship.inspect.rules import target as get_target
+from quantship.precision import Preset
+from quantship.progress import step
 
 REPORT_VERSION = 1  # "verdict" and each run's "status" were added as new keys (readers of v1 keep working)
 ACCEPTED, REFUSED, FAILED, INCONCLUSIVE = "accepted", "refused", "failed", "inconclusive"
@@ -117,30 +120,28 @@ def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Fin
     return Finding(rule_id, severity, message, list(offending), rule.fix)
 
 
-def findings_for(facts: QuantFacts, target_name: str) -> list[Finding]:
-    """Apply ``target_name``'s rule table to ``facts`` (errors first, in table order)."""
-    tgt = get_target(target_name)
+def findings_for(facts: QuantFacts, tgt: Target) -> list[Finding]:
+    """Apply the rule table ``tgt`` to ``facts`` (errors first, in table order)."""
     found = [_finding(r, "error", facts, tgt) for r in tgt.errors]
     found += [_finding(r, "warning", facts, tgt) for r in tgt.warnings]
     return [f for f in found if f is not None]
 
 
-def check_file(path: str | Path | FileFacts, target: str, run: bool = False, n_inputs: int = 20,
+def check_file(path: str | Path | FileFacts, target: str | Preset | Target, run: bool = False, n_inputs: int = 20,
                inputs: Any = None) -> CheckReport:
     """Check ``path`` (or one read of it, ``FileFacts``) against ``target``'s rules; with ``run`` also
     run the consumer on it.
 
     ``inputs``: an N x ... array of real inputs for the run (cut at the file's batch size, at most
-    ``n_inputs`` batches); default ``n_inputs`` seeded random inputs.
+    ``n_inputs`` batches); default ``n_inputs`` seeded random inputs. ``target``: a name or alias, a
+    resolved ``Preset``, or a rule table.
     """
-    target = get_target(target).name  # refuse an unknown target before reading anything; resolve aliases
+    tgt = get_target(target)  # refuse an unknown target before reading anything; resolve aliases
     facts = facts_of(path)
-    report = CheckReport(facts.path, target, facts.quant.format, findings_for(facts.quant, target),
+    report = CheckReport(facts.path, tgt.name, facts.quant.format, findings_for(facts.quant, tgt),
                          report=report_of(facts))
     if run:
-        from quantship.inspect.consumers import run_consumer
-        from quantship.progress import step
 
-        with step(f"check --run: {target}"):
-            report.runs.append(run_consumer(facts.path, target, n_inputs=n_inputs, inputs=inputs))
+        with step(f"check --run: {tgt.name}"):
+            report.runs.append(consumers.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))
     return report

@@ -25,7 +25,9 @@ from quantship.inspect.consumers import (
 from quantship.inspect.inputs import declared_inputs, graph_inputs
 from quantship.inspect.loading import load_onnx
 from quantship.inspect.lsb import output_scales
+from quantship.inspect.rules import Target
 from quantship.inspect.rules import target as get_target
+from quantship.precision import ORT_CPU, Preset
 
 REPORT_VERSION = 1
 
@@ -66,15 +68,15 @@ class CompareReport:
         return json.dumps(self.as_dict(), indent=2)
 
 
-def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "tigris",
+def compare_files(float_path: str | Path, int8_path: str | Path, target: str | Preset | Target = "tigris",
                   n_inputs: int = 20, seed: int = 0, inputs: np.ndarray | None = None) -> CompareReport:
     """Run the three-way check; outputs are matched by position, the INT8 file's scales give the LSB.
 
     ``inputs`` (N x ... array, cut at the file's batch size) replaces the seeded random inputs:
     random data overstates what quantization costs a model calibrated on real data.
     """
-    tgt = get_target(target)
-    target = tgt.name  # an alias or preset name reads its rule table's name
+    tgt = get_target(target)  # a name or alias is resolved here; a Preset or rule table passes
+    target = tgt.name
     if n_inputs < 1:
         raise ValueError(f"n_inputs={n_inputs}: compare needs at least one input")
     float_model, int8_model = load_onnx(float_path), load_onnx(int8_path)
@@ -103,7 +105,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str = "
             candidate = run_openvino(int8_path, feeds)
         elif target == "tigris":
             candidate = run_tigris(int8_path, feeds, int8_model)
-        elif target == "onnxruntime":
+        elif target == ORT_CPU:
             candidate = run_onnxruntime(int8_path, feeds, optimize=True)
             label = "ONNX Runtime optimized vs literal int8"
         else:

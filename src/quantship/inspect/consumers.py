@@ -25,7 +25,9 @@ import onnx
 from quantship.errors import cause
 from quantship.inspect.inputs import graph_inputs
 from quantship.inspect.lsb import lsb_error, output_scales
+from quantship.inspect.rules import Target
 from quantship.inspect.rules import target as get_target
+from quantship.precision import ORT_CPU, Preset
 
 Inputs = dict[str, np.ndarray]
 TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack of memory
@@ -277,18 +279,18 @@ def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, toleranc
                      inputs)
 
 
-def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 0,
+def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int = 20, seed: int = 0,
                  inputs: np.ndarray | None = None) -> RunResult:
     """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
 
     ``inputs`` (an N x ... array, cut at the file's batch size, at most ``n_inputs`` batches)
     replaces the seeded random inputs. The reference is ONNX Runtime reading the file literally.
     """
-    tgt = get_target(target)
-    target = tgt.name  # an alias or preset name reads its rule table's name
+    tgt = get_target(target)  # a name or alias is resolved here; a Preset or rule table passes
+    target = tgt.name
     model = onnx.load(str(path), load_external_data=False)
     runners: dict[str, Callable[[list[Inputs]], list[list[np.ndarray]]]] = {
-        "onnxruntime": lambda feeds: run_onnxruntime(path, feeds, optimize=True),
+        ORT_CPU: lambda feeds: run_onnxruntime(path, feeds, optimize=True),
         "openvino": lambda feeds: run_openvino(path, feeds),
         "tigris": lambda feeds: run_tigris(path, feeds, model),
     }
@@ -314,7 +316,7 @@ def run_consumer(path: str | Path, target: str, n_inputs: int = 20, seed: int = 
     scales = list(output_scales(model).values())
     max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
     detail = ""
-    if target == "onnxruntime":
+    if target == ORT_CPU:
         detail = "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
     result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind)
     if result.status == PASSED and detail:

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from quantship.inspect.consumers import ort_session, run_session
-from quantship.inspect.stats import constant_values
+from quantship.inspect.counts import constant_values
 
 __all__ = ["DivergenceReport", "LayerDivergence", "trace_divergence"]
 

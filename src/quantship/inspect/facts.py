@@ -21,10 +21,10 @@ from typing import Any
 import onnx
 
 from quantship.errors import FileRefused, cause
+from quantship.inspect.counts import QDQStats, count_qdq, float_compute_nodes
 from quantship.inspect.float_ops import FloatCompute, module_path
 from quantship.inspect.loading import load_onnx
 from quantship.inspect.quantization import QuantFacts, quant_facts
-from quantship.inspect.stats import QDQStats, count_qdq, float_compute_nodes
 from quantship.inspect.view import DEQUANTIZE, GraphView, node_label
 from quantship.precision import METADATA_KEY, QuantSpec
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from quantship.inspect.facts import facts_of
+
 if TYPE_CHECKING:
     from quantship.inspect.facts import FileFacts
 
@@ -37,7 +39,6 @@ def output_scales(path: str | Path | onnx.ModelProto | FileFacts) -> dict[str, f
     the DequantizeLinear and the output (a final Reshape, Unsqueeze...) keep the values and are looked
     through. Read off ``FileFacts`` (one read of the file).
     """
-    from quantship.inspect.facts import facts_of
 
     return dict(facts_of(path).output_scales)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_size
+from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, dtype_size
 
 ALIGN = 32
 
@@ -49,7 +49,6 @@ def _aligned(n: int) -> int:
 
 def naive_peak(view: GraphView, *, one_byte: bool = False) -> Liveness:
     """Peak activation bytes over the file's topological order (see the module docstring)."""
-    from quantship.inspect.view import dtype_name
 
     parent: dict[str, str] = {}
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantship.inspect.quantization import QuantFacts
+from quantship.precision import ORT_CPU, Preset, resolve_target
 
 PER_CHANNEL_MIN_OPSET = 13  # `axis` on Q/DQ arrived in opset 13
 
@@ -150,7 +151,7 @@ _READABLE = ("valid_parameters", "op_domains")  # every target refuses a file th
 _ALL_QDQ = (*_READABLE, "opset_declared", "opset_range", "quantized", "qdq_format", "static_scales")
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("onnxruntime", "ONNX Runtime", (10, 26), ("int8", "uint8", "int16", "uint16"),
+    Target(ORT_CPU, "ONNX Runtime", (10, 26), ("int8", "uint8", "int16", "uint16"),
            ("int8", "uint8", "int16", "uint16", "int4", "uint4"),
            errors=(*_READABLE, "opset_declared", "opset_range", "int32_bias"),
            warnings=("quantized", "qdq_format", "static_scales", "fully_quantized", "weight_range_7bit"),
@@ -172,11 +173,10 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 )}
 
 
-def target(name: str) -> Target:
-    """The rule table for ``name``: a rule-table name or any deployment target name or alias
-    (``precision.target_names()``); unknown names are refused with the list."""
-    if isinstance(name, str) and name in TARGETS:
-        return TARGETS[name]
-    from quantship.precision import preset
-
-    return TARGETS[preset(name).check_target]
+def target(name: str | Preset | Target) -> Target:
+    """The rule table of a deployment target, named as every target is (``precision.target_names()``:
+    an alias is resolved here, at the edge), or its resolved ``Preset``; a ``Target`` is returned as
+    is. Unknown names are refused with the list. A rule table carries its preset's name."""
+    if isinstance(name, Target):
+        return name
+    return TARGETS[resolve_target(name).target]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from quantship.inspect.consumers import cpu_info, ort_session, run_session
+from quantship.inspect.inputs import graph_inputs
 from quantship.inspect.lsb import LSBError, lsb_error, output_scales
 
 __all__ = [
@@ -192,7 +193,6 @@ def _check_batch(path: str | Path, batch_size: int) -> None:
     """Refuse batches whose size is not the file's fixed batch size (read off the file, no session)."""
     import onnx
 
-    from quantship.inspect.inputs import graph_inputs
 
     model = onnx.load(str(path), load_external_data=False)
     first = next(iter(graph_inputs(model)), None)

@@ -19,6 +19,7 @@ import torch
 from quantship.errors import DataRefused, QuantshipError
 from quantship.precision import under_modules
 from quantship.progress import step as progress_step
+from quantship.quantize.layer_error import layer_error
 
 
 class AccuracyBudgetMissed(QuantshipError):
@@ -130,7 +131,6 @@ def count_correct(model: Callable, batches: Sequence[tuple[torch.Tensor, torch.T
 
 def sensitivity_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
     """Module names to keep in float, most sensitive first (lowest SQNR of the layer output)."""
-    from quantship.quantize.layer_error import layer_error
 
     report = layer_error(model, quantized, list(batches))
     names: list[str] = []

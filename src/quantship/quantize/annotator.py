@@ -38,6 +38,14 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from quantship.precision import QuantSpec, under_modules
+from quantship.quantize import observers
+from quantship.quantize.decompose import (
+    decompose_attention,
+    decompose_einsum,
+    flatten_linear_inputs,
+    out_of_place_on_constants,
+    scalars_as_constants,
+)
 from quantship.quantize.histogram_search import HistogramSearchObserver
 
 aten = torch.ops.aten
@@ -309,14 +317,6 @@ class QuantshipQuantizer(Quantizer):
         annotator quantizes, store the number operand of mul/add as a constant (affine specs), and give N-D linears a
         2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
         constants functional, so that convert_pt2e folds the whole constant subgraph."""
-        from quantship.quantize.decompose import (
-            decompose_attention,
-            decompose_einsum,
-            flatten_linear_inputs,
-            out_of_place_on_constants,
-            scalars_as_constants,
-        )
-
         decompose_attention(model)
         decompose_einsum(model)
         if not self.spec.symmetric:
@@ -476,6 +476,5 @@ def activation_observer(name: str):
         return HistogramSearchObserver  # torchao's HistogramObserver, the same scales found in ms, not seconds
     if name == "minmax":
         return MinMaxObserver
-    from quantship.quantize import observers
 
     return observers.OBSERVERS[name]

@@ -1,4 +1,7 @@
-"""Calibration data: whatever the user has, turned into a list of contiguous input batches.
+"""Calibration data for ``Quantizer``: whatever the user has, turned into a list of contiguous input batches.
+
+The cap and the batch arithmetic are ``quantship.calibration``'s (one reading for every path); this
+module adds what only torch models need: tensors from any loader, validated, made contiguous.
 
 Accepted: one tensor (a single batch), an iterable of tensors, of ``(x, y)`` tuples or lists, a
 torch ``DataLoader``, or fastai ``DataLoaders`` (its training loader) / ``DataLoader``. Batches may
@@ -12,7 +15,9 @@ from collections.abc import Iterable
 
 import torch
 
+from quantship import calibration
 from quantship.errors import DataRefused
+from quantship.progress import active, step
 
 
 def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +75,7 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
             "calibration_dl is required for static quantization: pass an iterable of input batches "
             "(tensors or (x, y) tuples), a DataLoader, or fastai DataLoaders"
         )
-    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-        raise ValueError(f"max_calibration_samples={max_samples!r} must be a positive integer")
+    calibration.check_max_samples(max_samples, "max_calibration_samples")
     if isinstance(data, torch.Tensor):
         data = [data]
     loader = _loader_of(data)
@@ -81,25 +85,14 @@ def collect_batches(data: object, max_samples: int) -> list[torch.Tensor]:
             "a DataLoader, or fastai DataLoaders"
         )
 
-    batches: list[torch.Tensor] = []
-    seen = 0
-    for batch in loader:
-        x = validate_batch(input_of(batch), len(batches))
-        if x.dim() == 0:
-            raise ValueError("a calibration batch is a 0-d tensor; batches need a leading batch dimension")
-        n = x.shape[0]
-        if batches and seen + n > max_samples:
-            break
-        if not batches and n > max_samples:
-            raise ValueError(
-                f"the first calibration batch holds {n} samples, more than max_calibration_samples="
-                f"{max_samples}; raise max_calibration_samples to at least {n} or use smaller batches "
-                "(batches are never cut)"
-            )
-        batches.append(x)
-        seen += n
-        if seen >= max_samples:
-            break
+    def read() -> Iterable[torch.Tensor]:
+        for index, batch in enumerate(loader):
+            x = validate_batch(input_of(batch), index)
+            if x.dim() == 0:
+                raise ValueError("a calibration batch is a 0-d tensor; batches need a leading batch dimension")
+            yield x
+
+    batches = list(calibration.take(read(), max_samples, cap_name="max_calibration_samples"))
     if not batches:
         raise ValueError("calibration_dl yielded no batch: give it at least one input batch")
     shapes = {tuple(b.shape[1:]) for b in batches}
@@ -134,7 +127,6 @@ def _feed(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool,
     a progress bar on a terminal stdout when verbose and no listener shows the step."""
     import sys
 
-    from quantship.progress import active, step
 
     with torch.no_grad():
         if not verbose or active() or not sys.stdout.isatty():

@@ -25,7 +25,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from quantship.errors import DataRefused
 from quantship.precision import QuantSpec, resolve_spec, tag_model
-from quantship.quantize import distributed
+from quantship.quantize import distributed, fx, pt2e
+from quantship.quantize.annotator import QuantshipQuantizer
+from quantship.quantize.capture import capture, carry_static_batch
 from quantship.quantize.conv_bn_fold import fold_what_can_match, fuse_what_can_match
 
 _FLAG_KEYS = ("do_wd", "force_train")  # fastai's per-parameter optimizer flags
@@ -99,7 +101,7 @@ class QuantizeCallback(Callback):
     def __init__(self, quantizer: Any = None, backend: str = "x86", verbose: bool = False):
         super().__init__()
         self.spec = qat_spec(quantizer, backend)
-        self.target = getattr(quantizer, "target", None)  # a for_target preset travels to the model
+        self.preset = getattr(quantizer, "preset", None)  # a for_target preset travels to the model
         self.verbose = verbose
         self.prepared: nn.Module | None = None
 
@@ -133,7 +135,7 @@ class QuantizeCallback(Callback):
             converted = self._convert_pt2e(self.prepared)
         else:
             converted = self._convert_fx(self.prepared)
-        self.learn.model = distributed.place_converted(self.learn.model, tag_model(converted, self.spec, self.target),
+        self.learn.model = distributed.place_converted(self.learn.model, tag_model(converted, self.spec, self.preset),
                                                        user_wrapper=getattr(self, "_ddp", None))
         self.prepared = None
 
@@ -178,11 +180,10 @@ class QuantizeCallback(Callback):
     def _prepare_fx(self, model: nn.Module, example: torch.Tensor) -> nn.Module:
         from torch.ao.quantization.quantize_fx import prepare_qat_fx
 
-        from quantship.quantize.fx import check_layer_names, qconfig_mapping, quantized_engine, quiet_fx
 
-        check_layer_names(model, self.spec)
-        with quiet_fx(), quantized_engine(self.spec.engine):
-            mapping = qconfig_mapping(self.spec, qat=True)
+        fx.check_layer_names(model, self.spec)
+        with fx.quiet_fx(), fx.quantized_engine(self.spec.engine):
+            mapping = fx.qconfig_mapping(self.spec, qat=True)
             prepared = prepare_qat_fx(model.train(), mapping, (example,))
         self._log(f"{self.spec.backend}: prepared for QAT (FX, {self.spec.label}, {self.spec.qscheme})")
         return prepared
@@ -191,11 +192,8 @@ class QuantizeCallback(Callback):
         from torchao.quantization.pt2e import allow_exported_model_train_eval
         from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-        from quantship.quantize.annotator import QuantshipQuantizer
-        from quantship.quantize.capture import capture, carry_static_batch
-        from quantship.quantize.pt2e import check_module_names, report_placement
 
-        check_module_names(model, self.spec.skip_activations)
+        pt2e.check_module_names(model, self.spec.skip_activations)
         self._log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
         captured = capture(model.train(), example, log=self._log)
         if not captured.symbolic:
@@ -204,7 +202,7 @@ class QuantizeCallback(Callback):
         with fuse_what_can_match(captured.graph):
             prepared = prepare_qat_pt2e(captured.graph, quantizer)
         carry_static_batch(captured.graph, prepared)
-        report_placement(quantizer, self.spec, self._log)
+        pt2e.report_placement(quantizer, self.spec, self._log)
         allow_exported_model_train_eval(prepared)  # fastai switches train/eval every epoch
         self._log(f"pt2e: prepared for QAT ({self.spec.label}, {self.spec.qscheme}, "
                   f"qdq_placement={self.spec.qdq_placement})")
@@ -243,27 +241,24 @@ class QuantizeCallback(Callback):
     def _convert_fx(self, prepared: nn.Module) -> nn.Module:
         from torch.ao.quantization.quantize_fx import convert_fx
 
-        from quantship.quantize.fx import check_converted, quantized_engine, quiet_fx
 
         self._log(f"{self.spec.backend}: converting the QAT model to INT8 (FX)")
-        with quiet_fx(), quantized_engine(self.spec.engine):
+        with fx.quiet_fx(), fx.quantized_engine(self.spec.engine):
             converted = convert_fx(prepared.cpu().eval())
-        check_converted(converted, self.spec)
+        fx.check_converted(converted, self.spec)
         return converted
 
     def _convert_pt2e(self, prepared: nn.Module) -> nn.Module:
         from torchao.quantization.pt2e import allow_exported_model_train_eval, move_exported_model_to_eval
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-        from quantship.quantize.capture import carry_static_batch
-        from quantship.quantize.pt2e import check_converted
 
         self._log("pt2e: converting the trained graph to a quantized one")
         move_exported_model_to_eval(prepared)
         with fold_what_can_match(prepared, qat=True):
             converted = convert_pt2e(prepared)
         carry_static_batch(prepared, converted)
-        check_converted(converted)
+        pt2e.check_converted(converted)
         allow_exported_model_train_eval(converted)
         return converted
 

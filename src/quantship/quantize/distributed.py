@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from quantship import ranks
+from quantship import calibration, ranks
+from quantship.quantize.observers import rebin_histogram
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,8 @@ def agree_on_batches(collect: Callable[[], list[torch.Tensor]], backend: str,
         batches, status = collect(), ""
     except (ValueError, TypeError) as exc:
         batches, status = [], f"{type(exc).__name__}: {exc}"
-    shape = "x".join(map(str, batches[0].shape[1:])) if batches else "-"
-    n = sum(b.shape[0] for b in batches)
+    shape = "x".join(map(str, calibration.sample_shape(batches[0]))) if batches else "-"
+    n = calibration.total_samples(batches)
     rows = ranks.gather_texts(f"{n} {shape} {status}", "calibration: comparing the ranks' shards", timeout)
     fields = [row.split(" ", 2) for row in rows]
     bad = [(r, f[2]) for r, f in enumerate(fields) if len(f) > 2 and f[2]]
@@ -244,7 +245,6 @@ def merge_observers(model: nn.Module, *, n_samples: int | None = None, what: str
     """
     if ranks.world() is None:
         return None
-    from quantship.quantize.observers import rebin_histogram
 
     start = time.perf_counter()
     if n_samples is not None:

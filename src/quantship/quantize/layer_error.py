@@ -8,7 +8,7 @@ that output. The float reference is the same tensor in the float model captured 
 side). SQNR = 10 log10(sum ref^2 / sum (ref - quantized)^2), accumulated over all inputs.
 
 Errors compound: a layer's figure includes everything upstream of it, which is what a user who
-chooses layers to keep in float needs (``suggest_skip``, ``measure_skip``).
+chooses layers to keep in float needs (``suggest_skip``; ``skip_effect.measure_skip`` measures the choice).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from quantship.quantize.annotator import BATCH_NORM_OPS, BINARY_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
+from quantship.quantize.capture import capture
 
 qd = torch.ops.quantized_decomposed
 _QUANTIZE = {qd.quantize_per_tensor.default, qd.quantize_per_tensor.tensor}
@@ -175,7 +176,6 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
 
     ``inputs``: a tensor or batches at the batch size the quantized model was captured with.
     """
-    from quantship.quantize.capture import capture
 
     if not isinstance(quantized_model, GraphModule) or not _quantized_outputs(quantized_model):
         raise ValueError(
@@ -236,55 +236,3 @@ def suggest_skip(report: LayerErrorReport, k: int = 1) -> list[str]:
         if len(names) == k:
             break
     return names
-
-
-@dataclass(frozen=True)
-class SkipEffect:
-    """What keeping ``names`` in float buys: model-output SQNR and accuracy, before and after."""
-
-    names: tuple[str, ...]
-    sqnr_before_db: float
-    sqnr_after_db: float
-    correct_before: int | None
-    correct_after: int | None
-    n: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def measure_skip(model: torch.nn.Module, calib: Sequence, eval_inputs: Sequence, names: Sequence[str],
-                 **quantizer_kwargs) -> SkipEffect:
-    """Quantize ``model`` with and without ``skip_activations=names`` and measure both on ``eval_inputs``.
-
-    ``eval_inputs``: tensors, or ``(x, y)`` tuples (then accuracy is counted too), at the
-    calibration batch size.
-    """
-    from quantship.quantize.quantizer import Quantizer
-
-    if not names:
-        raise ValueError("names is empty: pass module names to keep in float, e.g. suggest_skip(report, k)")
-    base = Quantizer(backend="pt2e", **quantizer_kwargs).quantize(model, calib)
-    skip = Quantizer(backend="pt2e", skip_activations=list(names), **quantizer_kwargs).quantize(model, calib)
-    labelled = all(isinstance(b, (tuple, list)) for b in eval_inputs)
-    model = model.eval()
-    energy = {"ref": 0.0, "base": 0.0, "skip": 0.0}
-    correct = {"base": 0, "skip": 0}
-    n = 0
-    with torch.no_grad():
-        for batch in eval_inputs:
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            ref = model(x).double()
-            energy["ref"] += float((ref * ref).sum())
-            for key, qm in (("base", base), ("skip", skip)):
-                out = qm(x).double()
-                energy[key] += float(((out - ref) ** 2).sum())
-                if labelled:
-                    correct[key] += int((out.argmax(-1) == batch[1]).sum())
-            n += x.shape[0]
-    return SkipEffect(
-        names=tuple(names), sqnr_before_db=sqnr_db(energy["ref"], energy["base"]),
-        sqnr_after_db=sqnr_db(energy["ref"], energy["skip"]),
-        correct_before=correct["base"] if labelled else None,
-        correct_after=correct["skip"] if labelled else None, n=n,
-    )

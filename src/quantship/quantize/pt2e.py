@@ -18,6 +18,7 @@ from quantship.quantize.annotator import WEIGHTED_OPS, AnnotationReport, Quantsh
 from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
 from quantship.quantize.conv_bn_fold import fold_what_can_match
+from quantship.quantize.distributed import merge_observers  # no-op outside a process group
 
 qd = torch.ops.quantized_decomposed
 DEQUANT_WEIGHT_OPS = {qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default}
@@ -77,7 +78,6 @@ def quantize_pt2e(
     n = sum(b.shape[0] for b in batches)
     log(f"pt2e: calibrating on {n} sample(s) in {len(batches)} batch(es) ({spec.act_observer} observer)")
     run_batches(prepared, batches, verbose=verbose)
-    from quantship.quantize.distributed import merge_observers  # no-op outside a process group
 
     if (merged := merge_observers(prepared, n_samples=n)) is not None:
         log(f"pt2e: merged {merged.n_observers} observer(s) across ranks ({merged.n_floats} floats, {merged.seconds:.3f} s)")

@@ -16,7 +16,11 @@ from typing import Any
 import torch
 
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import QuantSpec, preset, resolve_spec, tag_model
+from quantship.precision import Preset, QuantSpec, resolve_spec, resolve_target, tag_model
+from quantship.quantize import accuracy
+from quantship.quantize.calibration import collect_batches
+from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
+from quantship.quantize.pt2e import annotation_report
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
 _BACKEND_MODULES = {
@@ -66,7 +70,7 @@ class Quantizer:
                               f"{self.spec.backend!r} does not use it: use backend='pt2e' or strict=False")
         self.strict = strict
         self.report = None  # pt2e: what the annotator did on the last quantize() (ops left float, by module)
-        self.target: str | None = None  # set by for_target: the model carries it to export_qdq
+        self.preset: Preset | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
                 "symmetric=False: activations are affine, so the exported file will carry non-zero "
@@ -76,15 +80,21 @@ class Quantizer:
             )
 
     @classmethod
-    def for_target(cls, target: str, *, verbose: bool = False, **overrides: Any) -> Quantizer:
-        """The deployment preset for ``target`` (see ``precision.PRESETS``), with optional overrides."""
-        p = preset(target)
+    def for_target(cls, target: str | Preset, *, verbose: bool = False, **overrides: Any) -> Quantizer:
+        """The deployment preset for ``target`` (a name, an alias, or a resolved ``Preset``; see
+        ``precision.PRESETS``), with optional overrides."""
+        p = resolve_target(target)
         kwargs = {**p.spec_kwargs, **overrides}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate
             q = cls(verbose=verbose, **kwargs)
-        q.target = p.target  # the preset's own name, whatever alias was given
+        q.preset = p
         return q
+
+    @property
+    def target(self) -> str | None:
+        """The name of the preset ``for_target`` resolved (``None`` for a plain ``Quantizer``)."""
+        return self.preset.target if self.preset is not None else None
 
     def __repr__(self) -> str:
         return f"Quantizer({self.spec.label}, {self.spec.as_dict()})"
@@ -117,8 +127,6 @@ class Quantizer:
             )
         batches = None
         if spec.method in _NEEDS_CALIBRATION:
-            from quantship.quantize.calibration import collect_batches
-            from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:
@@ -129,10 +137,9 @@ class Quantizer:
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
             if chosen.backend == "pt2e":
-                from quantship.quantize.pt2e import annotation_report
 
                 self.report = annotation_report(quantized)
-            return tag_model(quantized, chosen, self.target)
+            return tag_model(quantized, chosen, self.preset)
 
         if self.max_accuracy_drop is None:
             if labelled_data is not None:
@@ -140,13 +147,12 @@ class Quantizer:
             return run(spec)
         if labelled_data is None:
             raise DataRefused("max_accuracy_drop needs labelled_data: (x, y) batches to measure top-1 on")
-        from quantship.quantize.accuracy import search
 
         def quantize_without(excluded: tuple[str, ...]) -> torch.nn.Module:
             skip = tuple(sorted({*(spec.skip_activations or ()), *excluded})) or None
             return run(dataclasses.replace(spec, skip_activations=skip))
 
-        quantized, self.accuracy_search = search(quantize_without, model, labelled_data, self.max_accuracy_drop,
+        quantized, self.accuracy_search = accuracy.search(quantize_without, model, labelled_data, self.max_accuracy_drop,
                                                  log=self._log)
         return quantized
 
