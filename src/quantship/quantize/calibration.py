@@ -18,6 +18,7 @@ import torch
 from quantship import calibration
 from quantship.errors import DataRefused
 from quantship.progress import active, step
+from quantship.quantize import distributed
 
 
 def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +111,6 @@ def run_batches(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose:
     set of bins, whatever the order of the batches or how they are split across ranks. Histogram
     observers only track min/max in the first pass, and only they see the second.
     """
-    from quantship.quantize import distributed
-
     if not distributed.histogram_observers(model):
         _feed(model, batches, verbose=verbose, description=description)
         return
