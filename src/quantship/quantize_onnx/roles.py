@@ -1,0 +1,95 @@
+"""The ONNX operator -> role table: which tensors of each operator carry a Q/DQ pair, as data.
+
+The same concept as the PyTorch path's annotator (``quantize.annotator.ROLES``), over ONNX op types:
+
+- ``weighted``: Conv / ConvTranspose / Gemm / MatMul reading a stored weight: the activation input
+  and the output are quantized per tensor, the weight int8 per channel (``weight_axis``); the bias
+  stays a float initializer (ONNX Runtime quantizes it to int32 itself when it fuses). A MatMul of two activations is ``matmul``: both inputs per
+  tensor.
+- ``shared``: data movement (Reshape, Transpose, Slice, Gather, MaxPool, Resize...): the data input
+  and the output share one scale and zero-point, so a runtime can drop the pair and move integers.
+- ``concat``: every input and the output share one scale.
+- ``integer_capable``: ops ONNX Runtime has integer kernels for (Add, Mul, average pooling, Sigmoid,
+  LeakyRelu); they read their inputs quantized only when those inputs already carry a Q/DQ pair
+  and their output does too (no new rounding point is added for them).
+- ``fused_activation``: Relu / Clip right after a weighted op: the quantization point moves past
+  them (the integer kernel clamps instead).
+
+Everything else (the arithmetic of a written-out normalisation: ReduceSum, Sub, Pow, Sqrt, Div...)
+stays float, unless the target needs a fully integer graph (``full`` placement), where every float
+activation gets a pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+SHARED_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice", "Gather",
+              "MaxPool", "GlobalMaxPool", "Resize", "Split", "Expand", "Tile", "DepthToSpace", "SpaceToDepth",
+              "ReduceMax", "ReduceMin", "Dropout")
+CONCAT_OPS = ("Concat",)
+INTEGER_CAPABLE_OPS = ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Sigmoid", "LeakyRelu")
+FUSED_ACTIVATION_OPS = ("Relu", "Clip")
+
+# which inputs of an op hold the values (the others are shapes, indices, axes, scales)
+DATA_INPUTS: dict[str, tuple[int, ...]] = {
+    **{op: (0,) for op in ("Reshape", "Squeeze", "Unsqueeze", "Slice", "Gather", "Resize", "Split", "Expand",
+                           "Tile", "ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "Pad", "Clip", "Dropout",
+                           "Shape", "Size", "TopK", "GatherElements", "ScatterND")},
+    "Conv": (0,), "ConvTranspose": (0,), "Gemm": (0,), "MatMul": (0, 1),
+    "BatchNormalization": (0,), "LayerNormalization": (0,), "InstanceNormalization": (0,),
+    "Range": (), "ConstantOfShape": (), "NonZero": (),
+}
+
+ROLES: dict[str, str] = {
+    **{op: "weighted" for op in WEIGHTED_OPS},
+    **{op: "shared" for op in SHARED_OPS},
+    **{op: "concat" for op in CONCAT_OPS},
+    **{op: "integer_capable" for op in INTEGER_CAPABLE_OPS},
+    **{op: "fused_activation" for op in FUSED_ACTIVATION_OPS},
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a target wants Q/DQ pairs placed: ``integer`` (around the ops its runtime runs as integer
+    kernels; fragile float arithmetic stays float) or ``full`` (every float activation, for targets
+    whose rules refuse a mixed graph)."""
+
+    mode: str  # "integer" or "full"
+    activation_dtype: str  # "uint8" or "int8"
+    symmetric: bool
+    weight_bound: int  # 127, or 63 with reduce_range
+    per_channel: bool
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "activation_dtype": self.activation_dtype, "symmetric": self.symmetric,
+                "weight_bound": self.weight_bound, "per_channel": self.per_channel}
+
+
+def role_of(op_type: str, domain: str = "") -> str:
+    """The role of an operator (``float`` when it has none)."""
+    if domain not in ("", "ai.onnx"):
+        return "float"
+    return ROLES.get(op_type, "float")
+
+
+def data_inputs(op_type: str, n_inputs: int) -> tuple[int, ...]:
+    """Indices of the inputs that carry values (every input for ops the table does not name)."""
+    found = DATA_INPUTS.get(op_type)
+    return tuple(range(n_inputs)) if found is None else tuple(i for i in found if i < n_inputs)
+
+
+def weight_axis(op_type: str, attributes: dict, weight_rank: int) -> int | None:
+    """The output-channel axis of a stored weight (None: per tensor only)."""
+    if op_type == "Conv":
+        return 0
+    if op_type == "ConvTranspose":
+        group = attributes.get("group", 1)
+        return 1 if group == 1 else None
+    if op_type == "Gemm":
+        return 0 if attributes.get("transB", 0) else 1
+    if op_type == "MatMul":
+        return weight_rank - 1 if weight_rank == 2 else None
+    return None
