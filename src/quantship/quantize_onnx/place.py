@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from quantship.errors import SpecRefused
 from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, shared_qparams
-from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, weight_axis
+from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
 
 FLOAT_DTYPES = (np.dtype(np.float32),)  # activations the int8 grid replaces (float16/64 stay as they are)
 CONCAT_TIE_RATIO = 8.0  # a Concat ties its inputs' scales unless their ranges differ more than this
@@ -38,11 +38,13 @@ class Plan:
     ties: list[tuple[str, ...]] = field(default_factory=list)  # tensors that share one scale
     concat_ties: list[tuple[str, ...]] = field(default_factory=list)  # tied only when ranges are close
     roles: collections.Counter = field(default_factory=collections.Counter)
+    kept_float: dict[str, str] = field(default_factory=dict)  # weighted node -> why it stays float
     nodes: list[ir.Node] = field(default_factory=list, repr=False)  # the graph's nodes when planned
 
     def as_dict(self) -> dict:
         return {"n_tensors": len(self.tensors), "n_reads": len(self.readers), "n_weighted": len(self.weighted),
-                "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles)}
+                "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles),
+                "kept_float": dict(self.kept_float)}
 
 
 def resolve_excludes(nodes: list[ir.Node], patterns: Iterable[str]) -> set[int]:
@@ -130,6 +132,11 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         if not g.is_activation(x) or w is None:
             continue
         if w.const_value is not None and w.const_value.dtype == ir.DataType.FLOAT:
+            attrs = {k: a.value for k, a in node.attributes.items()}
+            why = runs_faster_in_float(placement, node.op_type, attrs, tuple(w.const_value.shape))
+            if why is not None:
+                result.kept_float[node_label(node, i)] = why
+                continue
             result.weighted.append(i)
             result.roles[f"weighted:{node.op_type}"] += 1
             reads = [0]

@@ -29,6 +29,7 @@ ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
 NORMALISED_KEY = "quantship.normalised"
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
+READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
                    "QLinearConvTranspose", "DynamicQuantizeMatMul")
 FLOAT_KERNELS = ("Conv", "FusedConv", "ConvTranspose", "MatMul", "FusedMatMul", "Gemm", "FusedGemm")
@@ -76,6 +77,7 @@ def placement_for(target: str, *, per_tensor: bool = False) -> tuple[Placement, 
     (``inspect.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
     from quantship.inspect.rules import target as rules_of
     from quantship.precision import preset, resolve_spec
+    from quantship.quantize_onnx.roles import RUNTIME_FLOAT_RULES
 
     p = preset(target)
     spec = resolve_spec(**p.spec_kwargs)
@@ -83,7 +85,8 @@ def placement_for(target: str, *, per_tensor: bool = False) -> tuple[Placement, 
     mode = "full" if "fully_quantized" in rules.errors else "integer"
     placement = Placement(mode=mode, activation_dtype=p.activation_dtype, symmetric=spec.symmetric,
                           weight_bound=63 if spec.reduce_range else 127,
-                          per_channel=spec.qscheme == "per_channel" and not per_tensor)
+                          per_channel=spec.qscheme == "per_channel" and not per_tensor,
+                          float_rules=RUNTIME_FLOAT_RULES.get(p.check_target, ()) if mode == "integer" else ())
     return placement, p, spec
 
 
@@ -111,12 +114,13 @@ def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
     return [np.concatenate([o[k] for o in outs]) if np.ndim(outs[0][k]) else outs[0][k] for k in range(len(outs[0]))]
 
 
-def _proof_feeds(feeds: Sequence[Feed]) -> list[Feed]:
+def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Feed]:
+    """The leading batches holding at least ``samples`` samples (all of them when fewer)."""
     chosen, n = [], 0
     for feed in feeds:
         chosen.append(feed)
         n += len(next(iter(feed.values())))
-        if n >= PROOF_SAMPLES:
+        if n >= samples:
             break
     return chosen
 
@@ -124,7 +128,7 @@ def _proof_feeds(feeds: Sequence[Feed]) -> list[Feed]:
 def normalise(model: ir.Model, feeds: Sequence[Feed]) -> list[PassRecord]:
     """Run ``normalize.PASSES`` in order, each proven on the calibration data in ONNX Runtime (read
     literally): exact passes give the same bytes, float passes agree within FLOAT_TOLERANCE."""
-    proof = _proof_feeds(feeds)
+    proof = _first_feeds(feeds)
     before = _run(_session(ir.to_proto(model)), proof)
     records = []
     for p in normalize.PASSES:
@@ -217,12 +221,11 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     inputs = model_inputs(proto)
     feeds = as_feeds(calibration, inputs)
     placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
-    float_session = _session(proto)
+    read_on = _first_feeds(feeds, READING_SAMPLES)
     try:
-        reference = _run(float_session, feeds)
+        reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
-    del float_session
 
     model = ir.from_proto(proto)
     del proto
@@ -246,7 +249,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     spec_kwargs = dict(p.spec_kwargs)
     if per_tensor:
         spec_kwargs["qscheme"] = "per_tensor"
-    spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=skipped or None)
+    kept = sorted({*skipped, *layout.kept_float})  # left float on request, or because the runtime runs them faster so
+    spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
@@ -261,8 +265,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         check_target(facts, p.target)
         del facts
         try:
-            literal = _run(_session(staged), feeds)
-            fused = _run(_session(staged, optimized=True), feeds)
+            literal = _run(_session(staged), read_on)
+            fused = _run(_session(staged, optimized=True), read_on)
         except Exception as exc:
             raise ExportRefused(f"ONNX Runtime cannot run the quantized file: {cause(exc)}") from exc
         if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
@@ -273,7 +277,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         readings = readings_of(literal[0], fused[0], scale, reference[0])
         fidelity = _fidelity(reference[0], literal[0], fused[0])
         kernels = census(staged)
-        run_inputs = np.concatenate([f[inputs[0].name] for f in feeds]) if len(inputs) == 1 else None
+        run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
         verdict = check_file(staged, p.check_target, run=run_check and run_inputs is not None,
                              inputs=run_inputs)
         verdict.path = str(Path(out_path).expanduser().resolve())
