@@ -359,7 +359,7 @@ def _weight_qparams(w: np.ndarray, axis: int | None, bound: int) -> np.ndarray:
     else:
         obs = PerChannelMinMaxObserver(ch_axis=axis, dtype=torch.int8, quant_min=-bound, quant_max=bound,
                                        qscheme=torch.per_channel_symmetric)
-    obs(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
+    obs(torch.from_numpy(np.array(w, dtype=np.float32)))  # a writable copy
     scale, _ = obs.calculate_qparams()
     return scale.numpy().astype(np.float32).reshape(-1 if axis is not None else ())
 

@@ -188,8 +188,9 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
         agree = float((out.argmax(-1) == reference.argmax(-1)).mean()) if reference.ndim >= 2 else None
         return {"argmax_agreement": agree, "max_abs_error": float(diff.max()), "mean_abs_error": float(diff.mean())}
 
-    return {"literal": one(literal), "fused": one(fused), "n_values": int(reference.size),
-            "reference_max_abs": float(np.abs(reference).max())}
+    gap = float(np.abs(literal.astype(np.float64) - fused.astype(np.float64)).max())
+    return {"literal": one(literal), "fused": one(fused), "fused_vs_literal_max_abs": gap,
+            "n_values": int(reference.size), "reference_max_abs": float(np.abs(reference).max())}
 
 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str,
