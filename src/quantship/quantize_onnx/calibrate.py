@@ -26,6 +26,11 @@ class TensorInfo:
 
     dtype: np.dtype
     shape: tuple[int, ...]
+    rows: int = 1  # samples the probe ran
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize // max(self.rows, 1)
 
 
 Feed = dict[str, np.ndarray]
@@ -51,15 +56,18 @@ def _first_sample(feed: Feed) -> Feed:
     return {k: v[:1] for k, v in feed.items()}
 
 
-def probe(model: onnx.ModelProto, feed: Feed) -> dict[str, TensorInfo]:
-    """Dtype and shape of every node output (and input), read off one run of one sample."""
+def probe(model: onnx.ModelProto, feed: Feed, *, one_sample: bool = True) -> dict[str, TensorInfo]:
+    """Dtype and shape of every node output (and input), read off one run of one sample (of the whole
+    batch when the file's batch dimension is fixed: ``one_sample=False``)."""
     names = [o for n in model.graph.node for o in n.output if o]
     session = _session(model, names)
     wanted = [o.name for o in session.get_outputs()]
-    outs = session.run(wanted, _first_sample(feed))
-    info = {name: TensorInfo(np.asarray(v).dtype, tuple(np.shape(v))) for name, v in zip(wanted, outs)}
-    for name, value in feed.items():
-        info[name] = TensorInfo(value.dtype, (1, *value.shape[1:]))
+    fed = _first_sample(feed) if one_sample else feed
+    outs = session.run(wanted, fed)
+    rows = len(next(iter(fed.values())))
+    info = {name: TensorInfo(np.asarray(v).dtype, tuple(np.shape(v)), rows) for name, v in zip(wanted, outs)}
+    for name, value in fed.items():
+        info[name] = TensorInfo(value.dtype, tuple(value.shape), rows)
     return info
 
 
@@ -154,8 +162,7 @@ def observe(model: onnx.ModelProto, batches: Sequence[Feed], tensors: Sequence[s
     observers = {name: TensorObserver(make, qscheme) for name in tensors}
     computed = [name for name in tensors if name not in batches[0]]
     session = _session(model, computed) if computed else None
-    per_sample = sum(int(np.prod(info[n].shape, dtype=np.int64)) * info[n].dtype.itemsize
-                     for n in computed if n in info) or 1
+    per_sample = sum(info[n].bytes_per_sample for n in computed if n in info) or 1
     rows = max(1, MEMORY_BUDGET // per_sample)
     for feed in batches:
         for name, value in feed.items():

@@ -91,15 +91,15 @@ def _cast(array: np.ndarray, spec: Input, source: str) -> np.ndarray:
 
 def _check_shape(array: np.ndarray, spec: Input, source: str) -> None:
     if array.ndim != len(spec.dims):
-        raise DataRefused(f"{source}: input {spec.name!r} is declared {spec.describe()} (rank {len(spec.dims)}), "
-                          f"but the calibration data has shape {list(array.shape)} (rank {array.ndim})")
+        raise DataRefused(f"{source}: the file declares input {spec.name!r} as {spec.describe()} (rank "
+                          f"{len(spec.dims)}), but the calibration data has shape {list(array.shape)} (rank {array.ndim})")
     if array.shape[0] == 0:
         raise DataRefused(f"{source}: the calibration data for input {spec.name!r} is empty")
     wrong = [(i, d, s) for i, (d, s) in enumerate(zip(spec.dims, array.shape)) if i and d is not None and d != s]
     if wrong:
         i, d, s = wrong[0]
-        raise DataRefused(f"{source}: input {spec.name!r} is declared {spec.describe()}, but the calibration data "
-                          f"has shape {list(array.shape)} (dimension {i} is {s}, not {d})")
+        raise DataRefused(f"{source}: the file declares input {spec.name!r} as {spec.describe()}, but the calibration "
+                          f"data has shape {list(array.shape)} (dimension {i} is {s}, not {d})")
 
 
 def feeds(inputs: Sequence[Input], arrays: Mapping[str, np.ndarray], *, batch_size: int, max_samples: int,

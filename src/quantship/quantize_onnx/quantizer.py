@@ -232,7 +232,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     del proto
     records = normalise(model, feeds)
     normal = ir.to_proto(model)
-    info = calibrate.probe(normal, feeds[0])
+    fixed_batch = any(i.dims and i.dims[0] is not None for i in inputs)
+    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
     nodes = list(model.graph)
     excluded = place.resolve_excludes(nodes, exclude)
     layout = place.plan(model, info, placement, excluded)
