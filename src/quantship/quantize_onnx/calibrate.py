@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 MEMORY_BUDGET = 768 << 20  # bytes of exposed tensors held at once
+OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
 QMIN, QMAX = -128, 127  # observers work in int8, as the PyTorch path's do; uint8 is the same scale, z + 128
 
 
@@ -94,7 +95,7 @@ class TensorObserver:
         self.low, self.high = min(self.low, float(finite.min())), max(self.high, float(finite.max()))
         if self.integral:
             self.integral = bool(np.all(finite == np.round(finite)))
-        self.observer(torch.from_numpy(finite))
+        self.observer(torch.from_numpy(_sample(finite)))
 
     def qparams(self, symmetric: bool) -> tuple[float, int]:
         """(scale, int8 zero-point) from the observer's range rule; integer-valued tensors that fit
@@ -114,6 +115,16 @@ class TensorObserver:
         """The range the observer's qparams represent (what a shared scale must cover for this tensor)."""
         scale, zero = self.qparams(symmetric)
         return (QMIN - zero) * scale, (QMAX - zero) * scale
+
+
+def _sample(x: np.ndarray) -> np.ndarray:
+    """At most ``OBSERVED_VALUES`` values of ``x``: an even stride through it, plus its extremes (the
+    observed range stays exact). Histograms of a large tensor hardly move; their cost does."""
+    flat = x.reshape(-1)
+    if flat.size <= OBSERVED_VALUES:
+        return flat
+    step = -(-flat.size // OBSERVED_VALUES)
+    return np.concatenate([flat[::step], [flat.min(), flat.max()]])
 
 
 def _checked(scale: float, zero: int) -> tuple[float, int]:
