@@ -151,7 +151,8 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         point = _output_point(g, node, excluded)
         if point is not node.outputs[0]:
             fused_relu.add(g.index[id(point.producer())])
-        want(point)
+        if node.op_type not in placement.float_output_ops or placement.mode == "full":
+            want(point)  # otherwise quantized only if a reader needs it (the fixed point below decides)
         result.integer_nodes.add(i)
     result.integer_nodes |= fused_relu
 

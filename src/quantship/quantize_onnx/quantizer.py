@@ -77,7 +77,7 @@ def placement_for(target: str, *, per_tensor: bool = False) -> tuple[Placement, 
     (``inspect.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
     from quantship.inspect.rules import target as rules_of
     from quantship.precision import preset, resolve_spec
-    from quantship.quantize_onnx.roles import RUNTIME_FLOAT_RULES
+    from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES
 
     p = preset(target)
     spec = resolve_spec(**p.spec_kwargs)
@@ -86,7 +86,8 @@ def placement_for(target: str, *, per_tensor: bool = False) -> tuple[Placement, 
     placement = Placement(mode=mode, activation_dtype=p.activation_dtype, symmetric=spec.symmetric,
                           weight_bound=63 if spec.reduce_range else 127,
                           per_channel=spec.qscheme == "per_channel" and not per_tensor,
-                          float_rules=RUNTIME_FLOAT_RULES.get(p.check_target, ()) if mode == "integer" else ())
+                          float_rules=RUNTIME_FLOAT_RULES.get(p.check_target, ()) if mode == "integer" else (),
+                          float_output_ops=RUNTIME_FLOAT_OUTPUTS.get(p.check_target, ()) if mode == "integer" else ())
     return placement, p, spec
 
 

@@ -63,11 +63,12 @@ class Placement:
     weight_bound: int  # 127, or 63 with reduce_range
     per_channel: bool
     float_rules: tuple[str, ...] = ()  # ids in FLOAT_RULES: weighted ops the runtime runs faster in float
+    float_output_ops: tuple[str, ...] = ()  # weighted ops whose integer kernel can write a float result
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "activation_dtype": self.activation_dtype, "symmetric": self.symmetric,
                 "weight_bound": self.weight_bound, "per_channel": self.per_channel,
-                "float_rules": list(self.float_rules)}
+                "float_rules": list(self.float_rules), "float_output_ops": list(self.float_output_ops)}
 
 
 def _depthwise_large(op_type: str, attributes: dict, weight_shape: tuple[int, ...]) -> bool:
@@ -88,6 +89,9 @@ FLOAT_RULES: dict[str, tuple[str, object]] = {
                            _depthwise_large),
 }
 RUNTIME_FLOAT_RULES: dict[str, tuple[str, ...]] = {"onnxruntime": ("conv_transpose", "depthwise_over_3x3")}
+# ONNX Runtime fuses DequantizeLinear -> MatMul with a float result into MatMulIntegerToFloat: a MatMul
+# whose readers are float ops keeps its result float (one rounding fewer), and still runs on integers
+RUNTIME_FLOAT_OUTPUTS: dict[str, tuple[str, ...]] = {"onnxruntime": ("MatMul",)}
 
 
 def runs_faster_in_float(placement: Placement, op_type: str, attributes: dict,
