@@ -98,7 +98,8 @@ def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
     from quantship.export.ort_quantize import refuse_quantized
 
     refuse_quantized(model, path)
-    if any(uses_external_data(t) for t in model.graph.initializer):
+    on_disk = onnx.load(str(path), load_external_data=False)  # load_onnx has read the external data in
+    if any(uses_external_data(t) for t in on_disk.graph.initializer):
         raise FileRefused(f"{path} keeps its weights in an external data file; quantize-onnx reads single-file "
                           "models (under 2 GB): save it with onnx.save_model(..., save_as_external_data=False)")
 
