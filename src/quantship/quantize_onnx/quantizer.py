@@ -10,7 +10,6 @@ passed (``export.artifact``).
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -289,8 +288,3 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
         census=kernels, verdict=verdict, spec=spec, excluded=skipped)
-
-
-def float_ops_left(result: OnnxQuantizeResult) -> collections.Counter:
-    """Float Conv/MatMul/Gemm kernels ONNX Runtime still runs (the census's float side)."""
-    return collections.Counter(result.census.get("float", {}))
