@@ -21,7 +21,7 @@ from quantship.noise import silence_library_noise
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "quantize the built-in reference task end to end and print one table"),
     "quantize": ("quantize", "quantize a PyTorch model, export QDQ ONNX, check it against a target"),
-    "quantize-onnx": ("quantize_onnx", "quantize a float ONNX file for a target (ONNX Runtime's quantizer)"),
+    "quantize-onnx": ("quantize_onnx", "quantize a float ONNX file for a target (quantship's own ONNX quantizer)"),
     "inspect": ("inspect_cmd", "report what an ONNX file contains (format, memory, scales)"),
     "check": ("check", "check an ONNX file against a deployment target's rules"),
     "compare": ("compare", "float vs INT8 vs target execution, in output LSB"),

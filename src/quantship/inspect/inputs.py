@@ -1,8 +1,8 @@
 """The graph inputs a file declares, refused up front when no real input could have that shape.
 
-A declared dimension must be positive and the input small enough to allocate: ONNX Runtime would
-otherwise fail late (``Unable to allocate 8.00 PiB``) or a random feed would quietly use 1 for a
-dimension of -5.
+A declared dimension must not be 0 and the input must be small enough to allocate: ONNX Runtime
+would otherwise fail late (``Unable to allocate 8.00 PiB``). A negative dimension is dynamic, as
+ONNX Runtime reads it (Paddle exports declare their batch as -1).
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def declared_inputs(model: onnx.ModelProto, path: str | Path) -> list[DeclaredIn
                               "numpy cannot represent") from None
         dims = []
         for i, d in enumerate(tensor_type.shape.dim):
-            if d.HasField("dim_value"):
-                if d.dim_value <= 0:
+            if d.HasField("dim_value") and d.dim_value < 0:
+                dims.append(None)  # dynamic, as ONNX Runtime reads a negative dim (Paddle's -1)
+            elif d.HasField("dim_value"):
+                if d.dim_value == 0:
                     raise FileRefused(f"{path}: input {value.name!r} declares dimension {i} = {d.dim_value}; "
                                       "declared dimensions must be positive (fix the exporter's input shape)")
                 dims.append(int(d.dim_value))

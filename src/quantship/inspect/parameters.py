@@ -2,7 +2,8 @@
 
 A scale must be a finite, positive, normal float; a zero-point must have the stored integer type
 and lie in its range; ``axis`` must name a dimension of the quantized tensor and the per-channel
-scales must match it; declared dimensions must be positive. Runtimes differ in what they do with
+scales must match it; a declared input dimension must not be 0 (negative ones are dynamic, as
+ONNX Runtime reads them). Runtimes differ in what they do with
 such a file (some reject it, some run it and return NaN or garbage), so every target refuses it.
 Also lists the operators outside the default ONNX domain, for the per-target domain rule.
 """
@@ -100,11 +101,12 @@ def _qdq_problems(view: GraphView, node: onnx.NodeProto, index: int) -> list[str
 def _dimension_problems(view: GraphView) -> list[str]:
     graph = view.model.graph
     problems = []
-    for kind, values in (("input", graph.input), ("output", graph.output)):
-        for value in values:
-            for axis, dim in enumerate(value.type.tensor_type.shape.dim):
-                if dim.HasField("dim_value") and dim.dim_value <= 0:
-                    problems.append(f"{kind} {value.name!r}: dimension {axis} is {dim.dim_value} (must be positive)")
+    # as ONNX Runtime reads a declaration: a negative dim (Paddle's -1) is dynamic; an input dim of 0
+    # accepts only empty tensors; an output's declared dims are merged leniently with what it computes
+    for value in graph.input:
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value == 0:
+                problems.append(f"input {value.name!r}: dimension {axis} is 0 (must be positive, or dynamic)")
     for tensor in graph.initializer:
         dims = list(tensor.dims)
         if any(d < 0 for d in dims) or (0 in dims and len(dims) > 1):  # [0] is ONNX's "empty" (e.g. roi)

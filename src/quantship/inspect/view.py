@@ -168,7 +168,7 @@ class GraphView:
         probe = _shape_probe(model)
         for value in probe.graph.input:
             for dim in value.type.tensor_type.shape.dim:
-                if not dim.HasField("dim_value"):
+                if not dim.HasField("dim_value") or dim.dim_value < 0:  # a negative dim is dynamic too
                     dim.dim_value = 1
         try:
             probe = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)

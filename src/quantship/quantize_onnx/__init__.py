@@ -1,0 +1,10 @@
+"""quantship's own ONNX quantizer: a float ONNX file to a verified INT8 QDQ file (``quantize_onnx_file``).
+
+``normalize`` (passes, each proven in ONNX Runtime), ``calibrate`` (ONNX Runtime with intermediates
+exposed, the PyTorch path's observers), ``roles`` (the op -> role table), ``place`` (the Q/DQ layout,
+written with onnx_ir), ``data`` (calibration feeds per declared input), ``quantizer`` (the facade).
+"""
+
+from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
+
+__all__ = ["OnnxQuantizeResult", "quantize_onnx_file"]

@@ -1,0 +1,191 @@
+"""Calibration: the float model run in ONNX Runtime with its intermediate tensors exposed.
+
+``probe`` runs one sample with every tensor exposed: the dtype and shape of each (what symbolic
+shape inference could not tell on the Paddle and YOLO files comes from this run). ``observe`` runs
+the calibration batches with the tensors to quantize exposed, feeding quantship's activation
+observers (the PyTorch path's, through ``torch.from_numpy``) one batch at a time: a batch whose
+exposed tensors would exceed ``MEMORY_BUDGET`` is run in shorter slices, so memory stays bounded
+whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+MEMORY_BUDGET = 768 << 20  # bytes of exposed tensors held at once
+OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
+QMIN, QMAX = -128, 127  # observers work in int8, as the PyTorch path's do; uint8 is the same scale, z + 128
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the probe run saw of one tensor (for one sample)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    rows: int = 1  # samples the probe ran
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize // max(self.rows, 1)
+
+
+Feed = dict[str, np.ndarray]
+
+
+def _session(model: onnx.ModelProto, exposed: Sequence[str]):
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    present = {o.name for o in probe.graph.output}
+    for name in exposed:
+        if name not in present:
+            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    # basic level: constant folding and redundant-node removal only; no fusion touches an exposed tensor
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _first_sample(feed: Feed) -> Feed:
+    return {k: v[:1] for k, v in feed.items()}
+
+
+def probe(model: onnx.ModelProto, feed: Feed, *, one_sample: bool = True) -> dict[str, TensorInfo]:
+    """Dtype and shape of every node output (and input), read off one run of one sample (of the whole
+    batch when the file's batch dimension is fixed: ``one_sample=False``)."""
+    names = [o for n in model.graph.node for o in n.output if o]
+    session = _session(model, names)
+    wanted = [o.name for o in session.get_outputs()]
+    fed = _first_sample(feed) if one_sample else feed
+    outs = session.run(wanted, fed)
+    rows = len(next(iter(fed.values())))
+    info = {name: TensorInfo(np.asarray(v).dtype, tuple(np.shape(v)), rows) for name, v in zip(wanted, outs)}
+    for name, value in fed.items():
+        info[name] = TensorInfo(value.dtype, tuple(value.shape), rows)
+    return info
+
+
+class TensorObserver:
+    """One activation observer (the PyTorch path's range rule) for one tensor, plus what the rule
+    does not track: the exact min/max and whether every value seen was an integer."""
+
+    def __init__(self, make, qscheme) -> None:
+        import torch
+
+        self.observer = make(dtype=torch.int8, quant_min=QMIN, quant_max=QMAX, qscheme=qscheme)
+        self.integral = True  # every value seen is an integer: scale 1 represents them exactly
+        self.low, self.high = np.inf, -np.inf
+
+    def __call__(self, array: np.ndarray) -> None:
+        import torch
+
+        x = np.ascontiguousarray(array, dtype=np.float32)
+        if x.size == 0:
+            return
+        finite = x[np.isfinite(x)] if not np.isfinite(x).all() else x
+        if finite.size == 0:
+            return
+        self.low, self.high = min(self.low, float(finite.min())), max(self.high, float(finite.max()))
+        if self.integral:
+            self.integral = bool(np.all(finite == np.round(finite)))
+        self.observer(torch.from_numpy(_sample(finite)))
+
+    def qparams(self, symmetric: bool) -> tuple[float, int]:
+        """(scale, int8 zero-point) from the observer's range rule; integer-valued tensors that fit
+        the int8 grid at scale 1 keep it (shape arithmetic and one-hot codes stay exact)."""
+        if self.low == np.inf:
+            return 1.0, 0
+        if self.integral:
+            if symmetric and max(-self.low, self.high) <= QMAX:
+                return 1.0, 0
+            low, high = min(self.low, 0.0), max(self.high, 0.0)  # the grid holds 0 exactly
+            if not symmetric and high - low <= QMAX - QMIN:
+                return 1.0, int(QMIN - low)
+        scale, zero = self.observer.calculate_qparams()
+        return _checked(float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
+
+    def clipping_range(self, symmetric: bool) -> tuple[float, float]:
+        """The range the observer's qparams represent (what a shared scale must cover for this tensor)."""
+        scale, zero = self.qparams(symmetric)
+        return (QMIN - zero) * scale, (QMAX - zero) * scale
+
+
+def _sample(x: np.ndarray) -> np.ndarray:
+    """At most ``OBSERVED_VALUES`` values of ``x``: an even stride through it, plus its extremes (the
+    observed range stays exact). Histograms of a large tensor hardly move; their cost does."""
+    flat = x.reshape(-1)
+    if flat.size <= OBSERVED_VALUES:
+        return flat
+    step = -(-flat.size // OBSERVED_VALUES)
+    return np.concatenate([flat[::step], [flat.min(), flat.max()]])
+
+
+def _checked(scale: float, zero: int) -> tuple[float, int]:
+    if not np.isfinite(scale) or scale < np.finfo(np.float32).tiny:
+        return 1.0, 0
+    return scale, zero
+
+
+def shared_qparams(members: Sequence[TensorObserver], symmetric: bool) -> tuple[float, int]:
+    """One (scale, zero-point) for tensors that must share it: the union of their clipping ranges,
+    turned into qparams by the first member's observer formula."""
+    import torch
+
+    if len(members) == 1:
+        return members[0].qparams(symmetric)
+    seen = [m for m in members if m.low != np.inf]
+    if not seen:
+        return 1.0, 0
+    if all(m.integral for m in seen):
+        merged = TensorObserver.__new__(TensorObserver)
+        merged.integral, merged.observer = True, seen[0].observer
+        merged.low, merged.high = min(m.low for m in seen), max(m.high for m in seen)
+        scale, zero = merged.qparams(symmetric)
+        if scale == 1.0:
+            return scale, zero
+    ranges = [m.clipping_range(symmetric) for m in seen]
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    scale, zero = seen[0].observer._calculate_qparams(torch.tensor([low]), torch.tensor([high]))
+    return _checked(float(scale.reshape(-1)[0]), int(zero.reshape(-1)[0]))
+
+
+def observer_factory(name: str):
+    """The observer class for an ``act_observer`` name: the PyTorch path's table, not a second one."""
+    from quantship.quantize.annotator import activation_observer
+
+    return activation_observer(name)
+
+
+def observe(model: onnx.ModelProto, batches: Sequence[Feed], tensors: Sequence[str], info: dict[str, TensorInfo],
+            *, observer: str, symmetric: bool) -> dict[str, TensorObserver]:
+    """Run every batch with ``tensors`` exposed; one ``TensorObserver`` per tensor."""
+    import torch
+
+    qscheme = torch.per_tensor_symmetric if symmetric else torch.per_tensor_affine
+    make = observer_factory(observer)
+    observers = {name: TensorObserver(make, qscheme) for name in tensors}
+    computed = [name for name in tensors if name not in batches[0]]
+    session = _session(model, computed) if computed else None
+    per_sample = sum(info[n].bytes_per_sample for n in computed if n in info) or 1
+    rows = max(1, MEMORY_BUDGET // per_sample)
+    for feed in batches:
+        for name, value in feed.items():
+            if name in observers:
+                observers[name](value)
+        if session is None:
+            continue
+        n = len(next(iter(feed.values())))
+        for start in range(0, n, rows):
+            part = {k: v[start:start + rows] for k, v in feed.items()}
+            outs = session.run(computed, part)
+            for name, value in zip(computed, outs):
+                observers[name](value)
+            del outs
+    return observers

@@ -1,0 +1,290 @@
+"""``quantize_onnx_file``: a float ONNX file to a verified INT8 QDQ file, with quantship's own engine.
+
+The steps, each its own module: normalise (``normalize``, every pass proven in ONNX Runtime), probe
+and calibrate (``calibrate``), plan and write the Q/DQ pairs (``roles``, ``place``), then the same
+guarantees as ``export_qdq``: the export post-conditions and the target's rules on the written file,
+provenance in ``metadata_props``, both ONNX Runtime readings, the census of what ONNX Runtime runs,
+and the verdict of ``quantship check --run``. Nothing appears at the destination unless every check
+passed (``export.artifact``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
+from quantship.quantize_onnx import calibrate, normalize, place
+from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
+from quantship.quantize_onnx.roles import Placement
+
+ENGINE_KEY = "quantship.engine"
+ENGINE = "quantize_onnx"
+NORMALISED_KEY = "quantship.normalised"
+PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
+READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
+INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
+                   "QLinearConvTranspose", "DynamicQuantizeMatMul")
+FLOAT_KERNELS = ("Conv", "FusedConv", "ConvTranspose", "MatMul", "FusedMatMul", "Gemm", "FusedGemm")
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One normalisation pass as it ran: changes made, its proof, the largest output difference."""
+
+    name: str
+    changes: int
+    proof: str
+    max_abs_diff: float | None  # None: nothing changed, nothing to prove
+
+
+@dataclass
+class OnnxQuantizeResult:
+    """What ``quantize_onnx_file`` wrote and measured."""
+
+    path: Path | None
+    target: str
+    placement: Placement
+    normalised: list[PassRecord]
+    plan: dict
+    counts: dict
+    qdq_stats: Any  # inspect.stats.QDQStats
+    readings: Any  # inspect.verify.Readings (literal and fused, against the float file)
+    fidelity: dict  # agreement and error of the first output against the float file, both readings
+    census: dict  # what ONNX Runtime's optimized graph runs: integer vs float Conv/MatMul/Gemm kernels
+    verdict: Any  # inspect.check.CheckReport (check --run)
+    spec: Any  # precision.QuantSpec recorded in the file
+    excluded: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
+                "placement": self.placement.as_dict(), "normalised": [asdict(p) for p in self.normalised],
+                "plan": self.plan, "counts": self.counts, "qdq_stats": self.qdq_stats.as_dict(),
+                "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
+                "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
+                "spec": self.spec.as_dict(), "excluded": self.excluded}
+
+
+def placement_for(target: str, *, per_tensor: bool = False) -> tuple[Placement, Any, Any]:
+    """The placement a preset asks for (``precision.PRESETS``) and what its target's rules demand
+    (``inspect.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
+    from quantship.inspect.rules import target as rules_of
+    from quantship.precision import preset, resolve_spec
+    from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES
+
+    p = preset(target)
+    spec = resolve_spec(**p.spec_kwargs)
+    rules = rules_of(p.check_target)
+    mode = "full" if "fully_quantized" in rules.errors else "integer"
+    placement = Placement(mode=mode, activation_dtype=p.activation_dtype, symmetric=spec.symmetric,
+                          weight_bound=63 if spec.reduce_range else 127,
+                          per_channel=spec.qscheme == "per_channel" and not per_tensor,
+                          float_rules=RUNTIME_FLOAT_RULES.get(p.check_target, ()) if mode == "integer" else (),
+                          float_output_ops=RUNTIME_FLOAT_OUTPUTS.get(p.check_target, ()) if mode == "integer" else ())
+    return placement, p, spec
+
+
+def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
+    """Already-quantized files and files with external weights are refused before any work."""
+    from onnx.external_data_helper import uses_external_data
+
+    from quantship.export.ort_quantize import refuse_quantized
+
+    refuse_quantized(model, path)
+    on_disk = onnx.load(str(path), load_external_data=False)  # load_onnx has read the external data in
+    if any(uses_external_data(t) for t in on_disk.graph.initializer):
+        raise FileRefused(f"{path} keeps its weights in an external data file; quantize-onnx reads single-file "
+                          "models (under 2 GB): save it with onnx.save_model(..., save_as_external_data=False)")
+
+
+def _session(model: onnx.ModelProto | Path, optimized: bool = False):
+    from quantship.inspect.consumers import ort_session
+
+    return ort_session(model, optimized=optimized)
+
+
+def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
+    """Every output over every feed, concatenated along the batch."""
+    outs = [session.run(None, feed) for feed in feeds]
+    return [np.concatenate([o[k] for o in outs]) if np.ndim(outs[0][k]) else outs[0][k] for k in range(len(outs[0]))]
+
+
+def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Feed]:
+    """The leading batches holding at least ``samples`` samples (all of them when fewer)."""
+    chosen, n = [], 0
+    for feed in feeds:
+        chosen.append(feed)
+        n += len(next(iter(feed.values())))
+        if n >= samples:
+            break
+    return chosen
+
+
+def normalise(model: ir.Model, feeds: Sequence[Feed]) -> list[PassRecord]:
+    """Run ``normalize.PASSES`` in order, each proven on the calibration data in ONNX Runtime (read
+    literally): exact passes give the same bytes, float passes agree within FLOAT_TOLERANCE."""
+    proof = _first_feeds(feeds)
+    before = _run(_session(ir.to_proto(model)), proof)
+    records = []
+    for p in normalize.PASSES:
+        try:
+            changes = p.run(model)
+        except Exception as exc:  # a converter or an attribute the pass cannot read: the file is not supported
+            raise ExportRefused(f"normalisation pass {p.name} failed on the file: {cause(exc)}") from exc
+        if not changes:
+            records.append(PassRecord(p.name, 0, p.proof, None))
+            continue
+        try:
+            after = _run(_session(ir.to_proto(model)), proof)
+        except Exception as exc:
+            raise ExportRefused(f"normalisation pass {p.name} broke the file (ONNX Runtime cannot run it: "
+                                f"{cause(exc)})") from exc
+        diffs = [_max_diff(a, b) for a, b in zip(before, after)]
+        worst = max(diffs) if diffs else 0.0
+        if p.proof == "exact":
+            same = all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+                       for a, b in zip(before, after))
+            if not same:
+                raise ExportRefused(f"normalisation pass {p.name} changed the outputs (max abs diff {worst:.3g}); "
+                                    "refusing to quantize a rewritten model that is not the same model")
+        else:
+            scale = max((float(np.abs(a).max()) for a in before if a.size and a.dtype.kind == "f"), default=1.0)
+            if worst > normalize.FLOAT_TOLERANCE * max(scale, 1e-6):
+                raise ExportRefused(f"normalisation pass {p.name} moved the outputs by {worst:.3g} (tolerance "
+                                    f"{normalize.FLOAT_TOLERANCE:g} x {scale:.3g})")
+        records.append(PassRecord(p.name, changes, p.proof, worst))
+        before = after
+    return records
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if a.dtype.kind not in "fiu" or a.size == 0:
+        return 0.0 if np.array_equal(a, b) else float("inf")
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+
+
+def census(path: Path) -> dict:
+    """What ONNX Runtime's optimized graph of ``path`` runs: integer and float Conv/MatMul/Gemm kernels."""
+    from quantship.inspect.consumers import ort_optimized_ops
+
+    ops = ort_optimized_ops(path)
+    integer = {k: v for k, v in sorted(ops.items()) if k in INTEGER_KERNELS}
+    floating = {k: v for k, v in sorted(ops.items()) if k in FLOAT_KERNELS}
+    return {"integer": integer, "float": floating, "n_integer": sum(integer.values()),
+            "n_float": sum(floating.values()), "n_quantize": ops.get("QuantizeLinear", 0),
+            "n_dequantize": ops.get("DequantizeLinear", 0)}
+
+
+def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> dict:
+    def one(out: np.ndarray) -> dict:
+        diff = np.abs(out.astype(np.float64) - reference.astype(np.float64))
+        agree = float((out.argmax(-1) == reference.argmax(-1)).mean()) if reference.ndim >= 2 else None
+        return {"argmax_agreement": agree, "max_abs_error": float(diff.max()), "mean_abs_error": float(diff.mean())}
+
+    gap = float(np.abs(literal.astype(np.float64) - fused.astype(np.float64)).max())
+    return {"literal": one(literal), "fused": one(fused), "fused_vs_literal_max_abs": gap,
+            "n_values": int(reference.size), "reference_max_abs": float(np.abs(reference).max())}
+
+
+def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str,
+                       exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
+                       wait: bool = True, run_check: bool = True) -> OnnxQuantizeResult:
+    """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
+
+    ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
+    per batch, of the dtype and rank the file declares. ``exclude``: node names, name globs or op
+    types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
+    default the preset's). Refusals raise a ``QuantshipError`` and write nothing.
+    """
+    from quantship.export import artifact
+    from quantship.export.kernel_shape import write_kernel_shapes
+    from quantship.export.metadata import write_metadata
+    from quantship.export.postconditions import check_file as check_spec
+    from quantship.export.postconditions import check_target
+    from quantship.inspect.check import check_file
+    from quantship.inspect.facts import read_file
+    from quantship.inspect.loading import load_onnx
+    from quantship.inspect.verify import readings_of
+    from quantship.precision import ACT_OBSERVERS, resolve_spec
+
+    if observer is not None and observer not in ACT_OBSERVERS:
+        raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
+    src = Path(float_path).expanduser()
+    proto = load_onnx(src)
+    refuse_unusable(proto, float_path)
+    inputs = model_inputs(proto)
+    feeds = as_feeds(calibration, inputs)
+    placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
+    read_on = _first_feeds(feeds, READING_SAMPLES)
+    try:
+        reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
+    except Exception as exc:  # ORT's own exception types: the float file does not run on this data
+        raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
+
+    model = ir.from_proto(proto)
+    del proto
+    records = normalise(model, feeds)
+    normal = ir.to_proto(model)
+    fixed_batch = any(i.dims and i.dims[0] is not None for i in inputs)
+    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
+    nodes = list(model.graph)
+    excluded = place.resolve_excludes(nodes, exclude)
+    layout = place.plan(model, info, placement, excluded)
+    act_observer = observer or base_spec.act_observer or "histogram"
+    observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
+                                  symmetric=placement.symmetric)
+    del normal
+    qparams = place.group_qparams(layout, observers, placement.symmetric)
+    counts = place.insert(model, layout, qparams, placement)
+    if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
+        raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
+                            "stored weight here; there is nothing to run as an integer kernel")
+    counts["kernel_shape_written"] = write_kernel_shapes(model)
+    skipped = sorted(place.node_label(nodes[i], i) for i in excluded)
+    spec_kwargs = dict(p.spec_kwargs)
+    if per_tensor:
+        spec_kwargs["qscheme"] = "per_tensor"
+    kept = sorted({*skipped, *layout.kept_float})  # left float on request, or because the runtime runs them faster so
+    spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
+    write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
+    model.metadata_props[ENGINE_KEY] = ENGINE
+    model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
+    opset = int(model.opset_imports.get("", 0))
+    final = ir.to_proto(model)
+    del model
+    with artifact.atomic_destination(out_path, wait=wait) as staged:
+        artifact.save_model(final, staged)
+        del final
+        facts = read_file(staged)
+        stats = check_spec(facts, spec, activation_dtype=placement.activation_dtype, opset_version=opset)
+        check_target(facts, p.target)
+        del facts
+        try:
+            literal = _run(_session(staged), read_on)
+            fused = _run(_session(staged, optimized=True), read_on)
+        except Exception as exc:
+            raise ExportRefused(f"ONNX Runtime cannot run the quantized file: {cause(exc)}") from exc
+        if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
+            raise ExportRefused("the quantized file gives NaN or infinite outputs in ONNX Runtime")
+        from quantship.inspect.lsb import output_scales
+
+        scale = next(iter(output_scales(staged).values()), None)
+        readings = readings_of(literal[0], fused[0], scale, reference[0])
+        fidelity = _fidelity(reference[0], literal[0], fused[0])
+        kernels = census(staged)
+        run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
+        verdict = check_file(staged, p.check_target, run=run_check and run_inputs is not None,
+                             inputs=run_inputs)
+        verdict.path = str(Path(out_path).expanduser().resolve())
+    return OnnxQuantizeResult(
+        path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
+        plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
+        census=kernels, verdict=verdict, spec=spec, excluded=skipped)

@@ -1,0 +1,146 @@
+"""Small hand-built ONNX graphs, one per pattern the ONNX quantizer has a rule for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+RNG = np.random.default_rng(0)
+
+
+def weight(*shape: int, name: str) -> onnx.TensorProto:
+    """The same numbers every time a graph is built (seeded by the tensor's name)."""
+    rng = np.random.default_rng(sum(name.encode()))
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+
+def model(nodes, inputs, outputs, initializers=(), opset: int = 17, ir_version: int = 8) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = ir_version
+    return m
+
+
+def save(m: onnx.ModelProto, path: Path) -> Path:
+    onnx.checker.check_model(m)
+    onnx.save(m, str(path))
+    return path
+
+
+def value(name: str, dims, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+def conv_relu_conv(channels: int = 8) -> onnx.ModelProto:
+    """x -> Conv -> Relu -> Conv -> y: two integer convs, the quantization point after the Relu."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], name="conv2")]
+    inits = [weight(channels, 3, 3, 3, name="w1"), weight(channels, name="b1"), weight(4, channels, 1, 1, name="w2")]
+    return model(nodes, [value("x", ["n", 3, 8, 8])], [value("y", ["n", 4, 8, 8])], inits)
+
+
+def conv_reshape_matmul() -> onnx.ModelProto:
+    """Conv -> Reshape -> MatMul(weight): the Reshape shares its input's scale."""
+    shape = numpy_helper.from_array(np.array([0, -1], np.int64), "shape")
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv"),
+             helper.make_node("Reshape", ["c1", "shape"], ["flat"], name="reshape"),
+             helper.make_node("MatMul", ["flat", "w2"], ["y"], name="fc")]
+    inits = [weight(4, 3, 1, 1, name="w1"), shape, weight(4 * 4 * 4, 5, name="w2")]
+    return model(nodes, [value("x", ["n", 3, 4, 4])], [value("y", ["n", 5])], inits)
+
+
+def attention_matmul() -> onnx.ModelProto:
+    """Two projections and an activation x activation MatMul: q @ k^T."""
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="proj_q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="proj_k"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["y"], name="scores")]
+    inits = [weight(8, 8, name="wq"), weight(8, 8, name="wk")]
+    return model(nodes, [value("x", ["n", 6, 8])], [value("y", ["n", 6, 6])], inits)
+
+
+def concat_convs() -> onnx.ModelProto:
+    """Two convs concatenated, then a conv: the Concat ties its inputs' scales when their ranges are close."""
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv_a"),
+             helper.make_node("Conv", ["x", "w2"], ["b"], name="conv_b"),
+             helper.make_node("Concat", ["a", "b"], ["cat"], name="cat", axis=1),
+             helper.make_node("Conv", ["cat", "w3"], ["y"], name="conv_c")]
+    inits = [weight(4, 3, 1, 1, name="w1"), weight(4, 3, 1, 1, name="w2"), weight(2, 8, 1, 1, name="w3")]
+    return model(nodes, [value("x", ["n", 3, 4, 4])], [value("y", ["n", 2, 4, 4])], inits)
+
+
+def written_layernorm() -> onnx.ModelProto:
+    """MatMul -> a LayerNorm written out (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div) -> MatMul."""
+    eps = numpy_helper.from_array(np.array(1e-5, np.float32), "eps")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("ReduceMean", ["h"], ["mu"], name="mean", axes=[-1]),
+             helper.make_node("Sub", ["h", "mu"], ["d"], name="centre"),
+             helper.make_node("Mul", ["d", "d"], ["d2"], name="square"),
+             helper.make_node("ReduceMean", ["d2"], ["var"], name="variance", axes=[-1]),
+             helper.make_node("Add", ["var", "eps"], ["ve"], name="add_eps"),
+             helper.make_node("Sqrt", ["ve"], ["sd"], name="sqrt"),
+             helper.make_node("Div", ["d", "sd"], ["n1"], name="normalise"),
+             helper.make_node("MatMul", ["n1", "w2"], ["y"], name="fc2")]
+    inits = [weight(8, 16, name="w1"), eps, weight(16, 4, name="w2")]
+    return model(nodes, [value("x", ["n", 8])], [value("y", ["n", 4])], inits, opset=17)
+
+
+def integer_ids() -> onnx.ModelProto:
+    """int32 ids -> Gather(table) -> MatMul: the ids stay integer, the rows read are quantized."""
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+             helper.make_node("MatMul", ["emb", "w"], ["y"], name="fc")]
+    inits = [weight(257, 8, name="table"), weight(8, 3, name="w")]
+    return model(nodes, [value("ids", ["n", 5], TensorProto.INT32)], [value("y", ["n", 5, 3])], inits)
+
+
+def shared_weight() -> onnx.ModelProto:
+    """One weight read by two convs and by an Add: one stored int8 copy, a DequantizeLinear per conv,
+    the Add keeps reading the float weight."""
+    nodes = [helper.make_node("Conv", ["x", "w"], ["a"], name="conv_a"),
+             helper.make_node("Conv", ["a", "w"], ["b"], name="conv_b"),
+             helper.make_node("Add", ["b", "w"], ["y"], name="add_w")]
+    inits = [weight(3, 3, 1, 1, name="w")]
+    return model(nodes, [value("x", [3, 3, 4, 4])], [value("y", [3, 3, 4, 4])], inits)
+
+
+def depthwise_5x5() -> onnx.ModelProto:
+    """Conv 1x1 -> depthwise 5x5 -> Tanh -> Conv 1x1 (a float op after the depthwise conv, as the
+    written-out hardswish of PP-OCR: a QuantizeLinear right after it would let ONNX Runtime quantize
+    its weight itself)."""
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="pw1"),
+             helper.make_node("Conv", ["a", "wd"], ["b"], name="dw", group=8, pads=[2, 2, 2, 2]),
+             helper.make_node("Tanh", ["b"], ["t"], name="act"),
+             helper.make_node("Conv", ["t", "w2"], ["y"], name="pw2")]
+    inits = [weight(8, 3, 1, 1, name="w1"), weight(8, 1, 5, 5, name="wd"), weight(4, 8, 1, 1, name="w2")]
+    return model(nodes, [value("x", ["n", 3, 8, 8])], [value("y", ["n", 4, 8, 8])], inits)
+
+
+def paddle_style() -> onnx.ModelProto:
+    """What Paddle writes: opset 11, weights in Constant nodes, batch -1, a Conv without bias followed
+    by an Add of a reshaped constant, a BatchNormalization after a Conv."""
+    def const(name, array):
+        return helper.make_node("Constant", [], [name], name=f"const_{name}", value=numpy_helper.from_array(array, name))
+
+    w1 = (RNG.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32)
+    w2 = (RNG.standard_normal((4, 4, 1, 1)) * 0.3).astype(np.float32)
+    nodes = [const("w1", w1), const("bias", RNG.standard_normal(4).astype(np.float32)),
+             const("bias_shape", np.array([1, 4, 1, 1], np.int64)), const("w2", w2),
+             const("gamma", RNG.uniform(0.5, 1.5, 4).astype(np.float32)), const("beta", RNG.standard_normal(4).astype(np.float32)),
+             const("mean", RNG.standard_normal(4).astype(np.float32)), const("var", RNG.uniform(0.5, 2, 4).astype(np.float32)),
+             helper.make_node("Conv", ["x", "w1"], ["c1"], name="Conv@0", pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["bias", "bias_shape"], ["bias4d"], name="Reshape@0"),
+             helper.make_node("Add", ["c1", "bias4d"], ["a1"], name="Add@0"),
+             helper.make_node("Relu", ["a1"], ["r1"], name="Relu@0"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="Conv@1"),
+             helper.make_node("BatchNormalization", ["c2", "gamma", "beta", "mean", "var"], ["bn"], name="BN@0"),
+             helper.make_node("Unsqueeze", ["bn"], ["u"], name="Unsqueeze@0", axes=[1]),
+             helper.make_node("Squeeze", ["u"], ["y"], name="Squeeze@0", axes=[1])]
+    return model(nodes, [value("x", [-1, 3, 6, 6])], [value("y", [-1, 4, 6, 6])], opset=11, ir_version=7)
+
+
+def images(n: int, shape=(3, 8, 8), seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-1, 1, (n, *shape)).astype(np.float32)

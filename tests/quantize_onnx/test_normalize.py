@@ -1,0 +1,108 @@
+"""Each normalisation pass on a Paddle-style file: what it changes, and that ONNX Runtime's outputs do not."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from quantship.errors import ExportRefused
+from quantship.quantize_onnx import normalize
+from quantship.quantize_onnx.quantizer import normalise
+from tests.quantize_onnx import graphs
+
+X = graphs.images(5, (3, 6, 6), seed=3)
+
+
+def _outputs(m: ir.Model | onnx.ModelProto) -> list[np.ndarray]:
+    proto = ir.to_proto(m) if isinstance(m, ir.Model) else m
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": X})
+
+
+def _ops(m: ir.Model) -> list[str]:
+    return [n.op_type for n in m.graph]
+
+
+def _run_until(name: str) -> tuple[ir.Model, int]:
+    """The Paddle-style model after every pass up to and including ``name``; returns its change count."""
+    m = ir.from_proto(graphs.paddle_style())
+    for p in normalize.PASSES:
+        n = p.run(m)
+        if p.name == name:
+            return m, n
+    raise AssertionError(name)
+
+
+EXACT = [p.name for p in normalize.PASSES if p.proof == "exact"]
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_each_exact_pass_keeps_every_output_byte(name):
+    before_pass = [p.name for p in normalize.PASSES][: [p.name for p in normalize.PASSES].index(name)]
+    m = ir.from_proto(graphs.paddle_style())
+    for p in normalize.PASSES:
+        if p.name in before_pass:
+            p.run(m)
+    before = _outputs(m)
+    changes = next(p for p in normalize.PASSES if p.name == name).run(m)
+    after = _outputs(m)
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(before, after))
+    assert changes == {"lift_constants": 8, "initializers_out_of_inputs": 0, "fold_constant_moves": 1,
+                       "dynamic_dims": 2, "upgrade_opset": 1}[name]
+
+
+def test_lift_constants_makes_weights_initializers_under_their_names():
+    m, n = _run_until("lift_constants")
+    assert n == 8 and "Constant" not in _ops(m)
+    assert {"w1", "w2", "gamma", "bias"} <= set(m.graph.initializers)
+
+
+def test_folded_reshape_of_a_constant_is_an_initializer():
+    m, _ = _run_until("fold_constant_moves")
+    assert "Reshape" not in _ops(m) and m.graph.initializers["bias4d"].const_value.shape == (1, 4, 1, 1)
+
+
+def test_minus_one_dims_become_named_dynamic_dims_and_names_stay():
+    m, _ = _run_until("dynamic_dims")
+    assert [str(d) for d in m.graph.inputs[0].shape][0] == "x_dim0"
+    assert m.graph.inputs[0].name == "x" and [o.name for o in m.graph.outputs] == ["y"]
+
+
+def test_opset_11_is_converted_to_13_and_squeeze_axes_move_to_an_input():
+    m, n = _run_until("upgrade_opset")
+    assert n == 1 and m.opset_imports[""] == 13
+    squeeze = next(node for node in m.graph if node.op_type == "Squeeze")
+    assert len(squeeze.inputs) == 2 and "axes" not in squeeze.attributes
+
+
+def test_float_passes_fold_batch_norm_and_bias_add_into_the_convs():
+    m = ir.from_proto(graphs.paddle_style())
+    reference = _outputs(m)
+    records = normalise(m, [{"x": X}])
+    ops = _ops(m)
+    assert "BatchNormalization" not in ops and "Add" not in ops and ops.count("Conv") == 2
+    done = {r.name: r for r in records}
+    assert done["fold_batch_norm"].changes == 1 and done["fold_bias_add"].changes == 1
+    assert all(r.max_abs_diff == 0 for r in records if r.proof == "exact" and r.changes)
+    (after,) = _outputs(m)
+    np.testing.assert_allclose(after, reference[0], rtol=0, atol=1e-5)  # rounding of the folded weights only
+    assert [o.name for o in m.graph.outputs] == ["y"]  # the BatchNormalization's output name survives
+
+
+def test_a_pass_that_changes_outputs_is_refused(monkeypatch):
+    def breaks(model: ir.Model) -> int:
+        conv = next(n for n in model.graph if n.op_type == "Conv")
+        w = conv.inputs[1].const_value.numpy() * 1.01
+        conv.inputs[1].const_value = ir.tensor(w)
+        return 1
+
+    broken = normalize.Pass("lift_constants", breaks, "exact", "test")
+    monkeypatch.setattr(normalize, "PASSES", (broken,))
+    m = ir.from_proto(graphs.conv_relu_conv())
+    with pytest.raises(ExportRefused, match="changed the outputs"):
+        normalise(m, [{"x": graphs.images(2)}])
