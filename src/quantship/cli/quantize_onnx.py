@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common
+from quantship.cli.check import exit_code
 
 ENGINES = ("quantship", "ort")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from quantship.precision import ACT_OBSERVERS
+    from quantship.precision import ACT_OBSERVERS  # late: every subcommand's parser is built for --help
 
     parser.add_argument("float_model", metavar="FLOAT.onnx", help="the float ONNX model to quantize")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
@@ -50,12 +51,13 @@ def _calibration(args: argparse.Namespace, inputs):
     """Checked calibration batches for the file's inputs (``.npy``/``.npz`` or an image folder)."""
     from pathlib import Path
 
+    # late: `quantize-onnx --help` answers before onnx and numpy load
     from quantship.errors import DataRefused
     from quantship.quantize_onnx.data import feeds, read_arrays
 
     source = Path(args.calib)
     if source.is_dir():
-        from quantship.cli.sources import load_images
+        from quantship.cli.sources import load_images  # late: Pillow and torchvision's transforms
 
         if len(inputs) != 1 or inputs[0].dtype.kind != "f" or len(inputs[0].dims) != 4:
             raise DataRefused(f"--calib {args.calib} is an image folder, but the file's inputs are "
@@ -68,6 +70,7 @@ def _calibration(args: argparse.Namespace, inputs):
 
 
 def _run(args: argparse.Namespace, out) -> int:
+    # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
     from quantship.inspect.loading import file_size, load_onnx
     from quantship.precision import preset
     from quantship.quantize_onnx.data import model_inputs
@@ -84,7 +87,7 @@ def _run(args: argparse.Namespace, out) -> int:
     n = sum(len(next(iter(b.values()))) for b in batches)
     ui.say(f"quantizing with quantship: {placement.mode} placement, {placement.activation_dtype} activations, "
            f"{len(batches)} calibration batch(es), {n} sample(s)")
-    result = quantize_onnx_file(args.float_model, out, batches, target=target.target, exclude=args.exclude,
+    result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
                                 observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
     size = file_size(result.path)
@@ -108,9 +111,9 @@ def _run(args: argparse.Namespace, out) -> int:
         ("ORT readings", f"{result.readings}" if result.readings.scale else
          f"literal vs fused max abs {result.fidelity['fused_vs_literal_max_abs']:.4g} (float outputs)"),
         *[(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs],
-        (f"check {target.check_target} --run", common.verdict_line(verdict)),
+        (f"check {target.target} --run", common.verdict_line(verdict)),
     ])
-    return 0 if verdict.ok or verdict.verdict == "inconclusive" else 1  # inconclusive: said in the report
+    return exit_code(verdict)  # 1 for refused, failed or inconclusive, as every command that writes a file
 
 
 def _kernels(counts: dict) -> str:
@@ -118,6 +121,7 @@ def _kernels(counts: dict) -> str:
 
 
 def _run_ort(args: argparse.Namespace, out) -> int:
+    # late: `quantize-onnx --help` answers before onnx and onnxruntime load
     from quantship.export.ort_quantize import float_input, ort_settings, quantize_onnx_file, refuse_quantized
     from quantship.inspect.loading import file_size, load_onnx
     from quantship.precision import preset
@@ -133,7 +137,7 @@ def _run_ort(args: argparse.Namespace, out) -> int:
         args.batch_size = fixed
     batches = common.read_calibration(args, keep_last=True)
     ui.say(f"quantizing with ONNX Runtime: {ort_settings(target, per_tensor=args.per_tensor).describe()}")
-    result = quantize_onnx_file(args.float_model, out, batches, target.target, per_tensor=args.per_tensor,
+    result = quantize_onnx_file(args.float_model, out, batches, target, per_tensor=args.per_tensor,
                                 keep_refused=args.keep_refused)
     size = file_size(result.path) if result.path else None
     stats, verdict = result.stats, result.verdict
@@ -144,6 +148,6 @@ def _run_ort(args: argparse.Namespace, out) -> int:
         ("file", f"{result.path} ({size / 1e6:.2f} MB)" if result.path else "nothing written (refused)"),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_uint8} uint8"),
-        (f"check {target.check_target}", common.verdict_line(verdict)),
+        (f"check {target.target}", common.verdict_line(verdict)),
     ])
-    return 0 if verdict.ok else 1
+    return exit_code(verdict)

@@ -20,8 +20,12 @@ import onnx
 
 from quantship.errors import DataRefused, ExportRefused, FileRefused, cause
 from quantship.export import artifact
+from quantship.export.kernel_shape import write_kernel_shapes
+from quantship.inspect.check import check_file
 from quantship.inspect.inputs import DeclaredInput, declared_inputs
-from quantship.precision import Preset, preset, resolve_spec
+from quantship.inspect.loading import load_onnx
+from quantship.inspect.stats import qdq_stats
+from quantship.precision import Preset, resolve_spec, resolve_target
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 QOPERATOR_OPS = frozenset({"ConvInteger", "MatMulInteger", "QGemm", "QAttention", "DynamicQuantizeMatMul",
@@ -45,7 +49,7 @@ class OrtSettings:
 
 def ort_settings(target: str | Preset, *, per_tensor: bool = False) -> OrtSettings:
     """The ORT quantizer settings that write what the preset asks for."""
-    p = target if isinstance(target, Preset) else preset(target)
+    p = resolve_target(target)
     spec = resolve_spec(**p.spec_kwargs)
     return OrtSettings("QUInt8" if p.activation_dtype == "uint8" else "QInt8", spec.symmetric,
                        spec.qscheme == "per_channel" and not per_tensor, spec.reduce_range)
@@ -160,12 +164,7 @@ def quantize_onnx_file(float_path: str | Path, out: str | Path, batches: Sequenc
     ``keep_refused`` keeps a file the target's rules refuse; ``wait=False`` refuses at once when
     another process is writing ``out``.
     """
-    import onnx_ir as ir
-
-    from quantship.export.kernel_shape import write_kernel_shapes
-    from quantship.inspect.check import check_file
-    from quantship.inspect.loading import load_onnx
-    from quantship.inspect.stats import qdq_stats
+    import onnx_ir as ir  # onnxscript's IR loads only when ORT's path runs
 
     src = Path(float_path).expanduser().resolve()
     model = load_onnx(src)
@@ -173,7 +172,7 @@ def quantize_onnx_file(float_path: str | Path, out: str | Path, batches: Sequenc
     declared = float_input(model, float_path)
     check_batches(batches, declared, float_path)
     del model
-    p = preset(target)
+    p = resolve_target(target)
     settings = ort_settings(p, per_tensor=per_tensor)
     facts: dict[str, Any] = {}
     try:
@@ -182,7 +181,7 @@ def quantize_onnx_file(float_path: str | Path, out: str | Path, batches: Sequenc
             quantized = ir.load(staged)
             facts["written"] = write_kernel_shapes(quantized)  # TensorRT's parser needs it; nothing else changes
             ir.save(quantized, staged)
-            facts["verdict"] = check_file(staged, p.check_target)
+            facts["verdict"] = check_file(staged, p)
             facts["stats"] = qdq_stats(staged)
             if not (facts["verdict"].ok or keep_refused):
                 raise _NotKept

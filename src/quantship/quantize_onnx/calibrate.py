@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from quantship.quantize.annotator import activation_observer
+
 MEMORY_BUDGET = 768 << 20  # bytes of exposed tensors held at once
 OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
 QMIN, QMAX = -128, 127  # observers work in int8, as the PyTorch path's do; uint8 is the same scale, z + 128
@@ -158,7 +160,6 @@ def shared_qparams(members: Sequence[TensorObserver], symmetric: bool) -> tuple[
 
 def observer_factory(name: str):
     """The observer class for an ``act_observer`` name: the PyTorch path's table, not a second one."""
-    from quantship.quantize.annotator import activation_observer
 
     return activation_observer(name)
 

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from quantship.errors import DataRefused, FileRefused, one_line
+from quantship.inspect.inputs import graph_inputs
 
 Feed = dict[str, np.ndarray]
 
@@ -37,7 +38,6 @@ class Input:
 
 def model_inputs(model: onnx.ModelProto) -> list[Input]:
     """The inputs a feed provides (initializers listed as inputs excluded), as ONNX Runtime reads them."""
-    from quantship.inspect.inputs import graph_inputs
 
     found = []
     for value in graph_inputs(model):

@@ -20,9 +20,23 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
+from quantship.export import artifact
+from quantship.export.kernel_shape import write_kernel_shapes
+from quantship.export.metadata import write_metadata
+from quantship.export.ort_quantize import refuse_quantized
+from quantship.export.postconditions import check_spec_held as check_spec
+from quantship.export.postconditions import check_target
+from quantship.inspect.check import check_file
+from quantship.inspect.consumers import ort_optimized_ops, ort_session
+from quantship.inspect.facts import read_file
+from quantship.inspect.loading import load_onnx
+from quantship.inspect.lsb import output_scales
+from quantship.inspect.rules import target as rules_of
+from quantship.inspect.verify import readings_of
+from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize_onnx import calibrate, normalize, place
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
-from quantship.quantize_onnx.roles import Placement
+from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
 
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
@@ -71,22 +85,19 @@ class OnnxQuantizeResult:
                 "spec": self.spec.as_dict(), "excluded": self.excluded}
 
 
-def placement_for(target: str, *, per_tensor: bool = False) -> tuple[Placement, Any, Any]:
+def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
     """The placement a preset asks for (``precision.PRESETS``) and what its target's rules demand
     (``inspect.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
-    from quantship.inspect.rules import target as rules_of
-    from quantship.precision import preset, resolve_spec
-    from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES
 
-    p = preset(target)
+    p = resolve_target(target)
     spec = resolve_spec(**p.spec_kwargs)
-    rules = rules_of(p.check_target)
+    rules = rules_of(p)
     mode = "full" if "fully_quantized" in rules.errors else "integer"
     placement = Placement(mode=mode, activation_dtype=p.activation_dtype, symmetric=spec.symmetric,
                           weight_bound=63 if spec.reduce_range else 127,
                           per_channel=spec.qscheme == "per_channel" and not per_tensor,
-                          float_rules=RUNTIME_FLOAT_RULES.get(p.check_target, ()) if mode == "integer" else (),
-                          float_output_ops=RUNTIME_FLOAT_OUTPUTS.get(p.check_target, ()) if mode == "integer" else ())
+                          float_rules=RUNTIME_FLOAT_RULES.get(p.target, ()) if mode == "integer" else (),
+                          float_output_ops=RUNTIME_FLOAT_OUTPUTS.get(p.target, ()) if mode == "integer" else ())
     return placement, p, spec
 
 
@@ -94,7 +105,6 @@ def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
     """Already-quantized files and files with external weights are refused before any work."""
     from onnx.external_data_helper import uses_external_data
 
-    from quantship.export.ort_quantize import refuse_quantized
 
     refuse_quantized(model, path)
     on_disk = onnx.load(str(path), load_external_data=False)  # load_onnx has read the external data in
@@ -104,7 +114,6 @@ def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
 
 
 def _session(model: onnx.ModelProto | Path, optimized: bool = False):
-    from quantship.inspect.consumers import ort_session
 
     return ort_session(model, optimized=optimized)
 
@@ -173,7 +182,6 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def census(path: Path) -> dict:
     """What ONNX Runtime's optimized graph of ``path`` runs: integer and float Conv/MatMul/Gemm kernels."""
-    from quantship.inspect.consumers import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     integer = {k: v for k, v in sorted(ops.items()) if k in INTEGER_KERNELS}
@@ -194,7 +202,7 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
             "n_values": int(reference.size), "reference_max_abs": float(np.abs(reference).max())}
 
 
-def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str,
+def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
@@ -204,16 +212,6 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
     default the preset's). Refusals raise a ``QuantshipError`` and write nothing.
     """
-    from quantship.export import artifact
-    from quantship.export.kernel_shape import write_kernel_shapes
-    from quantship.export.metadata import write_metadata
-    from quantship.export.postconditions import check_file as check_spec
-    from quantship.export.postconditions import check_target
-    from quantship.inspect.check import check_file
-    from quantship.inspect.facts import read_file
-    from quantship.inspect.loading import load_onnx
-    from quantship.inspect.verify import readings_of
-    from quantship.precision import ACT_OBSERVERS, resolve_spec
 
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
@@ -265,7 +263,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         del final
         facts = read_file(staged)
         stats = check_spec(facts, spec, activation_dtype=placement.activation_dtype, opset_version=opset)
-        check_target(facts, p.target)
+        check_target(facts, p)
         del facts
         try:
             literal = _run(_session(staged), read_on)
@@ -274,14 +272,13 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
             raise ExportRefused(f"ONNX Runtime cannot run the quantized file: {cause(exc)}") from exc
         if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
             raise ExportRefused("the quantized file gives NaN or infinite outputs in ONNX Runtime")
-        from quantship.inspect.lsb import output_scales
 
         scale = next(iter(output_scales(staged).values()), None)
         readings = readings_of(literal[0], fused[0], scale, reference[0])
         fidelity = _fidelity(reference[0], literal[0], fused[0])
         kernels = census(staged)
         run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
-        verdict = check_file(staged, p.check_target, run=run_check and run_inputs is not None,
+        verdict = check_file(staged, p, run=run_check and run_inputs is not None,
                              inputs=run_inputs)
         verdict.path = str(Path(out_path).expanduser().resolve())
     return OnnxQuantizeResult(

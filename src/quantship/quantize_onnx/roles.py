@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantship.precision import ORT_CPU
+
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 SHARED_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice", "Gather",
               "MaxPool", "GlobalMaxPool", "Resize", "Split", "Expand", "Tile", "DepthToSpace", "SpaceToDepth",
@@ -88,10 +90,10 @@ FLOAT_RULES: dict[str, tuple[str, object]] = {
                            "4-6x slower as QLinearConv than as its float NCHWc Conv (PP-OCR, batch 8)",
                            _depthwise_large),
 }
-RUNTIME_FLOAT_RULES: dict[str, tuple[str, ...]] = {"onnxruntime": ("conv_transpose", "depthwise_over_3x3")}
+RUNTIME_FLOAT_RULES: dict[str, tuple[str, ...]] = {ORT_CPU: ("conv_transpose", "depthwise_over_3x3")}
 # ONNX Runtime fuses DequantizeLinear -> MatMul with a float result into MatMulIntegerToFloat: a MatMul
 # whose readers are float ops keeps its result float (one rounding fewer), and still runs on integers
-RUNTIME_FLOAT_OUTPUTS: dict[str, tuple[str, ...]] = {"onnxruntime": ("MatMul",)}
+RUNTIME_FLOAT_OUTPUTS: dict[str, tuple[str, ...]] = {ORT_CPU: ("MatMul",)}
 
 
 def runs_faster_in_float(placement: Placement, op_type: str, attributes: dict,
