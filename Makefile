@@ -17,7 +17,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[fastai,test]'
+	$(PY) -m pip install -q -e '.[fastai,test,real]'
+	$(PY) -m pip install -q --no-deps facenet-pytorch==2.6.0
 	touch $(STAMP)
 
 lint: $(STAMP)
