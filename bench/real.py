@@ -490,6 +490,9 @@ def quantship_cli(task: Task, out: Path, preset: str) -> str:
                str(task.float_path), "--calib", str(calib), "--out", str(out), "--target", preset]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode == 1 and out.exists():  # written; its own check did not accept it (exit 1): scored, said
+        verdicts = [ln.strip(" │|") for ln in done.stdout.splitlines() if re.search(r"check \S+ --run", ln)]
+        return f"written; quantize-onnx exit 1, its check: {' '.join(verdicts[-1].split()) if verdicts else '?'}"[:300]
     if done.returncode != 0 or not out.exists():
         lines = [ln.strip() for ln in (done.stderr + "\n" + done.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if re.match(r"^(error|quantship|refused)", ln, re.I)]

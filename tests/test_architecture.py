@@ -35,7 +35,10 @@ LAYERS: dict[str, int] = {
 ROOT = "quantship"  # the package itself: ``__version__`` and a table of names loaded on first use
 
 # function-level imports of our modules outside the CLI, and why each stays inside its function
-LATE_OUTSIDE_CLI: dict[tuple[str, str], str] = {}
+LATE_OUTSIDE_CLI: dict[tuple[str, str], str] = {
+    ("quantship.examples.real", "quantship.examples.digits"): "the cache folder's one definition; digits imports torch, "
+                                                              "which reading the real models' files does not need",
+}
 
 
 def _module_name(path: Path) -> str:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantship.inspect.intervals import wilson_interval
+
 # the pins of the `real` extra in pyproject.toml; facenet-pytorch is installed with --no-deps
 PINS = {
     "rapidocr_onnxruntime": "rapidocr-onnxruntime==1.4.4",
@@ -87,8 +89,6 @@ class Count:
         return self.k / self.n if self.n else float("nan")
 
     def interval(self) -> tuple[float, float]:
-        from quantship.inspect.intervals import wilson_interval
-
         return wilson_interval(self.k, self.n)
 
     def __add__(self, other: Count) -> Count:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from quantship.examples.real import Count, data_dir, package_file, require, save_npz
+from quantship.examples.real.ocr_det import match
 from quantship.examples.real.photos import jitter, photo
 
 MODULE = "nudenet"
@@ -83,8 +84,6 @@ def _xyxy(det: dict) -> np.ndarray:
 
 def reproduced(reference: list[list[dict]], candidate: list[list[dict]]) -> tuple[Count, Count]:
     """(FP32 detections the candidate reproduces, candidate detections that FP32 has), same class, IoU >= 0.5."""
-    from quantship.examples.real.ocr_det import match
-
     hits, n_ref, n_cand = 0, 0, 0
     for ref, cand in zip(reference, candidate):
         n_ref, n_cand = n_ref + len(ref), n_cand + len(cand)
