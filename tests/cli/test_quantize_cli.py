@@ -124,8 +124,11 @@ def test_quantize_onnx_for_tigris_fits(tmp_path, capsys):
     cal = tmp_path / "cal.npy"
     np.save(cal, np.random.default_rng(0).standard_normal((8, 3, 96, 96)).astype(np.float32))
     out = tmp_path / "mv2_int8.onnx"
-    assert main(["quantize-onnx", str(fp32), "--calib", str(cal), "--out", str(out), "--target", "tigris",
-                 "--quiet"]) == 0
+    code = main(["quantize-onnx", str(fp32), "--calib", str(cal), "--out", str(out), "--target", "tigris", "--quiet"])
+    # an untrained MobileNetV2 answers the same for every input: its check --run is inconclusive, and a
+    # writing command exits 1 for that (README, exit codes); the file is written and TiGrIS compiles it
+    assert code == 1 and out.exists()
+    assert "inconclusive (TiGrIS)" in capsys.readouterr().out
     analysis = tigris_analyze(out)
     assert analysis and "error" not in json.dumps(analysis).lower()[:200]
     done = subprocess.run([tigris_executable(), "compile", str(out), "-m", "256K", "-o",
