@@ -36,16 +36,22 @@ def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return [value for value in model.graph.input if value.name not in initializers]
 
 
+def element_dtype(value: onnx.ValueInfoProto, where: str = "") -> np.dtype:
+    """The numpy dtype of a graph input; ``FileRefused`` (prefixed with ``where``) when numpy has none."""
+    elem_type = value.type.tensor_type.elem_type
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        raise FileRefused(f"{where}input {value.name!r} has element type {elem_type}, which numpy cannot "
+                          "represent") from None
+
+
 def declared_inputs(model: onnx.ModelProto, path: str | Path) -> list[DeclaredInput]:
     """The non-initializer graph inputs of ``model``; refuses non-positive or absurd dimensions."""
     found = []
     for value in graph_inputs(model):
         tensor_type = value.type.tensor_type
-        try:
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
-        except (KeyError, TypeError, ValueError):
-            raise FileRefused(f"{path}: input {value.name!r} has element type {tensor_type.elem_type}, which "
-                              "numpy cannot represent") from None
+        dtype = element_dtype(value, f"{path}: ")
         dims = []
         for i, d in enumerate(tensor_type.shape.dim):
             if d.HasField("dim_value") and d.dim_value < 0:

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from quantship.errors import DataRefused, FileRefused, one_line
-from quantship.inspect.inputs import graph_inputs
+from quantship.inspect.inputs import element_dtype, graph_inputs
 
 Feed = dict[str, np.ndarray]
 
@@ -42,11 +42,7 @@ def model_inputs(model: onnx.ModelProto) -> list[Input]:
     found = []
     for value in graph_inputs(model):
         tensor_type = value.type.tensor_type
-        try:
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
-        except (KeyError, TypeError, ValueError):
-            raise FileRefused(f"input {value.name!r} has element type {tensor_type.elem_type}, which numpy "
-                              "cannot represent") from None
+        dtype = element_dtype(value)
         dims = tuple(int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else None
                      for d in tensor_type.shape.dim)
         found.append(Input(value.name, dtype, dims))
