@@ -322,7 +322,7 @@ def static_batch(path: Path) -> int | None:
 
 
 def input_name(path: Path) -> str:
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     return ort_session(path).get_inputs()[0].name
 
@@ -332,7 +332,7 @@ def batched(x: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def run_ort(path: Path, x: np.ndarray, batch: int, optimized: bool = True) -> np.ndarray:
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     session = ort_session(path, optimized=optimized)
     name = session.get_inputs()[0].name
@@ -353,7 +353,7 @@ def run_torch(model, x: np.ndarray, batch: int) -> np.ndarray:
 def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.ndarray:
     import onnx
 
-    from quantship.inspect.consumers import run_openvino, run_tigris
+    from quantship.inspect.run.consumers import run_openvino, run_tigris
 
     name = input_name(path)
     if consumer == "tigris":
@@ -368,7 +368,7 @@ def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.nda
 
 def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, int]) -> dict:
     """Median ms of FP32 and INT8 in ONNX Runtime (default optimizations), interleaved, batch 1 and 8."""
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     fixed = static_batch(int8_path)
     sessions = [ort_session(float_path, optimized=True), ort_session(int8_path, optimized=True)]
@@ -575,7 +575,7 @@ def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path
 # ---------------------------------------------------------------- REAL.md
 
 def _pct(k: int, n: int) -> str:
-    from quantship.inspect.intervals import wilson_interval
+    from quantship.intervals import wilson_interval
 
     if not n:
         return "0/0"
@@ -637,7 +637,7 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
     import onnxruntime as ort
     import torch
 
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     cpu, flags = cpu_info()
     int8_flags = sorted(f for f in flags if f in {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",

@@ -413,7 +413,7 @@ def quant_spec(model: Any) -> QuantSpec | None:
 
 # ---------------------------------------------------------------------------------------------
 # Deployment presets: one table, each a spec plus export options, read by Quantizer.for_target
-# and export_qdq(target=...). The rules a target applies to a *file* live in inspect/rules.py.
+# and export_qdq(target=...). The rules a target applies to a *file* live in inspect/judge/rules.py.
 
 
 @dataclass(frozen=True)
@@ -421,7 +421,7 @@ class Preset:
     """A deployment preset, resolved: the request to quantize with, and how to write the file.
 
     ``target`` is the one name of the runtime everywhere inside quantship: its rule table in
-    ``inspect/rules.py`` and its consumer carry the same name. Other spellings
+    ``inspect/judge/rules.py`` and its consumer carry the same name. Other spellings
     (``TARGET_ALIASES``) are resolved at the edge, by ``resolve_target``.
     """
 

@@ -71,7 +71,7 @@ def _calibration(args: argparse.Namespace, inputs):
 
 def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
-    from quantship.inspect.loading import file_size, load_onnx
+    from quantship.inspect.read.loading import file_size, load_onnx
     from quantship.precision import preset
     from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import placement_for, quantize_onnx_file, refuse_unusable
@@ -123,7 +123,7 @@ def _kernels(counts: dict) -> str:
 def _run_ort(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx and onnxruntime load
     from quantship.export.ort_quantize import float_input, ort_settings, quantize_onnx_file, refuse_quantized
-    from quantship.inspect.loading import file_size, load_onnx
+    from quantship.inspect.read.loading import file_size, load_onnx
     from quantship.precision import preset
 
     ui = common.Output(args)

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
-    from quantship.inspect.loading import file_size
+    from quantship.inspect.read.loading import file_size
 
     ui = common.Output(args)
 

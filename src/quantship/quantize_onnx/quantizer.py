@@ -26,13 +26,13 @@ from quantship.export.metadata import write_metadata
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
-from quantship.inspect.check import check_file
-from quantship.inspect.consumers import ort_optimized_ops, ort_session
-from quantship.inspect.facts import read_file
-from quantship.inspect.loading import load_onnx
-from quantship.inspect.lsb import output_scales
-from quantship.inspect.rules import target as rules_of
-from quantship.inspect.verify import readings_of
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.judge.rules import target as rules_of
+from quantship.inspect.read.facts import read_file
+from quantship.inspect.read.loading import load_onnx
+from quantship.inspect.read.lsb import output_scales
+from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
+from quantship.inspect.run.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize_onnx import calibrate, normalize, place
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
@@ -68,11 +68,11 @@ class OnnxQuantizeResult:
     normalised: list[PassRecord]
     plan: dict
     counts: dict
-    qdq_stats: Any  # inspect.stats.QDQStats
-    readings: Any  # inspect.verify.Readings (literal and fused, against the float file)
+    qdq_stats: Any  # inspect.read.stats.QDQStats
+    readings: Any  # inspect.run.verify.Readings (literal and fused, against the float file)
     fidelity: dict  # agreement and error of the first output against the float file, both readings
     census: dict  # what ONNX Runtime's optimized graph runs: integer vs float Conv/MatMul/Gemm kernels
-    verdict: Any  # inspect.check.CheckReport (check --run)
+    verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
 
@@ -87,7 +87,7 @@ class OnnxQuantizeResult:
 
 def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
     """The placement a preset asks for (``precision.PRESETS``) and what its target's rules demand
-    (``inspect.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
+    (``inspect.judge.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
 
     p = resolve_target(target)
     spec = resolve_spec(**p.spec_kwargs)

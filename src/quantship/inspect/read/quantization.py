@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from quantship.inspect.parameters import foreign_operators, parameter_problems
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
+from quantship.inspect.read.parameters import foreign_operators, parameter_problems
+from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
 
 # ONNX Runtime's operator-oriented format: integer kernels with the scales as inputs
 QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "QOrderedMatMul",

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from quantship.inspect.consumers import cpu_info, ort_session, run_session
-from quantship.inspect.inputs import graph_inputs
-from quantship.inspect.lsb import LSBError, lsb_error, output_scales
+from quantship.inspect.read.inputs import graph_inputs
+from quantship.inspect.read.lsb import LSBError, lsb_error, output_scales
+from quantship.inspect.run.consumers import cpu_info, ort_session, run_session
 
 __all__ = [
     "DRIFT_LSB", "FusedKernelDrift", "MeasuredPath", "Readings", "Verification", "compare_logits",
