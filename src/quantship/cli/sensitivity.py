@@ -126,7 +126,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
         raise UsageError(f"{', '.join(refused)}: not for an ONNX file (quantize-onnx takes --exclude and --observer; "
                          "the accuracy search is quantize-onnx --eval --max-drop)")
     target = preset(args.target)
-    check_memory(args.model, args)
+    check_memory(args.model)
     model = load_onnx(args.model)
     refuse_unusable(model, args.model)
     inputs = model_inputs(model)
