@@ -80,23 +80,25 @@ def files(tmp_path_factory):
 
 
 CASES = [
-    ("already quantized", "int8.onnx", "cal.npy", "already quantized"),
-    ("external data", "external.onnx", "cal.npy", "external data"),
-    ("larger than memory", "huge.onnx", "cal.npy", "MemAvailable"),
-    ("float data for an int32 input", "ids.onnx", "ids_float.npy", "int32"),
-    ("wrong rank", "float.onnx", "rank3.npy", "rank 4"),
+    ("already quantized", "quantize-onnx", "int8.onnx", "cal.npy", "already quantized"),
+    ("external data", "quantize-onnx", "external.onnx", "cal.npy", "external data"),
+    ("larger than memory", "quantize-onnx", "huge.onnx", "cal.npy", "MemAvailable"),
+    ("float data for an int32 input", "quantize-onnx", "ids.onnx", "ids_float.npy", "int32"),
+    ("wrong rank", "quantize-onnx", "float.onnx", "rank3.npy", "rank 4"),
+    ("sensitivity on a quantized file", "sensitivity", "int8.onnx", "cal.npy", "already quantized"),
+    ("sensitivity, larger than memory", "sensitivity", "huge.onnx", "cal.npy", "MemAvailable"),
 ]
 
 
-@pytest.mark.parametrize("model, calib, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(model, calib, message, files, tmp_path):
+@pytest.mark.parametrize("command, model, calib, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(command, model, calib, message, files, tmp_path):
     if not (files / model).exists():
         pytest.skip("no MemAvailable in /proc/meminfo here: the memory estimate has nothing to compare with")
     out = tmp_path / "q.onnx"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run([sys.executable, "-m", "quantship", "quantize-onnx", str(files / model), "--calib",
-                           str(files / calib), "--out", str(out)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    where = ["--out", str(out)] if command == "quantize-onnx" else ["--out-dir", str(tmp_path / "report")]
+    done = subprocess.run([sys.executable, "-m", "quantship", command, str(files / model), "--calib",
+                           str(files / calib), *where], capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr

@@ -55,6 +55,18 @@ def test_no_step_within_budget_exits_1_names_every_step_and_writes_nothing(files
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+def test_eval_alone_scores_both_files_without_a_search(files, tmp_path, capsys):
+    out = tmp_path / "q.onnx"
+    code = main(_argv(files, out, "--json"))
+    doc = json.loads(capsys.readouterr().out)
+    assert code == (0 if doc["verdict"] == "accepted" else 1)  # the check --run verdict decides, as without --eval
+    assert "accuracy_search" not in doc and doc["excluded"] == [] and out.is_file()
+    ev = np.load(files["eval"])
+    run, _, fixed = file_runner(out)
+    assert doc["accuracy"]["int8_file_ort"]["correct"] == top1(run, ev["x"], ev["y"], 32, fixed)[0]
+    assert doc["accuracy"]["float_file_ort"]["correct"] == len(ev["y"])  # y is the float file's own argmax
+
+
 def test_max_drop_needs_eval(files, tmp_path, capsys):
     assert main(["quantize-onnx", str(files["float"]), "--calib", str(files["calib"]), "--out",
                  str(tmp_path / "q.onnx"), "--max-drop", "1"]) == 2
