@@ -36,6 +36,7 @@ from quantship.inspect.run.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize_onnx import calibrate, normalize, place
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
+from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
 
 ENGINE_KEY = "quantship.engine"
@@ -216,6 +217,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
     src = Path(float_path).expanduser()
+    if src.is_file():
+        refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
     proto = load_onnx(src)
     refuse_unusable(proto, float_path)
     inputs = model_inputs(proto)
