@@ -114,7 +114,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     # imported when the command runs (onnx, onnxruntime, torch behind these), so --help answers at once
     from quantship import __version__
     from quantship.cli.quantize_onnx import check_memory, read_feeds
-    from quantship.inspect.loading import load_onnx
+    from quantship.inspect.read.loading import load_onnx
     from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import refuse_unusable
     from quantship.quantize_onnx.sensitivity import node_sqnr

@@ -28,8 +28,8 @@ import numpy as np
 
 from quantship.errors import DataRefused, ExportRefused, QuantshipError, one_line
 from quantship.export import artifact
-from quantship.inspect.consumers import ort_session
-from quantship.inspect.intervals import wilson_interval
+from quantship.inspect.run.consumers import ort_session
+from quantship.intervals import wilson_interval
 from quantship.precision import Preset
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file

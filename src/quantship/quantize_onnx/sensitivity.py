@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused
-from quantship.inspect.loading import load_onnx
+from quantship.inspect.read.loading import load_onnx
 from quantship.precision import Preset
 from quantship.quantize.layer_error import LayerError, LayerErrorReport, sqnr_db
 from quantship.quantize_onnx import calibrate, place
