@@ -84,12 +84,37 @@ def test_static_shapes_freezes_the_sample_shape_and_folds_the_shape_arithmetic()
     assert rewrite.run(m) == 0  # frozen already: nothing to do
 
 
+def residual_batch_norm() -> onnx.ModelProto:
+    """Conv, a residual Add, then a BatchNormalization no Conv precedes (as in PP-OCRv4's detector)."""
+    rng = np.random.default_rng(2)
+    stats = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in (
+        ("gamma", rng.uniform(0.5, 2, 3)), ("beta", rng.normal(0, 1, 3)), ("mean", rng.normal(0, 1, 3)),
+        ("var", rng.uniform(0.2, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Add", ["c", "x"], ["r"], name="residual"),
+             helper.make_node("BatchNormalization", ["r", "gamma", "beta", "mean", "var"], ["n"], epsilon=1e-3,
+                              name="bn"),
+             helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    return graphs.model(nodes, [graphs.value("x", [1, 3, 8, 8])], [graphs.value("y", [1, 3, 8, 8])],
+                        [graphs.weight(3, 3, 3, 3, name="w"), graphs.weight(3, name="b"), *stats])
+
+
+def test_a_batch_norm_after_an_add_becomes_a_per_channel_mul_and_add():
+    m = ir.from_proto(residual_batch_norm())
+    before = _run(m, X[:1])
+    assert target_forms.batch_norm_written_out(m) == 1
+    assert [n.op_type for n in m.graph] == ["Conv", "Add", "Mul", "Add", "Relu"]
+    constants = [v.const_value.numpy() for n in m.graph if n.op_type in ("Mul",) for v in n.inputs[1:]]
+    assert constants[0].shape == (1, 3, 1, 1)  # at the activation's rank, as TiGrIS broadcasts
+    np.testing.assert_allclose(_run(m, X[:1]), before, rtol=1e-5, atol=1e-5)
+
+
 def test_only_the_targets_that_need_them_get_them():
     sample = {"x": X[:1]}
     names = {t: [p.name for p in target_forms.passes_for(resolve_target(t), sample, lambda m: [])]
              for t in ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")}
     assert names == {"onnxruntime-cpu": [], "tensorrt": [], "openvino": [],
-                     "tigris": ["static_shapes", "hard_sigmoid_written_out"]}
+                     "tigris": ["static_shapes", "batch_norm_written_out", "hard_sigmoid_written_out"]}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +130,8 @@ def test_the_tigris_file_is_batch_1_without_hard_sigmoid_and_tigris_compiles_it(
     dims = [d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim]
     assert dims == [1, 3, 8, 8]
     assert not {n.op_type for n in written.graph.node} & {"HardSigmoid", "Shape", "Range", "ConstantOfShape"}
-    assert [r.name for r in result.normalised][-2:] == ["static_shapes", "hard_sigmoid_written_out"]
+    assert [r.name for r in result.normalised][-3:] == ["static_shapes", "batch_norm_written_out",
+                                                         "hard_sigmoid_written_out"]
     tigris = next(r for r in result.verdict.runs if r.consumer == "TiGrIS")
     assert tigris.ran and tigris.n_inputs > 0 and tigris.max_lsb is not None, tigris  # it compiled a plan and ran it
 

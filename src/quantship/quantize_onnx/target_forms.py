@@ -13,6 +13,9 @@ the targets that need them (``passes_for``):
   hard-swish constants (alpha 1/6, beta 1/2) becomes ``HardSwish(x)``; any other ``HardSigmoid``
   (Paddle's squeeze-excite gate, alpha 0.2) becomes ``Clip(6 alpha x + 6 beta, 0, 6) / 6``: TiGrIS runs
   ``Clip(0, 6)`` as its Relu6 kernel and no other Clip. A float pass.
+- ``batch_norm_written_out``, for a runtime that runs BatchNormalization only folded into a Conv
+  (TiGrIS): one that follows something else (PP-OCRv4's detector has one after a residual Add)
+  becomes a per-channel ``Mul`` and ``Add``. A float pass.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from quantship.quantize_onnx.normalize import (DEFAULT_DOMAINS, Pass, _default_o
 
 Feed = dict[str, np.ndarray]
 TARGETS_WITHOUT_HARD_SIGMOID = ("tigris",)  # from each runtime's operator list
+TARGETS_WITHOUT_BATCH_NORM = ("tigris",)  # TiGrIS folds Conv -> BatchNormalization and has no kernel for one alone
 HARD_SWISH_OPSET = 14
 MAX_FOLDS = 8  # rounds of shape inference + constant folding (a shape chain folds in one or two)
 _HARD_SWISH = (1.0 / 6.0, 0.5)
@@ -145,11 +149,56 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
     return n
 
 
+def _channel_constant(graph: ir.Graph, name: str, values: np.ndarray, rank: int) -> ir.Value:
+    """A per-channel constant shaped [1, C, 1, ...] to the activation's rank (TiGrIS broadcasts an
+    operand only at the output's rank)."""
+    array = values.astype(np.float32).reshape((1, -1) + (1,) * (rank - 2))
+    v = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape),
+                 type=ir.TensorType(ir.DataType.FLOAT))
+    graph.register_initializer(v)
+    return v
+
+
+def batch_norm_written_out(model: ir.Model) -> int:
+    """A BatchNormalization no Conv precedes (``normalize.fold_batch_norm`` folded the others; this one
+    follows an Add) becomes ``x * factor + shift`` per channel, for a runtime without the op."""
+    found = [b for b in model.graph if b.op_type == "BatchNormalization" and b.domain in DEFAULT_DOMAINS]
+    if any(b.inputs[0].shape is None for b in found):  # the rank of what it normalises, for the constants
+        _replace_model(model, ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(model))))
+    graph = model.graph
+    n = 0
+    for bn in [b for b in graph if b.op_type == "BatchNormalization" and b.domain in DEFAULT_DOMAINS]:
+        params = [v.const_value.numpy().astype(np.float64) if v is not None and v.const_value is not None else None
+                  for v in bn.inputs[1:5]]
+        x = bn.inputs[0]
+        rank = len(x.shape) if x.shape is not None else None
+        if len(bn.outputs) != 1 or any(p is None for p in params) or rank is None or rank < 2:
+            continue
+        gamma, beta, mean, var = params
+        eps_attr = bn.attributes.get("epsilon")
+        factor = gamma / np.sqrt(var + (float(eps_attr.value) if eps_attr is not None else 1e-5))
+        scale = _channel_constant(graph, f"{bn.name}/factor", factor, rank)
+        shift = _channel_constant(graph, f"{bn.name}/shift", beta - mean * factor, rank)
+        mul = ir.node("Mul", [x, scale], name=f"{bn.name}/mul")
+        add = ir.node("Add", [mul.outputs[0], shift], name=f"{bn.name}/add")
+        graph.insert_before(bn, [mul, add])
+        out = bn.outputs[0]
+        out.replace_all_uses_with(add.outputs[0], replace_graph_outputs=True)
+        add.outputs[0].name, out.name = out.name, None
+        graph.remove(bn, safe=False)
+        _drop_unused_initializers(graph)
+        n += 1
+    return n
+
+
 def passes_for(preset: Preset, sample: Feed | None, run_outputs) -> tuple[Pass, ...]:
     """The rewrites ``preset``'s target needs, in order (none for a runtime that reads the file as is)."""
     passes = []
     if not preset.dynamic_batch and sample is not None:
         passes.append(static_shapes(sample, run_outputs))
+    if preset.target in TARGETS_WITHOUT_BATCH_NORM:
+        passes.append(Pass("batch_norm_written_out", batch_norm_written_out, "float",
+                           f"{preset.target} runs BatchNormalization only folded into a Conv: per-channel Mul/Add"))
     if preset.target in TARGETS_WITHOUT_HARD_SIGMOID:
         passes.append(Pass("hard_sigmoid_written_out", hard_sigmoid_written_out, "float",
                            f"{preset.target} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
