@@ -34,7 +34,7 @@ from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
-from quantship.quantize_onnx import calibrate, normalize, place
+from quantship.quantize_onnx import calibrate, normalize, place, target_forms
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
@@ -136,13 +136,15 @@ def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Fe
     return chosen
 
 
-def normalise(model: ir.Model, feeds: Sequence[Feed]) -> list[PassRecord]:
-    """Run ``normalize.PASSES`` in order, each proven on the calibration data in ONNX Runtime (read
-    literally): exact passes give the same bytes, float passes agree within FLOAT_TOLERANCE."""
+def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] = normalize.PASSES
+              ) -> list[PassRecord]:
+    """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order, each proven on
+    the calibration data in ONNX Runtime (read literally): exact passes give the same bytes, float
+    passes agree within FLOAT_TOLERANCE."""
     proof = _first_feeds(feeds)
     before = _run(_session(ir.to_proto(model)), proof)
     records = []
-    for p in normalize.PASSES:
+    for p in passes:
         try:
             changes = p.run(model)
         except Exception as exc:  # a converter or an attribute the pass cannot read: the file is not supported
@@ -224,6 +226,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     inputs = model_inputs(proto)
     feeds = as_feeds(calibration, inputs)
     placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
+    if not p.dynamic_batch:  # the target's file serves batch 1: calibrated, proven and read one sample at a time
+        feeds = target_forms.one_sample_feeds(feeds)
     read_on = _first_feeds(feeds, READING_SAMPLES)
     try:
         reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
@@ -232,9 +236,10 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
 
     model = ir.from_proto(proto)
     del proto
-    records = normalise(model, feeds)
+    forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
+    records = normalise(model, feeds, (*normalize.PASSES, *forms))
     normal = ir.to_proto(model)
-    fixed_batch = any(i.dims and i.dims[0] is not None for i in inputs)
+    fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
     nodes = list(model.graph)
     excluded = place.resolve_excludes(nodes, exclude)
