@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from quantship.inspect.consumers import tigris_executable
+from quantship.inspect.run.consumers import tigris_executable
 from quantship.precision import resolve_target
 from quantship.quantize_onnx import target_forms
 from quantship.quantize_onnx.quantizer import quantize_onnx_file
