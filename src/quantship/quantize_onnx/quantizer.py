@@ -175,6 +175,40 @@ def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize
     return records
 
 
+def feeds_for(p: Preset, feeds: Sequence[Feed]) -> list[Feed]:
+    """The calibration feeds as ``p``'s file takes them: one sample each for a batch-1 target."""
+    return target_forms.one_sample_feeds(feeds) if not p.dynamic_batch else list(feeds)
+
+
+@dataclass
+class Prepared:
+    """The float model as the quantizer plans it: normalised (with the target's forms, each proven),
+    probed for shapes and dtypes, and placed. ``quantize_onnx_file`` and the per-node SQNR report
+    (``sensitivity.node_sqnr``) both start here, so they plan the same file."""
+
+    model: ir.Model  # normalised, to receive the Q/DQ pairs
+    normal: onnx.ModelProto  # the same, as the float reference every tensor is read from
+    records: list[PassRecord]
+    info: dict  # calibrate.TensorInfo per tensor
+    excluded: set[int]
+    layout: place.Plan
+
+
+def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
+            exclude: Iterable[str] = ()) -> Prepared:
+    """Normalise ``proto`` for ``p`` (``normalize.PASSES``, then ``target_forms``), probe it on the first
+    feed and plan its Q/DQ pairs; ``feeds`` as ``feeds_for`` gives them."""
+    model = ir.from_proto(proto)
+    forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
+    records = normalise(model, feeds, (*normalize.PASSES, *forms))
+    normal = ir.to_proto(model)
+    fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
+    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
+    excluded = place.resolve_excludes(list(model.graph), exclude)
+    layout = place.plan(model, info, placement, excluded)
+    return Prepared(model, normal, records, info, excluded, layout)
+
+
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
     if a.shape != b.shape:
         return float("inf")
@@ -226,24 +260,18 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     inputs = model_inputs(proto)
     feeds = as_feeds(calibration, inputs)
     placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
-    if not p.dynamic_batch:  # the target's file serves batch 1: calibrated, proven and read one sample at a time
-        feeds = target_forms.one_sample_feeds(feeds)
+    feeds = feeds_for(p, feeds)
     read_on = _first_feeds(feeds, READING_SAMPLES)
     try:
         reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
-    model = ir.from_proto(proto)
+    ready = prepare(proto, inputs, feeds, p, placement, exclude)
     del proto
-    forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
-    records = normalise(model, feeds, (*normalize.PASSES, *forms))
-    normal = ir.to_proto(model)
-    fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
-    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
-    nodes = list(model.graph)
-    excluded = place.resolve_excludes(nodes, exclude)
-    layout = place.plan(model, info, placement, excluded)
+    model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
+                                                      ready.excluded, ready.layout)
+    nodes = layout.nodes
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)

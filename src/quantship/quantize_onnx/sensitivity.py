@@ -32,7 +32,7 @@ from quantship.quantize.layer_error import LayerError, LayerErrorReport, sqnr_db
 from quantship.quantize_onnx import calibrate, place
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.data import as_feeds, model_inputs
-from quantship.quantize_onnx.quantizer import normalise, placement_for, quantize_onnx_file, refuse_unusable
+from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable
 from quantship.quantize_onnx.roles import role_of
 
 MEASURE = "accumulated"  # each figure includes the error of every quantized node upstream (quantize.layer_error's)
@@ -220,16 +220,11 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset,
     proto = load_onnx(src)
     refuse_unusable(proto, float_path)
     inputs = model_inputs(proto)
-    feeds = as_feeds(calibration, inputs)
     placement, p, _ = placement_for(target, per_tensor=per_tensor)
-    model = ir.from_proto(proto)
+    feeds = feeds_for(p, as_feeds(calibration, inputs))
+    ready = prepare(proto, inputs, feeds, p, placement, exclude)
     del proto
-    normalise(model, feeds)
-    normal = ir.to_proto(model)
-    fixed_batch = any(i.dims and i.dims[0] is not None for i in inputs)
-    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
-    excluded = place.resolve_excludes(list(model.graph), exclude)
-    layout = place.plan(model, info, placement, excluded)
+    model, normal, info, excluded, layout = ready.model, ready.normal, ready.info, ready.excluded, ready.layout
     rows = planned_rows(model, layout)
     skipped = sorted(place.node_label(layout.nodes[i], i) for i in excluded)
     del model

@@ -28,8 +28,13 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 from quantship.precision import Preset
-from quantship.quantize_onnx.normalize import (DEFAULT_DOMAINS, Pass, _default_opset, _drop_unused_initializers,
-                                               _replace_model)
+from quantship.quantize_onnx.normalize import (
+    DEFAULT_DOMAINS,
+    Pass,
+    _default_opset,
+    _drop_unused_initializers,
+    _replace_model,
+)
 
 Feed = dict[str, np.ndarray]
 TARGETS_WITHOUT_HARD_SIGMOID = ("tigris",)  # from each runtime's operator list
