@@ -62,7 +62,8 @@ def test_nudenet_tensorrt_file_reproduces_fp32_detections(tmp_path):
     theirs = [nudenet_yolo.detect(ref[i:i + 1], images.meta[i]) for i in range(n)]
     mine = [nudenet_yolo.detect(out[i:i + 1], images.meta[i]) for i in range(n)]
     reproduced, kept = nudenet_yolo.reproduced(theirs, mine)
-    # measured here: see the figures in the assertion message; onnxruntime-cpu's file reproduces 51/60 on
-    # the first 100 images and this one 50/60 (before: 0/118, every score rounded to 0)
-    assert reproduced.n >= 10 and reproduced.k >= 0.7 * reproduced.n, (reproduced, kept)
-    assert kept.k >= 0.7 * kept.n, (reproduced, kept)
+    # measured here: 18 of FP32's 23 detections reproduced, 18 of this file's 19 are FP32's (onnxruntime-cpu's
+    # file: 51/60 on the first 100 images, this preset's with 32 calibration images 50/60; before: 0/118,
+    # every score rounded to 0). 0.6 leaves room for two or three detections more or less
+    assert reproduced.n >= 10 and reproduced.k >= 0.6 * reproduced.n, (reproduced, kept)
+    assert kept.k >= 0.6 * kept.n, (reproduced, kept)
