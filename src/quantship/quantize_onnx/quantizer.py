@@ -136,7 +136,7 @@ def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Fe
     return chosen
 
 
-def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] = normalize.PASSES
+def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] | None = None
               ) -> list[PassRecord]:
     """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order, each proven on
     the calibration data in ONNX Runtime (read literally): exact passes give the same bytes, float
@@ -144,7 +144,7 @@ def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize
     proof = _first_feeds(feeds)
     before = _run(_session(ir.to_proto(model)), proof)
     records = []
-    for p in passes:
+    for p in normalize.PASSES if passes is None else passes:
         try:
             changes = p.run(model)
         except Exception as exc:  # a converter or an attribute the pass cannot read: the file is not supported
@@ -200,7 +200,7 @@ def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed]
     feed and plan its Q/DQ pairs; ``feeds`` as ``feeds_for`` gives them."""
     model = ir.from_proto(proto)
     forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
-    records = normalise(model, feeds, (*normalize.PASSES, *forms))
+    records = normalise(model, feeds, (*normalize.PASSES, *forms) if forms else None)
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
