@@ -310,7 +310,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
             raise ExportRefused("the quantized file gives NaN or infinite outputs in ONNX Runtime")
 
         scale = next(iter(output_scales(staged).values()), None)
-        readings = readings_of(literal[0], fused[0], scale, reference[0])
+        readings = readings_of(literal[0], fused[0], scale, reference[0], against="the FP32 file")
         fidelity = _fidelity(reference[0], literal[0], fused[0])
         kernels = census(staged)
         run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
