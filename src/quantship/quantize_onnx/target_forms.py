@@ -135,7 +135,7 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
             partner.outputs[0].replace_all_uses_with(swish.outputs[0], replace_graph_outputs=True)
             swish.outputs[0].name, old = partner.outputs[0].name, partner.outputs[0]
             old.name = None
-            graph.remove([partner, node], safe=False)
+            graph.remove([partner, node], safe=True)
             n += 1
             continue
         alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
@@ -149,7 +149,7 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
         out = node.outputs[0]
         out.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
         back.outputs[0].name, out.name = out.name, None
-        graph.remove(node, safe=False)
+        graph.remove(node, safe=True)
         n += 1
     return n
 
@@ -190,7 +190,7 @@ def batch_norm_written_out(model: ir.Model) -> int:
         out = bn.outputs[0]
         out.replace_all_uses_with(add.outputs[0], replace_graph_outputs=True)
         add.outputs[0].name, out.name = out.name, None
-        graph.remove(bn, safe=False)
+        graph.remove(bn, safe=True)
         _drop_unused_initializers(graph)
         n += 1
     return n
