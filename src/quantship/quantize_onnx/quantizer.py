@@ -34,13 +34,16 @@ from quantship.inspect.lsb import output_scales
 from quantship.inspect.rules import target as rules_of
 from quantship.inspect.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
+from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place
+from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
 
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
 NORMALISED_KEY = "quantship.normalised"
+ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
 READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
@@ -75,6 +78,7 @@ class OnnxQuantizeResult:
     verdict: Any  # inspect.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
+    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, bias_correction)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -82,7 +86,7 @@ class OnnxQuantizeResult:
                 "plan": self.plan, "counts": self.counts, "qdq_stats": self.qdq_stats.as_dict(),
                 "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
-                "spec": self.spec.as_dict(), "excluded": self.excluded}
+                "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms}
 
 
 def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
@@ -135,13 +139,14 @@ def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Fe
     return chosen
 
 
-def normalise(model: ir.Model, feeds: Sequence[Feed]) -> list[PassRecord]:
+def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] = normalize.PASSES
+              ) -> list[PassRecord]:
     """Run ``normalize.PASSES`` in order, each proven on the calibration data in ONNX Runtime (read
     literally): exact passes give the same bytes, float passes agree within FLOAT_TOLERANCE."""
     proof = _first_feeds(feeds)
     before = _run(_session(ir.to_proto(model)), proof)
     records = []
-    for p in normalize.PASSES:
+    for p in passes:
         try:
             changes = p.run(model)
         except Exception as exc:  # a converter or an attribute the pass cannot read: the file is not supported
@@ -204,13 +209,16 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
-                       wait: bool = True, run_check: bool = True) -> OnnxQuantizeResult:
+                       wait: bool = True, run_check: bool = True, equalize: bool = False,
+                       bias_correction: bool = False) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
     per batch, of the dtype and rank the file declares. ``exclude``: node names, name globs or op
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
-    default the preset's). Refusals raise a ``QuantshipError`` and write nothing.
+    default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
+    calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
+    of its output mean (``bias_correction``). Refusals raise a ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -229,7 +237,10 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
 
     model = ir.from_proto(proto)
     del proto
-    records = normalise(model, feeds)
+    records = normalise(model, feeds, normalize.PASSES + ((equalizing.PASS,) if equalize else ()))
+    algorithms: dict[str, dict] = {}
+    if equalize:
+        algorithms["equalize"] = {"pairs_changed": records[-1].changes, "max_abs_diff": records[-1].max_abs_diff}
     normal = ir.to_proto(model)
     fixed_batch = any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
@@ -239,9 +250,13 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
-    del normal
     qparams = place.group_qparams(layout, observers, placement.symmetric)
     counts = place.insert(model, layout, qparams, placement)
+    if bias_correction:
+        algorithms["bias_correction"] = bias_correcting.correct(
+            model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),
+            info).as_dict()
+    del normal
     if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
                             "stored weight here; there is nothing to run as an integer kernel")
@@ -254,6 +269,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
+    model.metadata_props[ALGORITHMS_KEY] = "; ".join(f"{k}: {_summary(v)}" for k, v in algorithms.items()) or "none"
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
@@ -284,4 +300,11 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
-        census=kernels, verdict=verdict, spec=spec, excluded=skipped)
+        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms)
+
+
+def _summary(done: dict) -> str:
+    """``name value`` pairs of an algorithm's record for the provenance (no timings: the file stays reproducible)."""
+    shown = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
+             if k != "seconds" and not isinstance(v, dict) and v is not None]
+    return ", ".join(shown) or "ran"
