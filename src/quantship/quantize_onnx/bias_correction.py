@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
 from quantship.quantize_onnx.data import Feed
+from quantship.quantize_onnx.equalize import live_uses
 
 SAMPLES = 64  # calibration samples the shift is measured on (the leading batches)
 
@@ -68,9 +69,9 @@ def _reference_name(value: ir.Value, float_names: set[str]) -> str | None:
     moved to its DequantizeLinear) the name that pair's output took."""
     if value.name in float_names:
         return value.name
-    for use in value.uses():
+    for use in live_uses(value):
         if use.node.op_type == "QuantizeLinear":
-            for dq in use.node.outputs[0].uses():
+            for dq in live_uses(use.node.outputs[0]):
                 name = dq.node.outputs[0].name
                 if dq.node.op_type == "DequantizeLinear" and name in float_names:
                     return name
@@ -104,7 +105,7 @@ def _own_bias(graph: ir.Graph, node: ir.Node, index: int, channels: int) -> tupl
     array = value.const_value.numpy()
     if array.size != channels or array.shape[-1] != channels:
         return None, f"its bias of shape {list(array.shape)} is not one value per output channel"
-    if len(value.uses()) > 1 or value.is_graph_output() or value.is_graph_input():
+    if len(live_uses(value)) > 1 or value.is_graph_output() or value.is_graph_input():
         fresh = _fresh_initializer(graph, f"{value.name}_corrected", np.array(array, np.float32))
         node.replace_input_with(index, fresh)
         return fresh, None
@@ -139,7 +140,7 @@ def _layers(model: ir.Model, weighted: Sequence[ir.Node], info: dict[str, Tensor
                 bias, why = _own_bias(graph, node, 2, channels)
         else:  # MatMul: the bias is the constant of the Add that reads it
             added = False
-            uses = out.uses()
+            uses = live_uses(out)
             add = uses[0].node if len(uses) == 1 and not out.is_graph_output() else None
             if add is None or add.op_type != "Add":
                 why = "a MatMul without a bias Add after it"
