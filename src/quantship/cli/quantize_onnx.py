@@ -16,6 +16,7 @@ import argparse
 
 from quantship.cli import common
 from quantship.cli.check import exit_code
+from quantship.cli.usage import UsageError
 
 ENGINES = ("quantship", "ort")
 
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--observer", choices=ACT_OBSERVERS, default=None,
                         help="activation range rule (default: the preset's, histogram)")
     parser.add_argument("--per-tensor", action="store_true", help="per-tensor weights (default per channel)")
+    parser.add_argument("--equalize", action="store_true",
+                        help="cross-layer equalization of Conv -> ReLU -> Conv pairs before calibration (data-free)")
+    parser.add_argument("--bias-correction", action="store_true",
+                        help="correct each quantized layer's bias for the shift of its output mean (on the calibration data)")
     parser.add_argument("--keep-refused", action="store_true",
                         help="--engine ort: keep the file even when the target's check refuses it")
     common.add_calibration_arguments(parser)
@@ -41,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "ort" and (args.equalize or args.bias_correction):
+        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction)) if on]
+        raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
             return _run_ort(args, out)
@@ -88,7 +96,8 @@ def _run(args: argparse.Namespace, out) -> int:
     ui.say(f"quantizing with quantship: {placement.mode} placement, {placement.activation_dtype} activations, "
            f"{len(batches)} calibration batch(es), {n} sample(s)")
     result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
-                                observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait)
+                                observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
+                                equalize=args.equalize, bias_correction=args.bias_correction)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
     size = file_size(result.path)
     report = {"version": 1, "input": args.float_model, "target": target.target, "engine": "quantship",
