@@ -78,6 +78,18 @@ def _reference_name(value: ir.Value, float_names: set[str]) -> str | None:
     return None
 
 
+def _sole_reader(value: ir.Value):
+    """The one use of ``value``, looking through its Q/DQ pair when it has one (None: several, or an output)."""
+    for _ in range(3):  # the value, its QuantizeLinear's output, its DequantizeLinear's output
+        uses = live_uses(value)
+        if len(uses) != 1 or value.is_graph_output():
+            return None
+        if uses[0].node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            return uses[0]
+        value = uses[0].node.outputs[0]
+    return None
+
+
 def _fresh_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
     used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
     name, k = base, 0
@@ -140,12 +152,12 @@ def _layers(model: ir.Model, weighted: Sequence[ir.Node], info: dict[str, Tensor
                 bias, why = _own_bias(graph, node, 2, channels)
         else:  # MatMul: the bias is the constant of the Add that reads it
             added = False
-            uses = live_uses(out)
-            add = uses[0].node if len(uses) == 1 and not out.is_graph_output() else None
+            use = _sole_reader(out)
+            add = use.node if use is not None else None
             if add is None or add.op_type != "Add":
                 why = "a MatMul without a bias Add after it"
             else:
-                other = 1 - uses[0].idx
+                other = 1 - use.idx
                 bias, why = _own_bias(graph, add, other, channels) if add.inputs[other].const_value is not None \
                     else (None, "its Add adds a computed tensor, not a stored bias")
         if bias is None:
