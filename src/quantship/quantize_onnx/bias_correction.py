@@ -12,9 +12,10 @@ without a bias Add is left alone and counted as skipped.
 Exact in few passes: a layer's output depends only on the biases of the layers upstream of it, so the
 layers are grouped by depth (the longest chain of corrected layers above them); every layer of one
 depth is measured in the same pass, after every shallower depth is corrected. The cost is one
-calibration pass of the float model plus one of the quantized model per depth (ONNX Runtime computes
-only what the fetched outputs need, so a shallow depth is a short pass). The biases are inputs of one
-session, fed anew on each pass. Memory: per-channel sums only, accumulated batch by batch; a batch
+calibration pass of the float model plus one of the quantized model per depth. ONNX Runtime runs every
+node of a session whatever is fetched (measured), so each depth's session holds only the nodes its
+layers' outputs need: a shallow depth is a short pass, and the passes together cost about half a
+calibration pass per depth. The biases are inputs of those sessions, fed anew on each pass. Memory: per-channel sums only, accumulated batch by batch; a batch
 whose fetched tensors would exceed ``calibrate.MEMORY_BUDGET`` runs in shorter slices.
 """
 
@@ -182,11 +183,33 @@ def _assign_depths(model: ir.Model, layers: list[_Layer]) -> int:
     return 1 + max((layer.depth for layer in layers), default=-1)
 
 
+def _needed(model: onnx.ModelProto, fetched: Sequence[str]) -> list[onnx.NodeProto]:
+    """The nodes ``fetched`` depends on, in graph order (what a session computing only them must hold)."""
+    producer = {o: i for i, n in enumerate(model.graph.node) for o in n.output if o}
+    keep, todo = set(), [producer[name] for name in fetched if name in producer]
+    while todo:
+        i = todo.pop()
+        if i in keep:
+            continue
+        keep.add(i)
+        todo.extend(producer[v] for v in model.graph.node[i].input if v in producer)
+    return [n for i, n in enumerate(model.graph.node) if i in keep]
+
+
 def _session(model: onnx.ModelProto, fetched: Sequence[str], bias_inputs: Sequence[str] = ()):
     import onnxruntime as ort
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    nodes = _needed(m, fetched)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    del m.graph.output[:]
+    used = {v for n in nodes for v in n.input}
+    kept = [t for t in m.graph.initializer if t.name in used]
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(kept)
+    bias_inputs = [b for b in bias_inputs if b in used]
     if bias_inputs:
         moved = set(bias_inputs)
         kept = [t for t in m.graph.initializer if t.name not in moved]
@@ -246,14 +269,17 @@ def correct(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir
                             feeds, nbytes(references))
     target_of = {id(layer): t for layer, t in zip(layers, target)}
     biases = {layer.bias.name: np.array(layer.bias.const_value.numpy(), np.float32) for layer in layers}
-    session = _session(ir.to_proto(model), [layer.output for layer in layers], list(biases))
+    quantized = ir.to_proto(model)
     for depth in range(n_depths):
         level = [layer for layer in layers if layer.depth == depth]
         if not level:
             continue
         names = [layer.output for layer in level]
+        session = _session(quantized, names, list(biases))
+        fed = {i.name for i in session.get_inputs()}
         means = _channel_means(session, names, [layer.axis for layer in level], feeds,
-                               nbytes([layer.reference for layer in level]), biases)
+                               nbytes([layer.reference for layer in level]),
+                               {k: v for k, v in biases.items() if k in fed})
         report.n_passes += 1
         for layer, mean in zip(level, means):
             shift = mean - target_of[id(layer)]
