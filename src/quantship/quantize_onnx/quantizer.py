@@ -252,14 +252,14 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                                   symmetric=placement.symmetric)
     qparams = place.group_qparams(layout, observers, placement.symmetric)
     counts = place.insert(model, layout, qparams, placement)
+    if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
+        raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
+                            "stored weight here; there is nothing to run as an integer kernel")
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
             model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),
             info).as_dict()
     del normal
-    if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
-        raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
-                            "stored weight here; there is nothing to run as an integer kernel")
     counts["kernel_shape_written"] = write_kernel_shapes(model)
     skipped = sorted(place.node_label(nodes[i], i) for i in excluded)
     spec_kwargs = dict(p.spec_kwargs)
