@@ -29,6 +29,11 @@ def chain(activation: str = "Relu", depthwise: bool = False) -> onnx.ModelProto:
     elif activation == "Relu6":
         inits += [numpy_helper.from_array(np.array(0, np.float32), "lo"), numpy_helper.from_array(np.array(6, np.float32), "hi")]
         act_nodes = [helper.make_node("Clip", ["c1", "lo", "hi"], ["a1"], name="act1")]
+    elif activation == "PRelu_MaxPool":  # MTCNN's pattern: Conv -> PReLU -> MaxPool -> Conv
+        inits.append(numpy_helper.from_array(np.linspace(-0.5, 0.5, 8, dtype=np.float32).reshape(8, 1, 1), "slope"))
+        act_nodes = [helper.make_node("PRelu", ["c1", "slope"], ["p1"], name="act1"),
+                     helper.make_node("MaxPool", ["p1"], ["a1"], name="pool1", kernel_shape=[2, 2], pads=[0, 0, 1, 1],
+                                      strides=[1, 1])]
     elif activation == "HardSwish":
         act_nodes = [helper.make_node("HardSwish", ["c1"], ["a1"], name="act1")]
     group = 8 if depthwise else 1
@@ -51,9 +56,9 @@ def _run(m: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 X = np.random.default_rng(3).standard_normal((16, 3, 8, 8)).astype(np.float32)
 
 
-@pytest.mark.parametrize("depthwise", [False, True])
-def test_equalization_keeps_the_float_outputs_and_equalizes_the_ranges(depthwise):
-    m = chain(depthwise=depthwise)
+@pytest.mark.parametrize("depthwise, activation", [(False, "Relu"), (True, "Relu"), (False, "PRelu_MaxPool")])
+def test_equalization_keeps_the_float_outputs_and_equalizes_the_ranges(depthwise, activation):
+    m = chain(activation, depthwise=depthwise)
     model = ir.from_proto(m)
     pairs = equalize.find_pairs(model)
     assert [(p.first.name, p.second.name) for p in pairs] == [("conv1", "conv2"), ("conv2", "conv3")]

@@ -1,11 +1,12 @@
-"""Cross-layer equalization (data-free): Conv -> (Relu | nothing) -> Conv pairs rescaled so that each
+"""Cross-layer equalization (data-free): Conv -> (ReLU | PReLU | pooling | nothing) -> Conv pairs rescaled so that each
 channel between them has the same weight range on both sides (Nagel et al. 2019, "Data-Free
 Quantization Through Weight Equalization and Bias Correction", section 4.1).
 
 For a channel ``i`` between two convolutions, scaling the first conv's output channel by ``1 / s_i``
 (its weights and bias) and the second conv's input channel by ``s_i`` leaves the float model's
 function unchanged when the activation between them is positively homogeneous (``f(x / s) = f(x) /
-s`` for ``s > 0``): ReLU is; an identity is. With ``s_i = sqrt(r1_i * r2_i) / r2_i`` (``r`` the
+s`` for ``s > 0``): ReLU, PReLU (its slope applies per channel, whatever the scale), max and average
+pooling are, and so is an identity; up to ``MAX_BETWEEN`` of them may sit between the convs. With ``s_i = sqrt(r1_i * r2_i) / r2_i`` (``r`` the
 largest absolute weight of the channel on each side), both sides end with range ``sqrt(r1_i * r2_i)``,
 so a per-tensor or per-channel int8 grid loses less of the smaller channels. Pairs that share a conv
 interact, so the sweep repeats until no scale moves more than ``TOLERANCE``.
@@ -13,8 +14,8 @@ interact, so the sweep repeats until no scale moves more than ``TOLERANCE``.
 Treated as not homogeneous, so a pair through them is left alone: ``Clip`` with a finite max (ReLU6:
 ``min(x / s, 6) != min(x, 6) / s``; rescaling would move the clipping point per channel, which one
 Clip attribute cannot express), ``Clip`` with a nonzero min, HardSwish, Sigmoid and every other op.
-A ``Clip(min=0)`` without a max is ReLU and is equalized. The first conv's output and the activation's
-output must each have exactly one reader (another reader would see the rescaled channels).
+A ``Clip(min=0)`` without a max is ReLU and is equalized. The first conv's output and each op's output
+between must have exactly one reader (another reader would see the rescaled channels).
 
 The pass runs on the normalised float model (BatchNormalization already folded into the convs) as one
 more float pass of ``quantizer.normalise``, so its float outputs are proven unchanged within
@@ -32,6 +33,7 @@ from quantship.quantize_onnx.normalize import Pass
 
 TOLERANCE = 1e-3  # stop when every scale of a sweep is within this of 1
 MAX_SWEEPS = 50
+MAX_BETWEEN = 3  # homogeneous ops crossed between two convs (MTCNN: PReLU then MaxPool)
 MIN_RANGE = 1e-8  # a channel whose weights are (almost) all zero on one side is left alone
 
 
@@ -41,7 +43,7 @@ class ConvPair:
 
     first: ir.Node
     second: ir.Node
-    activation: ir.Node | None
+    between: tuple[ir.Node, ...]  # the homogeneous ops between them, in order (empty: conv straight into conv)
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
@@ -65,11 +67,14 @@ def _single_reader(value: ir.Value) -> ir.Node | None:
 
 
 def _homogeneous(node: ir.Node) -> bool:
-    """ReLU, or a Clip that is ReLU (min 0, no max); ReLU6 and every other activation are not."""
-    if node.domain not in ("", "ai.onnx"):
+    """ReLU, a Clip that is ReLU (min 0, no max), PReLU with a stored slope, max and average pooling:
+    ops with ``f(x / s) = f(x) / s`` per channel for ``s > 0``. ReLU6 and every other activation are not."""
+    if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
         return False
-    if node.op_type == "Relu":
+    if node.op_type in ("Relu", "MaxPool", "AveragePool"):
         return True
+    if node.op_type == "PRelu":
+        return len(node.inputs) == 2 and _const(node.inputs[1]) is not None
     if node.op_type != "Clip":
         return False
     if "min" in node.attributes or "max" in node.attributes:  # opset < 11 spelling
@@ -111,19 +116,18 @@ def find_pairs(model: ir.Model) -> list[ConvPair]:
         if _weights_of(node) is None:
             continue
         reader = _single_reader(node.outputs[0])
-        activation = None
-        if reader is not None and reader.op_type != "Conv":
-            if not _homogeneous(reader):
-                continue
-            activation, reader = reader, _single_reader(reader.outputs[0])
-        if reader is None or _weights_of(reader) is None or reader is node:
+        between: list[ir.Node] = []
+        while reader is not None and reader.op_type != "Conv" and len(between) < MAX_BETWEEN and _homogeneous(reader):
+            between.append(reader)
+            reader = _single_reader(reader.outputs[0])
+        if reader is None or reader.op_type != "Conv" or _weights_of(reader) is None or reader is node:
             continue
         w1 = _weights_of(node)[0]
         w2 = _weights_of(reader)[0]
         group = reader.attributes["group"].value if "group" in reader.attributes else 1
         if w2.shape[1] * group != w1.shape[0]:
             continue
-        pairs.append(ConvPair(node, reader, activation))
+        pairs.append(ConvPair(node, reader, tuple(between)))
     return pairs
 
 
