@@ -8,6 +8,7 @@ to FP32. Quantize time is wall time of the call; peak memory is the process's re
 
     python bench/algorithms.py                                   # ocr_cls, nudenet, magika, mtcnn_onet
     python bench/algorithms.py --models ocr_cls --target tigris
+    python bench/algorithms.py --models nudenet --settings plain,bias_correction
     python bench/algorithms.py --smoke                           # the classifier at smoke size
 """
 
@@ -76,7 +77,7 @@ def changed(algorithms: dict) -> str:
     return "; ".join(parts) or "-"
 
 
-def run_model(name: str, target: str, smoke: bool, workdir: Path) -> list[str]:
+def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list[str]) -> list[str]:
     from quantship.quantize_onnx import quantize_onnx_file
 
     task = real.make_task(name, smoke, workdir)
@@ -89,7 +90,8 @@ def run_model(name: str, target: str, smoke: bool, workdir: Path) -> list[str]:
              "| FP32 | " + " | ".join(real._pct(fp32[m].k, fp32[m].n) if m in fp32 else "-" for m in task.metrics)
              + " | - | - | - |"]
     calibration = real.batched(task.calib, task.calib_batch)
-    for setting, options in SETTINGS.items():
+    for setting in settings:
+        options = SETTINGS[setting]
         out = workdir / f"{name}_{setting.replace(' + ', '_')}.onnx"
         with PeakRSS() as memory:
             start = time.perf_counter()
@@ -108,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(real.MODELS)}")
     parser.add_argument("--target", default="onnxruntime-cpu", help="the preset every file is made for")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {','.join(SETTINGS)}")
     args = _smoke.parse_args(parser, argv, models="ocr_cls")
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in real.MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {list(real.MODELS)}")
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if not settings or any(s not in SETTINGS for s in settings):
+        parser.error(f"--settings {args.settings!r}: choose among {list(SETTINGS)}")
     if args.smoke:
         os.environ.setdefault("QUANTSHIP_CACHE", tempfile.mkdtemp(prefix="quantship-algorithms-smoke-"))
     from quantship.inspect.consumers import cpu_info
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
              "(a shared machine: times are indicative).", ""]
     with tempfile.TemporaryDirectory(prefix="quantship-algorithms-") as tmp:
         for name in chosen:
-            lines += run_model(name, args.target, args.smoke, Path(tmp))
+            lines += run_model(name, args.target, args.smoke, Path(tmp), settings)
     print("\n".join(lines))
     return 0
 
