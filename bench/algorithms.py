@@ -4,7 +4,8 @@ For each model (``bench/real.py``'s tasks: same data, calibration and metrics), 
 once per algorithm setting (plain, ``equalize``, ``bias_correction``, both) for one preset; each INT8 file
 is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
 to FP32. Quantize time is wall time of the call; peak memory is the process's resident set sampled every
-10 ms during the call, above its value when the call started (what the call added).
+10 ms during the call, above its value when the call started (what the call added; the first setting's
+figure also holds the one-time imports and caches of the first call).
 
     python bench/algorithms.py                                   # ocr_cls, nudenet, magika, mtcnn_onet
     python bench/algorithms.py --models ocr_cls --target tigris
