@@ -40,6 +40,9 @@ class Smoke:
 
 
 RUNS = {
+    "algorithms": Smoke(stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
+                                "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
+                                "15 conv pairs equalized", "biases corrected")),
     "accuracy_budget": Smoke(stdout=("| observer | budget (points) |", "| minmax | 0 | ", "ORT ms batch 1")),
     "distributed": Smoke(stdout=("| observer | 1 rank, 1 thread", "| minmax | ", "| histogram | ", "QAT: the per-step",
                                  "### On paper", "| histogram | 16 | ")),

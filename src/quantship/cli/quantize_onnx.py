@@ -21,6 +21,7 @@ import argparse
 
 from quantship.cli import common
 from quantship.cli.check import exit_code
+from quantship.cli.usage import UsageError
 
 ENGINES = ("quantship", "ort")
 
@@ -38,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--observer", choices=ACT_OBSERVERS, default=None,
                         help="activation range rule (default: the preset's, histogram)")
     parser.add_argument("--per-tensor", action="store_true", help="per-tensor weights (default per channel)")
+    parser.add_argument("--equalize", action="store_true",
+                        help="cross-layer equalization of Conv -> ReLU -> Conv pairs before calibration (data-free)")
+    parser.add_argument("--bias-correction", action="store_true",
+                        help="correct each quantized layer's bias for the shift of its output mean (on the calibration data)")
     parser.add_argument("--keep-refused", action="store_true",
                         help="--engine ort: keep the file even when the target's check refuses it")
     parser.add_argument("--eval", metavar="LABELLED",
@@ -54,7 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quantship.cli.usage import UsageError  # a leaf: no heavy import behind it
 
     if args.max_drop is not None and not args.eval:
         raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
@@ -64,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-steps N (N >= 0) bounds the accuracy search: give it with --max-drop")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
+    if args.engine == "ort" and (args.equalize or args.bias_correction):
+        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction)) if on]
+        raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
             return _run_ort(args, out)
@@ -133,14 +140,16 @@ def _run(args: argparse.Namespace, out) -> int:
             result, search = search_onnx(args.float_model, out, batches, target=target, max_drop=args.max_drop,
                                          labelled=(labelled.x, labelled.y), exclude=args.exclude,
                                          observer=args.observer, per_tensor=args.per_tensor,
-                                         max_steps=args.max_steps, batch_size=args.batch_size,
+                                         max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
+                                         bias_correction=args.bias_correction,
                                          wait=not args.no_wait, log=ui.say)
         except OnnxBudgetMissed as missed:
             return _budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
     else:
         result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
-                                    observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait)
+                                    observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
+                                    equalize=args.equalize, bias_correction=args.bias_correction)
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census

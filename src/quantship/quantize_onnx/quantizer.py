@@ -34,7 +34,9 @@ from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
+from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, target_forms
+from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
@@ -42,6 +44,7 @@ from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_R
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
 NORMALISED_KEY = "quantship.normalised"
+ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
 READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
@@ -76,6 +79,7 @@ class OnnxQuantizeResult:
     verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
+    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, bias_correction)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -83,7 +87,7 @@ class OnnxQuantizeResult:
                 "plan": self.plan, "counts": self.counts, "qdq_stats": self.qdq_stats.as_dict(),
                 "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
-                "spec": self.spec.as_dict(), "excluded": self.excluded}
+                "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms}
 
 
 def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
@@ -195,12 +199,14 @@ class Prepared:
 
 
 def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
-            exclude: Iterable[str] = ()) -> Prepared:
-    """Normalise ``proto`` for ``p`` (``normalize.PASSES``, then ``target_forms``), probe it on the first
-    feed and plan its Q/DQ pairs; ``feeds`` as ``feeds_for`` gives them."""
+            exclude: Iterable[str] = (), *, equalize: bool = False) -> Prepared:
+    """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
+    target's ``target_forms``), probe it on the first feed and plan its Q/DQ pairs; ``feeds`` as
+    ``feeds_for`` gives them."""
     model = ir.from_proto(proto)
     forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
-    records = normalise(model, feeds, (*normalize.PASSES, *forms) if forms else None)
+    extra = ((equalizing.PASS,) if equalize else ()) + forms
+    records = normalise(model, feeds, (*normalize.PASSES, *extra) if extra else None)
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
@@ -241,13 +247,16 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
-                       wait: bool = True, run_check: bool = True) -> OnnxQuantizeResult:
+                       wait: bool = True, run_check: bool = True, equalize: bool = False,
+                       bias_correction: bool = False) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
     per batch, of the dtype and rank the file declares. ``exclude``: node names, name globs or op
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
-    default the preset's). Refusals raise a ``QuantshipError`` and write nothing.
+    default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
+    calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
+    of its output mean (``bias_correction``). Refusals raise a ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -267,20 +276,28 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
-    ready = prepare(proto, inputs, feeds, p, placement, exclude)
+    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize)
     del proto
     model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
                                                       ready.excluded, ready.layout)
     nodes = layout.nodes
+    algorithms: dict[str, dict] = {}
+    if equalize:
+        done = next(r for r in records if r.name == equalizing.PASS.name)
+        algorithms["equalize"] = {"pairs_changed": done.changes, "max_abs_diff": done.max_abs_diff}
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
-    del normal
     qparams = place.group_qparams(layout, observers, placement.symmetric)
     counts = place.insert(model, layout, qparams, placement)
     if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
                             "stored weight here; there is nothing to run as an integer kernel")
+    if bias_correction:
+        algorithms["bias_correction"] = bias_correcting.correct(
+            model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),
+            info).as_dict()
+    del normal
     counts["kernel_shape_written"] = write_kernel_shapes(model)
     skipped = sorted(place.node_label(nodes[i], i) for i in excluded)
     spec_kwargs = dict(p.spec_kwargs)
@@ -290,6 +307,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
+    model.metadata_props[ALGORITHMS_KEY] = "; ".join(f"{k}: {_summary(v)}" for k, v in algorithms.items()) or "none"
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
@@ -320,4 +338,11 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
-        census=kernels, verdict=verdict, spec=spec, excluded=skipped)
+        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms)
+
+
+def _summary(done: dict) -> str:
+    """``name value`` pairs of an algorithm's record for the provenance (no timings: the file stays reproducible)."""
+    shown = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
+             if k != "seconds" and not isinstance(v, dict) and v is not None]
+    return ", ".join(shown) or "ran"
