@@ -126,7 +126,7 @@ class Quantizer:
                 "fit: use quantship.QuantizeCallback(quantizer) with a fastai Learner, not quantize()"
             )
         batches = None
-        if spec.method in _NEEDS_CALIBRATION:
+        if spec.method in _NEEDS_CALIBRATION or spec.weight_algorithm is not None:
 
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:
