@@ -76,7 +76,7 @@ def inverse_cholesky(hessian: torch.Tensor) -> torch.Tensor:
     for _ in range(4):  # a Hessian that is not positive definite after 1% gets 10x more, at most 3 times
         try:
             lower = torch.linalg.cholesky(h + damping * torch.eye(h.shape[0], dtype=h.dtype))
-            inverse = torch.cholesky_inverse(lower)
+            inverse = torch.cholesky_solve(torch.eye(h.shape[0], dtype=h.dtype), lower)  # (cholesky_inverse is slow here)
             return torch.linalg.cholesky(inverse, upper=True)
         except torch.linalg.LinAlgError:
             damping = damping * 10
@@ -92,26 +92,30 @@ def quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group: int) -> 
     block = max(BLOCK, group)  # groups are powers of two: a block holds whole groups
     u = inverse_cholesky(hessian).float()
     w = weight.detach().float().clone()
-    codes = torch.zeros(n, k, dtype=torch.int8)
+    codes = torch.zeros(n, k, dtype=torch.float32)
     scales = torch.zeros(n, k // group, dtype=torch.float32)
-    for start in range(0, k, block):
-        end = min(start + block, k)
-        w_block = w[:, start:end].clone()
-        errors = torch.zeros_like(w_block)
-        u_block = u[start:end, start:end]
-        scale = None
-        for i in range(end - start):
-            col = start + i
-            if col % group == 0:  # a group starts: its scale from the weights as updated so far
-                scale = group_scale(w_block[:, i:i + group])[:, 0]
-                scales[:, col // group] = scale
-            q = round_to_grid(w_block[:, i], scale)
-            codes[:, col] = q.to(torch.int8)
-            err = (w_block[:, i] - q * scale) / u_block[i, i]
-            w_block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
-            errors[:, i] = err
-        w[:, end:] -= errors @ u[start:end, end:]  # the lazy update of every later column
-    return GptqWeight(codes, scales, group)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the column loop is thousands of tiny ops: threads only add overhead
+    try:
+        for start in range(0, k, block):
+            end = min(start + block, k)
+            w_block = w[:, start:end].clone()
+            errors = torch.zeros_like(w_block)
+            u_block = u[start:end, start:end]
+            for i in range(end - start):
+                col = start + i
+                if col % group == 0:  # a group starts: its scale from the weights as updated so far
+                    scale = group_scale(w_block[:, i:i + group])[:, 0]
+                    scales[:, col // group] = scale
+                q = round_to_grid(w_block[:, i], scale)
+                codes[:, col] = q
+                err = (w_block[:, i] - q * scale) / u_block[i, i]
+                w_block[:, i + 1:].addr_(err, u_block[i, i + 1:], alpha=-1)
+                errors[:, i] = err
+            w[:, end:].addmm_(errors, u[start:end, end:], alpha=-1)  # the lazy update of every later column
+    finally:
+        torch.set_num_threads(threads)
+    return GptqWeight(codes.to(torch.int8), scales, group)
 
 
 class _Captured(Exception):
@@ -126,8 +130,8 @@ def hessian_of(model: nn.Module, layer: nn.Linear, batches: list[torch.Tensor]) 
 
     def hook(_module, inputs):
         nonlocal h, rows
-        x = inputs[0].detach().reshape(-1, k).double()
-        h += x.T @ x
+        x = inputs[0].detach().reshape(-1, k).float()
+        h += (x.T @ x).double()  # float32 products of one batch, summed over batches in float64
         rows += x.shape[0]
         raise _Captured
 
