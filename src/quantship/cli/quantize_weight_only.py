@@ -35,16 +35,30 @@ def check_request(args: argparse.Namespace) -> None:
                              "model) whose Hessians GPTQ rounds the weights against")
 
 
-def gptq_batches(args: argparse.Namespace) -> list:
-    """The --calib batches as torch tensors, for GPTQ (integer token ids kept as int64)."""
+def gptq_batches(model, args: argparse.Namespace) -> list:
+    """The --calib batches as torch tensors, for GPTQ: token ids [N, T] (.npy) for an hf: model, else as
+    every command reads calibration data."""
+    # imported when the command runs (torch, numpy behind these), so --help answers at once
     import numpy as np
     import torch
 
-    batches = []
-    for array in common.read_calibration(args):
-        array = np.asarray(array)
-        batches.append(torch.from_numpy(array.astype(np.int64) if array.dtype.kind in "iu" else array))
-    return batches
+    from quantship.calibration import split
+
+    if not args.model.startswith("hf:"):
+        return [torch.from_numpy(b) for b in common.read_calibration(args)]
+    if not args.calib.endswith(".npy"):
+        raise UsageError(f"--calib {args.calib}: for an hf: model give token ids [N, T] as a .npy file")
+    try:
+        ids = np.load(args.calib, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise UsageError(f"cannot read --calib {args.calib} as a numpy array: {exc}") from None
+    vocab = int(model.lm.config.vocab_size)
+    if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise UsageError(f"--calib {args.calib} holds {ids.dtype} {list(ids.shape)}; an hf: model calibrates on "
+                         f"integer token ids [N, T] in [0, {vocab})")
+    return [torch.from_numpy(b.astype(np.int64)) for b in split(ids, args.batch_size, args.max_samples,
+                                                                 batch_size_name="--batch-size",
+                                                                 cap_name="--max-samples")]
 
 
 def sample_for(model, args: argparse.Namespace):
@@ -110,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     calibration = None
     if args.gptq:
         kwargs["weight_algorithm"] = "gptq"
-        calibration = gptq_batches(args)
+        calibration = gptq_batches(model, args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(
