@@ -120,3 +120,28 @@ def test_gptq_refusals(mlp):
         resolve_spec("pt2e", "static", weight_algorithm="gptq")
     with pytest.raises(DataRefused, match="calibration"):
         Quantizer("torchao", method="int4_weight_only", group_size=32, weight_algorithm="gptq").quantize(mlp)
+
+
+class TwoHeads(nn.Module):
+    """q and k read one tensor (one calibration pass for both); out reads their product (a second pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(self.q(x) * self.k(x))
+
+
+def test_layers_reading_one_input_share_a_pass_and_later_layers_see_quantized_ones():
+    torch.manual_seed(0)
+    model, x = TwoHeads().eval(), [correlated_inputs(64, 32, seed=3)]
+    said = []
+    work = copy.deepcopy(model)
+    results = gptq.quantize_layers(work, ["q", "k", "out"], 32, x, log=said.append)
+    assert "3 Linear layer(s) in 2 calibration passes" in said[0]
+    with torch.no_grad():  # the Hessian of `out` was taken on the quantized q and k: redo it by hand
+        hidden = work.q(x[0]) * work.k(x[0])
+    hessian = (2.0 / hidden.shape[0]) * (hidden.T @ hidden).double()  # as next_hessians sums it
+    by_hand = gptq.quantize_weight(model.out.weight, hessian, 32)
+    assert torch.equal(results["out"].codes, by_hand.codes) and torch.equal(results["out"].scale, by_hand.scale)

@@ -11,7 +11,8 @@ the int4 grid and group layout of ``int4_weight_only``, so the result is exactly
 Columns are taken in their natural order (no act-order): a group is then a contiguous run of
 columns quantized together, the layout torchao and both ONNX forms hold.
 
-Memory: one H (in_features^2 float64) and one weight copy at a time.
+Memory: the Hessians (in_features^2 float64) of the layers reading one input (q/k/v: three) and one
+weight copy at a time. One forward per such set of layers, stopped once their inputs are read.
 """
 
 from __future__ import annotations
@@ -119,56 +120,69 @@ def quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group: int) -> 
 
 
 class _Captured(Exception):
-    """Raised by the input hook once the layer's input is read: the rest of the forward is not needed."""
+    """Raised by an input hook once the next layers' inputs are read: the rest of the forward is not needed."""
 
 
-def hessian_of(model: nn.Module, layer: nn.Linear, batches: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """H = 2 X X^T / n over every row the layer sees on ``batches`` (float64 [K, K]) and n."""
-    k = layer.in_features
-    h = torch.zeros(k, k, dtype=torch.float64)
-    rows = 0
+def next_hessians(model: nn.Module, pending: dict[str, nn.Linear],
+                  batches: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    """H = 2 X X^T / n (float64 [K, K]) and n for the next pending layers the model runs: the first one,
+    and those after it that read the very same input tensor (q/k/v, gate/up), in one forward per batch."""
+    sums: dict[str, torch.Tensor] = {}
+    rows: dict[str, int] = {}
+    first: list[torch.Tensor] = []  # the input tensor of the first pending layer in this batch
 
-    def hook(_module, inputs):
-        nonlocal h, rows
-        x = inputs[0].detach().reshape(-1, k).float()
-        h += (x.T @ x).double()  # float32 products of one batch, summed over batches in float64
-        rows += x.shape[0]
-        raise _Captured
+    def hook_for(name: str, k: int):
+        def hook(_module, inputs):
+            x = inputs[0]
+            if first and x is not first[0]:
+                raise _Captured
+            first[:] = [x]
+            flat = x.detach().reshape(-1, k).float()
+            product = (flat.T @ flat).double()  # float32 products of one batch, summed over batches in float64
+            sums[name] = sums[name] + product if name in sums else product
+            rows[name] = rows.get(name, 0) + flat.shape[0]
+        return hook
 
-    handle = layer.register_forward_pre_hook(hook)
+    handles = [layer.register_forward_pre_hook(hook_for(name, layer.in_features)) for name, layer in pending.items()]
     try:
         with torch.no_grad():
             for x in batches:
+                first.clear()
                 try:
                     model(x)
                 except _Captured:
                     pass
     finally:
-        handle.remove()
-    return (2.0 / max(rows, 1)) * h, rows
+        for handle in handles:
+            handle.remove()
+    return {name: ((2.0 / rows[name]) * h, rows[name]) for name, h in sums.items()}
 
 
 def quantize_layers(model: nn.Module, names: list[str], group: int, batches: list[torch.Tensor],
                     *, log: Callable[[str], None]) -> dict[str, GptqWeight]:
-    """GPTQ on the Linear layers ``names`` of ``model``, one at a time in the model's order.
+    """GPTQ on the Linear layers ``names`` of ``model``, in the order the model runs them.
 
-    Each layer's float weight is replaced in ``model`` by its GPTQ weight before the next layer's
-    Hessian is collected, so later layers see the quantized earlier ones. Returns the results by name.
+    Each layer's float weight is replaced in ``model`` by its GPTQ weight before the Hessians of the
+    layers after it are collected, so later layers see the quantized earlier ones. Returns the results.
     """
     if not batches:
         raise DataRefused("GPTQ needs calibration batches: pass calibration_dl to quantize()")
     modules = dict(model.named_modules())
-    order = [n for n in modules if n in set(names)]
+    pending = {n: modules[n] for n in modules if n in set(names)}
     out: dict[str, GptqWeight] = {}
-    for name in order:
-        layer = modules[name]
-        hessian, rows = hessian_of(model, layer, batches)
-        if rows == 0:
-            raise DataRefused(f"GPTQ: layer {name!r} never ran on the calibration batches, so it has no "
-                              "Hessian; leave it float with a weight_bits dict or give inputs that reach it")
-        result = quantize_weight(layer.weight, hessian, group)
-        with torch.no_grad():
-            layer.weight.copy_(result.dequantized.to(layer.weight.dtype))
-        out[name] = result
-    log(f"gptq: {len(out)} Linear layer(s), groups of {group}, {sum(b.shape[0] for b in batches)} calibration samples")
+    passes = 0
+    while pending:
+        hessians = next_hessians(model, pending, batches)
+        passes += 1
+        if not hessians:
+            raise DataRefused(f"GPTQ: layer(s) {sorted(pending)} never ran on the calibration batches, so they have "
+                              "no Hessian; leave them float with a weight_bits dict or give inputs that reach them")
+        for name, (hessian, _rows) in hessians.items():
+            layer = pending.pop(name)
+            result = quantize_weight(layer.weight, hessian, group)
+            with torch.no_grad():
+                layer.weight.copy_(result.dequantized.to(layer.weight.dtype))
+            out[name] = result
+    log(f"gptq: {len(out)} Linear layer(s) in {passes} calibration passes, groups of {group}, "
+        f"{sum(b.shape[0] for b in batches)} calibration samples")
     return out
