@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from quantship import Quantizer, export_qdq
     from quantship.examples import lm
+    from quantship.quantize import gptq
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-file", type=int, default=2, help="128-byte windows per held-out file")
@@ -103,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         "`quantship.examples.lm` (4 layers, hidden 256, trained briefly on this Python's standard library).",
         f"Held-out: {len(windows)} files (one in ten, by a hash of the path), {n_windows} windows of",
         f"{lm.SEQ_LEN} bytes. Perplexity per byte; intervals: 2,000 bootstrap resamples of the held-out files.",
-        f"GPTQ (`weight_algorithm='gptq'`, `quantship.quantize.gptq`): sequential per Linear, 1% damping, blocks",
-        f"of 128 columns, natural column order, calibrated on {n_calibration} random {lm.SEQ_LEN}-byte windows of the",
+        f"GPTQ (`weight_algorithm='gptq'`, `quantship.quantize.gptq`): sequential per Linear, {gptq.DAMPING:.0%} damping,",
+        f"blocks of {gptq.BLOCK} columns, natural column order, calibrated on {n_calibration} random {lm.SEQ_LEN}-byte "
+        "windows of the",
         "training files. Quantize time: wall clock of `Quantizer.quantize` in this run (plain rows need no data).",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.cpu_count()} cores, load average "
         f"(1 min) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (times scale with it).", "",

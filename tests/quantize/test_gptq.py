@@ -14,9 +14,10 @@ import torch.nn as nn
 from onnx import numpy_helper
 
 from quantship import Quantizer, export_qdq, quant_spec, resolve_spec
-from quantship.errors import DataRefused, SpecRefused
+from quantship.errors import DataRefused, ExportRefused, SpecRefused
 from quantship.precision import METADATA_KEY, QuantSpec
 from quantship.quantize import gptq
+from quantship.quantize.torchao_backend import gptq_tensor
 
 warnings.filterwarnings("ignore")
 
@@ -145,3 +146,13 @@ def test_layers_reading_one_input_share_a_pass_and_later_layers_see_quantized_on
     hessian = (2.0 / hidden.shape[0]) * (hidden.T @ hidden).double()  # as next_hessians sums it
     by_hand = gptq.quantize_weight(model.out.weight, hessian, 32)
     assert torch.equal(results["out"].codes, by_hand.codes) and torch.equal(results["out"].scale, by_hand.scale)
+
+
+def test_torchao_tensor_is_refused_unless_it_reproduces_gptq_exactly():
+    codes = torch.randint(-8, 8, (4, 32), generator=torch.Generator().manual_seed(0)).to(torch.int8)
+    scale = torch.rand(4, 1, generator=torch.Generator().manual_seed(1)) + 0.01
+    tensor = gptq_tensor(gptq.GptqWeight(codes, scale, 32), torch.float32)
+    assert torch.equal(tensor.qdata, codes) and torch.equal(tensor.scale, scale)
+    codes[0, 0] = 9  # off the int4 grid: torchao would clamp it to 7
+    with pytest.raises(ExportRefused, match="exactly"):
+        gptq_tensor(gptq.GptqWeight(codes, scale, 32), torch.float32)

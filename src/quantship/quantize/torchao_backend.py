@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from quantship.errors import DataRefused, SpecRefused
+from quantship.errors import DataRefused, ExportRefused, SpecRefused
 from quantship.precision import FLOAT_BITS, QuantSpec, tag_model
 from quantship.quantize import gptq
 
@@ -161,7 +161,7 @@ def gptq_tensor(result: gptq.GptqWeight, dtype: torch.dtype) -> Any:
     exact = (torch.equal(tensor.qdata, result.codes) and torch.equal(tensor.scale, result.scale)
              and torch.equal(tensor.dequantize(), result.dequantized.to(dtype)))
     if not exact:
-        raise SpecRefused("gptq: torchao's int4 tensor does not reproduce GPTQ's integers and scales exactly; "
+        raise ExportRefused("gptq: torchao's int4 tensor does not reproduce GPTQ's integers and scales exactly; "
                           "refusing a file that would not hold the GPTQ weights")
     return tensor
 
