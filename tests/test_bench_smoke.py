@@ -54,7 +54,8 @@ RUNS = {
         "| quantship W4A16 g128 MatMulNBits |", "| ORT MatMulNBitsQuantizer 4-bit block 32 symmetric |")}),
     "lm_perplexity": Smoke(("--out", "{tmp}/BENCHMARKS-LM.md"), files={"BENCHMARKS-LM.md": (
         "Smoke run", "Held-out: 4 files", "| FP32 (torch) |", "| W4A16 g128 (torch) |",
-        "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |")}),
+        "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |",
+        "| W4A16 g128 + GPTQ (torch) |", "| W4A16 g128 + GPTQ (MatMulNBits file, ORT) |")}),
     "lsb_trace": Smoke(stdout=("## resnet18 (input 32,", "| sample | output error, LSB |", "| 0 | ",
                                "one-step change injected in torch")),
     "observers": Smoke(stdout=("| digits TinyResNet | minmax |", "| digits TinyResNet | mse |",

@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only file form: com.microsoft MatMulNBits for ONNX Runtime (default), or "
                              "standard int8/int4 + DequantizeLinear (opset 21)")
     parser.add_argument("--seq-len", type=int, default=128, help="weight-only hf: models: tokens in the traced sample")
+    quantize_weight_only.add_arguments(parser)
     common.add_calibration_arguments(parser)
     for action in parser._actions:  # weight-only needs no calibration; the static path still insists below
         if action.dest == "calib":
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quantize_weight_only.check_request(args)  # before the --out lock and any import
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
             import torch  # noqa: F401
