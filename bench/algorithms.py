@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--settings {args.settings!r}: choose among {list(SETTINGS)}")
     if args.smoke:
         os.environ.setdefault("QUANTSHIP_CACHE", tempfile.mkdtemp(prefix="quantship-algorithms-smoke-"))
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     cpu, flags = cpu_info()
     int8 = ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or "no int8 extension"

@@ -59,7 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     if args.max_drop is not None and not args.eval:
         raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
     if args.max_drop is not None and args.max_drop < 0:
