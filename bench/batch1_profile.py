@@ -4,6 +4,7 @@ FP32 / INT8 latency ratio, interleaved in one process (median of many runs; the 
 only ratios are printed).
 
     python bench/batch1_profile.py [--runs 200]   # the PP-OCR orientation classifier, onnxruntime-cpu preset
+    python bench/batch1_profile.py --smoke        # two runs, 16 calibration lines: the table, not its figures
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -74,10 +76,11 @@ def interleaved(paths: list[Path], x: np.ndarray, runs: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
-    args = parser.parse_args()
-    calib = ocr_cls.make_lines(64, seed=1).x
+    parser.add_argument("--calibration", type=int, default=64, help="calibration lines")
+    args = _smoke.parse_args(parser, runs=2, calibration=16)
+    calib = ocr_cls.make_lines(args.calibration, seed=1).x
     x = ocr_cls.make_lines(1, seed=0).x[:1]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
