@@ -51,7 +51,7 @@ class Case:
 
 
 def _ort_top1(path: Path, x: np.ndarray, y: np.ndarray) -> str:
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     session = ort_session(path, optimized=True)
     name = session.get_inputs()[0].name
@@ -60,7 +60,7 @@ def _ort_top1(path: Path, x: np.ndarray, y: np.ndarray) -> str:
 
 
 def _fused(path: Path) -> str:
-    from quantship.inspect.consumers import ort_optimized_ops
+    from quantship.inspect.run.consumers import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     return f"{ops.get('QLinearConv', 0)} QLinearConv, {ops.get('Conv', 0) + ops.get('FusedConv', 0)} float Conv"
@@ -72,7 +72,7 @@ def run_case(observer: str, budget: float, batches: list[int], runs: int, workdi
     from quantship import Quantizer, quant_spec
     from quantship.examples import digits
     from quantship.export import export_qdq
-    from quantship.inspect.stats import qdq_stats
+    from quantship.inspect.read.stats import qdq_stats
     from quantship.quantize.accuracy import AccuracyBudgetMissed
 
     split = digits.load_noisy_split()

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     import _smoke
 
     from quantship.examples import digits
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=N_BATCHES, help=f"calibration batches of {BS} (default {N_BATCHES})")

@@ -48,7 +48,7 @@ class Row:
 
 def _census(path: Path) -> dict:
     """Count the kernels ONNX Runtime's optimized graph uses for this file."""
-    from quantship.inspect.consumers import ort_optimized_ops
+    from quantship.inspect.run.consumers import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     convs = ops["QLinearConv"] + ops["Conv"] + ops["FusedConv"]
@@ -126,7 +126,7 @@ def _serves(path: Path, batch: int) -> bool:
 
 
 def _parity(qmodel: object, path: Path, batch: int, size: int = 224) -> str:
-    from quantship.inspect.verify import compare_logits
+    from quantship.inspect.run.verify import compare_logits
 
     sample = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(2))
     literal = compare_logits(qmodel, path, sample).max_lsb
@@ -137,7 +137,7 @@ def _parity(qmodel: object, path: Path, batch: int, size: int = 224) -> str:
 def _time(files: dict[str, Path], batch: int, runs: int, warmup: int, size: int = 224,
           feed: np.ndarray | None = None) -> dict[str, list[float]]:
     x = np.random.default_rng(0).standard_normal((batch, 3, size, size)).astype(np.float32) if feed is None else feed
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     sessions = {name: ort_session(path, optimized=True) for name, path in files.items()}
     feeds = {n: {s.get_inputs()[0].name: x} for n, s in sessions.items()}
@@ -205,7 +205,7 @@ def _lm_files(workdir: Path, ids: torch.Tensor, model: torch.nn.Module | None = 
     from quantship import Quantizer, export_onnx, export_qdq
     from quantship.examples import lm
     from quantship.export.weight_only import relative_error
-    from quantship.inspect.verify import ort_session, run_session
+    from quantship.inspect.run.verify import ort_session, run_session
 
     if model is None:
         model = lm.trained_model(log=lambda m: print(f"  training the reference LM: {m}", flush=True))
@@ -274,7 +274,7 @@ def _header() -> str:
     import torchao
 
     import quantship
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     cpu, flags = cpu_info()
 
@@ -353,9 +353,9 @@ def u8u8_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path
     import torchvision
 
     from quantship import Quantizer, export_onnx, export_qdq
-    from quantship.inspect.consumers import ort_session, run_session
-    from quantship.inspect.lsb import lsb_error, output_scales
-    from quantship.inspect.verify import compare_logits
+    from quantship.inspect.read.lsb import lsb_error, output_scales
+    from quantship.inspect.run.consumers import ort_session, run_session
+    from quantship.inspect.run.verify import compare_logits
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()
@@ -468,7 +468,7 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from quantship import Quantizer, export_onnx, export_qdq
-    from quantship.inspect.verify import compare_logits
+    from quantship.inspect.run.verify import compare_logits
 
     model = _encoder_model(shape)
     gen = torch.Generator().manual_seed(1)
@@ -494,7 +494,7 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
 
 
 def _encoder_census(path: Path) -> dict:
-    from quantship.inspect.consumers import ort_optimized_ops
+    from quantship.inspect.run.consumers import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     return {k: ops[k] for k in ("QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "MatMulInteger", "QAttention",

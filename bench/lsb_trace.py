@@ -3,7 +3,7 @@
 Same recipe as bench/zoo.py's run_model (weights=None, seed 0, 2 random calibration batches, one
 sample, the onnxruntime-cpu preset). For each model it prints:
 
-- the per-layer divergence table of ``quantship.inspect.divergence.trace_divergence``: propagated
+- the per-layer divergence table of ``quantship.inspect.run.divergence.trace_divergence``: propagated
   error (file and torch each run end to end) and local error (torch fed the file's quantized inputs);
 - the output error in output LSB over ``--samples`` random inputs, with the local flips behind it;
 - ``--inject``: torch against itself with one quantized activation moved by one step (a random
@@ -62,7 +62,7 @@ def torch_output(model, x: torch.Tensor, inject: tuple | None = None) -> np.ndar
 
 
 def file_output(path: Path, x: torch.Tensor) -> np.ndarray:
-    from quantship.inspect.consumers import ort_session, run_session
+    from quantship.inspect.run.consumers import ort_session, run_session
 
     return run_session(ort_session(path), [x.numpy()])[0]
 
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import _smoke
 
-    from quantship.inspect.divergence import trace_divergence
-    from quantship.inspect.lsb import output_scales
+    from quantship.inspect.read.lsb import output_scales
+    from quantship.inspect.run.divergence import trace_divergence
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["inception_v3", "regnet_x_32gf"])

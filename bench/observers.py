@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from quantship import Quantizer
-from quantship.inspect.intervals import format_accuracy
+from quantship.cli.common import format_accuracy
 from quantship.quantize.layer_error import sqnr_db
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

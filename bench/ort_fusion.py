@@ -12,7 +12,7 @@ perturbed so that outputs and LSB figures are not vacuous):
   stored attention scale of ``decompose.decompose_attention``).
 
 Printed per file: ONNX Runtime's integer kernels in its optimized graph (the census of
-``inspect.consumers.ort_optimized_ops``), the ops it still computes in float with the reason read
+``inspect.run.consumers.ort_optimized_ops``), the ops it still computes in float with the reason read
 off the graph, the max error vs the torch quantized model in output LSB (ORT literal / ORT default
 optimizations, on 4 seeded inputs), and the median latency at ORT's default optimizations (both
 files timed in one process, interleaved round by round, with ``bench/latency.py``'s loop).
@@ -80,7 +80,7 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 def float_leftovers(path: Path) -> collections.Counter:
     """(op, reason) -> count, for every node ONNX Runtime's optimized graph computes in float."""
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     with tempfile.TemporaryDirectory() as tmp:
         saved = Path(tmp) / "optimized.onnx"
@@ -153,7 +153,7 @@ def placement_before():
 
 def build_files(name: str, workdir: Path) -> tuple[dict, int]:
     from quantship import Quantizer, export_qdq
-    from quantship.inspect.verify import measure_readings, torch_outputs
+    from quantship.inspect.run.verify import measure_readings, torch_outputs
 
     make, size = _models()[name]
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     import _smoke
     from latency import _time
 
-    from quantship.inspect.consumers import cpu_info, ort_optimized_ops
+    from quantship.inspect.run.consumers import cpu_info, ort_optimized_ops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["vit", "convnext", "densenet"], choices=sorted(_models()))

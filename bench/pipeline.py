@@ -208,7 +208,7 @@ class Spent:
     PARTS = {"exporter": [("quantship.export.qdq", "produce")],
              "torch reference": [("quantship.export.qdq", "torch_outputs")],
              "ORT sessions + runs": [(m, f) for m in ("quantship.export.checks", "quantship.export.qdq",
-                                                     "quantship.inspect.verify") for f in ("ort_session", "run_session")]}
+                                                     "quantship.inspect.run.verify") for f in ("ort_session", "run_session")]}
 
     def __init__(self) -> None:
         import importlib

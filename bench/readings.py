@@ -56,7 +56,7 @@ def _quantized(model, target: str | None, calib):
 
 
 def _consumer(path: Path, target: str, **kwargs) -> str:
-    from quantship.inspect.consumers import run_consumer
+    from quantship.inspect.judge.runs import run_consumer
 
     r = run_consumer(path, target, **kwargs)
     if not r.ran:
@@ -174,7 +174,7 @@ def _table2(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import _smoke
 
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SIZES))

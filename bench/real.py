@@ -19,6 +19,8 @@ every record.
     python bench/real.py --rows quantship         # only rows whose key contains this substring
     python bench/real.py --smoke                  # tiny sizes, one repetition, into a temp dir
     python bench/real.py --render                 # REAL.md from the records only
+    python bench/real.py --keep DIR               # ... and keep every INT8 file in DIR
+    python bench/real.py --retime DIR             # latency only, again, from those files (an idle machine)
 """
 
 from __future__ import annotations
@@ -251,6 +253,8 @@ class Row:
     commit: str = ""
     measured_utc: str = ""
     load_avg: float | None = None
+    retimed_utc: str = ""  # latency_ms re-measured from the kept file (``--retime``), at this time
+    retimed_load: float | None = None  # 1-min load average when it was
 
     @property
     def key(self) -> str:
@@ -322,7 +326,7 @@ def static_batch(path: Path) -> int | None:
 
 
 def input_name(path: Path) -> str:
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     return ort_session(path).get_inputs()[0].name
 
@@ -332,7 +336,7 @@ def batched(x: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def run_ort(path: Path, x: np.ndarray, batch: int, optimized: bool = True) -> np.ndarray:
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     session = ort_session(path, optimized=optimized)
     name = session.get_inputs()[0].name
@@ -353,7 +357,7 @@ def run_torch(model, x: np.ndarray, batch: int) -> np.ndarray:
 def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.ndarray:
     import onnx
 
-    from quantship.inspect.consumers import run_openvino, run_tigris
+    from quantship.inspect.run.consumers import run_openvino, run_tigris
 
     name = input_name(path)
     if consumer == "tigris":
@@ -368,7 +372,7 @@ def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.nda
 
 def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, int]) -> dict:
     """Median ms of FP32 and INT8 in ONNX Runtime (default optimizations), interleaved, batch 1 and 8."""
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     fixed = static_batch(int8_path)
     sessions = [ort_session(float_path, optimized=True), ort_session(int8_path, optimized=True)]
@@ -520,6 +524,13 @@ def pt2e_quantize(task: Task, model, out: Path, preset: str):
     return qmodel, note
 
 
+def int8_path(task: Task, path_kind: str, tool: str, workdir: Path) -> Path:
+    """Where a row's INT8 file is written (and kept, with ``--keep``, under the same name)."""
+    if path_kind == "pt2e":
+        return workdir / f"{task.model}_pt2e_{tool.removeprefix('quantship:')}.onnx"
+    return workdir / f"{task.model}_{tool.replace(':', '_')}.onnx"
+
+
 def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path,
             torch_cache: dict) -> Row:
     row = Row(task.model, path_kind, tool)
@@ -545,14 +556,14 @@ def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path
                 row.scores["torch"] = counts(t.score(run_torch(model, t.eval_x, t.eval_batch), runner.reference))
                 return row
             preset = tool.removeprefix("quantship:")
-            out = workdir / f"{t.model}_pt2e_{preset}.onnx"
+            out = int8_path(t, path_kind, tool, workdir)
             qmodel, row.notes = pt2e_quantize(t, model, out, preset)
             row.seconds = time.perf_counter() - start
             sub = runner.subset()
             row.scores["torch"] = counts(t.score(run_torch(qmodel, sub, t.eval_batch), runner.reference[:len(sub)]))
             runner.score_file(row, out, preset)
             return row
-        out = workdir / f"{t.model}_{tool.replace(':', '_')}.onnx"
+        out = int8_path(t, path_kind, tool, workdir)
         preset = None
         if tool.startswith("ort-"):
             row.notes = ort_quantize(t, out, per_channel=tool == "ort-per-channel")
@@ -575,7 +586,7 @@ def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path
 # ---------------------------------------------------------------- REAL.md
 
 def _pct(k: int, n: int) -> str:
-    from quantship.inspect.intervals import wilson_interval
+    from quantship.intervals import wilson_interval
 
     if not n:
         return "0/0"
@@ -637,7 +648,7 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
     import onnxruntime as ort
     import torch
 
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     cpu, flags = cpu_info()
     int8_flags = sorted(f for f in flags if f in {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",
@@ -654,6 +665,8 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
     commits = sorted({r.commit for r in rows if r.commit})
     times = sorted(r.measured_utc for r in rows if r.measured_utc)
     loads = [r.load_avg for r in rows if r.load_avg is not None]
+    retimed = [r for r in rows if r.retimed_utc]
+    retimed_loads = [r.retimed_load for r in retimed if r.retimed_load is not None]
     lines = [
         "# Real pretrained models: FP32, ONNX Runtime's quantizer, NNCF and quantship on real tasks", "",
         "Generated by `python bench/real.py` from `bench/real_results.json` (one record per model x path x tool, "
@@ -677,7 +690,11 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
         "the same samples.",
         "- Latency: ONNX Runtime, default optimizations, default threads; FP32 file / INT8 file in ms (speed-up), "
         "batch 1 and batch 8 (a ratio above 1 is faster than FP32). Size: the INT8 file on disk, and its size "
-        "as a multiple of the FP32 file's.",
+        "as a multiple of the FP32 file's."
+        + (f" Latency of {len(retimed)} of {len(rows)} rows re-timed from the same files in a later, quieter run "
+           f"(`--keep` then `--retime`), {min(r.retimed_utc for r in retimed)} .. "
+           f"{max(r.retimed_utc for r in retimed)}, 1-min load average "
+           f"{min(retimed_loads):.1f}..{max(retimed_loads):.1f}." if retimed and retimed_loads else ""),
         "- Tools: ORT = `onnxruntime.quantization.quantize_static` after `quant_pre_process` as ORT documents "
         "(where pre-processing fails, the file as shipped, noted), QDQ format, MinMax; NNCF = `nncf.quantize` on "
         "the `onnx.ModelProto` (ONNX backend), `subset_size` = the calibration set; quantship ONNX path = the "
@@ -759,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="only render REAL.md from the records")
     parser.add_argument("--results", type=Path, default=None, help="records file (default bench/real_results.json)")
     parser.add_argument("--out", type=Path, default=None, help="markdown file (default REAL.md)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep every INT8 file written in DIR (for --retime)")
+    parser.add_argument("--retime", type=Path, default=None, metavar="DIR",
+                        help="re-measure only the latency of the rows whose files --keep left in DIR (on an idle "
+                             "machine), keeping every other figure")
     args = parser.parse_args(argv)
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in MODELS]
@@ -778,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
         out_md.write_text(render(*load_records(results), smoke=args.smoke))
         print(f"wrote {out_md}")
         return 0
+    if args.retime:
+        return retime(chosen, args.retime, results, out_md, args.rows, args.smoke)
     commit = head_commit()
     started = time.perf_counter()
     results, out_md, home = results.resolve(), out_md.resolve(), os.getcwd()
@@ -811,12 +835,47 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {row.key}: {row.status} {row.scores.get('ort') or row.scores.get('torch') or ''} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
                 out_md.write_text(render(*save_records([row], results, meta), smoke=args.smoke))
+                made = int8_path(task, path_kind, tool, workdir)
+                if args.keep and row.status == "ok" and made.exists():
+                    args.keep.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(made, args.keep / made.name)
             for f in workdir.glob(f"{name}_*"):
                 f.unlink()
         os.chdir(home)
     if scratch is not None:
         shutil.rmtree(scratch / "cache", ignore_errors=True)  # the smoke run's generated data
     print(f"wrote {out_md} and {results} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def retime(chosen: list[str], kept: Path, results: Path, out_md: Path, rows: str | None, smoke: bool = False) -> int:
+    """Latency again, FP32 and INT8 interleaved as in a full run, from the files a ``--keep`` run left:
+    what an idle machine measures, without quantizing anything again. Other figures stay as measured."""
+    records, _ = load_records(results)
+    wanted = [w for w in (rows or "").split(",") if w]
+    done = []
+    with tempfile.TemporaryDirectory(prefix="quantship-real-") as tmp:
+        for name in chosen:
+            mine = [r for r in records.values() if r.model == name and r.status == "ok"
+                    and (not wanted or any(w in r.key for w in wanted))]
+            if not mine:
+                continue
+            task = make_task(name, smoke, Path(tmp))
+            for row in mine:
+                path = task.float_path if (row.path, row.tool) == ("onnx", "fp32") else \
+                    kept / int8_path(task, row.path, row.tool, kept).name
+                if row.tool == "fp32" and row.path == "pt2e":
+                    continue  # a PyTorch reading: no file, no latency
+                if not path.exists():
+                    print(f"   {row.key}: no kept file {path.name}; latency left as measured", flush=True)
+                    continue
+                row.latency_ms = latency(task.float_path, path, task.eval_x, task.reps)
+                row.retimed_utc = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                row.retimed_load = round(os.getloadavg()[0], 1)
+                print(f"   {row.key}: {row.latency_ms} (load {row.retimed_load})", flush=True)
+                out_md.write_text(render(*save_records([row], results), smoke=smoke))
+                done.append(row)
+    print(f"re-timed {len(done)} row(s); wrote {out_md}")
     return 0
 
 

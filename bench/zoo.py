@@ -154,9 +154,9 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
     import torchvision
 
     from quantship import Quantizer, export_qdq
-    from quantship.inspect.consumers import ort_optimized_ops
-    from quantship.inspect.lsb import output_scales
-    from quantship.inspect.verify import compare_logits
+    from quantship.inspect.read.lsb import output_scales
+    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.inspect.run.verify import compare_logits
     from quantship.quantize.pt2e import describe_float_ops
 
     torch.manual_seed(0)
@@ -196,7 +196,7 @@ def run_model(name: str, workdir: Path, observer: str | None) -> ZooRow:
     except ValueError as exc:
         row.status = f"LSB not measured: {exc}"
     if round(row.lsb_literal or 0) > 4:  # is it the file, or one rounding flip that the network amplifies?
-        from quantship.inspect.divergence import trace_divergence
+        from quantship.inspect.run.divergence import trace_divergence
 
         try:
             trace = trace_divergence(qmodel, path, sample)
@@ -293,7 +293,7 @@ def render(records: dict[str, ZooRow], zoo: list[str]) -> str:
     import onnxruntime as ort
     import torchvision
 
-    from quantship.inspect.consumers import cpu_info
+    from quantship.inspect.run.consumers import cpu_info
 
     cpu, flags = cpu_info()
     vnni = "VNNI" if {"avx512_vnni", "avx_vnni"} & flags else "no VNNI"

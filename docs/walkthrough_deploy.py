@@ -14,8 +14,8 @@ from _walkthrough import run
 
 from quantship import Quantizer, export_onnx, export_qdq, qdq_stats
 from quantship.examples import digits
-from quantship.inspect.check import check_file
-from quantship.inspect.compare import compare_files
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.judge.compare import compare_files
 from quantship.precision import PRESETS
 
 BATCH = 40

@@ -17,9 +17,9 @@ from fastai.learner import Learner
 from fastai.torch_core import set_seed
 
 from quantship import QuantizeCallback, export_qdq, qdq_stats, quant_spec, state_dict_size
+from quantship.cli.common import format_accuracy
 from quantship.examples import digits
 from quantship.inspect import compare_logits, verify_qdq
-from quantship.inspect.intervals import format_accuracy
 
 BS = 60  # pt2e captures a symbolic batch, so any BS works (a shorter last batch too); 60 divides 360
 

@@ -1,8 +1,10 @@
 """The import direction of src/quantship, read with ``ast`` (no module is imported).
 
 Layers, lowest first (README, "Layout"): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
-``ranks``, ``interrupts``, ``locks``, ``calibration``); ``precision``; ``quantize`` and ``inspect``
-(neither imports the other); ``export``; ``quantize_onnx``; ``examples``; ``cli`` on top; nothing imports ``cli``.
+``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision``;
+``quantize`` and ``inspect`` (neither imports the other); ``export``; ``quantize_onnx``; ``examples``;
+``cli`` on top; nothing imports ``cli``. Inside ``inspect``, three jobs, lowest first: ``read`` (a file),
+``run`` (it, in runtimes), ``judge`` (it, for a target); every module of ``inspect`` lives in one of them.
 A module imports only from lower layers or from its own package, with no cycle, counting the
 imports inside functions too. A function-level import of our own modules is allowed only in the
 CLI (``--help`` answers before torch, onnx and numpy load) or where listed below, and each one
@@ -22,7 +24,8 @@ PACKAGE = SRC / "quantship"
 LAYERS: dict[str, int] = {
     "quantship.errors": 0,
     **dict.fromkeys(("quantship.lazy", "quantship.noise", "quantship.progress", "quantship.ranks",
-                     "quantship.interrupts", "quantship.locks", "quantship.calibration"), 1),
+                     "quantship.interrupts", "quantship.locks", "quantship.calibration",
+                     "quantship.report_json", "quantship.intervals"), 1),
     "quantship.precision": 2,
     "quantship.quantize": 3,
     "quantship.inspect": 3,
@@ -32,6 +35,9 @@ LAYERS: dict[str, int] = {
     "quantship.cli": 7,
     "quantship.__main__": 8,
 }
+# inside inspect: a job imports only from the jobs below it (and from its own)
+INSPECT = "quantship.inspect"
+INSPECT_JOBS: dict[str, int] = {f"{INSPECT}.read": 0, f"{INSPECT}.run": 1, f"{INSPECT}.judge": 2}
 ROOT = "quantship"  # the package itself: ``__version__`` and a table of names loaded on first use
 
 # function-level imports of our modules outside the CLI, and why each stays inside its function
@@ -139,6 +145,20 @@ def test_imports_flow_down_the_layers():
                 continue
             if LAYERS[theirs] >= LAYERS[mine]:
                 upward.append(f"{module}:{line} imports {target}")
+    assert upward == []
+
+
+def _job(module: str) -> str | None:
+    return ".".join(module.split(".")[:3]) if module.startswith(f"{INSPECT}.") else None
+
+
+def test_every_inspect_module_lives_in_one_job():
+    assert [m for m in MODULES if m.startswith(f"{INSPECT}.") and _job(m) not in INSPECT_JOBS] == []
+
+
+def test_inspect_jobs_import_only_the_jobs_below():
+    upward = [f"{m}:{line} imports {t}" for m, found in IMPORTS.items() if _job(m) in INSPECT_JOBS
+              for t, line, *_ in found if _job(t) in INSPECT_JOBS and INSPECT_JOBS[_job(t)] > INSPECT_JOBS[_job(m)]]
     assert upward == []
 
 

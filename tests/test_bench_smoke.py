@@ -40,6 +40,11 @@ class Smoke:
 
 
 RUNS = {
+    "algorithms": Smoke(stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
+                                "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
+                                "15 conv pairs equalized", "biases corrected")),
+    "batch1_profile": Smoke(stdout=("ocr_cls_int8.onnx: graph ORT runs: ", "| op type | us per run | share |",
+                                    "QLinearConv", "interleaved, median of 2: FP32 / INT8 = ")),
     "accuracy_budget": Smoke(stdout=("| observer | budget (points) |", "| minmax | 0 | ", "ORT ms batch 1")),
     "distributed": Smoke(stdout=("| observer | 1 rank, 1 thread", "| minmax | ", "| histogram | ", "QAT: the per-step",
                                  "### On paper", "| histogram | 16 | ")),
@@ -51,7 +56,8 @@ RUNS = {
         "| quantship W4A16 g128 MatMulNBits |", "| ORT MatMulNBitsQuantizer 4-bit block 32 symmetric |")}),
     "lm_perplexity": Smoke(("--out", "{tmp}/BENCHMARKS-LM.md"), files={"BENCHMARKS-LM.md": (
         "Smoke run", "Held-out: 4 files", "| FP32 (torch) |", "| W4A16 g128 (torch) |",
-        "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |")}),
+        "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |",
+        "| W4A16 g128 + GPTQ (torch) |", "| W4A16 g128 + GPTQ (MatMulNBits file, ORT) |")}),
     "lsb_trace": Smoke(stdout=("## resnet18 (input 32,", "| sample | output error, LSB |", "| 0 | ",
                                "one-step change injected in torch")),
     "observers": Smoke(stdout=("| digits TinyResNet | minmax |", "| digits TinyResNet | mse |",

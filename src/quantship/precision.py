@@ -23,6 +23,7 @@ METADATA_KEY = "quantship.spec"  # the ONNX metadata_props key that carries it i
 
 PLACEMENTS = ("per_op", "skip_conv_add")
 ACT_OBSERVERS = ("histogram", "minmax", "percentile", "mse")
+WEIGHT_ALGORITHMS = ("gptq",)  # how weights are rounded, besides to nearest (None)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Cell:
     act_observers: tuple[str | None, ...] = (None,)  # first is the default
     reduce_range: tuple[bool, ...] = (False,)  # 7-bit weights ([-63, 63]) allowed; first is the default
     default_group_size: int | None = None
+    weight_algorithms: tuple[str | None, ...] = (None,)  # None: round to nearest; first is the default
     note: str = ""
 
     @property
@@ -74,8 +76,10 @@ SUPPORT_MATRIX: tuple[Cell, ...] = (
     Cell("torchao", "int8_dynamic", 8, 8, ("per_channel",), (True,), False, False,
          note="int8 weights, activation scales computed at run time"),
     Cell("torchao", "int4_weight_only", 4, 16, ("per_group",), (True,), False, True,
-         default_group_size=128, note="grouped int4 weights (IntxWeightOnlyConfig, CPU kernels); exports int4 + "
-                                      "block-wise DequantizeLinear (opset 21), or MatMulNBits (groups >= 16)"),
+         default_group_size=128, weight_algorithms=(None, "gptq"),
+         note="grouped int4 weights (IntxWeightOnlyConfig, CPU kernels); exports int4 + block-wise "
+              "DequantizeLinear (opset 21), or MatMulNBits (groups >= 16); weight_algorithm='gptq' "
+              "(calibrated)"),
 )
 
 BACKENDS: tuple[str, ...] = tuple(dict.fromkeys(c.backend for c in SUPPORT_MATRIX))
@@ -139,6 +143,7 @@ class QuantSpec:
     engine: str | None = None
     act_observer: str | None = None
     reduce_range: bool = False  # weights use 7 bits, [-63, 63] (no u8s8 saturation on x86 without VNNI)
+    weight_algorithm: str | None = None  # "gptq": weights rounded by GPTQ on calibration data; None: to nearest
 
     @property
     def label(self) -> str:
@@ -254,6 +259,7 @@ def resolve_spec(
     skip_activations: Iterable[str] | None = None,
     act_observer: str | None = None,
     reduce_range: bool | None = None,
+    weight_algorithm: str | None = None,
 ) -> QuantSpec:
     """Validate a request against the support matrix and return the resolved ``QuantSpec``.
 
@@ -356,12 +362,22 @@ def resolve_spec(
     reduce_range = _resolve_flag("reduce_range", reduce_range, cell, "reduce_range", where,
                                  "it has no 7-bit weight option")
 
+    if weight_algorithm is not None and weight_algorithm not in cell.weight_algorithms:
+        if weight_algorithm not in WEIGHT_ALGORITHMS:
+            raise SpecRefused(f"weight_algorithm={weight_algorithm!r} is unknown; valid values: "
+                              f"{list(WEIGHT_ALGORITHMS)} (or None: round to nearest)")
+        raise SpecRefused(
+            f"{where} cannot honour weight_algorithm={weight_algorithm!r}: it applies to grouped int4 "
+            f"weight-only. {_can_at(cell, lambda c: weight_algorithm in c.weight_algorithms)} "
+            "Use method='int4_weight_only', or drop weight_algorithm"
+        )
+
     engine = backend if backend in FX_BACKENDS else None
     return QuantSpec(
         backend=backend, method=cell.method, weight_bits=cell.weight_bits, act_bits=cell.act_bits,
         qscheme=qscheme, symmetric=symmetric, group_size=group_size, layer_bits=layer_bits,
         qdq_placement=qdq_placement, skip_activations=skip, engine=engine, act_observer=act_observer,
-        reduce_range=reduce_range,
+        reduce_range=reduce_range, weight_algorithm=weight_algorithm,
     )
 
 
@@ -413,7 +429,7 @@ def quant_spec(model: Any) -> QuantSpec | None:
 
 # ---------------------------------------------------------------------------------------------
 # Deployment presets: one table, each a spec plus export options, read by Quantizer.for_target
-# and export_qdq(target=...). The rules a target applies to a *file* live in inspect/rules.py.
+# and export_qdq(target=...). The rules a target applies to a *file* live in inspect/judge/rules.py.
 
 
 @dataclass(frozen=True)
@@ -421,7 +437,7 @@ class Preset:
     """A deployment preset, resolved: the request to quantize with, and how to write the file.
 
     ``target`` is the one name of the runtime everywhere inside quantship: its rule table in
-    ``inspect/rules.py`` and its consumer carry the same name. Other spellings
+    ``inspect/judge/rules.py`` and its consumer carry the same name. Other spellings
     (``TARGET_ALIASES``) are resolved at the edge, by ``resolve_target``.
     """
 

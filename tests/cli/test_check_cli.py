@@ -12,7 +12,7 @@ import torch
 from onnx import helper
 
 from quantship.cli.main import main
-from quantship.inspect.consumers import tigris_executable
+from quantship.inspect.run.consumers import tigris_executable
 from tests.inspect.conftest import SmallNet, export_pt2e, with_external_data
 from tests.onnx_edits import strip_kernel_shape
 
@@ -137,7 +137,7 @@ def test_check_inputs_bad_input_exit_2(small_files, tmp_path, capsys, monkeypatc
 
 
 def _fake_run(status, max_lsb, detail=""):
-    from quantship.inspect.consumers import RunResult
+    from quantship.inspect.judge.runs import RunResult
 
     def run_consumer(path, target, n_inputs=20, seed=0, inputs=None):
         return RunResult("OpenVINO", True, status == "passed", detail, n_inputs, max_lsb, 0.5, 2.0, status)
@@ -152,9 +152,9 @@ def _fake_run(status, max_lsb, detail=""):
 ])
 def test_check_run_verdict_words_and_exit_code(small_files, capsys, monkeypatch, status, max_lsb, detail, shown):
     """A tolerance miss is 'failed', never 'refused'; a vacuous comparison is 'inconclusive' and exits 1."""
-    from quantship.inspect import consumers
+    from quantship.inspect.judge import runs
 
-    monkeypatch.setattr(consumers, "run_consumer", _fake_run(status, max_lsb, detail))
+    monkeypatch.setattr(runs, "run_consumer", _fake_run(status, max_lsb, detail))
     code = main(["check", str(small_files["good"]), "--target", "openvino", "--run", "--n", "2"])
     out = capsys.readouterr().out
     assert code == (0 if status == "passed" else 1)

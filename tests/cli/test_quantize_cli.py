@@ -34,7 +34,7 @@ def test_quantize_torchvision_model_passes_check(calib_npy, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and out.is_file()
     assert report["batch"] == "any"
-    from quantship.inspect.verify import ort_session, run_session
+    from quantship.inspect.run.verify import ort_session, run_session
 
     for n in (1, 32):  # --batch-size is the calibration batch only: the file serves any batch
         x = np.random.default_rng(n).standard_normal((n, 3, 64, 64)).astype(np.float32)
@@ -110,7 +110,7 @@ def test_static_batch_option(image_folder, tmp_path, capsys):
 
 
 def test_quantize_onnx_for_tigris_fits(tmp_path, capsys):
-    from quantship.inspect.consumers import tigris_analyze, tigris_executable
+    from quantship.inspect.run.consumers import tigris_analyze, tigris_executable
 
     if tigris_executable() is None:
         pytest.skip("the tigris CLI (tigris-ml) is not installed")

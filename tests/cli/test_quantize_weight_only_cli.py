@@ -56,3 +56,29 @@ def test_hf_source_and_target_refusals(tmp_path, capsys):
                  "--out", str(tmp_path / "y.onnx")]) == 2
     assert "a weight-only file is written for onnxruntime-cpu" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gptq_flag_writes_the_gptq_file(hf_config, tmp_path, capsys):
+    import numpy as np
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, size=(16, 16)).astype(np.int64))
+    out = tmp_path / "gptq.onnx"
+    code = main(["quantize", f"hf:{hf_config}", "--method", "int4_weight_only", "--gptq", "--calib", str(ids),
+                 "--seq-len", "16", "--out", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["spec"]["weight_algorithm"] == "gptq" and report["spec"]["group_size"] == 32
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert json.loads(meta["quantship.spec"])["weight_algorithm"] == "gptq"  # the file's provenance
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--method", "int8_weight_only"], "--gptq applies to --method int4_weight_only"),
+    (["--method", "static", "--calib", "x.npy"], "--gptq applies to --method int4_weight_only"),
+    (["--method", "int4_weight_only"], "--gptq needs --calib"),
+])
+def test_gptq_refused_where_it_does_not_apply(tmp_path, capsys, extra, words):
+    out = tmp_path / "no.onnx"
+    code = main(["quantize", "hf:reference", "--gptq", *extra, "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0] and not out.exists()

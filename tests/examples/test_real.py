@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from quantship.examples import real
-from quantship.inspect.intervals import wilson_interval
+from quantship.intervals import wilson_interval
 
 
 def _need(module: str) -> None:
@@ -23,7 +23,7 @@ def _need(module: str) -> None:
 
 
 def _session(path: Path):
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     return ort_session(path, optimized=True)
 
@@ -163,7 +163,7 @@ def test_lifting_constants_keeps_the_classifier_exact():
 
     from quantship.examples.real import ocr_cls
     from quantship.examples.real.convert import lift_constants
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     model = onnx.load(str(ocr_cls.model_path()))
     lifted, n = lift_constants(model)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from quantship import Quantizer, export_qdq
-from quantship.inspect.verify import compare_logits, ort_session, run_session
+from quantship.inspect.run.verify import compare_logits, ort_session, run_session
 from quantship.precision import PRESETS
 from tests.conftest import ResidualNet
 

@@ -99,7 +99,7 @@ def test_static_quantization_needs_data(tmp_path):
 def test_onnx_model_and_verify_onnx_keep_their_public_names():
     import quantship
     import quantship.export
-    from quantship.inspect import onnx_model
+    from quantship.inspect.run import onnx_model
 
     assert quantship.ONNXModel is quantship.export.ONNXModel is onnx_model.ONNXModel
     assert quantship.verify_onnx is quantship.export.verify_onnx is onnx_model.verify_onnx

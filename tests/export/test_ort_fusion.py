@@ -14,7 +14,7 @@ import torch.nn as nn
 from onnx import numpy_helper
 
 from quantship import Quantizer, export_qdq
-from quantship.inspect.consumers import ort_optimized_ops
+from quantship.inspect.run.consumers import ort_optimized_ops
 from quantship.quantize.decompose import batched_matmul_form
 
 

@@ -9,7 +9,7 @@ import torch
 
 from quantship import export_qdq, qdq_stats, quant_spec, quant_spec_of_file
 from quantship.inspect import compare_logits, output_scales
-from quantship.inspect.verify import ort_session, run_session
+from quantship.inspect.run.verify import ort_session, run_session
 from tests.onnx_edits import strip_kernel_shape
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import quantship.export.postconditions as postconditions
 import quantship.export.qdq as qdq
 from quantship import Quantizer, export_qdq, qdq_stats, quant_spec, quant_spec_of_file
 from quantship.examples.models import TinyResNet
-from quantship.inspect.verify import ort_session, run_session
+from quantship.inspect.run.verify import ort_session, run_session
 from quantship.precision import SPEC_ATTRIBUTE, resolve_spec, tag_model
 from tests.onnx_edits import doubled_scale_pass, strip_kernel_shape
 

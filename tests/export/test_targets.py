@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from quantship import Quantizer, export_qdq, qdq_stats
-from quantship.inspect.check import check_file
-from quantship.inspect.consumers import ort_optimized_ops
-from quantship.inspect.verify import compare_logits, ort_session
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.run.consumers import ort_optimized_ops
+from quantship.inspect.run.verify import compare_logits, ort_session
 from quantship.precision import PRESETS, quant_target
 
 
@@ -62,7 +62,7 @@ def test_preset_file_passes_its_target(target, small_resnet, small_resnet_counts
 
 
 def test_target_refusal_leaves_nothing(residual_net, tmp_path, monkeypatch):
-    import quantship.inspect.check as check
+    import quantship.inspect.judge.check as check
 
     qmodel = Quantizer.for_target("tensorrt").quantize(residual_net, [torch.randn(4, 1, 8, 8)])
     real = check.check_file

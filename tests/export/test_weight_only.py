@@ -97,7 +97,7 @@ def test_both_forms_match_torch_and_each_other(mlp, x, tmp_path, kwargs, dtype, 
     # every compute node of both forms still names its module (MatMulNBits takes its MatMul's scopes);
     # no node carries the exporting machine's stack trace
     from quantship.export.metadata import SOURCE_NODE_KEYS
-    from quantship.inspect.float_ops import module_path
+    from quantship.inspect.read.float_ops import module_path
 
     for path, compute in ((std, "Gemm"), (nbits, "MatMulNBits")):
         nodes = onnx.load(str(path)).graph.node

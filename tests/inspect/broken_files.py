@@ -125,7 +125,7 @@ def write(case: Broken, source: Path, directory: Path) -> Path:
 
 def acceptance(source: Path, directory: Path, targets: tuple[str, ...]) -> dict[str, int]:
     """For each target, how many of ``CASES`` its static check accepts (a refusal or exception: not accepted)."""
-    from quantship.inspect.check import check_file
+    from quantship.inspect.judge.check import check_file
 
     accepted = dict.fromkeys(targets, 0)
     for case in CASES:

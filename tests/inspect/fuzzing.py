@@ -183,13 +183,13 @@ def read_all(path: Path, lenient: bool = False) -> list[str]:
     """Every reader on ``path``; the uncaught exceptions as ``reader: Type: message`` (empty: all fine),
     plus ``qdq_stats: refused`` / ``inspect: refused`` when those refused the file.
 
-    ``lenient`` also takes a plain ``ValueError`` from inspect/check as a refusal (the measure before
+    ``lenient`` also takes a plain ``ValueError`` from inspect/judge/check as a refusal (the measure before
     ``quantship.errors`` existed); ``qdq_stats`` must raise only the documented refusals either way.
     """
     from quantship.errors import QuantshipError
-    from quantship.inspect.check import check_file
-    from quantship.inspect.graph import inspect_file
-    from quantship.inspect.stats import qdq_stats
+    from quantship.inspect.judge.check import check_file
+    from quantship.inspect.read.graph import inspect_file
+    from quantship.inspect.read.stats import qdq_stats
 
     calls = [("inspect", lambda: _strict_json(inspect_file(path).to_json())), ("qdq_stats", lambda: qdq_stats(path))]
     calls += [(f"check {t}", lambda t=t: _strict_json(check_file(path, t).to_json())) for t in TARGETS]
@@ -247,7 +247,7 @@ if __name__ == "__main__":
     parser.add_argument("seed_file", type=Path)
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=20261130)
-    parser.add_argument("--lenient", action="store_true", help="a plain ValueError from inspect/check is a refusal")
+    parser.add_argument("--lenient", action="store_true", help="a plain ValueError from inspect/judge/check is a refusal")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(args.seed_file, args.n, args.seed, Path(tmp), args.lenient)

@@ -11,9 +11,9 @@ import pytest
 from onnx import numpy_helper
 
 from quantship.errors import FileRefused
-from quantship.inspect.check import check_file
-from quantship.inspect.graph import inspect_file
-from quantship.inspect.stats import qdq_stats
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.read.graph import inspect_file
+from quantship.inspect.read.stats import qdq_stats
 from tests.inspect.broken_files import CASES, MICROSOFT_DOMAIN, REGISTERED_DOMAIN, Broken, write
 
 TARGETS = ("onnxruntime", "openvino", "tigris", "tensorrt")

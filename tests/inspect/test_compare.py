@@ -12,8 +12,8 @@ import json
 import pytest
 
 from quantship.cli.main import main
-from quantship.inspect.compare import compare_files
-from quantship.inspect.consumers import tigris_executable
+from quantship.inspect.judge.compare import compare_files
+from quantship.inspect.run.consumers import tigris_executable
 
 
 @pytest.mark.slow

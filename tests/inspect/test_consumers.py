@@ -17,8 +17,9 @@ import importlib.util
 
 import pytest
 
-from quantship.inspect.check import check_file
-from quantship.inspect.consumers import cpu_info, run_consumer, tigris_executable
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.judge.runs import run_consumer
+from quantship.inspect.run.consumers import cpu_info, tigris_executable
 
 N_INPUTS = 20
 
@@ -115,14 +116,14 @@ def test_openvino_within_2_lsb_with_7bit_weights(digits_files, tmp_path):
 
 def _run(status: str, max_lsb: float | None = 1.0, tolerance: float | None = 2.0, consumer: str = "OpenVINO",
          detail: str = ""):
-    from quantship.inspect.consumers import RunResult
+    from quantship.inspect.judge.runs import RunResult
 
     return RunResult(consumer, True, status == "passed", detail, 20, max_lsb, 0.1 if max_lsb else None,
                      tolerance, status)
 
 
 def test_judge_names_a_tolerance_miss_failed_and_a_constant_reference_inconclusive():
-    from quantship.inspect.consumers import judge
+    from quantship.inspect.judge.runs import judge
 
     assert judge("OpenVINO", 1.5, 0.2, 2.0, 20, constant=False).status == "passed"
     miss = judge("OpenVINO", 3.0, 0.5, 2.0, 20, constant=False)
@@ -138,7 +139,7 @@ def test_judge_names_a_tolerance_miss_failed_and_a_constant_reference_inconclusi
 def test_constant_reference():
     import numpy as np
 
-    from quantship.inspect.consumers import constant_reference
+    from quantship.inspect.run.consumers import constant_reference
 
     rows = np.arange(6, dtype=np.float32).reshape(3, 2)
     assert not constant_reference([[rows]])
@@ -148,7 +149,7 @@ def test_constant_reference():
 
 
 def test_check_report_verdict_precedence_and_summary():
-    from quantship.inspect.check import CheckReport, Finding
+    from quantship.inspect.judge.check import CheckReport, Finding
 
     def report(findings=(), runs=()):
         return CheckReport("f.onnx", "openvino", "QDQ", list(findings), list(runs))
@@ -192,11 +193,11 @@ def test_a_consumer_crash_is_a_failed_run_not_a_dead_process(digits_files, tmp_p
     """OpenVINO runs in a child process: a crash inside it (a segfault was seen on a DenseNet-121 file)
     becomes a failed run with a one-line reason, and this process lives on."""
     pytest.importorskip("openvino")
-    from quantship.inspect import consumers
+    from quantship.inspect.run import consumers
 
     crasher = tmp_path / "python-that-crashes"
     crasher.write_text("#!/bin/sh\nkill -SEGV $$\n")
     crasher.chmod(0o755)
     monkeypatch.setattr(consumers.sys, "executable", str(crasher))
-    result = consumers.run_consumer(digits_files["int8"], "openvino", n_inputs=2)
+    result = run_consumer(digits_files["int8"], "openvino", n_inputs=2)
     assert result.ran and not result.ok and "OpenVINO crashed on this file (signal 11)" in result.detail

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quantship import Quantizer, export_qdq
-from quantship.inspect.divergence import trace_divergence
+from quantship.inspect.run.divergence import trace_divergence
 
 
 class InceptionLike(nn.Module):

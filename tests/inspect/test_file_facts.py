@@ -7,13 +7,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-import quantship.inspect.facts as facts_module
+import quantship.inspect.read.facts as facts_module
 from quantship.export import postconditions
-from quantship.inspect.check import check_file
-from quantship.inspect.facts import FileFacts, read_file
-from quantship.inspect.graph import inspect_file
-from quantship.inspect.lsb import output_scales
-from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.read.facts import FileFacts, read_file
+from quantship.inspect.read.graph import inspect_file
+from quantship.inspect.read.lsb import output_scales
+from quantship.inspect.read.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import preset
 
 TARGETS = ("onnxruntime", "openvino", "tigris", "tensorrt")

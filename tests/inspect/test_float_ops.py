@@ -19,8 +19,8 @@ from onnx import TensorProto, helper
 
 from quantship.cli.main import main
 from quantship.export.metadata import SOURCE_NODE_KEYS
-from quantship.inspect.facts import read_file, read_model
-from quantship.inspect.float_ops import (
+from quantship.inspect.read.facts import read_file, read_model
+from quantship.inspect.read.float_ops import (
     NAME_SCOPES_KEY,
     NAMED_BY_MODULE,
     NAMED_BY_NODE,
@@ -31,8 +31,8 @@ from quantship.inspect.float_ops import (
     float_ops,
     module_path,
 )
-from quantship.inspect.graph import inspect_file
-from quantship.inspect.stats import COMPUTE_OPS
+from quantship.inspect.read.graph import inspect_file
+from quantship.inspect.read.stats import COMPUTE_OPS
 
 
 def _node(scopes: str | None) -> onnx.NodeProto:
@@ -200,7 +200,7 @@ def test_inspect_lists_the_float_op_by_module_as_quantize_does(kept_float_file, 
     out = " ".join(capsys.readouterr().out.split())
     assert "left in float" in out and "block2.conv1: Conv (kept float on request); block2.conv2: Conv" in out
     assert describe_float_ops(quantized) in out
-    from quantship.inspect.consumers import ort_optimized_ops
+    from quantship.inspect.run.consumers import ort_optimized_ops
 
     ran = ort_optimized_ops(kept_float_file)
     assert ran["QLinearConv"] == 3 and ran.get("Conv", 0) + ran.get("FusedConv", 0) == 2

@@ -9,10 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from quantship.inspect.consumers import tigris_analyze, tigris_executable
-from quantship.inspect.graph import inspect_file
-from quantship.inspect.memory import naive_peak
-from quantship.inspect.view import GraphView
+from quantship.inspect.read.graph import inspect_file
+from quantship.inspect.read.memory import naive_peak
+from quantship.inspect.read.view import GraphView
+from quantship.inspect.run.consumers import tigris_analyze, tigris_executable
 from tests.inspect.conftest import with_external_data
 
 # Measured on this machine (pt2e, batch 1): both tools report the same unscheduled peak.

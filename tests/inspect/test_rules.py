@@ -7,9 +7,9 @@ import json
 import onnx
 import pytest
 
-from quantship.inspect.check import check_file
-from quantship.inspect.rules import RULES, TARGETS
-from quantship.inspect.rules import target as rule_table
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.judge.rules import RULES, TARGETS
+from quantship.inspect.judge.rules import target as rule_table
 from quantship.precision import PRESETS, preset
 from tests.onnx_edits import strip_kernel_shape
 

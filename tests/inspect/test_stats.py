@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
+from quantship.inspect.read.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import METADATA_KEY, resolve_spec
 
 

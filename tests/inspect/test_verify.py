@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from quantship import Quantizer, export_qdq
+from quantship.cli.common import format_accuracy
 from quantship.examples import digits
-from quantship.inspect.intervals import format_accuracy, wilson_interval
-from quantship.inspect.verify import (
+from quantship.inspect.run.verify import (
     DRIFT_LSB,
     FusedKernelDrift,
     Readings,
@@ -24,6 +24,7 @@ from quantship.inspect.verify import (
     verify_qdq,
     warn_if_drift,
 )
+from quantship.intervals import wilson_interval
 
 BATCH = 40  # divides the 360 held-out inputs: the pt2e graph runs at one batch size
 

@@ -17,8 +17,9 @@ from fastai.torch_core import set_seed  # noqa: E402
 from torch.nn import CrossEntropyLoss  # noqa: E402
 
 from quantship import QuantizeCallback, Quantizer, quant_spec  # noqa: E402
+from quantship.cli.common import format_accuracy  # noqa: E402
 from quantship.examples import digits  # noqa: E402
-from quantship.inspect.intervals import format_accuracy, wilson_interval  # noqa: E402
+from quantship.intervals import wilson_interval  # noqa: E402
 from quantship.quantize.callback import loader_batch_sizes, qat_spec  # noqa: E402
 
 BS = 60  # divides the 360 held-out images; the training loader drops its last batch

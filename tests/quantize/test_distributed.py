@@ -260,7 +260,8 @@ def test_outside_a_process_group_nothing_changes():
 @pytest.mark.slow
 def test_qat_two_ranks_same_file_and_accuracy_of_one_rank(task, tmp_path):
     pytest.importorskip("fastai", reason="QuantizeCallback needs the fastai extra")
-    from quantship.inspect.intervals import format_accuracy, wilson_interval
+    from quantship.cli.common import format_accuracy
+    from quantship.intervals import wilson_interval
 
     model, split, _ = task
     qat_bs, n_train = 30, 600  # 10 steps of 60 images: one rank at batch 60, or two ranks at 30 each

@@ -12,7 +12,7 @@ import torch
 from torchao.quantization.pt2e import MinMaxObserver
 
 from quantship import Quantizer
-from quantship.inspect.intervals import format_accuracy
+from quantship.cli.common import format_accuracy
 from quantship.quantize.observers import OBSERVERS, MSEObserver, PercentileObserver
 
 QSCHEMES = [torch.per_tensor_symmetric, torch.per_tensor_affine]

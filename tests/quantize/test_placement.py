@@ -17,7 +17,7 @@ import torch
 from onnx import numpy_helper
 
 from quantship import Quantizer, export_qdq
-from quantship.inspect.stats import qdq_stats
+from quantship.inspect.read.stats import qdq_stats
 from quantship.quantize.annotator import module_path
 
 
@@ -189,7 +189,7 @@ def test_per_tensor_has_no_per_channel_in_file(digits, tmp_path):
 def test_affine_zero_points_and_ort_parity(digits, tmp_path):
     import onnxruntime as ort
 
-    from quantship.inspect.lsb import lsb_error, output_scales
+    from quantship.inspect.read.lsb import lsb_error, output_scales
 
     model, split = digits
     calib = [split.x_train[i:i + 32] for i in range(0, 128, 32)]

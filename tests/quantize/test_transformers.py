@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from quantship import Quantizer
 from quantship.export.qdq import export_qdq
-from quantship.inspect.consumers import ort_optimized_ops
-from quantship.inspect.verify import compare_logits
+from quantship.inspect.run.consumers import ort_optimized_ops
+from quantship.inspect.run.verify import compare_logits
 
 COMPUTE_OPS = {"Conv", "Gemm", "MatMul"}
 LSB_LITERAL = 4  # ORT with optimizations off vs the torch quantized model (rounding ties amplified by depth)

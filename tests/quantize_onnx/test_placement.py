@@ -77,7 +77,7 @@ def test_concat_ties_close_ranges_to_one_scale(tmp_path):
     assert result.census["integer"] == {"QLinearConv": 3}
 
 
-def test_written_out_layernorm_stays_float_for_onnxruntime_and_quantized_for_tigris(tmp_path):
+def test_written_out_layernorm_stays_float_for_onnxruntime_and_its_statistics_stay_float_for_tigris(tmp_path):
     data = [np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)]
     result, q = _quantize(tmp_path, graphs.written_layernorm(), data)
     quantized = {n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"}
@@ -89,7 +89,10 @@ def test_written_out_layernorm_stays_float_for_onnxruntime_and_quantized_for_tig
     full, qt = _quantize(tmp_path, graphs.written_layernorm(), data, target="tigris")
     assert full.placement.mode == "full" and full.verdict.verdict in ("accepted", "failed")  # tigris may not compile
     assert not [f for f in full.verdict.findings if f.rule == "fully_quantized"]
-    assert _ops(qt)["QuantizeLinear"] > 8 and full.qdq_stats.n_nonzero_zero_point == 0
+    # full placement: every activation has a pair but the normalisation's statistics (float islands, named)
+    assert set(full.plan["float_islands"]["normalisation_statistics"]["tensors"]) == {"mu", "d2", "var", "ve", "sd"}
+    assert {n.input[0] for n in qt.graph.node if n.op_type == "QuantizeLinear"} == {"x", "h", "d", "n1", "y_float"}
+    assert full.qdq_stats.n_nonzero_zero_point == 0
 
 
 def test_integer_ids_stay_integer_and_the_rows_read_are_quantized(tmp_path):

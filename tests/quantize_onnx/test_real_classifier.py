@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from quantship.inspect.check import check_file
+from quantship.inspect.judge.check import check_file
 from tests.quantize_onnx import graphs
 
 

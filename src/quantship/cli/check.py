@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from rich.console import Console
 
-    from quantship.inspect.check import check_file
-    from quantship.inspect.rules import target as rule_target
+    from quantship.inspect.judge.check import check_file
+    from quantship.inspect.judge.rules import target as rule_target
 
     if args.n < 1:
         raise UsageError(f"--n {args.n}: a run needs at least one input batch")

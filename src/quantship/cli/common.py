@@ -1,4 +1,4 @@
-"""What the report-printing subcommands share: calibration options, quiet/JSON output."""
+"""What the report-printing subcommands share: calibration options, quiet/JSON output, an accuracy with its interval."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from quantship import __version__
 from quantship.errors import ExportRefused
-from quantship.inspect.report_json import strict_json
+from quantship.intervals import wilson_interval
 from quantship.locks import destination_lock
 from quantship.precision import target_names
 from quantship.progress import END, START, listening
+from quantship.report_json import strict_json
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -240,3 +241,9 @@ class Output:
         for key, value in rows:
             table.add_row(key, value)
         Console().print(table)
+
+
+def format_accuracy(k: int, n: int) -> str:
+    """``'k/n = p  Wilson 95% [lo, hi]'``."""
+    lo, hi = wilson_interval(k, n)
+    return f"{k}/{n} = {k / n:.4f}  Wilson 95% [{lo:.4f}, {hi:.4f}]"

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
-    from quantship.inspect.compare import compare_files
+    from quantship.inspect.judge.compare import compare_files
 
     real = inputs.read(args)
     report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=real)

@@ -28,7 +28,7 @@ def _ort_accuracy(path, x, y) -> tuple[int, int]:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import numpy as np
 
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     session = ort_session(path, optimized=True)
     name = session.get_inputs()[0].name
@@ -45,7 +45,7 @@ def _latency_ratio(fp32_path, int8_path, x, runs: int) -> tuple[float, float, fl
     import statistics
     import time
 
-    from quantship.inspect.consumers import ort_session
+    from quantship.inspect.run.consumers import ort_session
 
     sessions = [ort_session(p, optimized=True) for p in (fp32_path, int8_path)]
     feeds = [{s.get_inputs()[0].name: x} for s in sessions]
@@ -69,14 +69,14 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from quantship import Quantizer, quant_spec
+    from quantship.cli.common import format_accuracy
     from quantship.examples import digits
     from quantship.export import export_onnx, export_qdq
-    from quantship.inspect.check import check_file
-    from quantship.inspect.intervals import format_accuracy
-    from quantship.inspect.loading import file_size
-    from quantship.inspect.rules import TARGETS
-    from quantship.inspect.stats import qdq_stats
-    from quantship.inspect.verify import compare_logits, verify_qdq
+    from quantship.inspect.judge.check import check_file
+    from quantship.inspect.judge.rules import TARGETS
+    from quantship.inspect.read.loading import file_size
+    from quantship.inspect.read.stats import qdq_stats
+    from quantship.inspect.run.verify import compare_logits, verify_qdq
 
     started = time.perf_counter()
     ui = common.Output(args)

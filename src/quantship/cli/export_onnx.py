@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     from quantship.cli.sources import load_model, weights_origin
     from quantship.export import export_onnx
-    from quantship.inspect.loading import file_size
+    from quantship.inspect.read.loading import file_size
 
     ui = common.Output(args)
     shape = parse_shape(args.shape)

@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from quantship.inspect.float_ops import describe_float_ops
-    from quantship.inspect.graph import inspect_file
+    from quantship.inspect.read.float_ops import describe_float_ops
+    from quantship.inspect.read.graph import inspect_file
 
     report = inspect_file(args.file)
     if args.json:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from quantship.cli.common import format_accuracy
 from quantship.cli.sources import load_images
 from quantship.cli.usage import UsageError
-from quantship.inspect.intervals import format_accuracy, wilson_interval
-from quantship.inspect.verify import ort_session, run_session
+from quantship.inspect.run.verify import ort_session, run_session
+from quantship.intervals import wilson_interval
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only file form: com.microsoft MatMulNBits for ONNX Runtime (default), or "
                              "standard int8/int4 + DequantizeLinear (opset 21)")
     parser.add_argument("--seq-len", type=int, default=128, help="weight-only hf: models: tokens in the traced sample")
+    quantize_weight_only.add_arguments(parser)
     common.add_calibration_arguments(parser)
     for action in parser._actions:  # weight-only needs no calibration; the static path still insists below
         if action.dest == "calib":
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quantize_weight_only.check_request(args)  # before the --out lock and any import
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
             import torch  # noqa: F401
@@ -155,7 +157,7 @@ def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
 
     from quantship import Quantizer
     from quantship.export import export_qdq
-    from quantship.inspect.verify import FusedKernelDrift
+    from quantship.inspect.run.verify import FusedKernelDrift
 
     args, ui = run.args, run.ui
     with warnings.catch_warnings(record=True) as caught:
@@ -181,10 +183,10 @@ def _report(run: _Run) -> int:
 
     from quantship import quant_spec
     from quantship.cli.sources import weights_origin
-    from quantship.inspect.check import check_file
-    from quantship.inspect.facts import read_file
-    from quantship.inspect.float_ops import describe_float_ops
-    from quantship.inspect.loading import file_size
+    from quantship.inspect.judge.check import check_file
+    from quantship.inspect.read.facts import read_file
+    from quantship.inspect.read.float_ops import describe_float_ops
+    from quantship.inspect.read.loading import file_size
 
     args, target, path, served, error = run.args, run.target, run.path, run.served, run.error
     spec = quant_spec(run.qmodel)
@@ -286,8 +288,8 @@ def _output_error(qmodel, path, sample):
     import numpy as np
 
     from quantship.cli.labelled import torch_runner
-    from quantship.inspect.lsb import output_scales
-    from quantship.inspect.verify import compare_logits, ort_session, run_session
+    from quantship.inspect.read.lsb import output_scales
+    from quantship.inspect.run.verify import compare_logits, ort_session, run_session
 
     if next(iter(output_scales(path).values()), None) is not None:
         return compare_logits(qmodel, path, sample)
@@ -302,7 +304,7 @@ def _left_float(quantizer, facts) -> dict:
     prints for the file, with what only the quantizer knows: which modules its annotator had no INT8
     rule for), plus every torch op the annotator left float, compute or not (``no_int8_rule``)."""
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
-    from quantship.inspect.float_ops import float_ops
+    from quantship.inspect.read.float_ops import float_ops
 
     report = getattr(quantizer, "report", None)
     no_rule = report.float_ops_by_module() if report is not None else {}

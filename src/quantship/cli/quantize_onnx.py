@@ -8,6 +8,11 @@ kernels and the ``check --run`` verdict. ``--engine ort`` runs ONNX Runtime's ``
 with the preset's settings instead, for comparison. Calibration: ``.npy`` (one input), ``.npz``
 (one array per input, keyed by input name) of the dtype each input declares, or an image folder.
 The file appears only when every check passes.
+
+``--eval LABELLED`` scores top-1 of the float file and of the written file in ONNX Runtime (default
+optimizations, Wilson 95% intervals); with ``--max-drop POINTS`` the accuracy search
+(``quantize_onnx.search``) keeps the worst-SQNR nodes in float one at a time until the drop fits,
+and exits 1, writing nothing, when no step does.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 
 from quantship.cli import common
 from quantship.cli.check import exit_code
+from quantship.cli.usage import UsageError
 
 ENGINES = ("quantship", "ort")
 
@@ -33,21 +39,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--observer", choices=ACT_OBSERVERS, default=None,
                         help="activation range rule (default: the preset's, histogram)")
     parser.add_argument("--per-tensor", action="store_true", help="per-tensor weights (default per channel)")
+    parser.add_argument("--equalize", action="store_true",
+                        help="cross-layer equalization of Conv -> ReLU -> Conv pairs before calibration (data-free)")
+    parser.add_argument("--bias-correction", action="store_true",
+                        help="correct each quantized layer's bias for the shift of its output mean (on the calibration data)")
     parser.add_argument("--keep-refused", action="store_true",
                         help="--engine ort: keep the file even when the target's check refuses it")
+    parser.add_argument("--eval", metavar="LABELLED",
+                        help="labelled data (.npz with x and y, or a folder of class folders): top-1 of the float "
+                             "file and of the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
+    parser.add_argument("--max-drop", type=float, default=None, metavar="POINTS",
+                        help="accuracy search: keep the worst-SQNR nodes in float until the top-1 drop on --eval "
+                             "is at most POINTS percentage points (exit 1, nothing written, if no step fits)")
+    parser.add_argument("--max-steps", type=int, default=None, metavar="N",
+                        help="--max-drop: at most N nodes kept in float by the search (default: every candidate)")
     common.add_calibration_arguments(parser)
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_drop is not None and not args.eval:
+        raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
+    if args.max_drop is not None and args.max_drop < 0:
+        raise UsageError(f"--max-drop {args.max_drop:g}: give a budget in percentage points, >= 0")
+    if args.max_steps is not None and (args.max_drop is None or args.max_steps < 0):
+        raise UsageError("--max-steps N (N >= 0) bounds the accuracy search: give it with --max-drop")
+    if args.engine == "ort" and args.eval:
+        raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
+    if args.engine == "ort" and (args.equalize or args.bias_correction):
+        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction)) if on]
+        raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
             return _run_ort(args, out)
         return _run(args, out)
 
 
-def _calibration(args: argparse.Namespace, inputs):
+def check_memory(path: str, feeds=()) -> None:
+    """Refuse a file (and data) whose quantization needs more memory than is available (``memory``)."""
+    from pathlib import Path
+
+    # late: `quantize-onnx --help` answers before numpy loads
+    from quantship.quantize_onnx.memory import refuse_if_too_large
+
+    if Path(path).is_file():
+        refuse_if_too_large(path, feeds)
+
+
+def read_feeds(args: argparse.Namespace, inputs):
     """Checked calibration batches for the file's inputs (``.npy``/``.npz`` or an image folder)."""
     from pathlib import Path
 
@@ -71,29 +111,55 @@ def _calibration(args: argparse.Namespace, inputs):
 
 def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
-    from quantship.inspect.loading import file_size, load_onnx
+    from quantship.inspect.read.loading import file_size, load_onnx
     from quantship.precision import preset
     from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import placement_for, quantize_onnx_file, refuse_unusable
 
     ui = common.Output(args)
     target = preset(args.target)
+    check_memory(args.float_model)  # before reading it: a file that cannot fit is refused with the figure
     model = load_onnx(args.float_model)  # validates: exists, is ONNX, has a graph (one-line errors)
     refuse_unusable(model, args.float_model)  # already quantized, external data: refused before any work
     inputs = model_inputs(model)
-    batches = _calibration(args, inputs)
+    batches = read_feeds(args, inputs)
     del model
+    check_memory(args.float_model, batches)
+    labelled = _labelled(args, inputs)
     placement, _, _ = placement_for(target.target, per_tensor=args.per_tensor)
     n = sum(len(next(iter(b.values()))) for b in batches)
     ui.say(f"quantizing with quantship: {placement.mode} placement, {placement.activation_dtype} activations, "
            f"{len(batches)} calibration batch(es), {n} sample(s)")
-    result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
-                                observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait)
+    search, accuracy = None, {}
+    if args.max_drop is not None:
+        # late: --help answers before numpy, onnx and onnxruntime load
+        from quantship.quantize_onnx.search import OnnxBudgetMissed, search_onnx
+
+        try:
+            result, search = search_onnx(args.float_model, out, batches, target=target, max_drop=args.max_drop,
+                                         labelled=(labelled.x, labelled.y), exclude=args.exclude,
+                                         observer=args.observer, per_tensor=args.per_tensor,
+                                         max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
+                                         bias_correction=args.bias_correction,
+                                         wait=not args.no_wait, log=ui.say)
+        except OnnxBudgetMissed as missed:
+            return _budget_missed(args, ui, missed)
+        accuracy = {"float": search.float_step, "int8": search.chosen}
+    else:
+        result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
+                                    observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
+                                    equalize=args.equalize, bias_correction=args.bias_correction)
+        if labelled is not None:
+            accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
     size = file_size(result.path)
     report = {"version": 1, "input": args.float_model, "target": target.target, "engine": "quantship",
               **{k: v for k, v in result.as_dict().items() if k not in ("target", "engine")},
               "size_bytes": size}
+    if accuracy:
+        report["accuracy"] = {"float_file_ort": accuracy["float"].as_dict(), "int8_file_ort": accuracy["int8"].as_dict()}
+    if search is not None:
+        report["accuracy_search"] = search.as_dict()
     fused = result.fidelity["fused"]
     agreement = "" if fused["argmax_agreement"] is None else f"argmax agreement {fused['argmax_agreement']:.3f}, "
     passes = ", ".join(f"{p.name} {p.changes}" for p in result.normalised if p.changes) or "nothing to do"
@@ -110,10 +176,96 @@ def _run(args: argparse.Namespace, out) -> int:
         ("vs FP32 (calibration data)", f"{agreement}max abs error {fused['max_abs_error']:.4g}"),
         ("ORT readings", f"{result.readings}" if result.readings.scale else
          f"literal vs fused max abs {result.fidelity['fused_vs_literal_max_abs']:.4g} (float outputs)"),
+        *([("top-1 float file (ORT)", accuracy["float"].describe()),
+           ("top-1 INT8 file (ORT)", accuracy["int8"].describe())] if accuracy else []),
+        *(_search_rows(search) if search is not None else []),
         *[(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs],
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])
     return exit_code(verdict)  # 1 for refused, failed or inconclusive, as every command that writes a file
+
+
+def _labelled(args: argparse.Namespace, inputs):
+    """``--eval``: labelled data for a file with one input: a .npz with ``x`` (of the input's dtype kind
+    and rank) and ``y`` (class indices), or a folder of class folders for an N x C x H x W float input."""
+    if not args.eval:
+        return None
+    from pathlib import Path
+
+    import numpy as np
+
+    # late: --help answers before numpy and Pillow load
+    from quantship.cli.labelled import Labelled, read_labelled
+    from quantship.cli.usage import UsageError
+
+    if len(inputs) != 1:
+        raise UsageError(f"--eval scores top-1 of a file with one input; this file has {[i.name for i in inputs]} "
+                         "(use quantize_onnx.search.search_onnx(metric=...) in Python)")
+    spec = inputs[0]
+    if Path(args.eval).is_dir() or Path(args.eval).suffix != ".npz":
+        if spec.dtype.kind != "f" or len(spec.dims) != 4:
+            raise UsageError(f"--eval {args.eval}: class folders feed an N x C x H x W float input; the file declares "
+                             f"{spec.name}: {spec.describe()}; give a .npz with x and y")
+        labelled = read_labelled(args.eval, common.preprocessing(args))
+    else:
+        labelled = read_labelled(args.eval, None) if len(spec.dims) == 4 and spec.dtype.kind == "f" else None
+        if labelled is None:
+            if not Path(args.eval).is_file():
+                raise UsageError(f"evaluation data {args.eval} does not exist")
+            try:
+                with np.load(args.eval, allow_pickle=False) as archive:
+                    if not {"x", "y"} <= set(archive.keys()):
+                        raise UsageError(f"{args.eval} must hold arrays x and y; it holds {list(archive.keys())}")
+                    x, y = archive["x"], archive["y"]
+            except (ValueError, OSError, EOFError) as exc:
+                raise UsageError(f"cannot read {args.eval} as a numpy archive: {exc}") from None
+            if y.ndim != 1 or len(y) != len(x) or not len(y) or not np.issubdtype(y.dtype, np.integer):
+                raise UsageError(f"{args.eval}: y has shape {list(y.shape)} ({y.dtype}) for {len(x)} sample(s); give "
+                                 "one integer class index per sample")
+            labelled = Labelled(x, y.astype(np.int64), [str(c) for c in range(int(y.max()) + 1)])
+    x = labelled.x
+    kind_ok = x.dtype.kind == spec.dtype.kind or (spec.dtype.kind == "f" and x.dtype.kind in "fiu")
+    wrong = [i for i, (d, s) in enumerate(zip(spec.dims, x.shape)) if i and d and d != s]
+    if x.ndim != len(spec.dims) or wrong or not kind_ok:
+        raise UsageError(f"--eval {args.eval}: x is {x.dtype} {list(x.shape)}, the file declares {spec.name}: "
+                         f"{spec.describe()}")
+    return Labelled(np.ascontiguousarray(x.astype(spec.dtype, copy=False)), labelled.y, labelled.classes)
+
+
+def _top1_of(args: argparse.Namespace, labelled, path) -> dict:
+    """Top-1 of the float file and of the written file, both in ORT at default optimizations."""
+    # late: --help answers before numpy, onnx and onnxruntime load
+    from quantship.quantize_onnx.search import OnnxSearchStep, file_runner, top1
+
+    out = {}
+    for key, file in (("float", args.float_model), ("int8", path)):
+        run, _, fixed = file_runner(file)
+        correct, n = top1(run, labelled.x, labelled.y, args.batch_size, fixed)
+        out[key] = OnnxSearchStep((), 100.0 * correct / n, correct, n)
+    return out
+
+
+def _search_rows(search) -> list[tuple[str, str]]:
+    # late: --help answers before numpy, onnx and onnxruntime load
+    from quantship.quantize_onnx.search import steps_table
+
+    return [("accuracy search", f"{len(search.steps)} quantization(s); kept in float: "
+             f"{', '.join(search.chosen.excluded) or 'nothing'}"), *steps_table(search)]
+
+
+def _budget_missed(args: argparse.Namespace, ui, missed) -> int:
+    """No step met --max-drop: every step reported, nothing written, exit 1."""
+    import sys
+
+    # late: --help answers before numpy, onnx and onnxruntime load
+    from quantship.quantize_onnx.search import steps_table
+
+    search = missed.search
+    ui.report({"version": 1, "input": args.float_model, "engine": "quantship", "path": None,
+               "verdict": "budget_missed", "accuracy_search": search.as_dict()},
+              [("file", "nothing written: no step met --max-drop"), *steps_table(search)])
+    print(f"quantship quantize-onnx: {missed}", file=sys.stderr)
+    return 1
 
 
 def _kernels(counts: dict) -> str:
@@ -123,7 +275,7 @@ def _kernels(counts: dict) -> str:
 def _run_ort(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx and onnxruntime load
     from quantship.export.ort_quantize import float_input, ort_settings, quantize_onnx_file, refuse_quantized
-    from quantship.inspect.loading import file_size, load_onnx
+    from quantship.inspect.read.loading import file_size, load_onnx
     from quantship.precision import preset
 
     ui = common.Output(args)

@@ -2,7 +2,8 @@
 
 No calibration: the weights alone are quantized. The file is MatMulNBits for ONNX Runtime
 (``--weight-format matmulnbits``, the default) or the standard DequantizeLinear form
-(``--weight-format standard``).
+(``--weight-format standard``). ``--gptq`` (int4): weights rounded by GPTQ on the ``--calib``
+batches (token ids for an ``hf:`` model) instead of to nearest.
 """
 
 from __future__ import annotations
@@ -14,6 +15,50 @@ from quantship.cli.usage import UsageError
 from quantship.precision import ORT_CPU, preset
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The weight-only options ``quantship quantize`` adds to its own."""
+    parser.add_argument("--gptq", action="store_true",
+                        help="int4_weight_only: round the weights with GPTQ on the --calib batches (token ids "
+                             "[N, T] for an hf: model) instead of to nearest")
+
+
+def check_request(args: argparse.Namespace) -> None:
+    """Refuse --gptq where it does not apply, before any model or data work."""
+    if getattr(args, "gptq", False):
+        if args.method != "int4_weight_only":
+            raise UsageError(f"--gptq applies to --method int4_weight_only (grouped int4 weights), not --method "
+                             f"{args.method}; drop --gptq or use --method int4_weight_only")
+        if not args.calib:
+            raise UsageError("--gptq needs --calib: the calibration inputs (token ids [N, T] as .npy for an hf: "
+                             "model) whose Hessians GPTQ rounds the weights against")
+
+
+def gptq_batches(model, args: argparse.Namespace) -> list:
+    """The --calib batches as torch tensors, for GPTQ: token ids [N, T] (.npy) for an hf: model, else as
+    every command reads calibration data."""
+    # imported when the command runs (torch, numpy behind these), so --help answers at once
+    import numpy as np
+    import torch
+
+    from quantship.calibration import split
+
+    if not args.model.startswith("hf:"):
+        return [torch.from_numpy(b) for b in common.read_calibration(args)]
+    if not args.calib.endswith(".npy"):
+        raise UsageError(f"--calib {args.calib}: for an hf: model give token ids [N, T] as a .npy file")
+    try:
+        ids = np.load(args.calib, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise UsageError(f"cannot read --calib {args.calib} as a numpy array: {exc}") from None
+    vocab = int(model.lm.config.vocab_size)
+    if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise UsageError(f"--calib {args.calib} holds {ids.dtype} {list(ids.shape)}; an hf: model calibrates on "
+                         f"integer token ids [N, T] in [0, {vocab})")
+    return [torch.from_numpy(b.astype(np.int64)) for b in split(ids, args.batch_size, args.max_samples,
+                                                                 batch_size_name="--batch-size",
+                                                                 cap_name="--max-samples")]
 
 
 def sample_for(model, args: argparse.Namespace):
@@ -60,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
-    from quantship.inspect.loading import file_size
+    from quantship.inspect.read.loading import file_size
 
     ui = common.Output(args)
 
@@ -76,9 +121,14 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "int8_weight_only" and group is not None:
         kwargs["qscheme"] = "per_group"
     sample = sample_for(model, args)
+    calibration = None
+    if args.gptq:
+        kwargs["weight_algorithm"] = "gptq"
+        calibration = gptq_batches(model, args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(model)
+        qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(
+            model, calibration, max_calibration_samples=args.max_samples)
         path = export_qdq(qmodel, sample, args.out, target=target)
         with torch.no_grad():
             expected = qmodel(sample).float().numpy()
@@ -103,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         "relative_error_vs_torch_float_activations": float_error,
     }
     granularity = f"groups of {spec.group_size}" if spec.qscheme == "per_group" else "per output channel"
+    if spec.weight_algorithm == "gptq":
+        granularity += f", rounded by GPTQ on {sum(len(b) for b in calibration)} calibration samples"
     ui.report(result, [
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("precision", f"{spec.label} {spec.method}, {granularity}"),

@@ -1,6 +1,11 @@
 """``quantship sensitivity MODEL --calib DATA --out-dir DIR``: where a quantized model loses its
 signal, layer by layer (SQNR against float), as a table, a PNG, a self-contained HTML report and a
-suggested exclusion list for ``quantize --exclude``."""
+suggested exclusion list for ``quantize --exclude``.
+
+``MODEL`` may be a float ``.onnx`` file: quantship's ONNX quantizer (``quantize-onnx``) then
+quantizes it and ``quantize_onnx.sensitivity.node_sqnr`` measures every node its plan quantizes,
+in ONNX Runtime; the suggestion is for ``quantize-onnx --exclude``. Both figures are accumulated
+up to the layer or node (upstream error included), not that layer's error alone."""
 
 from __future__ import annotations
 
@@ -21,10 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_output_arguments(parser)
 
 
-def html_report(title: str, table_rows: list[tuple], png: bytes, suggested: list[str], summary: str) -> str:
+TORCH_HEADERS = ("#", "node", "module", "op", "SQNR (dB)")
+ONNX_HEADERS = ("#", "node", "op", "tensor", "SQNR (dB, accumulated up to the node)")
+
+
+def html_report(title: str, table_rows: list[tuple], png: bytes, suggested: list[str], summary: str, *,
+                command: str = "quantship quantize", headers: tuple[str, ...] = TORCH_HEADERS) -> str:
     """One HTML page with everything inline (the PNG as a data URI): it opens anywhere, offline."""
     import base64
     import html
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
 
     rows = "\n".join(
         "<tr{cls}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td style='text-align:right'>{}</td></tr>".format(
@@ -36,9 +48,9 @@ def html_report(title: str, table_rows: list[tuple], png: bytes, suggested: list
 <style>body{{font-family:sans-serif;margin:2em;max-width:70em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px}}tr.worst{{background:#fdd}}</style></head>
 <body><h1>{html.escape(title)}</h1><p>{html.escape(summary)}</p>
-<p>Suggested exclusions (<code>quantship quantize --exclude {html.escape(' '.join(suggested))}</code>)</p>
+<p>Suggested exclusions (<code>{html.escape(command)} --exclude {html.escape(' '.join(suggested))}</code>)</p>
 <img alt="per-layer SQNR" src="data:image/png;base64,{image}">
-<table><tr><th>#</th><th>node</th><th>module</th><th>op</th><th>SQNR (dB)</th></tr>
+<table><tr>{head}</tr>
 {rows}</table></body></html>
 """
 
@@ -50,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    # late: --help answers before numpy, onnx and onnxruntime load
     from quantship import Quantizer, __version__
     from quantship.cli.sources import load_model, weights_origin
     from quantship.quantize.layer_error import layer_error, suggest_skip
@@ -60,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out-dir {args.out_dir} is a file; give a folder")
+    if args.model.lower().endswith(".onnx"):
+        return _run_onnx(args, ui, out_dir)
     config = options.read_config(args.config)
     overrides = options.quantizer_options(args, config)
     overrides.pop("max_accuracy_drop", None)
@@ -91,4 +106,54 @@ def run(args: argparse.Namespace) -> int:
     print(report.to_markdown(worst=args.k))
     print(f"\nsuggested: quantship quantize {args.model} --exclude {' '.join(suggested)}")
     print(f"wrote {out_dir / 'sensitivity.png'} and {html_path}")
+    return 0
+
+
+def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
+    """A float ONNX file: quantize-onnx's plan and file, then the SQNR of every node it quantizes."""
+    # imported when the command runs (onnx, onnxruntime, torch behind these), so --help answers at once
+    from quantship import __version__
+    from quantship.cli.quantize_onnx import check_memory, read_feeds
+    from quantship.inspect.read.loading import load_onnx
+    from quantship.quantize_onnx.data import model_inputs
+    from quantship.quantize_onnx.quantizer import refuse_unusable
+    from quantship.quantize_onnx.sensitivity import node_sqnr
+
+    refused = [flag for flag, value in (("--weights", args.weights), ("--trust-pickle", args.trust_pickle),
+                                        ("--config", args.config), ("--placement", args.placement),
+                                        ("--max-drop", args.max_drop)) if value]
+    if refused:
+        raise UsageError(f"{', '.join(refused)}: not for an ONNX file (quantize-onnx takes --exclude and --observer; "
+                         "the accuracy search is quantize-onnx --eval --max-drop)")
+    target = preset(args.target)
+    check_memory(args.model)
+    model = load_onnx(args.model)
+    refuse_unusable(model, args.model)
+    inputs = model_inputs(model)
+    del model
+    batches = read_feeds(args, inputs)
+    check_memory(args.model, batches)
+    ui.say(f"sensitivity: quantizing {args.model} for {target.target}, then every quantized node's output vs float")
+    report = node_sqnr(args.model, batches, target=target, exclude=args.exclude or (), observer=args.observer)
+    suggested = report.suggest_exclude(args.k)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = report.plot(out_dir / "sensitivity.png", worst=args.k)
+    worst = set(suggested)
+    rows = [(r.order, r.node, r.op, r.tensor, f"{r.sqnr_db:.1f}", r.node in worst) for r in report.rows]
+    summary = (f"{args.model}, {target.target} preset, {report.n_samples} calibration sample(s), read in ONNX "
+               f"Runtime; each figure is the error accumulated up to that node (not the node's alone); model "
+               f"output SQNR {report.output_sqnr_db:.1f} dB")
+    html_path = out_dir / "sensitivity.html"
+    html_path.write_text(html_report(f"quantship sensitivity: {args.model}", rows, png.read_bytes(), suggested,
+                                     summary, command=f"quantship quantize-onnx {args.model}",
+                                     headers=ONNX_HEADERS), encoding="utf-8")
+    result = {"version": __version__, "command": "sensitivity", "model": args.model, "target": target.target,
+              "engine": "quantize_onnx", "report": report.as_dict(), "suggested_exclude": suggested,
+              "png": str(png), "html": str(html_path)}
+    if ui.json:
+        ui.report(result, [])
+        return 0
+    print(report.to_markdown(worst=args.k))
+    print(f"\nsuggested: quantship quantize-onnx {args.model} --exclude {' '.join(suggested)}")
+    print(f"wrote {png} and {html_path}")
     return 0

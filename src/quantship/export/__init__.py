@@ -1,6 +1,6 @@
 """Write files a runtime loads: ``export_qdq`` (faithful QDQ from pt2e) and the float path ``export_onnx``.
 
-``ONNXModel`` and ``verify_onnx`` live in ``quantship.inspect.onnx_model`` (they read files); they
+``ONNXModel`` and ``verify_onnx`` live in ``quantship.inspect.run.onnx_model`` (they read files); they
 are re-exported here for the names earlier releases published. Names load lazily, so importing
 one module of this package (``quantship.export.artifact``) does not import the exporters.
 """
@@ -14,8 +14,8 @@ from quantship.lazy import load_public
 _PUBLIC = {
     "export_qdq": "quantship.export.qdq",
     "export_onnx": "quantship.export.onnx_float",
-    "ONNXModel": "quantship.inspect.onnx_model",
-    "verify_onnx": "quantship.inspect.onnx_model",
+    "ONNXModel": "quantship.inspect.run.onnx_model",
+    "verify_onnx": "quantship.inspect.run.onnx_model",
 }
 
 __all__ = list(_PUBLIC)

@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ActivationDtypeRefused
-from quantship.inspect.counts import QDQ_OPS, constant_values
+from quantship.inspect.read.counts import QDQ_OPS, constant_values
 
 SHIFT = 128
 

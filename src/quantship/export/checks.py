@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused, one_line
-from quantship.inspect.verify import ort_session, run_session
+from quantship.inspect.run.verify import ort_session, run_session
 from quantship.progress import step
 
 

@@ -21,10 +21,10 @@ import onnx
 from quantship.errors import DataRefused, ExportRefused, FileRefused, cause
 from quantship.export import artifact
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.inspect.check import check_file
-from quantship.inspect.inputs import DeclaredInput, declared_inputs
-from quantship.inspect.loading import load_onnx
-from quantship.inspect.stats import qdq_stats
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.read.inputs import DeclaredInput, declared_inputs
+from quantship.inspect.read.loading import load_onnx
+from quantship.inspect.read.stats import qdq_stats
 from quantship.precision import Preset, resolve_spec, resolve_target
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
@@ -149,8 +149,8 @@ class OrtQuantizeResult:
     path: Path | None
     settings: OrtSettings
     kernel_shape_written: int
-    stats: Any  # inspect.stats.QDQStats
-    verdict: Any  # inspect.check.CheckReport
+    stats: Any  # inspect.read.stats.QDQStats
+    verdict: Any  # inspect.judge.check.CheckReport
 
 
 class _NotKept(Exception):

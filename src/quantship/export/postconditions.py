@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantship.errors import ExportRefused
-from quantship.inspect import check as deployability
-from quantship.inspect.facts import FileFacts, read_file
-from quantship.inspect.stats import QDQStats, qdq_stats, quant_spec_of_file
+from quantship.inspect.judge import check as deployability
+from quantship.inspect.read.facts import FileFacts, read_file
+from quantship.inspect.read.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import Preset, QuantSpec
 
 
@@ -24,7 +24,7 @@ def read_written(path: Path | FileFacts) -> FileFacts:
 
 def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
     """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``. (Whether a target
-    accepts a file is ``inspect.check.check_file``'s question; ``check_target`` asks it here.)"""
+    accepts a file is ``inspect.judge.check.check_file``'s question; ``check_target`` asks it here.)"""
     facts = read_written(path)
     stats = qdq_stats(facts)
     problems: list[str] = []

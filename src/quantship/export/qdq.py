@@ -36,8 +36,8 @@ from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_spec_held, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
-from quantship.inspect.facts import read_file
-from quantship.inspect.verify import (
+from quantship.inspect.read.facts import read_file
+from quantship.inspect.run.verify import (
     MeasuredPath,
     Readings,
     ort_session,

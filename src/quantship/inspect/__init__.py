@@ -1,6 +1,8 @@
 """Read ONNX files and say what they contain: counts, verification, deployability, memory.
 
-Names are resolved lazily so reading a file never imports torch unless a function needs it.
+Three jobs, each a subpackage, lowest first: ``read`` (a file), ``run`` (it, in the runtimes that
+consume it), ``judge`` (it, for a target). Names are resolved lazily so reading a file never
+imports torch unless a function needs it.
 """
 
 from __future__ import annotations
@@ -10,32 +12,32 @@ from typing import Any
 from quantship.lazy import load_public
 
 _PUBLIC = {
-    "qdq_stats": "quantship.inspect.stats",
-    "QDQStats": "quantship.inspect.stats",
-    "quant_spec_of_file": "quantship.inspect.stats",
-    "verify_qdq": "quantship.inspect.verify",
-    "compare_logits": "quantship.inspect.verify",
-    "output_scales": "quantship.inspect.lsb",
-    "lsb_error": "quantship.inspect.lsb",
-    "LSBError": "quantship.inspect.lsb",
-    "wilson_interval": "quantship.inspect.intervals",
-    "inspect_file": "quantship.inspect.graph",
-    "FileReport": "quantship.inspect.graph",
-    "load_onnx": "quantship.inspect.loading",
-    "FileFacts": "quantship.inspect.facts",
-    "read_file": "quantship.inspect.facts",
-    "check_file": "quantship.inspect.check",
-    "CheckReport": "quantship.inspect.check",
-    "Finding": "quantship.inspect.check",
-    "TARGETS": "quantship.inspect.rules",
-    "RULES": "quantship.inspect.rules",
-    "run_consumer": "quantship.inspect.consumers",
-    "RunResult": "quantship.inspect.consumers",
-    "tigris_analyze": "quantship.inspect.consumers",
-    "compare_files": "quantship.inspect.compare",
-    "CompareReport": "quantship.inspect.compare",
-    "trace_divergence": "quantship.inspect.divergence",
-    "DivergenceReport": "quantship.inspect.divergence",
+    "qdq_stats": "quantship.inspect.read.stats",
+    "QDQStats": "quantship.inspect.read.stats",
+    "quant_spec_of_file": "quantship.inspect.read.stats",
+    "verify_qdq": "quantship.inspect.run.verify",
+    "compare_logits": "quantship.inspect.run.verify",
+    "output_scales": "quantship.inspect.read.lsb",
+    "lsb_error": "quantship.inspect.read.lsb",
+    "LSBError": "quantship.inspect.read.lsb",
+    "wilson_interval": "quantship.intervals",
+    "inspect_file": "quantship.inspect.read.graph",
+    "FileReport": "quantship.inspect.read.graph",
+    "load_onnx": "quantship.inspect.read.loading",
+    "FileFacts": "quantship.inspect.read.facts",
+    "read_file": "quantship.inspect.read.facts",
+    "check_file": "quantship.inspect.judge.check",
+    "CheckReport": "quantship.inspect.judge.check",
+    "Finding": "quantship.inspect.judge.check",
+    "TARGETS": "quantship.inspect.judge.rules",
+    "RULES": "quantship.inspect.judge.rules",
+    "run_consumer": "quantship.inspect.judge.runs",
+    "RunResult": "quantship.inspect.judge.runs",
+    "tigris_analyze": "quantship.inspect.run.consumers",
+    "compare_files": "quantship.inspect.judge.compare",
+    "CompareReport": "quantship.inspect.judge.compare",
+    "trace_divergence": "quantship.inspect.run.divergence",
+    "DivergenceReport": "quantship.inspect.run.divergence",
 }
 
 __all__ = list(_PUBLIC)

@@ -126,7 +126,10 @@ class Quantizer:
                 "fit: use quantship.QuantizeCallback(quantizer) with a fastai Learner, not quantize()"
             )
         batches = None
-        if spec.method in _NEEDS_CALIBRATION:
+        if spec.weight_algorithm is not None and calibration_dl is None:
+            raise DataRefused(f"weight_algorithm={spec.weight_algorithm!r} rounds the weights against calibration "
+                              "inputs: pass calibration_dl (an iterable of input batches) to quantize()")
+        if spec.method in _NEEDS_CALIBRATION or spec.weight_algorithm is not None:
 
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:

@@ -9,6 +9,10 @@ One config per method, applied to a deepcopy with ``torchao.quantization.quantiz
 - ``int8_dynamic`` (W8A8): int8 weights, activation scales computed at run time.
 
 Only ``nn.Linear`` layers are touched; the result is checked to hold quantized weights.
+
+``weight_algorithm='gptq'`` (int4 only): the codes and scales come from ``quantize.gptq`` on the
+calibration batches; each is handed to torchao's ``IntxUnpackedToInt8Tensor.from_hp`` with GPTQ's
+scales, and the integers torchao derives are checked to be GPTQ's, so the exported files hold them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from quantship.errors import DataRefused, ExportRefused, SpecRefused
 from quantship.precision import FLOAT_BITS, QuantSpec, tag_model
+from quantship.quantize import gptq
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
@@ -128,9 +134,12 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
     check_group_size(model, names, group_size)
     work = copy.deepcopy(model).eval()
     wanted = set(names)
-    config = make_config(spec)
-    log(f"torchao: {type(config).__name__} on {len(names)} Linear layer(s)")
-    quantize_(work, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in wanted)
+    if spec.weight_algorithm == "gptq":
+        apply_gptq(work, names, spec, batches, log=log)
+    else:
+        config = make_config(spec)
+        log(f"torchao: {type(config).__name__} on {len(names)} Linear layer(s)")
+        quantize_(work, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in wanted)
     done = set(quantized_layers(work))
     if done != wanted:
         raise ValueError(
@@ -138,3 +147,34 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
             "refusing a partial result"
         )
     return tag_model(work, spec)  # the spec as applied (a group size chosen here included)
+
+
+def gptq_tensor(result: gptq.GptqWeight, dtype: torch.dtype) -> Any:
+    """GPTQ's weight as torchao's int4 tensor, re-quantized by torchao with GPTQ's scales; refused unless
+    torchao's integers, scales and dequantized weight are GPTQ's exactly."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    zero_point = torch.zeros_like(result.scale, dtype=torch.int8)
+    tensor = IntxUnpackedToInt8Tensor.from_hp(
+        result.dequantized.to(dtype), (1, result.group), torch.int4, intx_choose_qparams_algorithm=None,
+        custom_scale=result.scale.clone(), custom_zero_point=zero_point)
+    exact = (torch.equal(tensor.qdata, result.codes) and torch.equal(tensor.scale, result.scale)
+             and torch.equal(tensor.dequantize(), result.dequantized.to(dtype)))
+    if not exact:
+        raise ExportRefused("gptq: torchao's int4 tensor does not reproduce GPTQ's integers and scales exactly; "
+                          "refusing a file that would not hold the GPTQ weights")
+    return tensor
+
+
+def apply_gptq(work: nn.Module, names: list[str], spec: QuantSpec, batches: list[torch.Tensor] | None,
+               *, log: Callable[[str], None]) -> None:
+    """GPTQ on ``work``'s layers ``names`` (in place), each weight then stored as torchao's int4 tensor."""
+    if spec.method != "int4_weight_only":
+        raise SpecRefused(f"weight_algorithm='gptq' applies to method='int4_weight_only', not {spec.method!r}")
+    if not batches:
+        raise DataRefused("weight_algorithm='gptq' needs calibration batches: quantize(model, calibration_dl)")
+    linears = linear_layers(work)
+    results = gptq.quantize_layers(work, names, spec.group_size, batches, log=log)
+    for name, result in results.items():
+        layer = linears[name]
+        layer.weight = nn.Parameter(gptq_tensor(result, layer.weight.dtype), requires_grad=False)

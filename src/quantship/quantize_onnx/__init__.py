@@ -2,7 +2,11 @@
 
 ``normalize`` (passes, each proven in ONNX Runtime), ``calibrate`` (ONNX Runtime with intermediates
 exposed, the PyTorch path's observers), ``roles`` (the op -> role table), ``place`` (the Q/DQ layout,
-written with onnx_ir), ``data`` (calibration feeds per declared input), ``quantizer`` (the facade).
+written with onnx_ir), ``data`` (calibration feeds per declared input), ``equalize`` (cross-layer
+equalization, a float pass), ``target_forms`` (what a target cannot read, rewritten), ``bias_correction``
+(each quantized layer's bias corrected on the calibration data), ``quantizer`` (the facade),
+``sensitivity`` (per-node SQNR of the written file), ``search`` (the accuracy search), ``memory``
+(the working-set estimate a file is refused on).
 """
 
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from quantship.errors import DataRefused, FileRefused, one_line
-from quantship.inspect.inputs import element_dtype, graph_inputs
+from quantship.inspect.read.inputs import element_dtype, graph_inputs
 
 Feed = dict[str, np.ndarray]
 

@@ -270,7 +270,7 @@ def _bypass(graph: ir.Graph, node: ir.Node, producer: ir.Node) -> None:
     if was_output:
         index = list(graph.outputs).index(out)
         graph.outputs[index] = mid
-    graph.remove(node, safe=False)
+    graph.remove(node, safe=True)  # its inputs forget it as a user: placement counts uses
     mid.name = name
     if out.shape is not None and mid.shape is None:
         mid.shape = out.shape

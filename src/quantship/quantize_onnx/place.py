@@ -6,7 +6,8 @@ fixed point: the inputs and outputs of weighted ops first, then data-movement op
 quantized (their input joins, tied to the same scale), then ops with integer kernels whose inputs
 and output are all quantized already. A tensor produced by an op that now runs on integers exists
 only quantized (every consumer reads its DequantizeLinear); one produced by a float op keeps its
-float value for float consumers. ``full`` placement quantizes every float activation.
+float value for float consumers. ``full`` placement quantizes every float activation except its float
+islands (``ISLAND_RULES``: each named, applied node by node and listed in the plan with its reason).
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ import numpy as np
 import onnx_ir as ir
 
 from quantship.errors import SpecRefused
+from quantship.inspect.read.islands import Op, normalisation_statistics, polynomial_interiors
 from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, shared_qparams
+from quantship.quantize_onnx.float_islands import (
+    CONCAT_TIE_RATIO,
+    ISLAND_RULES,
+    range_ratio,
+    release_split_range_outputs,
+)
 from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
 
 FLOAT_DTYPES = (np.dtype(np.float32),)  # activations the int8 grid replaces (float16/64 stay as they are)
-CONCAT_TIE_RATIO = 8.0  # a Concat ties its inputs' scales unless their ranges differ more than this
-
-
 @dataclass
 class Plan:
     """The Q/DQ layout: quantized tensors, the edges that read them quantized, tied tensors, weights."""
@@ -39,12 +44,21 @@ class Plan:
     concat_ties: list[tuple[str, ...]] = field(default_factory=list)  # tied only when ranges are close
     roles: collections.Counter = field(default_factory=collections.Counter)
     kept_float: dict[str, str] = field(default_factory=dict)  # weighted node -> why it stays float
+    islands: dict[str, str] = field(default_factory=dict)  # tensor left float in a full placement -> rule id
+    output_concats: dict[str, tuple[str, ...]] = field(default_factory=dict)  # graph-output Concat: out -> ins
     nodes: list[ir.Node] = field(default_factory=list, repr=False)  # the graph's nodes when planned
 
     def as_dict(self) -> dict:
         return {"n_tensors": len(self.tensors), "n_reads": len(self.readers), "n_weighted": len(self.weighted),
                 "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles),
-                "kept_float": dict(self.kept_float)}
+                "kept_float": dict(self.kept_float), "float_islands": self.islands_by_rule()}
+
+    def islands_by_rule(self) -> dict[str, dict]:
+        """Each island rule that applied: why, and the tensors it left float."""
+        found: dict[str, list[str]] = collections.defaultdict(list)
+        for tensor, rule in self.islands.items():
+            found[rule].append(tensor)
+        return {rule: {"why": ISLAND_RULES[rule], "tensors": tensors} for rule, tensors in found.items()}
 
 
 def resolve_excludes(nodes: list[ir.Node], patterns: Iterable[str]) -> set[int]:
@@ -81,6 +95,14 @@ class _Graph:
             if ins and all(v.name in constant for v in ins) or (not ins and node.op_type == "Constant"):
                 constant.update(o.name for o in node.outputs)
         self.constant = constant
+
+    def is_activation_name(self, name: str) -> bool:
+        seen = self.info.get(name)
+        return bool(name) and name not in self.constant and seen is not None and seen.dtype in FLOAT_DTYPES
+
+    def ops(self) -> list[Op]:
+        return [Op(n.op_type, tuple(v.name if v is not None else "" for v in n.inputs),
+                   tuple(o.name or "" for o in n.outputs)) for n in self.nodes]
 
     def is_activation(self, value: ir.Value | None) -> bool:
         """A float tensor computed from the inputs (not a weight, not shape arithmetic on constants)."""
@@ -165,12 +187,22 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         result.integer_nodes.add(i)
     result.integer_nodes |= fused_relu
 
+    statistics: set[str] = set()
     if placement.mode == "full":
+        ops = g.ops()
+        statistics = normalisation_statistics(ops, g.is_activation_name)
+        result.islands.update(dict.fromkeys(sorted(statistics), "normalisation_statistics"))
+        interiors = polynomial_interiors(ops, g.is_activation_name) - statistics
+        result.islands.update(dict.fromkeys(sorted(interiors), "polynomial_interior"))
+        statistics |= interiors
         for i, node in enumerate(g.nodes):
             if i in excluded:
                 continue
+            if node.op_type == "Concat" and any(o.is_graph_output() for o in node.outputs):
+                result.output_concats[node.outputs[0].name] = tuple(v.name for v in node.inputs
+                                                                    if g.is_activation(v))
             for k, v in enumerate(node.inputs):
-                if not g.is_activation(v):
+                if not g.is_activation(v) or v.name in statistics:
                     continue
                 producer = g.producer_index(v)
                 if producer in result.weighted and i in fused_relu:
@@ -178,7 +210,7 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
                 want(v)
                 result.readers.add((i, k))
         for v in g.graph.outputs:
-            if g.is_activation(v):
+            if g.is_activation(v) and v.name not in statistics:
                 want(v)
 
     changed = True
@@ -191,7 +223,7 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
             ins = [(k, node.inputs[k]) for k in data_inputs(node.op_type, len(node.inputs))
                    if g.is_activation(node.inputs[k])]
             outs = [o for o in node.outputs if g.is_activation(o)]
-            if not ins or not outs:
+            if not ins or not outs or any(o.name in statistics for o in outs):
                 continue
             if role in ("shared", "concat"):
                 if not any(o.name in quantized for o in outs) and placement.mode != "full":
@@ -245,7 +277,9 @@ def _value(g: _Graph, name: str) -> ir.Value | None:
 
 
 def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool) -> dict[str, tuple[float, int]]:
-    """(scale, int8 zero-point) per quantized tensor; tied tensors share the union of their ranges."""
+    """(scale, int8 zero-point) per quantized tensor; tied tensors share the union of their ranges. A
+    full placement's split-range output Concats are released first (``release_split_range_outputs``)."""
+    release_split_range_outputs(p, observers, symmetric)
     parent = {n: n for n in p.tensors}
 
     def find(n: str) -> str:
@@ -262,9 +296,8 @@ def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool
     for members in p.ties:
         union(members)
     for members in p.concat_ties:
-        ranges = [observers[m].clipping_range(symmetric) for m in members if m in observers and observers[m].low != np.inf]
-        widths = [max(abs(lo), abs(hi)) for lo, hi in ranges]
-        if widths and min(widths) > 0 and max(widths) / min(widths) <= CONCAT_TIE_RATIO:
+        ratio = range_ratio(members, observers, symmetric)
+        if ratio is not None and ratio <= CONCAT_TIE_RATIO:
             union(members)
     groups: dict[str, list[str]] = collections.defaultdict(list)
     for n in p.tensors:

@@ -26,21 +26,25 @@ from quantship.export.metadata import write_metadata
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
-from quantship.inspect.check import check_file
-from quantship.inspect.consumers import ort_optimized_ops, ort_session
-from quantship.inspect.facts import read_file
-from quantship.inspect.loading import load_onnx
-from quantship.inspect.lsb import output_scales
-from quantship.inspect.rules import target as rules_of
-from quantship.inspect.verify import readings_of
+from quantship.inspect.judge.check import check_file
+from quantship.inspect.judge.rules import target as rules_of
+from quantship.inspect.read.facts import read_file
+from quantship.inspect.read.loading import load_onnx
+from quantship.inspect.read.lsb import output_scales
+from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
+from quantship.inspect.run.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
-from quantship.quantize_onnx import calibrate, normalize, place
+from quantship.quantize_onnx import bias_correction as bias_correcting
+from quantship.quantize_onnx import calibrate, normalize, place, target_forms
+from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
+from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
 
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
 NORMALISED_KEY = "quantship.normalised"
+ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
 READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
@@ -68,13 +72,14 @@ class OnnxQuantizeResult:
     normalised: list[PassRecord]
     plan: dict
     counts: dict
-    qdq_stats: Any  # inspect.stats.QDQStats
-    readings: Any  # inspect.verify.Readings (literal and fused, against the float file)
+    qdq_stats: Any  # inspect.read.stats.QDQStats
+    readings: Any  # inspect.run.verify.Readings (literal and fused, against the float file)
     fidelity: dict  # agreement and error of the first output against the float file, both readings
     census: dict  # what ONNX Runtime's optimized graph runs: integer vs float Conv/MatMul/Gemm kernels
-    verdict: Any  # inspect.check.CheckReport (check --run)
+    verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
+    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, bias_correction)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -82,12 +87,12 @@ class OnnxQuantizeResult:
                 "plan": self.plan, "counts": self.counts, "qdq_stats": self.qdq_stats.as_dict(),
                 "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
-                "spec": self.spec.as_dict(), "excluded": self.excluded}
+                "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms}
 
 
 def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
     """The placement a preset asks for (``precision.PRESETS``) and what its target's rules demand
-    (``inspect.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
+    (``inspect.judge.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
 
     p = resolve_target(target)
     spec = resolve_spec(**p.spec_kwargs)
@@ -135,13 +140,15 @@ def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Fe
     return chosen
 
 
-def normalise(model: ir.Model, feeds: Sequence[Feed]) -> list[PassRecord]:
-    """Run ``normalize.PASSES`` in order, each proven on the calibration data in ONNX Runtime (read
-    literally): exact passes give the same bytes, float passes agree within FLOAT_TOLERANCE."""
+def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] | None = None
+              ) -> list[PassRecord]:
+    """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order, each proven on
+    the calibration data in ONNX Runtime (read literally): exact passes give the same bytes, float
+    passes agree within FLOAT_TOLERANCE."""
     proof = _first_feeds(feeds)
     before = _run(_session(ir.to_proto(model)), proof)
     records = []
-    for p in normalize.PASSES:
+    for p in normalize.PASSES if passes is None else passes:
         try:
             changes = p.run(model)
         except Exception as exc:  # a converter or an attribute the pass cannot read: the file is not supported
@@ -170,6 +177,42 @@ def normalise(model: ir.Model, feeds: Sequence[Feed]) -> list[PassRecord]:
         records.append(PassRecord(p.name, changes, p.proof, worst))
         before = after
     return records
+
+
+def feeds_for(p: Preset, feeds: Sequence[Feed]) -> list[Feed]:
+    """The calibration feeds as ``p``'s file takes them: one sample each for a batch-1 target."""
+    return target_forms.one_sample_feeds(feeds) if not p.dynamic_batch else list(feeds)
+
+
+@dataclass
+class Prepared:
+    """The float model as the quantizer plans it: normalised (with the target's forms, each proven),
+    probed for shapes and dtypes, and placed. ``quantize_onnx_file`` and the per-node SQNR report
+    (``sensitivity.node_sqnr``) both start here, so they plan the same file."""
+
+    model: ir.Model  # normalised, to receive the Q/DQ pairs
+    normal: onnx.ModelProto  # the same, as the float reference every tensor is read from
+    records: list[PassRecord]
+    info: dict  # calibrate.TensorInfo per tensor
+    excluded: set[int]
+    layout: place.Plan
+
+
+def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
+            exclude: Iterable[str] = (), *, equalize: bool = False) -> Prepared:
+    """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
+    target's ``target_forms``), probe it on the first feed and plan its Q/DQ pairs; ``feeds`` as
+    ``feeds_for`` gives them."""
+    model = ir.from_proto(proto)
+    forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
+    extra = ((equalizing.PASS,) if equalize else ()) + forms
+    records = normalise(model, feeds, (*normalize.PASSES, *extra) if extra else None)
+    normal = ir.to_proto(model)
+    fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
+    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
+    excluded = place.resolve_excludes(list(model.graph), exclude)
+    layout = place.plan(model, info, placement, excluded)
+    return Prepared(model, normal, records, info, excluded, layout)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -204,47 +247,57 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
-                       wait: bool = True, run_check: bool = True) -> OnnxQuantizeResult:
+                       wait: bool = True, run_check: bool = True, equalize: bool = False,
+                       bias_correction: bool = False) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
     per batch, of the dtype and rank the file declares. ``exclude``: node names, name globs or op
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
-    default the preset's). Refusals raise a ``QuantshipError`` and write nothing.
+    default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
+    calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
+    of its output mean (``bias_correction``). Refusals raise a ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
     src = Path(float_path).expanduser()
+    if src.is_file():
+        refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
     proto = load_onnx(src)
     refuse_unusable(proto, float_path)
     inputs = model_inputs(proto)
     feeds = as_feeds(calibration, inputs)
     placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
+    feeds = feeds_for(p, feeds)
     read_on = _first_feeds(feeds, READING_SAMPLES)
     try:
         reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
-    model = ir.from_proto(proto)
+    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize)
     del proto
-    records = normalise(model, feeds)
-    normal = ir.to_proto(model)
-    fixed_batch = any(i.dims and i.dims[0] is not None for i in inputs)
-    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
-    nodes = list(model.graph)
-    excluded = place.resolve_excludes(nodes, exclude)
-    layout = place.plan(model, info, placement, excluded)
+    model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
+                                                      ready.excluded, ready.layout)
+    nodes = layout.nodes
+    algorithms: dict[str, dict] = {}
+    if equalize:
+        done = next(r for r in records if r.name == equalizing.PASS.name)
+        algorithms["equalize"] = {"pairs_changed": done.changes, "max_abs_diff": done.max_abs_diff}
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
-    del normal
     qparams = place.group_qparams(layout, observers, placement.symmetric)
     counts = place.insert(model, layout, qparams, placement)
     if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
                             "stored weight here; there is nothing to run as an integer kernel")
+    if bias_correction:
+        algorithms["bias_correction"] = bias_correcting.correct(
+            model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),
+            info).as_dict()
+    del normal
     counts["kernel_shape_written"] = write_kernel_shapes(model)
     skipped = sorted(place.node_label(nodes[i], i) for i in excluded)
     spec_kwargs = dict(p.spec_kwargs)
@@ -254,6 +307,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
+    model.metadata_props[ALGORITHMS_KEY] = "; ".join(f"{k}: {_summary(v)}" for k, v in algorithms.items()) or "none"
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
@@ -274,7 +328,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
             raise ExportRefused("the quantized file gives NaN or infinite outputs in ONNX Runtime")
 
         scale = next(iter(output_scales(staged).values()), None)
-        readings = readings_of(literal[0], fused[0], scale, reference[0])
+        readings = readings_of(literal[0], fused[0], scale, reference[0], against="the FP32 file")
         fidelity = _fidelity(reference[0], literal[0], fused[0])
         kernels = census(staged)
         run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
@@ -284,4 +338,11 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
-        census=kernels, verdict=verdict, spec=spec, excluded=skipped)
+        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms)
+
+
+def _summary(done: dict) -> str:
+    """``name value`` pairs of an algorithm's record for the provenance (no timings: the file stays reproducible)."""
+    shown = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
+             if k != "seconds" and not isinstance(v, dict) and v is not None]
+    return ", ".join(shown) or "ran"

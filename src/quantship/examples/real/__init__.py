@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantship.inspect.intervals import wilson_interval
+from quantship.intervals import wilson_interval
 
 # the pins of the `real` extra in pyproject.toml; facenet-pytorch is installed with --no-deps
 PINS = {

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
-from quantship.inspect.facts import facts_of
+from quantship.inspect.read.facts import facts_of
 
 if TYPE_CHECKING:
-    from quantship.inspect.facts import FileFacts
+    from quantship.inspect.read.facts import FileFacts
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""Accuracy as a count with its interval: k/n and the Wilson score interval."""
+"""The Wilson score interval of an accuracy counted as k/n (a leaf: imports nothing of quantship's).
+
+`examples` and the public ``quantship.inspect.wilson_interval`` read it; the CLI prints it with
+``cli.common.format_accuracy``.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +21,3 @@ def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
 
-
-def format_accuracy(k: int, n: int) -> str:
-    """``'k/n = p  Wilson 95% [lo, hi]'``."""
-    lo, hi = wilson_interval(k, n)
-    return f"{k}/{n} = {k / n:.4f}  Wilson 95% [{lo:.4f}, {hi:.4f}]"

@@ -14,11 +14,11 @@ from typing import Any
 
 import onnx
 
-from quantship.inspect.facts import FileFacts, facts_of
-from quantship.inspect.float_ops import float_ops
-from quantship.inspect.memory import TensorSize, naive_peak
-from quantship.inspect.report_json import strict_json
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, dtype_size
+from quantship.inspect.read.facts import FileFacts, facts_of
+from quantship.inspect.read.float_ops import float_ops
+from quantship.inspect.read.memory import TensorSize, naive_peak
+from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, dtype_size
+from quantship.report_json import strict_json
 
 REPORT_VERSION = 1
 

@@ -1,4 +1,4 @@
-"""Run a file in OpenVINO inside its own process: ``python -m quantship.inspect.openvino_worker``.
+"""Run a file in OpenVINO inside its own process: ``python -m quantship.inspect.run.openvino_worker``.
 
 OpenVINO's CPU plugin can crash the process on some files (a segfault was seen on a DenseNet-121
 QDQ file). Running it in a child keeps that crash away from quantship's own process, so the user

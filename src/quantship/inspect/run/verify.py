@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from quantship.inspect.consumers import cpu_info, ort_session, run_session
-from quantship.inspect.inputs import graph_inputs
-from quantship.inspect.lsb import LSBError, lsb_error, output_scales
+from quantship.inspect.read.inputs import graph_inputs
+from quantship.inspect.read.lsb import LSBError, lsb_error, output_scales
+from quantship.inspect.run.consumers import cpu_info, ort_session, run_session
 
 __all__ = [
     "DRIFT_LSB", "FusedKernelDrift", "MeasuredPath", "Readings", "Verification", "compare_logits",
@@ -53,6 +53,7 @@ class Readings:
     literal_agreement: float | None = None
     fused_agreement: float | None = None
     cpu: str = ""
+    reference: str = "torch"  # what the readings are measured against: the PyTorch model, or the FP32 file
 
     @property
     def drifts(self) -> bool:
@@ -66,7 +67,7 @@ class Readings:
         def lsb(x: float | None) -> str:
             return "n/a" if x is None else f"{x:.1f} LSB"
 
-        vs = f"vs torch: literal {lsb(self.literal_lsb)}, fused {lsb(self.fused_lsb)}; " \
+        vs = f"vs {self.reference}: literal {lsb(self.literal_lsb)}, fused {lsb(self.fused_lsb)}; " \
             if self.literal_lsb is not None else ""
         return f"ONNX Runtime {vs}fused vs literal {lsb(self.gap_lsb)}"
 
@@ -104,8 +105,9 @@ class MeasuredPath(type(Path())):  # Path's concrete class (PosixPath/WindowsPat
 
 
 def readings_of(literal: np.ndarray, fused: np.ndarray, scale: float | None,
-                reference: np.ndarray | None = None) -> Readings:
-    """Both readings of one output (the file read literally, and fused), against ``reference``."""
+                reference: np.ndarray | None = None, against: str = "torch") -> Readings:
+    """Both readings of one output (the file read literally, and fused), against ``reference``
+    (named ``against`` in what the readings print: the PyTorch model, or the FP32 file)."""
     literal, fused = np.asarray(literal), np.asarray(fused)
 
     def err(a: np.ndarray, b: np.ndarray) -> float | None:
@@ -120,7 +122,7 @@ def readings_of(literal: np.ndarray, fused: np.ndarray, scale: float | None,
         literal_lsb=None if reference is None else err(reference, literal),
         fused_lsb=None if reference is None else err(reference, fused),
         gap_lsb=err(literal, fused), scale=scale, n_values=int(literal.size),
-        literal_agreement=agree(literal), fused_agreement=agree(fused), cpu=cpu_info()[0],
+        literal_agreement=agree(literal), fused_agreement=agree(fused), cpu=cpu_info()[0], reference=against,
     )
 
 

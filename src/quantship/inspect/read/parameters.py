@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, node_label
+from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, GraphView, dtype_name, node_label
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 _SCALE_TYPES = ("float32", "float16", "bfloat16", "float64")

@@ -21,7 +21,7 @@ import onnx
 from quantship.precision import under_modules
 
 if TYPE_CHECKING:
-    from quantship.inspect.facts import FileFacts
+    from quantship.inspect.read.facts import FileFacts
 
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 TOP_LEVEL = "<top level>"  # ops of the model's own forward (the annotator's word for it too)

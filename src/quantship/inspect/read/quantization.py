@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from quantship.inspect.parameters import foreign_operators, parameter_problems
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
+from quantship.inspect.read.islands import Op, dequantized_data, normalisation_statistics, polynomial_interiors
+from quantship.inspect.read.parameters import foreign_operators, parameter_problems
+from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
 
 # ONNX Runtime's operator-oriented format: integer kernels with the scales as inputs
 QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "QOrderedMatMul",
@@ -50,6 +51,7 @@ class QuantFacts:
     qoperator_nodes: list[str] = field(default_factory=list)
     dynamic_nodes: list[str] = field(default_factory=list)
     float_tensors: list[str] = field(default_factory=list)
+    float_islands: list[str] = field(default_factory=list)  # float on purpose (``inspect.read.islands``), not counted
     float_operators: list[str] = field(default_factory=list)
     convs_without_kernel_shape: list[str] = field(default_factory=list)
     biases: list[tuple[str, str, str]] = field(default_factory=list)  # (node, tensor, stored dtype)
@@ -113,10 +115,21 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     )
 
 
-def _float_leftovers(view: GraphView) -> tuple[list[str], list[str]]:
-    """Activations computed in float outside any Q/DQ pair, and the operators that compute on them."""
+def _float_leftovers(view: GraphView) -> tuple[list[str], list[str], list[str]]:
+    """Activations computed in float outside any Q/DQ pair, the operators that compute on them, and the
+    float islands (``inspect.read.islands``: a normalisation's statistics, a polynomial's interior, dequantized
+    values moved), which
+    a fully integer target runs in float on purpose and which are not leftovers."""
     tensors: dict[str, None] = {}
     operators: dict[str, None] = {}
+    ops = [Op(n.op_type, tuple(n.input), tuple(n.output)) for n in view.nodes]
+
+    def activation(name: str) -> bool:
+        return name not in view.constant and view.is_float(name)
+
+    statistics = normalisation_statistics(ops, activation) | polynomial_interiors(ops, activation)
+    exact = dequantized_data(ops, activation)
+    islands: dict[str, None] = {}
     for index, node in enumerate(view.nodes):
         if node.op_type in NOT_COMPUTE or all(o in view.constant for o in node.output if o):
             continue
@@ -126,6 +139,8 @@ def _float_leftovers(view: GraphView) -> tuple[list[str], list[str]]:
                 continue
             origin = view.through_shape_ops_up(name)
             source = view.node_of(origin)
+            if origin in statistics or origin in exact:
+                continue
             if source is None or source.op_type != DEQUANTIZE:
                 tensors[origin] = None
                 operators[label] = None
@@ -134,9 +149,12 @@ def _float_leftovers(view: GraphView) -> tuple[list[str], list[str]]:
                 continue
             for _, consumer in view.through_shape_ops_down(name):
                 if consumer is None or consumer.op_type != QUANTIZE:
-                    tensors[name] = None
-                    operators[label] = None
-    return list(tensors), list(operators)
+                    if name in statistics or name in exact:
+                        islands[name] = None
+                    else:
+                        tensors[name] = None
+                        operators[label] = None
+    return list(tensors), list(operators), list(islands)
 
 
 def quant_facts(view: GraphView) -> QuantFacts:
@@ -159,7 +177,7 @@ def quant_facts(view: GraphView) -> QuantFacts:
                       if source is not None and source.op_type == DEQUANTIZE
                       else dtype_name(view.elem_type.get(bias, 0)))
             facts.biases.append((label, bias, stored))
-    facts.float_tensors, facts.float_operators = _float_leftovers(view)
+    facts.float_tensors, facts.float_operators, facts.float_islands = _float_leftovers(view)
     facts.parameter_problems = parameter_problems(view)
     facts.foreign_operators = foreign_operators(view)
     if facts.dynamic_nodes:

@@ -21,11 +21,11 @@ from typing import Any
 import onnx
 
 from quantship.errors import FileRefused, cause
-from quantship.inspect.counts import QDQStats, count_qdq, float_compute_nodes
-from quantship.inspect.float_ops import FloatCompute, module_path
-from quantship.inspect.loading import load_onnx
-from quantship.inspect.quantization import QuantFacts, quant_facts
-from quantship.inspect.view import DEQUANTIZE, GraphView, node_label
+from quantship.inspect.read.counts import QDQStats, count_qdq, float_compute_nodes
+from quantship.inspect.read.float_ops import FloatCompute, module_path
+from quantship.inspect.read.loading import load_onnx
+from quantship.inspect.read.quantization import QuantFacts, quant_facts
+from quantship.inspect.read.view import DEQUANTIZE, GraphView, node_label
 from quantship.precision import METADATA_KEY, QuantSpec
 
 MAX_SPEC_DEPTH = 16  # quantship writes a spec two levels deep; anything this deep is not one

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from quantship.inspect.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, dtype_size
+from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, dtype_size
 
 ALIGN = 32
 

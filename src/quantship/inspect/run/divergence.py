@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quantship.inspect.consumers import ort_session, run_session
-from quantship.inspect.counts import constant_values
+from quantship.inspect.read.counts import constant_values
+from quantship.inspect.run.consumers import ort_session, run_session
 
 __all__ = ["DivergenceReport", "LayerDivergence", "trace_divergence"]
 

@@ -1,7 +1,7 @@
 """``check_file``: will a target accept this file, and if not, why and how to fix it.
 
 Static findings come from the rule tables in ``rules``; with ``run=True`` the consumer itself
-is run where it can run here (``consumers``) and its result joins the report.
+is run where it can run here (``runs``) and its result joins the report.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantship.inspect import consumers
-from quantship.inspect.facts import FileFacts, facts_of
-from quantship.inspect.graph import FileReport, report_of
-from quantship.inspect.quantization import QuantFacts
-from quantship.inspect.report_json import strict_json
-from quantship.inspect.rules import RULES, Target
-from quantship.inspect.rules import target as get_target
+from quantship.inspect.judge import runs as consumer_runs
+from quantship.inspect.judge.rules import RULES, Target
+from quantship.inspect.judge.rules import target as get_target
+from quantship.inspect.read.facts import FileFacts, facts_of
+from quantship.inspect.read.graph import FileReport, report_of
+from quantship.inspect.read.quantization import QuantFacts
 from quantship.precision import Preset
 from quantship.progress import step
+from quantship.report_json import strict_json
 
 REPORT_VERSION = 1  # "verdict" and each run's "status" were added as new keys (readers of v1 keep working)
 ACCEPTED, REFUSED, FAILED, INCONCLUSIVE = "accepted", "refused", "failed", "inconclusive"
@@ -47,7 +47,7 @@ class CheckReport:
     target: str
     format: str
     findings: list[Finding]
-    runs: list[Any] = field(default_factory=list)  # consumers.RunResult, when run=True
+    runs: list[Any] = field(default_factory=list)  # consumer_runs.RunResult, when run=True
     report: FileReport | None = None
     version: int = REPORT_VERSION
 
@@ -143,5 +143,5 @@ def check_file(path: str | Path | FileFacts, target: str | Preset | Target, run:
     if run:
 
         with step(f"check --run: {tgt.name}"):
-            report.runs.append(consumers.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))
+            report.runs.append(consumer_runs.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))
     return report

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import onnx
 
-from quantship.inspect.counts import COMPUTE_OPS, QDQ_OPS, QDQStats  # noqa: F401 - public names of this module
-from quantship.inspect.facts import FileFacts, facts_of
+from quantship.inspect.read.counts import COMPUTE_OPS, QDQ_OPS, QDQStats  # noqa: F401 - public names of this module
+from quantship.inspect.read.facts import FileFacts, facts_of
 from quantship.precision import QuantSpec
 
 

@@ -1,10 +1,11 @@
-"""Run a file in the runtimes that will consume it, where they can run here.
+"""Run a file in the runtimes that will consume it, where they can run here, and measure the runs.
 
 ``ort_session`` is the one place an ONNX Runtime session is built (verification, export checks,
 the demo and the benchmarks use it). ONNX Runtime loads and runs the file; OpenVINO compiles it on CPU (f32 inference precision: s8 QDQ
 files do not compile otherwise on AMX CPUs) and runs it; TiGrIS compiles a plan with its CLI and
-runs it on its host runtime (NHWC inputs). Each run is compared with ONNX Runtime executing the
-QDQ graph literally (no graph optimizations), in output LSB.
+runs it on its host runtime (NHWC inputs). ``lsb_between`` measures a run against ONNX Runtime
+executing the QDQ graph literally (no graph optimizations), in output LSB; the verdict on a
+target's run (``run_consumer``) is the judge's, in ``quantship.inspect.judge.runs``.
 """
 
 from __future__ import annotations
@@ -15,25 +16,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from quantship.errors import cause
-from quantship.inspect.inputs import graph_inputs
-from quantship.inspect.lsb import lsb_error, output_scales
-from quantship.inspect.rules import Target
-from quantship.inspect.rules import target as get_target
-from quantship.precision import ORT_CPU, Preset
+from quantship.inspect.read.inputs import graph_inputs
+from quantship.inspect.read.lsb import lsb_error
 
 Inputs = dict[str, np.ndarray]
 TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack of memory
-
-# RunResult.status values
-PASSED, FAILED, INCONCLUSIVE, NOT_RUN = "passed", "failed", "inconclusive", "not run"
 
 
 def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
@@ -63,44 +55,6 @@ def run_session(session, inputs: list[np.ndarray]) -> list[np.ndarray]:
     if len(names) != len(inputs):
         raise ValueError(f"the file has {len(names)} input(s) {names}, but {len(inputs)} array(s) were given")
     return session.run(None, dict(zip(names, inputs)))
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What one consumer did with the file, and how far its outputs are from ONNX Runtime's.
-
-    ``status``: ``passed`` (within ``tolerance_lsb`` of ONNX Runtime reading the file literally),
-    ``failed`` (beyond it, or the consumer could not load/compile/run the file), ``inconclusive``
-    (the comparison cannot tell: e.g. the reference output is the same for every input), or
-    ``not run`` (the consumer is not available here).
-    """
-
-    consumer: str
-    ran: bool  # False: could not run here (``detail`` says why)
-    ok: bool  # status == "passed"
-    detail: str
-    n_inputs: int = 0
-    max_lsb: float | None = None
-    mean_lsb: float | None = None
-    tolerance_lsb: float | None = None
-    status: str = ""
-    inputs: str = "random"  # "random": seeded standard-normal feeds; "given": the caller's inputs
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        if not self.ran:
-            return f"{self.consumer}: not run ({self.detail})"
-        head = f"{self.consumer}: {self.status}"
-        if self.max_lsb is not None:
-            if self.tolerance_lsb is None:
-                judged = "(not judged)"
-            else:
-                judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {self.tolerance_lsb:g}"
-            head += (f", max {self.max_lsb:.1f} LSB {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
-                     f"read literally, on {self.n_inputs} {self.inputs} input batch(es)")
-        return f"{head}; {self.detail}" if self.detail else head
 
 
 def random_inputs(model: onnx.ModelProto, n: int, seed: int = 0) -> list[Inputs]:
@@ -175,7 +129,7 @@ def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]
     with tempfile.TemporaryDirectory(prefix="quantship-ov-") as tmp:
         feeds_path, out_path = Path(tmp) / "feeds.npz", Path(tmp) / "outputs.npz"
         np.savez(feeds_path, **{f"{i}:{name}": array for i, feed in enumerate(feeds) for name, array in feed.items()})
-        done = subprocess.run([sys.executable, "-m", "quantship.inspect.openvino_worker", str(path), str(feeds_path),
+        done = subprocess.run([sys.executable, "-m", "quantship.inspect.run.openvino_worker", str(path), str(feeds_path),
                                str(out_path)], capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             if done.returncode < 0:
@@ -259,70 +213,3 @@ def constant_reference(reference: list[list[np.ndarray]]) -> bool:
     rows = np.concatenate([np.asarray(outs[0]).reshape(np.shape(outs[0])[0] if np.ndim(outs[0]) else 1, -1)
                            for outs in reference])
     return len(rows) < 2 or bool(np.all(rows == rows[:1]))
-
-
-def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, tolerance: float | None,
-          n_inputs: int, constant: bool, inputs: str = "random", detail: str = "") -> RunResult:
-    """The verdict on a run that produced outputs: passed, failed (beyond ``tolerance``) or inconclusive."""
-    if max_lsb is not None and tolerance is not None and max_lsb > tolerance:
-        status = FAILED  # __str__ says by how much
-    elif constant:
-        status = INCONCLUSIVE
-        detail = ("the reference output is the same for every input, so agreement proves "
-                  "nothing; pass real inputs (check --run --inputs real.npy, or a trained model)")
-    elif max_lsb is None and tolerance is not None:
-        status = INCONCLUSIVE
-        detail = detail or "the outputs are float (no output scale), so not compared in LSB"
-    else:
-        status = PASSED
-    return RunResult(consumer, True, status == PASSED, detail, n_inputs, max_lsb, mean_lsb, tolerance, status,
-                     inputs)
-
-
-def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int = 20, seed: int = 0,
-                 inputs: np.ndarray | None = None) -> RunResult:
-    """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
-
-    ``inputs`` (an N x ... array, cut at the file's batch size, at most ``n_inputs`` batches)
-    replaces the seeded random inputs. The reference is ONNX Runtime reading the file literally.
-    """
-    tgt = get_target(target)  # a name or alias is resolved here; a Preset or rule table passes
-    target = tgt.name
-    model = onnx.load(str(path), load_external_data=False)
-    runners: dict[str, Callable[[list[Inputs]], list[list[np.ndarray]]]] = {
-        ORT_CPU: lambda feeds: run_onnxruntime(path, feeds, optimize=True),
-        "openvino": lambda feeds: run_openvino(path, feeds),
-        "tigris": lambda feeds: run_tigris(path, feeds, model),
-    }
-    if target not in runners:
-        return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked "
-                         "statically only", status=NOT_RUN)
-    if inputs is None:
-        feeds, kind = random_inputs(model, n_inputs, seed), "random"
-    else:
-        feeds, kind = array_inputs(model, np.asarray(inputs))[:max(1, n_inputs)], "given"
-    n = len(feeds)
-    try:
-        reference = run_onnxruntime(path, feeds, optimize=False)
-    except Exception as exc:  # the reference itself fails: the file does not run at all
-        return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
-                         status=FAILED, inputs=kind)
-    try:
-        outputs = runners[target](feeds)
-    except ModuleNotFoundError as exc:
-        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind)
-    except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
-        return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind)
-    scales = list(output_scales(model).values())
-    max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
-    detail = ""
-    if target == ORT_CPU:
-        detail = "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
-    result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind)
-    if result.status == PASSED and detail:
-        result = RunResult(**{**result.as_dict(), "detail": detail})
-    return result
-
-
-def _first(exc: BaseException) -> str:
-    return cause(exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from quantship.inspect.quantization import QuantFacts
+from quantship.inspect.read.quantization import QuantFacts
 from quantship.precision import ORT_CPU, Preset, resolve_target
 
 PER_CHANNEL_MIN_OPSET = 13  # `axis` on Q/DQ arrived in opset 13

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnx
 
-from quantship.inspect.view import DEQUANTIZE, FLOAT_TYPES, FUSED_ACTIVATIONS, QUANTIZE, SHAPE_ONLY, GraphView
+from quantship.inspect.read.view import DEQUANTIZE, FLOAT_TYPES, FUSED_ACTIVATIONS, QUANTIZE, SHAPE_ONLY, GraphView
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # element-wise activations a conv result may pass through on its way to an Add (one consumer each)

@@ -13,7 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from quantship.errors import one_line
-from quantship.inspect.consumers import (
+from quantship.inspect.judge.rules import Target
+from quantship.inspect.judge.rules import target as get_target
+from quantship.inspect.read.inputs import declared_inputs, graph_inputs
+from quantship.inspect.read.loading import load_onnx
+from quantship.inspect.read.lsb import output_scales
+from quantship.inspect.run.consumers import (
     array_inputs,
     constant_reference,
     lsb_between,
@@ -22,11 +27,6 @@ from quantship.inspect.consumers import (
     run_openvino,
     run_tigris,
 )
-from quantship.inspect.inputs import declared_inputs, graph_inputs
-from quantship.inspect.loading import load_onnx
-from quantship.inspect.lsb import output_scales
-from quantship.inspect.rules import Target
-from quantship.inspect.rules import target as get_target
 from quantship.precision import ORT_CPU, Preset
 
 REPORT_VERSION = 1

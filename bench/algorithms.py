@@ -1,0 +1,140 @@
+"""Post-training algorithms of the ONNX quantizer, side by side with plain quantization, on real models.
+
+For each model (``bench/real.py``'s tasks: same data, calibration and metrics), ``quantize_onnx_file`` runs
+once per algorithm setting (plain, ``equalize``, ``bias_correction``, both) for one preset; each INT8 file
+is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
+to FP32. Quantize time is wall time of the call; peak memory is the process's resident set sampled every
+10 ms during the call, above its value when the call started (what the call added; the first setting's
+figure also holds the one-time imports and caches of the first call).
+
+    python bench/algorithms.py                                   # ocr_cls, nudenet, magika, mtcnn_onet
+    python bench/algorithms.py --models ocr_cls --target tigris
+    python bench/algorithms.py --models nudenet --settings plain,bias_correction
+    python bench/algorithms.py --smoke                           # the classifier at smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import _smoke
+import real
+
+MODELS = ("ocr_cls", "nudenet", "magika", "mtcnn_onet")
+SETTINGS = {  # name -> quantize_onnx_file options
+    "plain": {},
+    "equalize": {"equalize": True},
+    "bias_correction": {"bias_correction": True},
+    "equalize + bias_correction": {"equalize": True, "bias_correction": True},
+}
+
+
+class PeakRSS:
+    """The resident set's peak above its starting value, sampled on a thread while the block runs."""
+
+    def __init__(self, period: float = 0.01):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period):
+            self.peak = max(self.peak, self.rss())
+
+    def __enter__(self) -> PeakRSS:
+        self.start = self.peak = self.rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def added_mb(self) -> float:
+        return (self.peak - self.start) / 1e6
+
+
+def changed(algorithms: dict) -> str:
+    """What each algorithm changed, read from the result (the file's provenance says the same)."""
+    parts = []
+    if "equalize" in algorithms:
+        parts.append(f"{algorithms['equalize']['pairs_changed']} conv pairs equalized")
+    if "bias_correction" in algorithms:
+        bc = algorithms["bias_correction"]
+        parts.append(f"{bc['n_corrected']} biases corrected ({bc['n_added']} added, {len(bc['skipped'])} skipped) "
+                     f"in {bc['n_passes']} passes on {bc['samples']} samples, {bc['seconds']:.1f} s")
+    return "; ".join(parts) or "-"
+
+
+def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list[str]) -> list[str]:
+    from quantship.quantize_onnx import quantize_onnx_file
+
+    task = real.make_task(name, smoke, workdir)
+    reference = real.run_ort(task.float_path, task.eval_x, task.eval_batch)
+    fp32 = task.score(reference, None)
+    lines = [f"## {task.title}", "", f"Data: {task.data}. Preset `{target}`; INT8 files in ONNX Runtime at default "
+             f"optimizations; {len(task.calib)} calibration samples.", "",
+             f"| algorithm | {' | '.join(task.metrics)} | quantize s | peak RSS added, MB | what it changed |",
+             "|---|" + "---|" * len(task.metrics) + "---|---|---|",
+             "| FP32 | " + " | ".join(real._pct(fp32[m].k, fp32[m].n) if m in fp32 else "-" for m in task.metrics)
+             + " | - | - | - |"]
+    calibration = real.batched(task.calib, task.calib_batch)
+    for setting in settings:
+        options = SETTINGS[setting]
+        out = workdir / f"{name}_{setting.replace(' + ', '_')}.onnx"
+        with PeakRSS() as memory:
+            start = time.perf_counter()
+            result = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False, **options)
+            seconds = time.perf_counter() - start
+        batch = real.static_batch(out) or task.eval_batch
+        scores = task.score(real.run_ort(out, task.eval_x, batch), reference)
+        cells = " | ".join(real._pct(scores[m].k, scores[m].n) for m in task.metrics)
+        lines.append(f"| {setting} | {cells} | {seconds:.1f} | {memory.added_mb:.0f} | {changed(result.algorithms)} |")
+        print(f"   {name} {setting}: {cells} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+        out.unlink()
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(real.MODELS)}")
+    parser.add_argument("--target", default="onnxruntime-cpu", help="the preset every file is made for")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {','.join(SETTINGS)}")
+    args = _smoke.parse_args(parser, argv, models="ocr_cls")
+    chosen = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in real.MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; known: {list(real.MODELS)}")
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if not settings or any(s not in SETTINGS for s in settings):
+        parser.error(f"--settings {args.settings!r}: choose among {list(SETTINGS)}")
+    if args.smoke:
+        os.environ.setdefault("QUANTSHIP_CACHE", tempfile.mkdtemp(prefix="quantship-algorithms-smoke-"))
+    from quantship.inspect.run.consumers import cpu_info
+
+    cpu, flags = cpu_info()
+    int8 = ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or "no int8 extension"
+    lines = [*_smoke.banner(args), "# Post-training algorithms of the ONNX quantizer", "",
+             f"CPU: {cpu} ({int8}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start "
+             "(a shared machine: times are indicative).", ""]
+    with tempfile.TemporaryDirectory(prefix="quantship-algorithms-") as tmp:
+        for name in chosen:
+            lines += run_model(name, args.target, args.smoke, Path(tmp), settings)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""The verdict on running a target's consumer: passed, failed, inconclusive or not run.
+
+``run_consumer`` runs the consumer of a target (``rules``) where it can run here (``run.consumers``),
+measures it against ONNX Runtime reading the file literally, in output LSB, and judges the result
+by the target's tolerance; ``check_file(run=True)`` joins its ``RunResult`` to the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from quantship.errors import cause
+from quantship.inspect.judge.rules import Target
+from quantship.inspect.judge.rules import target as get_target
+from quantship.inspect.read.lsb import output_scales
+from quantship.inspect.run.consumers import (
+    Inputs,
+    array_inputs,
+    constant_reference,
+    lsb_between,
+    random_inputs,
+    run_onnxruntime,
+    run_openvino,
+    run_tigris,
+)
+from quantship.precision import ORT_CPU, Preset
+
+# RunResult.status values
+PASSED, FAILED, INCONCLUSIVE, NOT_RUN = "passed", "failed", "inconclusive", "not run"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one consumer did with the file, and how far its outputs are from ONNX Runtime's.
+
+    ``status``: ``passed`` (within ``tolerance_lsb`` of ONNX Runtime reading the file literally),
+    ``failed`` (beyond it, or the consumer could not load/compile/run the file), ``inconclusive``
+    (the comparison cannot tell: e.g. the reference output is the same for every input), or
+    ``not run`` (the consumer is not available here).
+    """
+
+    consumer: str
+    ran: bool  # False: could not run here (``detail`` says why)
+    ok: bool  # status == "passed"
+    detail: str
+    n_inputs: int = 0
+    max_lsb: float | None = None
+    mean_lsb: float | None = None
+    tolerance_lsb: float | None = None
+    status: str = ""
+    inputs: str = "random"  # "random": seeded standard-normal feeds; "given": the caller's inputs
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        if not self.ran:
+            return f"{self.consumer}: not run ({self.detail})"
+        head = f"{self.consumer}: {self.status}"
+        if self.max_lsb is not None:
+            if self.tolerance_lsb is None:
+                judged = "(not judged)"
+            else:
+                judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {self.tolerance_lsb:g}"
+            head += (f", max {self.max_lsb:.1f} LSB {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
+                     f"read literally, on {self.n_inputs} {self.inputs} input batch(es)")
+        return f"{head}; {self.detail}" if self.detail else head
+
+
+def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, tolerance: float | None,
+          n_inputs: int, constant: bool, inputs: str = "random", detail: str = "") -> RunResult:
+    """The verdict on a run that produced outputs: passed, failed (beyond ``tolerance``) or inconclusive."""
+    if max_lsb is not None and tolerance is not None and max_lsb > tolerance:
+        status = FAILED  # __str__ says by how much
+    elif constant:
+        status = INCONCLUSIVE
+        detail = ("the reference output is the same for every input, so agreement proves "
+                  "nothing; pass real inputs (check --run --inputs real.npy, or a trained model)")
+    elif max_lsb is None and tolerance is not None:
+        status = INCONCLUSIVE
+        detail = detail or "the outputs are float (no output scale), so not compared in LSB"
+    else:
+        status = PASSED
+    return RunResult(consumer, True, status == PASSED, detail, n_inputs, max_lsb, mean_lsb, tolerance, status,
+                     inputs)
+
+
+def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int = 20, seed: int = 0,
+                 inputs: np.ndarray | None = None) -> RunResult:
+    """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
+
+    ``inputs`` (an N x ... array, cut at the file's batch size, at most ``n_inputs`` batches)
+    replaces the seeded random inputs. The reference is ONNX Runtime reading the file literally.
+    """
+    tgt = get_target(target)  # a name or alias is resolved here; a Preset or rule table passes
+    target = tgt.name
+    model = onnx.load(str(path), load_external_data=False)
+    runners: dict[str, Callable[[list[Inputs]], list[list[np.ndarray]]]] = {
+        ORT_CPU: lambda feeds: run_onnxruntime(path, feeds, optimize=True),
+        "openvino": lambda feeds: run_openvino(path, feeds),
+        "tigris": lambda feeds: run_tigris(path, feeds, model),
+    }
+    if target not in runners:
+        return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked "
+                         "statically only", status=NOT_RUN)
+    if inputs is None:
+        feeds, kind = random_inputs(model, n_inputs, seed), "random"
+    else:
+        feeds, kind = array_inputs(model, np.asarray(inputs))[:max(1, n_inputs)], "given"
+    n = len(feeds)
+    try:
+        reference = run_onnxruntime(path, feeds, optimize=False)
+    except Exception as exc:  # the reference itself fails: the file does not run at all
+        return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
+                         status=FAILED, inputs=kind)
+    try:
+        outputs = runners[target](feeds)
+    except ModuleNotFoundError as exc:
+        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind)
+    except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
+        return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind)
+    scales = list(output_scales(model).values())
+    max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
+    detail = ""
+    if target == ORT_CPU:
+        detail = "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
+    result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind)
+    if result.status == PASSED and detail:
+        result = RunResult(**{**result.as_dict(), "detail": detail})
+    return result
+
+
+def _first(exc: BaseException) -> str:
+    return cause(exc)

@@ -1,0 +1,143 @@
+"""The rewrites a target needs (``quantize_onnx.target_forms``): what each changes, that ONNX Runtime's
+outputs do not move, that only the target that needs them gets them, and that TiGrIS compiles the result."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from quantship.inspect.run.consumers import tigris_executable
+from quantship.precision import resolve_target
+from quantship.quantize_onnx import target_forms
+from quantship.quantize_onnx.quantizer import quantize_onnx_file
+from tests.quantize_onnx import graphs
+
+X = graphs.images(6, (3, 8, 8), seed=5)
+
+
+def mobile_block() -> onnx.ModelProto:
+    """A dynamic-shape block with a hard-swish written out (x * HardSigmoid(x; 1/6, 1/2)), a Paddle
+    squeeze-excite gate (HardSigmoid alpha 0.2) and shape arithmetic of the kind a YOLO head builds its
+    anchor grid with (Shape, Gather, Range, ConstantOfShape)."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("HardSigmoid", ["c1"], ["hs"], alpha=1.0 / 6.0, beta=0.5, name="swish_gate"),
+        helper.make_node("Mul", ["c1", "hs"], ["a1"], name="swish"),
+        helper.make_node("GlobalAveragePool", ["a1"], ["p"], name="pool"),
+        helper.make_node("Conv", ["p", "w2", "b2"], ["se"], name="se_conv"),
+        helper.make_node("HardSigmoid", ["se"], ["gate"], alpha=0.2, beta=0.5, name="se_gate"),
+        helper.make_node("Mul", ["a1", "gate"], ["g"], name="se_mul"),
+        helper.make_node("Shape", ["g"], ["shape"], name="shape"),
+        helper.make_node("Gather", ["shape", "three"], ["width"], axis=0, name="width"),
+        helper.make_node("Range", ["zero_i", "width", "one_i"], ["cols_i"], name="range"),
+        helper.make_node("Cast", ["cols_i"], ["cols"], to=f, name="cast"),
+        helper.make_node("ConstantOfShape", ["shape"], ["ones"], value=numpy_helper.from_array(
+            np.array([1.0], np.float32)), name="ones"),
+        helper.make_node("Mul", ["g", "ones"], ["g1"], name="times_one"),
+        helper.make_node("Add", ["g1", "cols"], ["y"], name="plus_grid"),
+    ]
+    inits = [graphs.weight(4, 3, 3, 3, name="w1"), graphs.weight(4, name="b1"), graphs.weight(4, 4, 1, 1, name="w2"),
+             graphs.weight(4, name="b2"), numpy_helper.from_array(np.array(3, np.int64), "three"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero_i"),
+             numpy_helper.from_array(np.array(1, np.int64), "one_i")]
+    return graphs.model(nodes, [graphs.value("x", ["n", 3, "h", "w"])], [graphs.value("y", ["n", 4, "h", "w"])],
+                        inits, opset=17)
+
+
+def _run(m: ir.Model | onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    proto = ir.to_proto(m) if isinstance(m, ir.Model) else m
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+
+
+def test_hard_sigmoid_becomes_hard_swish_or_relu6_and_the_outputs_stay():
+    m = ir.from_proto(mobile_block())
+    before = _run(m, X)
+    assert target_forms.hard_sigmoid_written_out(m) == 2
+    ops = [n.op_type for n in m.graph]
+    assert "HardSigmoid" not in ops and ops.count("HardSwish") == 1
+    clips = [n for n in m.graph if n.op_type == "Clip"]
+    assert len(clips) == 1 and [float(v.const_value.numpy()) for v in clips[0].inputs[1:]] == [0.0, 6.0]  # Relu6
+    np.testing.assert_allclose(_run(m, X), before, rtol=1e-5, atol=1e-5)
+    assert m.graph.outputs[0].name == "y"
+
+
+def test_static_shapes_freezes_the_sample_shape_and_folds_the_shape_arithmetic():
+    m = ir.from_proto(mobile_block())
+    sample = {"x": X[:1]}
+    before = _run(m, X[:1])
+    rewrite = target_forms.static_shapes(sample, lambda model: [_run(model, X[:1])])
+    assert rewrite.run(m) == 1
+    assert tuple(m.graph.inputs[0].shape.dims) == (1, 3, 8, 8)
+    assert tuple(m.graph.outputs[0].shape.dims) == (1, 4, 8, 8)
+    ops = {n.op_type for n in m.graph}
+    assert not ops & {"Shape", "Gather", "Range", "ConstantOfShape", "Cast"}, ops
+    after = _run(m, X[:1])
+    assert after.dtype == before.dtype and np.array_equal(after, before)
+    assert rewrite.run(m) == 0  # frozen already: nothing to do
+
+
+def residual_batch_norm() -> onnx.ModelProto:
+    """Conv, a residual Add, then a BatchNormalization no Conv precedes (as in PP-OCRv4's detector)."""
+    rng = np.random.default_rng(2)
+    stats = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in (
+        ("gamma", rng.uniform(0.5, 2, 3)), ("beta", rng.normal(0, 1, 3)), ("mean", rng.normal(0, 1, 3)),
+        ("var", rng.uniform(0.2, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Add", ["c", "x"], ["r"], name="residual"),
+             helper.make_node("BatchNormalization", ["r", "gamma", "beta", "mean", "var"], ["n"], epsilon=1e-3,
+                              name="bn"),
+             helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    return graphs.model(nodes, [graphs.value("x", [1, 3, 8, 8])], [graphs.value("y", [1, 3, 8, 8])],
+                        [graphs.weight(3, 3, 3, 3, name="w"), graphs.weight(3, name="b"), *stats])
+
+
+def test_a_batch_norm_after_an_add_becomes_a_per_channel_mul_and_add():
+    m = ir.from_proto(residual_batch_norm())
+    before = _run(m, X[:1])
+    assert target_forms.batch_norm_written_out(m) == 1
+    assert [n.op_type for n in m.graph] == ["Conv", "Add", "Mul", "Add", "Relu"]
+    constants = [v.const_value.numpy() for n in m.graph if n.op_type in ("Mul",) for v in n.inputs[1:]]
+    assert constants[0].shape == (1, 3, 1, 1)  # at the activation's rank, as TiGrIS broadcasts
+    np.testing.assert_allclose(_run(m, X[:1]), before, rtol=1e-5, atol=1e-5)
+
+
+def test_only_the_targets_that_need_them_get_them():
+    sample = {"x": X[:1]}
+    names = {t: [p.name for p in target_forms.passes_for(resolve_target(t), sample, lambda m: [])]
+             for t in ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")}
+    assert names == {"onnxruntime-cpu": [], "tensorrt": [], "openvino": [],
+                     "tigris": ["static_shapes", "batch_norm_written_out", "hard_sigmoid_written_out"]}
+
+
+@pytest.fixture(scope="module")
+def block_file(tmp_path_factory):
+    return graphs.save(mobile_block(), tmp_path_factory.mktemp("forms") / "block.onnx")
+
+
+def test_the_tigris_file_is_batch_1_without_hard_sigmoid_and_tigris_compiles_it(block_file, tmp_path):
+    if tigris_executable() is None:
+        pytest.skip("the tigris CLI is not installed (pip install -e '.[test]')")
+    result = quantize_onnx_file(block_file, tmp_path / "tigris.onnx", X, target="tigris")
+    written = onnx.load(str(result.path))
+    dims = [d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, 8, 8]
+    assert not {n.op_type for n in written.graph.node} & {"HardSigmoid", "Shape", "Range", "ConstantOfShape"}
+    assert [r.name for r in result.normalised][-3:] == ["static_shapes", "batch_norm_written_out",
+                                                         "hard_sigmoid_written_out"]
+    tigris = next(r for r in result.verdict.runs if r.consumer == "TiGrIS")
+    assert tigris.ran and tigris.n_inputs > 0 and tigris.max_lsb is not None, tigris  # it compiled a plan and ran it
+
+
+def test_the_onnxruntime_file_keeps_its_dynamic_dims_and_hard_sigmoid(block_file, tmp_path):
+    result = quantize_onnx_file(block_file, tmp_path / "ort.onnx", X, target="onnxruntime-cpu")
+    written = onnx.load(str(result.path))
+    assert [d.dim_param or d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim] == ["n", 3, "h", "w"]
+    assert sum(n.op_type == "HardSigmoid" for n in written.graph.node) == 2
