@@ -19,19 +19,9 @@ from quantship import Quantizer, export_onnx, export_qdq, quant_spec
 from quantship.export import artifact, weight_only
 from quantship.precision import METADATA_KEY, QuantSpec
 from quantship.quantize.torchao_backend import auto_group_size
+from tests.linear_models import MLP
 
 warnings.filterwarnings("ignore")
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(64, 96)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(96, 32)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from quantship.errors import DataRefused, ExportRefused, SpecRefused
 from quantship.precision import METADATA_KEY, QuantSpec
 from quantship.quantize import gptq
 from quantship.quantize.torchao_backend import gptq_tensor
+from tests.linear_models import MLP
 
 warnings.filterwarnings("ignore")
 
@@ -47,17 +48,6 @@ def test_round_to_nearest_is_torchaos_int4_grid():
     nearest = gptq.rtn(layer[0].weight.detach(), 32)
     q = Quantizer("torchao", method="int4_weight_only", group_size=32).quantize(layer)
     assert torch.equal(q[0].weight.qdata, nearest.codes) and torch.equal(q[0].weight.scale, nearest.scale)
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(64, 96)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(96, 32)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
 
 
 @pytest.fixture(scope="module")
