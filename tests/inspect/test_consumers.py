@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.judge.runs import run_consumer
-from quantship.inspect.run.consumers import cpu_info, tigris_executable
+from quantship.inspect.run.consumers import channels_first, cpu_info, tigris_executable
 
 N_INPUTS = 20
 
@@ -201,3 +202,17 @@ def test_a_consumer_crash_is_a_failed_run_not_a_dead_process(digits_files, tmp_p
     monkeypatch.setattr(consumers.sys, "executable", str(crasher))
     result = run_consumer(digits_files["int8"], "openvino", n_inputs=2)
     assert result.ran and not result.ok and "OpenVINO crashed on this file (signal 11)" in result.detail
+
+
+def test_a_tigris_output_comes_back_in_the_file_s_layout_whatever_its_rank():
+    """TiGrIS returns channels last; the file's layout is channels first (4-D) or what it declares (a YOLO
+    head's [1, 22, 2100] comes back as [1, 2100, 22])."""
+    image = np.arange(2 * 5 * 6 * 3).reshape(2, 5, 6, 3)  # N H W C
+    assert channels_first(image, (2, 3, 5, 6)).shape == (2, 3, 5, 6)
+    head = np.arange(2100 * 22).reshape(1, 2100, 22)
+    back = channels_first(head, (1, 22, 2100))
+    assert back.shape == (1, 22, 2100) and back[0, 3, 7] == head[0, 7, 3]
+    assert channels_first(head, (1, 2100, 22)) is head  # already the declared layout
+    assert channels_first(head, (1, None, 22)) is head  # a dynamic dim: nothing to match against
+    logits = np.zeros((1, 2))
+    assert channels_first(logits, (1, 2)) is logits

@@ -177,6 +177,8 @@ def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) ->
     from tigris.runtime import Session
 
     names = [o.name for o in model.graph.output]
+    declared = {o.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in o.type.tensor_type.shape.dim)
+                for o in model.graph.output}
     with tempfile.TemporaryDirectory(prefix="quantship-tigris-") as tmp:
         plan = Path(tmp) / "plan.tgrs"
         done = _tigris("compile", str(path), "-m", TIGRIS_MEMORY, "-o", str(plan))
@@ -188,8 +190,20 @@ def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) ->
                 nhwc = {k: np.ascontiguousarray(v.transpose(0, 2, 3, 1)) if v.ndim == 4 else v
                         for k, v in feed.items()}
                 out = session.run(nhwc)
-                results.append([out[n].transpose(0, 3, 1, 2) if out[n].ndim == 4 else out[n] for n in names])
+                results.append([channels_first(out[n], declared.get(n)) for n in names])
         return results
+
+
+def channels_first(out: np.ndarray, dims: tuple | None) -> np.ndarray:
+    """A TiGrIS output (channels last) in the file's own layout: its channel axis moved back to 1 for a
+    4-D output, and for any other rank where that gives the shape the file declares (YOLO's [1, 22, 2100])."""
+    if out.ndim == 4:
+        return out.transpose(0, 3, 1, 2)
+    if out.ndim >= 3 and dims and len(dims) == out.ndim and all(isinstance(d, int) and d > 0 for d in dims):
+        moved = np.moveaxis(out, -1, 1)
+        if tuple(moved.shape) == tuple(dims) and tuple(out.shape) != tuple(dims):
+            return moved
+    return out
 
 
 def lsb_between(reference: list[list[np.ndarray]], candidate: list[list[np.ndarray]],
