@@ -34,7 +34,7 @@ class Pass:
     why: str
 
 
-def _default_opset(model: ir.Model) -> int:
+def default_opset(model: ir.Model) -> int:
     return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
 
 
@@ -110,7 +110,7 @@ def fold_constant_moves(model: ir.Model) -> int:
         fresh.const_value.name = fresh.name
         graph.register_initializer(fresh)
         n += 1
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return n
 
 
@@ -146,7 +146,7 @@ def _move(node: ir.Node, values: list[np.ndarray]) -> np.ndarray | None:
     return None
 
 
-def _drop_unused_initializers(graph: ir.Graph) -> None:
+def drop_unused_initializers(graph: ir.Graph) -> None:
     for name in [n for n, v in graph.initializers.items() if not v.uses() and not v.is_graph_output()
                  and not v.is_graph_input()]:
         del graph.initializers[name]
@@ -175,17 +175,17 @@ def dynamic_dims(model: ir.Model) -> int:
 
 def upgrade_opset(model: ir.Model) -> int:
     """Files below opset 13 are converted to 13 (``onnx.version_converter``): per-channel Q/DQ needs it."""
-    version = _default_opset(model)
+    version = default_opset(model)
     if version >= MIN_OPSET:
         return 0
     proto = ir.to_proto(model)
     converted = onnx.version_converter.convert_version(proto, MIN_OPSET)
     new = ir.from_proto(converted)
-    _replace_model(model, new)
+    replace_model(model, new)
     return 1
 
 
-def _replace_model(model: ir.Model, new: ir.Model) -> None:
+def replace_model(model: ir.Model, new: ir.Model) -> None:
     """Move ``new``'s graph and opsets into ``model`` (passes mutate the model they were given)."""
     opsets = dict(new.opset_imports)
     model.graph = new.graph  # the model's opset imports are its graph's
@@ -229,6 +229,20 @@ def _conv_bias(conv: ir.Node, channels: int) -> np.ndarray | None:
     return np.zeros(channels, dtype=np.float64)
 
 
+def batch_norm_statistics(bn: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(factor, beta, mean) in float64 of an inference-form BatchNormalization, which computes
+    ``factor * (x - mean) + beta`` with ``factor = gamma / sqrt(var + epsilon)``; None when a statistic
+    is not a stored constant."""
+    params = [v.const_value.numpy().astype(np.float64) if v is not None and v.const_value is not None else None
+              for v in bn.inputs[1:5]]
+    if len(params) != 4 or any(p is None for p in params):
+        return None
+    gamma, beta, mean, var = params
+    eps_attr = bn.attributes.get("epsilon")
+    eps = float(eps_attr.value) if eps_attr is not None else 1e-5
+    return gamma / np.sqrt(var + eps), beta, mean
+
+
 def fold_batch_norm(model: ir.Model) -> int:
     """Conv -> BatchNormalization (inference form, constant statistics) becomes one Conv with scaled
     weights and bias: the weights the integer kernel will run are the folded ones."""
@@ -241,22 +255,18 @@ def fold_batch_norm(model: ir.Model) -> int:
         if conv is None or not _single_use(bn.inputs[0]) or len(conv.outputs) != 1:
             continue
         weight = _conv_weight(conv)
-        params = [v.const_value.numpy().astype(np.float64) if v is not None and v.const_value is not None else None
-                  for v in bn.inputs[1:5]]
-        if weight is None or any(p is None for p in params) or weight.dtype != np.float32:
+        stats = batch_norm_statistics(bn)
+        if weight is None or stats is None or weight.dtype != np.float32:
             continue
         bias = _conv_bias(conv, weight.shape[0])
         if bias is None:
             continue
-        gamma, beta, mean, var = params
-        eps_attr = bn.attributes.get("epsilon")
-        eps = float(eps_attr.value) if eps_attr is not None else 1e-5
-        factor = gamma / np.sqrt(var + eps)
+        factor, beta, mean = stats
         shape = (-1,) + (1,) * (weight.ndim - 1)
         _set_conv_params(graph, conv, weight.astype(np.float64) * factor.reshape(shape), (bias - mean) * factor + beta)
         _bypass(graph, bn, conv)
         n += 1
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return n
 
 
@@ -306,7 +316,7 @@ def fold_bias_add(model: ir.Model) -> int:
             _bypass(graph, add, conv)
             n += 1
             break
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return n
 
 

@@ -31,9 +31,10 @@ from quantship.precision import Preset
 from quantship.quantize_onnx.normalize import (
     DEFAULT_DOMAINS,
     Pass,
-    _default_opset,
-    _drop_unused_initializers,
-    _replace_model,
+    batch_norm_statistics,
+    default_opset,
+    drop_unused_initializers,
+    replace_model,
 )
 
 Feed = dict[str, np.ndarray]
@@ -80,13 +81,13 @@ def static_shapes(sample: Feed, run_outputs) -> Pass:
                     value.shape = None  # inferred anew from the frozen inputs
         for _ in range(MAX_FOLDS):  # each round: shapes inferred from the frozen inputs, then what they make constant folded
             inferred = ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(model), data_prop=True))
-            _replace_model(model, inferred)
+            replace_model(model, inferred)
             before = len(model.graph)
             onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True, should_fold=_fold_all)
             onnxscript.optimizer.remove_unused_nodes(model)
             if len(model.graph) == before:
                 break
-        _drop_unused_initializers(model.graph)
+        drop_unused_initializers(model.graph)
         for value, array in zip(model.graph.outputs, run_outputs(model)):
             value.shape = ir.Shape(tuple(int(d) for d in np.shape(array)))
         return n
@@ -112,11 +113,19 @@ def _hard_swish_partner(graph_node: ir.Node) -> ir.Node | None:
     return None
 
 
-def _scalar(graph: ir.Graph, name: str, value: float) -> ir.Value:
-    v = ir.Value(name=name, const_value=ir.tensor(np.array(value, dtype=np.float32), name=name), shape=ir.Shape(()),
+def _constant(graph: ir.Graph, name: str, value: float | np.ndarray) -> ir.Value:
+    """A float32 initializer named ``name`` (a scalar, or an array as given)."""
+    array = np.asarray(value, dtype=np.float32)
+    v = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape),
                  type=ir.TensorType(ir.DataType.FLOAT))
     graph.register_initializer(v)
     return v
+
+
+def _take_over(old: ir.Value, new: ir.Value) -> None:
+    """``new`` replaces ``old`` for every reader, graph outputs included, under ``old``'s name."""
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    new.name, old.name = old.name, None
 
 
 def hard_sigmoid_written_out(model: ir.Model) -> int:
@@ -124,7 +133,7 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
     found = [n for n in graph if n.op_type == "HardSigmoid" and n.domain in DEFAULT_DOMAINS]
     if not found:
         return 0
-    swish_ok = _default_opset(model) >= HARD_SWISH_OPSET
+    swish_ok = default_opset(model) >= HARD_SWISH_OPSET
     n = 0
     for node in found:
         x = node.inputs[0]
@@ -132,36 +141,22 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
         if partner is not None:
             swish = ir.node("HardSwish", [x], name=f"{node.name}/hardswish")
             graph.insert_before(partner, swish)
-            partner.outputs[0].replace_all_uses_with(swish.outputs[0], replace_graph_outputs=True)
-            swish.outputs[0].name, old = partner.outputs[0].name, partner.outputs[0]
-            old.name = None
+            _take_over(partner.outputs[0], swish.outputs[0])
             graph.remove([partner, node], safe=True)
             n += 1
             continue
         alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
-        scale, shift, six, zero, sixth = (_scalar(graph, f"{node.name}/{label}", v) for label, v in (
+        scale, shift, six, zero, sixth = (_constant(graph, f"{node.name}/{label}", v) for label, v in (
             ("scale", 6.0 * alpha), ("shift", 6.0 * beta), ("six", 6.0), ("zero", 0.0), ("sixth", 1.0 / 6.0)))
         mul = ir.node("Mul", [x, scale], name=f"{node.name}/mul")
         add = ir.node("Add", [mul.outputs[0], shift], name=f"{node.name}/add")
         relu6 = ir.node("Clip", [add.outputs[0], zero, six], name=f"{node.name}/relu6")
         back = ir.node("Mul", [relu6.outputs[0], sixth], name=f"{node.name}/div6")
         graph.insert_before(node, [mul, add, relu6, back])
-        out = node.outputs[0]
-        out.replace_all_uses_with(back.outputs[0], replace_graph_outputs=True)
-        back.outputs[0].name, out.name = out.name, None
+        _take_over(node.outputs[0], back.outputs[0])
         graph.remove(node, safe=True)
         n += 1
     return n
-
-
-def _channel_constant(graph: ir.Graph, name: str, values: np.ndarray, rank: int) -> ir.Value:
-    """A per-channel constant shaped [1, C, 1, ...] to the activation's rank (TiGrIS broadcasts an
-    operand only at the output's rank)."""
-    array = values.astype(np.float32).reshape((1, -1) + (1,) * (rank - 2))
-    v = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape),
-                 type=ir.TensorType(ir.DataType.FLOAT))
-    graph.register_initializer(v)
-    return v
 
 
 def batch_norm_written_out(model: ir.Model) -> int:
@@ -169,30 +164,27 @@ def batch_norm_written_out(model: ir.Model) -> int:
     follows an Add) becomes ``x * factor + shift`` per channel, for a runtime without the op."""
     found = [b for b in model.graph if b.op_type == "BatchNormalization" and b.domain in DEFAULT_DOMAINS]
     if any(b.inputs[0].shape is None for b in found):  # the rank of what it normalises, for the constants
-        _replace_model(model, ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(model))))
+        replace_model(model, ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(model))))
     graph = model.graph
     n = 0
     for bn in [b for b in graph if b.op_type == "BatchNormalization" and b.domain in DEFAULT_DOMAINS]:
-        params = [v.const_value.numpy().astype(np.float64) if v is not None and v.const_value is not None else None
-                  for v in bn.inputs[1:5]]
+        stats = batch_norm_statistics(bn)
         x = bn.inputs[0]
         rank = len(x.shape) if x.shape is not None else None
-        if len(bn.outputs) != 1 or any(p is None for p in params) or rank is None or rank < 2:
+        if len(bn.outputs) != 1 or stats is None or rank is None or rank < 2:
             continue
-        gamma, beta, mean, var = params
-        eps_attr = bn.attributes.get("epsilon")
-        factor = gamma / np.sqrt(var + (float(eps_attr.value) if eps_attr is not None else 1e-5))
-        scale = _channel_constant(graph, f"{bn.name}/factor", factor, rank)
-        shift = _channel_constant(graph, f"{bn.name}/shift", beta - mean * factor, rank)
+        factor, beta, mean = stats
+        per_channel = (1, -1) + (1,) * (rank - 2)  # at the activation's rank: TiGrIS broadcasts no lower rank
+        scale = _constant(graph, f"{bn.name}/factor", factor.reshape(per_channel))
+        shift = _constant(graph, f"{bn.name}/shift", (beta - mean * factor).reshape(per_channel))
         mul = ir.node("Mul", [x, scale], name=f"{bn.name}/mul")
         add = ir.node("Add", [mul.outputs[0], shift], name=f"{bn.name}/add")
         graph.insert_before(bn, [mul, add])
-        out = bn.outputs[0]
-        out.replace_all_uses_with(add.outputs[0], replace_graph_outputs=True)
-        add.outputs[0].name, out.name = out.name, None
+        _take_over(bn.outputs[0], add.outputs[0])
         graph.remove(bn, safe=True)
-        _drop_unused_initializers(graph)
         n += 1
+    if n:
+        drop_unused_initializers(graph)
     return n
 
 
