@@ -29,9 +29,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
+from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo, exposing_session
 from quantship.quantize_onnx.data import Feed
-from quantship.quantize_onnx.equalize import live_uses
 
 SAMPLES = 64  # calibration samples the shift is measured on (the leading batches)
 
@@ -70,9 +69,9 @@ def _reference_name(value: ir.Value, float_names: set[str]) -> str | None:
     moved to its DequantizeLinear) the name that pair's output took."""
     if value.name in float_names:
         return value.name
-    for use in live_uses(value):
+    for use in value.uses():
         if use.node.op_type == "QuantizeLinear":
-            for dq in live_uses(use.node.outputs[0]):
+            for dq in use.node.outputs[0].uses():
                 name = dq.node.outputs[0].name
                 if dq.node.op_type == "DequantizeLinear" and name in float_names:
                     return name
@@ -82,7 +81,7 @@ def _reference_name(value: ir.Value, float_names: set[str]) -> str | None:
 def _sole_reader(value: ir.Value):
     """The one use of ``value``, looking through its Q/DQ pair when it has one (None: several, or an output)."""
     for _ in range(3):  # the value, its QuantizeLinear's output, its DequantizeLinear's output
-        uses = live_uses(value)
+        uses = value.uses()
         if len(uses) != 1 or value.is_graph_output():
             return None
         if uses[0].node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
@@ -118,7 +117,7 @@ def _own_bias(graph: ir.Graph, node: ir.Node, index: int, channels: int) -> tupl
     array = value.const_value.numpy()
     if array.size != channels or array.shape[-1] != channels:
         return None, f"its bias of shape {list(array.shape)} is not one value per output channel"
-    if len(live_uses(value)) > 1 or value.is_graph_output() or value.is_graph_input():
+    if len(value.uses()) > 1 or value.is_graph_output() or value.is_graph_input():
         fresh = _fresh_initializer(graph, f"{value.name}_corrected", np.array(array, np.float32))
         node.replace_input_with(index, fresh)
         return fresh, None
@@ -197,8 +196,7 @@ def _needed(model: onnx.ModelProto, fetched: Sequence[str]) -> list[onnx.NodePro
 
 
 def _session(model: onnx.ModelProto, fetched: Sequence[str], bias_inputs: Sequence[str] = ()):
-    import onnxruntime as ort
-
+    """A session of only the nodes ``fetched`` needs, the ``bias_inputs`` fed instead of stored."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     nodes = _needed(m, fetched)
@@ -218,14 +216,7 @@ def _session(model: onnx.ModelProto, fetched: Sequence[str], bias_inputs: Sequen
                 m.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
         del m.graph.initializer[:]
         m.graph.initializer.extend(kept)
-    present = {o.name for o in m.graph.output}
-    for name in fetched:
-        if name not in present:
-            m.graph.output.append(onnx.ValueInfoProto(name=name))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # the file read literally
-    return ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return exposing_session(m, fetched)
 
 
 def _channel_means(session, names: Sequence[str], axes: Sequence[int], feeds: Sequence[Feed],

@@ -39,7 +39,9 @@ class TensorInfo:
 Feed = dict[str, np.ndarray]
 
 
-def _session(model: onnx.ModelProto, exposed: Sequence[str]):
+def exposing_session(model: onnx.ModelProto, exposed: Sequence[str]):
+    """An ONNX Runtime session of ``model`` (copied) with every tensor of ``exposed`` also a graph output,
+    read literally."""
     import onnxruntime as ort
 
     probe = onnx.ModelProto()
@@ -63,7 +65,7 @@ def probe(model: onnx.ModelProto, feed: Feed, *, one_sample: bool = True) -> dic
     """Dtype and shape of every node output (and input), read off one run of one sample (of the whole
     batch when the file's batch dimension is fixed: ``one_sample=False``)."""
     names = [o for n in model.graph.node for o in n.output if o]
-    session = _session(model, names)
+    session = exposing_session(model, names)
     wanted = [o.name for o in session.get_outputs()]
     fed = _first_sample(feed) if one_sample else feed
     outs = session.run(wanted, fed)
@@ -173,7 +175,7 @@ def observe(model: onnx.ModelProto, batches: Sequence[Feed], tensors: Sequence[s
     make = observer_factory(observer)
     observers = {name: TensorObserver(make, qscheme) for name in tensors}
     computed = [name for name in tensors if name not in batches[0]]
-    session = _session(model, computed) if computed else None
+    session = exposing_session(model, computed) if computed else None
     per_sample = sum(info[n].bytes_per_sample for n in computed if n in info) or 1
     rows = max(1, MEMORY_BUDGET // per_sample)
     for feed in batches:

@@ -53,14 +53,8 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     return array if array.dtype == np.float32 else None
 
 
-def live_uses(value: ir.Value) -> list:
-    """The uses of ``value`` by nodes still in a graph (a node removed with ``safe=False``, as
-    ``normalize._bypass`` does, stays listed among its inputs' uses)."""
-    return [u for u in value.uses() if u.node.graph is not None]
-
-
 def _single_reader(value: ir.Value) -> ir.Node | None:
-    uses = live_uses(value)
+    uses = value.uses()
     if len(uses) != 1 or value.is_graph_output():
         return None
     return uses[0].node if uses[0].idx == 0 else None
@@ -100,11 +94,11 @@ def _weights_of(conv: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
     if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.inputs) < 2:
         return None
     w = _const(conv.inputs[1])
-    if w is None or w.ndim < 3 or len(live_uses(conv.inputs[1])) != 1:
+    if w is None or w.ndim < 3 or len(conv.inputs[1].uses()) != 1:
         return None
     b_value = conv.inputs[2] if len(conv.inputs) > 2 else None
     b = _const(b_value)
-    if b_value is not None and b_value.name and (b is None or len(live_uses(b_value)) != 1):
+    if b_value is not None and b_value.name and (b is None or len(b_value.uses()) != 1):
         return None
     return w, b
 

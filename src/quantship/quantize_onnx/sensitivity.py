@@ -185,8 +185,8 @@ def _accumulate(float_model: onnx.ModelProto, quantized: onnx.ModelProto, pairs:
     of ``rows_per_run`` samples (only one slice's tensors are alive at a time)."""
     float_names = [f for f, _ in pairs]
     quant_names = [q for _, q in pairs]
-    float_session = calibrate._session(float_model, float_names)
-    quant_session = calibrate._session(quantized, quant_names)
+    float_session = calibrate.exposing_session(float_model, float_names)
+    quant_session = calibrate.exposing_session(quantized, quant_names)
     signal, noise = [0.0] * len(pairs), [0.0] * len(pairs)
     n = 0
     for feed in feeds:
