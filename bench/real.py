@@ -866,7 +866,7 @@ def retime(chosen: list[str], kept: Path, results: Path, out_md: Path, rows: str
             task = make_task(name, smoke, Path(tmp))
             for row in mine:
                 path = task.float_path if (row.path, row.tool) == ("onnx", "fp32") else \
-                    kept / int8_path(task, row.path, row.tool, kept).name
+                    int8_path(task, row.path, row.tool, kept)
                 if row.tool == "fp32" and row.path == "pt2e":
                     continue  # a PyTorch reading: no file, no latency
                 if not path.exists():
