@@ -490,6 +490,19 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
     quantize_static(str(pre), str(static), _IdsReader([c.numpy() for c in calib], name),
                     quant_format=QuantFormat.QDQ, per_channel=True)
     files["ORT quantize_static"] = static
+    # quantship's ONNX quantizer on the same FP32 file, as `quantize-onnx` runs it; then the same with the
+    # attention's two activation x activation MatMuls per layer kept float (--exclude), the faster form at batch 1
+    from quantship.quantize_onnx import quantize_onnx_file
+
+    ids = [c.numpy() for c in calib]
+    files["quantship quantize-onnx"] = quantize_onnx_file(files["FP32"], f"{stem}_qs_onnx.onnx", ids,
+                                                          target="onnxruntime-cpu", run_check=False).path
+    fp32 = onnx.load(str(files["FP32"]))
+    stored = {t.name for t in fp32.graph.initializer}
+    attention = [n.name for n in fp32.graph.node if n.op_type == "MatMul" and not stored.intersection(n.input)]
+    files["quantship quantize-onnx, attention float"] = quantize_onnx_file(
+        files["FP32"], f"{stem}_qs_onnx_attention_float.onnx", ids, target="onnxruntime-cpu", exclude=attention,
+        run_check=False).path
     return files, parity
 
 
@@ -531,7 +544,10 @@ def _encoder_section(rows: list[Row], runs: int, warmup: int, shape: EncoderShap
     return ["## BERT-style encoder", "",
             f"`transformers.BertModel` from a config ({config}), random weights, sequence length {shape.seq},",
             f"random token ids; output: the last hidden state. {warmup} warm-up runs, {runs} interleaved rounds per",
-            "batch. Census: the integer kernels in ONNX Runtime's optimized graph.", "",
+            "batch. Census: the integer kernels in ONNX Runtime's optimized graph. `quantship onnxruntime-cpu`: the",
+            "PyTorch path (`Quantizer.for_target` + `export_qdq`); `quantship quantize-onnx`: quantship's ONNX",
+            "quantizer on the FP32 file; `attention float`: the same with the attention's activation x activation",
+            "MatMuls (two per layer) excluded, every projection still an integer kernel.", "",
             _encoder_table(rows), ""]
 
 

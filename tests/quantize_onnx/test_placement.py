@@ -150,3 +150,20 @@ def test_every_observer_writes_a_file(tmp_path):
         assert result.spec.act_observer == observer
         scales[observer] = float(_init(q, "r1_scale"))
     assert scales["minmax"] >= max(scales["percentile"], scales["mse"])  # the clipping rules never widen min/max
+
+
+def test_a_projection_with_a_bias_add_on_a_static_3d_input_runs_as_an_integer_kernel(tmp_path):
+    """A BERT projection at batch 1: MatMul(x, W) + b on a static [1, S, H] tensor. ONNX Runtime folds a
+    MatMul and its bias Add into a Gemm before its QDQ fusions run; with a float result that Gemm stays
+    float, on dequantized weights. The MatMul's result is quantized instead, and nothing runs float."""
+    from onnx import helper
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="proj"),
+             helper.make_node("Add", ["m", "b"], ["a"], name="bias"),
+             helper.make_node("Softmax", ["a"], ["y"], axis=-1, name="softmax")]
+    m = graphs.model(nodes, [graphs.value("x", [1, 16, 8])], [graphs.value("y", [1, 16, 8])],
+                     [graphs.weight(8, 8, name="w"), graphs.weight(8, name="b")])
+    data = [np.random.default_rng(0).standard_normal((1, 16, 8)).astype(np.float32) for _ in range(4)]
+    result, q = _quantize(tmp_path, m, data)
+    assert "m_QuantizeLinear" in [n.name for n in q.graph.node]
+    assert result.census["n_float"] == 0 and result.census["n_integer"] == 1, result.census

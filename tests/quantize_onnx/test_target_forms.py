@@ -113,7 +113,7 @@ def test_only_the_targets_that_need_them_get_them():
     sample = {"x": X[:1]}
     names = {t: [p.name for p in target_forms.passes_for(resolve_target(t), sample, lambda m: [])]
              for t in ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")}
-    assert names == {"onnxruntime-cpu": [], "tensorrt": [], "openvino": [],
+    assert names == {"onnxruntime-cpu": ["hard_swish_one_op", "prelu_written_out"], "tensorrt": [], "openvino": [],
                      "tigris": ["static_shapes", "batch_norm_written_out", "hard_sigmoid_written_out"]}
 
 
@@ -140,4 +140,68 @@ def test_the_onnxruntime_file_keeps_its_dynamic_dims_and_hard_sigmoid(block_file
     result = quantize_onnx_file(block_file, tmp_path / "ort.onnx", X, target="onnxruntime-cpu")
     written = onnx.load(str(result.path))
     assert [d.dim_param or d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim] == ["n", 3, "h", "w"]
-    assert sum(n.op_type == "HardSigmoid" for n in written.graph.node) == 2
+    ops = [n.op_type for n in written.graph.node]
+    assert ops.count("HardSigmoid") == 1 and ops.count("HardSwish") == 1  # the squeeze-excite gate stays
+    assert [r.name for r in result.normalised if r.changes] [-1:] == ["hard_swish_one_op"]
+
+
+def paddle_hard_swishes(opset: int = 13) -> onnx.ModelProto:
+    """Two hard swishes as Paddle writes them, ``(x * Clip(x + 3, 0, 6)) / 6`` and ``x * (Clip(3 + x, 0, 6)
+    * (1/6))``, and a look-alike that is not one (``Clip(x + 3, 0, 5)``)."""
+    scalars = {"three": 3.0, "zero": 0.0, "six": 6.0, "five": 5.0, "sixth": 1.0 / 6.0}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Add", ["c1", "three"], ["a1"], name="add1"),
+        helper.make_node("Clip", ["a1", "zero", "six"], ["k1"], name="clip1"),
+        helper.make_node("Mul", ["c1", "k1"], ["m1"], name="mul1"),
+        helper.make_node("Div", ["m1", "six"], ["h1"], name="div1"),
+        helper.make_node("Conv", ["h1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+        helper.make_node("Add", ["three", "c2"], ["a2"], name="add2"),
+        helper.make_node("Clip", ["a2", "zero", "six"], ["k2"], name="clip2"),
+        helper.make_node("Mul", ["k2", "sixth"], ["g2"], name="scale2"),
+        helper.make_node("Mul", ["g2", "c2"], ["h2"], name="mul2"),
+        helper.make_node("Add", ["h2", "three"], ["a3"], name="add3"),
+        helper.make_node("Clip", ["a3", "zero", "five"], ["k3"], name="clip3"),
+        helper.make_node("Mul", ["h2", "k3"], ["m3"], name="mul3"),
+        helper.make_node("Div", ["m3", "six"], ["y"], name="div3"),
+    ]
+    inits = [graphs.weight(4, 3, 3, 3, name="w1"), graphs.weight(4, name="b1"), graphs.weight(4, 4, 3, 3, name="w2"),
+             graphs.weight(4, name="b2")]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in scalars.items()]
+    return graphs.model(nodes, [graphs.value("x", ["n", 3, 8, 8])], [graphs.value("y", ["n", 4, 8, 8])], inits,
+                        opset=opset)
+
+
+def test_written_out_hard_swishes_become_one_hard_swish_at_opset_14_and_the_outputs_stay():
+    m = ir.from_proto(paddle_hard_swishes(opset=13))
+    before = _run(m, X * 4)  # wide enough that every branch of the clip is taken
+    assert target_forms.hard_swish_one_op(m) == 2
+    assert target_forms.default_opset(m) == 14  # HardSwish arrived in opset 14
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("HardSwish") == 2 and ops.count("Clip") == 1  # the Clip(0, 5) look-alike stays
+    assert [n.name for n in m.graph if n.op_type == "HardSwish"] == ["div1/hardswish", "mul2/hardswish"]
+    np.testing.assert_allclose(_run(m, X * 4), before, rtol=1e-5, atol=1e-5)
+    assert m.graph.outputs[0].name == "y" and "h1" in {v.name for n in m.graph for v in n.outputs}
+    assert target_forms.hard_swish_one_op(m) == 0  # nothing left to rewrite
+
+
+def prelus(small: int, large: int) -> onnx.ModelProto:
+    """Conv -> PRelu on ``large`` x 8 x 8 values, then a PRelu on ``small`` values after a pooling."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
+             helper.make_node("GlobalAveragePool", ["p1"], ["g"], name="pool"),
+             helper.make_node("PRelu", ["g", "s2"], ["y"], name="prelu2")]
+    slopes = [numpy_helper.from_array(np.linspace(-0.5, 0.8, large, dtype=np.float32).reshape(large, 1, 1), "s1"),
+              numpy_helper.from_array(np.full((large, 1, 1), 0.25, np.float32), "s2")]
+    inits = [graphs.weight(large, 3, 3, 3, name="w1"), graphs.weight(large, name="b1"), *slopes]
+    return graphs.model(nodes, [graphs.value("x", ["n", 3, 8, 8])], [graphs.value("y", ["n", large, 1, 1])], inits)
+
+
+def test_a_prelu_on_a_large_tensor_is_written_out_bit_for_bit_and_a_small_one_stays():
+    channels = target_forms.PRELU_MIN_VALUES // 64  # conv1's output holds exactly the threshold per sample
+    m = ir.from_proto(prelus(small=channels, large=channels))
+    before = _run(m, X)
+    assert target_forms.prelu_written_out(m) == 1
+    ops = [n.op_type for n in m.graph]
+    assert ops == ["Conv", "Relu", "Min", "Mul", "Add", "GlobalAveragePool", "PRelu"]  # the pooled one: too small
+    assert np.array_equal(_run(m, X), before)  # the same values, bit for bit

@@ -132,13 +132,12 @@ def _output_point(g: _Graph, node: ir.Node, excluded: set[int]) -> ir.Value:
     return out
 
 
-def _adds_bias(g: _Graph, value: ir.Value) -> bool:
-    """A constant is added to a 2-D ``value``: ONNX Runtime then folds the MatMul and its Add into a Gemm
-    before its QDQ fusions run, and that Gemm, with a float result, stays float."""
-    seen = g.info.get(value.name)
-    return (seen is None or len(seen.shape) == 2) and any(
-        u.node.op_type == "Add" and any(v is not None and v.name in g.constant for v in u.node.inputs)
-        for u in value.uses())
+def _adds_bias(value: ir.Value, constant: set[str]) -> bool:
+    """A constant is added to ``value``: ONNX Runtime then folds the MatMul and its Add into a Gemm
+    before its QDQ fusions run (2-D, and N-D with static shapes: a BERT encoder's projections at batch 1),
+    and that Gemm, with a float result, stays float: it runs on dequantized weights."""
+    return any(u.node.op_type == "Add" and any(v is not None and v.name in constant for v in u.node.inputs)
+               for u in value.uses())
 
 
 def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, excluded: set[int]) -> Plan:
@@ -182,7 +181,8 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         point = _output_point(g, node, excluded)
         if point is not node.outputs[0]:
             fused_relu.add(g.index[id(point.producer())])
-        if node.op_type not in placement.float_output_ops or placement.mode == "full" or _adds_bias(g, point):
+        float_result = node.op_type in placement.float_output_ops and placement.mode != "full"
+        if not float_result or _adds_bias(point, g.constant):
             want(point)  # otherwise quantized only if a reader needs it (the fixed point below decides)
         result.integer_nodes.add(i)
     result.integer_nodes |= fused_relu

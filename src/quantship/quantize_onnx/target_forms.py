@@ -13,6 +13,16 @@ the targets that need them (``passes_for``):
   hard-swish constants (alpha 1/6, beta 1/2) becomes ``HardSwish(x)``; any other ``HardSigmoid``
   (Paddle's squeeze-excite gate, alpha 0.2) becomes ``Clip(6 alpha x + 6 beta, 0, 6) / 6``: TiGrIS runs
   ``Clip(0, 6)`` as its Relu6 kernel and no other Clip. A float pass.
+- ``hard_swish_one_op``, for ONNX Runtime (CPU): a hard swish written out (``x * Clip(x + 3, 0, 6) / 6``,
+  Paddle's export, or ``x * HardSigmoid(x)``) becomes one ``HardSwish`` (opset 14; the file is converted
+  when it is older). Written out, it is four float ops between a QLinearConv's DequantizeLinear and the
+  next QuantizeLinear, and ONNX Runtime gives each reader of a DequantizeLinear its own copy; as one op
+  it reads one DequantizeLinear, and ONNX Runtime lowers it after its QDQ fusion. A float pass.
+- ``prelu_written_out``, for ONNX Runtime (CPU): ``PRelu(x, slope)`` on a tensor of at least
+  ``PRELU_MIN_VALUES`` values per sample (or of unknown size) becomes ``Relu(x) + Min(x, 0) * slope``,
+  the same values bit for bit. ONNX Runtime 1.32's PRelu kernel spent 46% of MTCNN ONet's time (FP32
+  and INT8 alike); written out, the INT8 files of RNet and ONet ran at or above FP32's speed (they
+  were 0.80x and 0.86x). An exact pass.
 - ``batch_norm_written_out``, for a runtime that runs BatchNormalization only folded into a Conv
   (TiGrIS): one that follows something else (PP-OCRv4's detector has one after a residual Add)
   becomes a per-channel ``Mul`` and ``Add``. A float pass.
@@ -27,7 +37,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
 
-from quantship.precision import Preset
+from quantship.precision import ORT_CPU, Preset
 from quantship.quantize_onnx.normalize import (
     DEFAULT_DOMAINS,
     Pass,
@@ -40,6 +50,11 @@ from quantship.quantize_onnx.normalize import (
 Feed = dict[str, np.ndarray]
 TARGETS_WITHOUT_HARD_SIGMOID = ("tigris",)  # from each runtime's operator list
 TARGETS_WITHOUT_BATCH_NORM = ("tigris",)  # TiGrIS folds Conv -> BatchNormalization and has no kernel for one alone
+TARGETS_WITH_SLOW_PRELU = (ORT_CPU,)  # measured: PRelu slower than Relu + Min * slope + Add
+# below this many values per sample the four ops cost more than PRelu's slowness: MTCNN PNet's 1,000
+# (10 x 10 x 10) ran 0.69x -> 0.58x FP32 written out, RNet's 13,552 0.80x -> 1.01x (batch 1, one thread)
+PRELU_MIN_VALUES = 4096
+TARGETS_WITH_SLOW_HARD_SWISH = (ORT_CPU,)  # measured: written-out hard swish slower than one HardSwish
 HARD_SWISH_OPSET = 14
 MAX_FOLDS = 8  # rounds of shape inference + constant folding (a shape chain folds in one or two)
 _HARD_SWISH = (1.0 / 6.0, 0.5)
@@ -159,6 +174,146 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
     return n
 
 
+def _scalar(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant (None for anything else)."""
+    if value is None or value.const_value is None:
+        return None
+    array = value.const_value.numpy()
+    return float(array.reshape(-1)[0]) if array.size == 1 and array.dtype.kind == "f" else None
+
+
+def _only_reader(value: ir.Value) -> ir.Node | None:
+    uses = value.uses()
+    return uses[0].node if len(uses) == 1 and not value.is_graph_output() else None
+
+
+def _is_sixth(node: ir.Node) -> ir.Value | None:
+    """What ``node`` divides by 6 (``Div(v, 6)`` or ``Mul(v, 1/6)``), or None."""
+    if node.domain not in DEFAULT_DOMAINS or len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    if node.op_type == "Div" and _scalar(b) == 6.0:
+        return a
+    if node.op_type == "Mul":
+        for v, c in ((a, b), (b, a)):
+            k = _scalar(c)
+            if k is not None and np.isclose(k, 1.0 / 6.0, rtol=1e-6, atol=0.0):
+                return v
+    return None
+
+
+def _relu6_of_x_plus_3(gate: ir.Value, x: ir.Value) -> list[ir.Node] | None:
+    """``[Add, Clip]`` when ``gate`` is ``Clip(x + 3, 0, 6)`` read only on its way to the hard swish."""
+    clip = gate.producer()
+    if clip is None or clip.op_type != "Clip" or clip.domain not in DEFAULT_DOMAINS or len(clip.inputs) != 3:
+        return None
+    if _scalar(clip.inputs[1]) != 0.0 or _scalar(clip.inputs[2]) != 6.0:
+        return None
+    add = clip.inputs[0].producer()
+    if add is None or add.op_type != "Add" or add.domain not in DEFAULT_DOMAINS or len(add.inputs) != 2:
+        return None
+    a, b = add.inputs
+    if not ((a is x and _scalar(b) == 3.0) or (b is x and _scalar(a) == 3.0)):
+        return None
+    if _only_reader(add.outputs[0]) is not clip:
+        return None
+    return [add, clip]
+
+
+def _written_out_hard_swish(end: ir.Node) -> tuple[ir.Value, list[ir.Node]] | None:
+    """``(x, nodes)`` when ``end`` closes ``x * Clip(x + 3, 0, 6) / 6`` (the product divided, or the gate)."""
+    product = _is_sixth(end)
+    if product is not None:  # (x * relu6(x + 3)) / 6
+        mul = product.producer()
+        if mul is None or mul.op_type != "Mul" or mul.domain not in DEFAULT_DOMAINS or _only_reader(product) is not end:
+            return None
+        for x, gate in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            found = _relu6_of_x_plus_3(gate, x)
+            if found is not None and _only_reader(gate) is mul:
+                return x, [*found, mul, end]
+    if end.op_type == "Mul" and end.domain in DEFAULT_DOMAINS and len(end.inputs) == 2:  # x * (relu6(x + 3) / 6)
+        for x, gate in ((end.inputs[0], end.inputs[1]), (end.inputs[1], end.inputs[0])):
+            divide = gate.producer()
+            inner = _is_sixth(divide) if divide is not None else None
+            if inner is None or _only_reader(gate) is not end:
+                continue
+            found = _relu6_of_x_plus_3(inner, x)
+            if found is not None and _only_reader(inner) is divide:
+                return x, [*found, divide, end]
+    return None
+
+
+def _hard_swishes(graph: ir.Graph) -> list[tuple[ir.Node, ir.Value, list[ir.Node]]]:
+    """Every hard swish the graph writes out: (its last node, x, the nodes)."""
+    found, taken = [], set()
+    for node in graph:
+        if node.op_type == "HardSigmoid" and node.domain in DEFAULT_DOMAINS:
+            partner = _hard_swish_partner(node)
+            if partner is not None:
+                found.append((partner, node.inputs[0], [node, partner]))
+        elif node.op_type in ("Div", "Mul"):
+            match = _written_out_hard_swish(node)
+            if match is not None:
+                found.append((node, *match))
+    out = []
+    for end, x, nodes in found:  # a node belongs to one match at most
+        if not taken.intersection(id(n) for n in nodes):
+            taken.update(id(n) for n in nodes)
+            out.append((end, x, nodes))
+    return out
+
+
+def hard_swish_one_op(model: ir.Model) -> int:
+    if not _hard_swishes(model.graph):
+        return 0
+    if default_opset(model) < HARD_SWISH_OPSET:
+        replace_model(model, ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model),
+                                                                                  HARD_SWISH_OPSET)))
+    graph = model.graph
+    found = _hard_swishes(graph)
+    for end, x, nodes in found:
+        swish = ir.node("HardSwish", [x], name=f"{end.name}/hardswish")
+        graph.insert_before(end, swish)
+        _take_over(end.outputs[0], swish.outputs[0])
+        graph.remove(nodes, safe=True)
+    drop_unused_initializers(graph)
+    return len(found)
+
+
+def _values_per_sample(value: ir.Value) -> int | None:
+    """How many values one sample of ``value`` holds (None when a dim past the batch is not a number)."""
+    if value.shape is None:
+        return None
+    dims = value.shape.dims[1:]
+    return int(np.prod(dims)) if all(isinstance(d, int) for d in dims) else None
+
+
+def _prelus(graph: ir.Graph) -> list[ir.Node]:
+    return [p for p in graph if p.op_type == "PRelu" and p.domain in DEFAULT_DOMAINS and len(p.inputs) == 2]
+
+
+def prelu_written_out(model: ir.Model) -> int:
+    if not _prelus(model.graph):
+        return 0
+    if any(p.inputs[0].shape is None for p in _prelus(model.graph)):  # the size of what each one reads
+        replace_model(model, ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(model))))
+    graph = model.graph
+    found = [p for p in _prelus(graph) if (_values_per_sample(p.inputs[0]) or PRELU_MIN_VALUES) >= PRELU_MIN_VALUES]
+    if not found:
+        return 0
+    zero = _constant(graph, "prelu/zero", 0.0)
+    for node in found:
+        x, slope = node.inputs
+        relu = ir.node("Relu", [x], name=f"{node.name}/relu")
+        negative = ir.node("Min", [x, zero], name=f"{node.name}/min")
+        scaled = ir.node("Mul", [negative.outputs[0], slope], name=f"{node.name}/slope")
+        total = ir.node("Add", [relu.outputs[0], scaled.outputs[0]], name=f"{node.name}/add")
+        graph.insert_before(node, [relu, negative, scaled, total])
+        _take_over(node.outputs[0], total.outputs[0])
+        graph.remove(node, safe=True)
+    return len(found)
+
+
 def batch_norm_written_out(model: ir.Model) -> int:
     """A BatchNormalization no Conv precedes (``normalize.fold_batch_norm`` folded the others; this one
     follows an Add) becomes ``x * factor + shift`` per channel, for a runtime without the op."""
@@ -196,6 +351,12 @@ def passes_for(preset: Preset, sample: Feed | None, run_outputs) -> tuple[Pass, 
     if preset.target in TARGETS_WITHOUT_BATCH_NORM:
         passes.append(Pass("batch_norm_written_out", batch_norm_written_out, "float",
                            f"{preset.target} runs BatchNormalization only folded into a Conv: per-channel Mul/Add"))
+    if preset.target in TARGETS_WITH_SLOW_HARD_SWISH:
+        passes.append(Pass("hard_swish_one_op", hard_swish_one_op, "float",
+                           f"{preset.target} runs a hard swish faster as one HardSwish than written out"))
+    if preset.target in TARGETS_WITH_SLOW_PRELU:
+        passes.append(Pass("prelu_written_out", prelu_written_out, "exact",
+                           f"{preset.target}'s PRelu kernel is slower than Relu(x) + Min(x, 0) * slope"))
     if preset.target in TARGETS_WITHOUT_HARD_SIGMOID:
         passes.append(Pass("hard_sigmoid_written_out", hard_sigmoid_written_out, "float",
                            f"{preset.target} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
