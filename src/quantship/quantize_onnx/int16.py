@@ -53,9 +53,10 @@ def refuse_unless_runs(target: str | Preset) -> None:
     rules = rules_of(p)
     dtype = wide_dtype(p.activation_dtype)
     if dtype not in rules.activation_dtypes:
+        way_out = ("drop --int16 (it needs one integer type throughout)" if "fully_quantized" in rules.errors
+                   else "drop --int16, or keep those nodes in float with --exclude")
         raise SpecRefused(f"--int16: {rules.consumer} (target {p.target}) does not run {dtype} activations (it "
-                          f"accepts {', '.join(rules.activation_dtypes)}); drop --int16, or keep those nodes in float "
-                          "with --exclude (if the target runs a mixed graph)")
+                          f"accepts {', '.join(rules.activation_dtypes)}); {way_out}")
 
 
 def upgrade_for_int16(model: ir.Model) -> int:
