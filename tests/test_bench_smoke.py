@@ -43,6 +43,8 @@ RUNS = {
     "algorithms": Smoke(stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
                                 "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
                                 "15 conv pairs equalized", "biases corrected")),
+    "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | ORT ms b1 |", "| FP32 | ", "| plain INT8 | ",
+                           "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ", "Load average")),
     "batch1_profile": Smoke(stdout=("ocr_cls_int8.onnx: graph ORT runs: ", "| op type | us per run | share |",
                                     "QLinearConv", "interleaved, median of 2: FP32 / INT8 = ")),
     "accuracy_budget": Smoke(stdout=("| observer | budget (points) |", "| minmax | 0 | ", "ORT ms batch 1")),
