@@ -7,8 +7,9 @@ written file in ONNX Runtime at its default optimizations (what a user runs). If
 the float file is over ``max_drop``, the per-node SQNR report (``sensitivity.node_sqnr``, on step 0's
 file) orders the nodes worst first. For each node in turn, where the target runs 16-bit activations
 (``int16.runs_int16``), a step first gives it 16-bit activations (``int16``), then, if that misses
-the budget, a step keeps it in float (``exclude``); the node keeps whichever form scored higher (16-bit
-on a tie) for the next nodes' steps. It stops at the first step within the budget. Every step is
+the budget, a step keeps it in float (``exclude``); the node keeps whichever form scored higher for the
+next nodes' steps (float on a tie: ONNX Runtime's CPU kernels have no 16-bit form, and bench/int16.py
+measured the 16-bit file slower than the float one at batch 1). It stops at the first step within the budget. Every step is
 quantized into a temporary folder beside ``out_path``; only the accepted file is moved there. When
 no step fits, ``OnnxBudgetMissed`` names the best set and every step, and nothing is written.
 
@@ -264,7 +265,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                     break
                 if result.within(measured):
                     break
-                if tried is not None and tried[1].metric >= measured.metric:
+                if tried is not None and tried[1].metric > measured.metric:
                     done, measured = tried
                     wide = (*wide, node)
                 else:
