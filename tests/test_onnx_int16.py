@@ -122,6 +122,16 @@ def test_a_tie_widens_together_and_conv_weights_stay_int8(tmp_path):
     assert errors[0] < errors[1]  # measured: the 16-bit file is the closer of the two
 
 
+def test_a_graph_output_widens_under_the_name_the_file_gives_its_float_value(tmp_path):
+    path = graphs.save(graphs.conv_relu_conv(), tmp_path / "crc.onnx")
+    x = graphs.images(32)
+    done = quantize_onnx_file(path, tmp_path / "q.onnx", x, target="onnxruntime-cpu", int16=["conv2"])
+    assert done.int16 == ["r1", "y_float"]  # conv2 reads r1 and writes y, a graph output read through its pair
+    model = onnx.load(str(done.path))
+    assert [o.name for o in model.graph.output] == ["y"] and done.verdict.ok
+    assert {p.key: p.value for p in model.metadata_props}[sixteen.INT16_KEY] == "r1, y_float"
+
+
 def test_the_16_bit_grid_covers_the_exact_range_seen():
     obs = TensorObserver.__new__(TensorObserver)
     obs.low, obs.high, obs.integral = -3.0, 1000.0, False

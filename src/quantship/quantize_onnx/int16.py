@@ -146,10 +146,20 @@ def qparams_16(members: list[TensorObserver], dtype: str, symmetric: bool) -> tu
     return float(scale), zero
 
 
-def widen(model: ir.Model, tensors: list[str], observers: dict[str, TensorObserver], layout: place.Plan,
-          dtype: str, symmetric: bool) -> int:
-    """Rewrite the Q/DQ pair of each tensor in ``tensors`` (written by ``place.insert``) to ``dtype``,
-    one 16-bit scale per tie group; returns the pairs widened."""
+def values_of(layout: place.Plan, tensors: list[str]) -> dict[str, ir.Value]:
+    """The values named ``tensors``, taken before ``place.insert`` (which renames a quantized graph output's
+    float value ``{name}_float`` and gives its name to the DequantizeLinear)."""
+    wanted = set(tensors)
+    found = {v.name: v for n in layout.nodes for v in (*n.inputs, *n.outputs) if v is not None and v.name in wanted}
+    return {name: found[name] for name in tensors}
+
+
+def widen(model: ir.Model, values: dict[str, ir.Value], observers: dict[str, TensorObserver], layout: place.Plan,
+          dtype: str, symmetric: bool) -> list[str]:
+    """Rewrite the Q/DQ pair of each value in ``values`` (planned name -> value, ``values_of``; the pairs
+    written by ``place.insert``) to ``dtype``, one 16-bit scale per tie group; returns the names the
+    widened QuantizeLinear nodes read in the file, in graph order."""
+    tensors = list(values)
     wanted = set(tensors)
     groups: list[list[str]] = []
     placed: set[str] = set()
@@ -165,18 +175,19 @@ def widen(model: ir.Model, tensors: list[str], observers: dict[str, TensorObserv
         qparams.update(dict.fromkeys(group, qp))
     numpy_type = np.int16 if dtype == "int16" else np.uint16
     ir_type = ir.DataType.INT16 if dtype == "int16" else ir.DataType.UINT16
-    n = 0
+    planned = {id(v): name for name, v in values.items()}
+    written = []
     for node in list(model.graph):
         if node.op_type != "QuantizeLinear" or node.domain not in normalize.DEFAULT_DOMAINS:
             continue
         source = node.inputs[0]
-        if source is None or source.name not in qparams:
+        if source is None or id(source) not in planned:
             continue
-        scale, zero = qparams[source.name]
+        scale, zero = qparams[planned[id(source)]]
         s, z = node.inputs[1], node.inputs[2]
         s.const_value = ir.tensor(np.array(scale, dtype=np.float32), name=s.name)
         z.const_value = ir.tensor(np.array(zero, dtype=numpy_type), name=z.name)
         z.type = ir.TensorType(ir_type)
         node.outputs[0].dtype = ir_type
-        n += 1
-    return n
+        written.append(source.name)
+    return written

@@ -260,7 +260,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
     calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
     of its output mean (``bias_correction``). ``int16``: nodes (``exclude``'s grammar) whose activations
-    are stored in 16 bits, weights still int8, where the target runs them (``int16``). Refusals raise a ``QuantshipError`` and write nothing.
+    are stored in 16 bits, weights still int8, where the target runs them (``int16``). Refusals raise a
+    ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -296,16 +297,19 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
     qparams = place.group_qparams(layout, observers, placement.symmetric)
-    widened = sixteen.chosen_tensors(layout, wide, excluded) if wide else []  # read before insert rewires inputs
-    float_weights = sixteen.keep_float_weights(layout, widened) if widened else []
+    chosen = sixteen.chosen_tensors(layout, wide, excluded) if wide else []  # read before insert rewires inputs
+    float_weights = sixteen.keep_float_weights(layout, chosen) if chosen else []
+    chosen_values = sixteen.values_of(layout, chosen)
     counts = place.insert(model, layout, qparams, placement)
-    if widened:
+    widened = sixteen.widen(model, chosen_values, observers, layout, sixteen.wide_dtype(placement.activation_dtype),
+                            placement.symmetric) if chosen else []  # as the file names them
+    if chosen:
         counts["float_weights_of_int16_readers"] = len(float_weights)
-        counts["int16_pairs"] = sixteen.widen(model, widened, observers, layout,
-                                              sixteen.wide_dtype(placement.activation_dtype), placement.symmetric)
+        counts["int16_pairs"] = len(widened)
     if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
+        widened_note = f" (--int16 leaves the weights of {', '.join(float_weights)} float)" if float_weights else ""
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
-                            "stored weight here; there is nothing to run as an integer kernel")
+                            f"stored weight here{widened_note}; there is nothing to run as an integer kernel")
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
             model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),

@@ -8,8 +8,8 @@ the float file is over ``max_drop``, the per-node SQNR report (``sensitivity.nod
 file) orders the nodes worst first. For each node in turn, where the target runs 16-bit activations
 (``int16.runs_int16``), a step first gives it 16-bit activations (``int16``), then, if that misses
 the budget, a step keeps it in float (``exclude``); the node keeps whichever form scored higher for the
-next nodes' steps (float on a tie: ONNX Runtime's CPU kernels have no 16-bit form, and bench/int16.py
-measured the 16-bit file slower than the float one at batch 1). It stops at the first step within the budget. Every step is
+next nodes' steps (float on a tie: ONNX Runtime's CPU kernels have no 16-bit form, so a 16-bit node runs
+a float kernel plus its 16-bit Q/DQ pairs; bench/int16.py measured it no faster than float at batch 1). It stops at the first step within the budget. Every step is
 quantized into a temporary folder beside ``out_path``; only the accepted file is moved there. When
 no step fits, ``OnnxBudgetMissed`` names the best set and every step, and nothing is written.
 
