@@ -104,6 +104,8 @@ def test_tigris_and_tensorrt_refuse_16_bit_activations_in_one_line(files, made, 
     report = check_file(wide.path, "tigris")
     assert not report.ok and any(f.rule == "activation_dtype" and "uint16" in f.message for f in report.errors)
     assert check_file(wide.path, "onnxruntime-cpu").ok
+    openvino = check_file(wide.path, "openvino")  # it runs such a file, not as its Q/DQ arithmetic: a remark
+    assert openvino.ok and any(f.rule == "activation_dtype" and f.severity == "warning" for f in openvino.findings)
 
 
 def test_a_tie_widens_together_and_conv_weights_stay_int8(tmp_path):
