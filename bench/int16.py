@@ -56,6 +56,7 @@ def timed(paths: dict[str, Path], x, reps: int, threads: int = 0) -> dict[str, f
 
 
 def run_model(name: str, target: str, worst: int, reps: int, smoke: bool, workdir: Path) -> list[str]:
+    from quantship.errors import QuantshipError, one_line
     from quantship.quantize.layer_error import sqnr_db
     from quantship.quantize_onnx import quantize_onnx_file
     from quantship.quantize_onnx.sensitivity import node_sqnr
@@ -70,20 +71,26 @@ def run_model(name: str, target: str, worst: int, reps: int, smoke: bool, workdi
     paths["plain INT8"] = plain
     report = node_sqnr(task.float_path, calibration, target=target, quantized_path=plain)
     chosen = report.suggest_exclude(worst)
-    sqnr = {r.node: r.sqnr_db for r in report.rows}
+    node_db = {r.node: r.sqnr_db for r in report.rows}
+    refused = {}
     for label, options in ((f"INT8, {worst} worst in 16-bit", {"int16": chosen}),
                            (f"INT8, {worst} worst in float", {"exclude": chosen})):
         out = workdir / f"{name}_{'int16' if 'int16' in options else 'float'}.onnx"
-        results[label] = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False,
-                                            **options)
+        try:
+            results[label] = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False,
+                                                **options)
+        except QuantshipError as exc:  # the setting gives no file: its reason is the row
+            refused[label] = one_line(exc)
+            continue
         paths[label] = out
     latency = timed(paths, task.eval_x, reps)
     single = timed(paths, task.eval_x, reps, threads=1)
     lines = [f"## {task.title}", "", f"Data: {task.data}. Preset `{target}`; {len(task.calib)} calibration samples; "
              f"the {worst} worst nodes of the SQNR report of the plain file: "
-             + ", ".join(f"`{n}` ({sqnr[n]:.1f} dB)" for n in chosen) + f"; output SQNR {report.output_sqnr_db:.1f} dB.",
-             "", f"| file | {' | '.join(task.metrics)} | output SQNR vs FP32, dB | ORT ms b1 | vs FP32 | ORT ms b1, 1 thread | vs FP32 | 16-bit "
-             "tensors | ORT integer / float kernels |", "|---|" + "---|" * len(task.metrics) + "---:|---:|---:|---:|---:|---|---|"]
+             + ", ".join(f"`{n}` ({node_db[n]:.1f} dB)" for n in chosen) + f"; output SQNR {report.output_sqnr_db:.1f} dB.",
+             "", f"| file | {' | '.join(task.metrics)} | output SQNR vs FP32, dB | ORT ms b1 | vs FP32 | "
+             "ORT ms b1, 1 thread | vs FP32 | 16-bit tensors | ORT integer / float kernels |",
+             "|---|" + "---|" * len(task.metrics) + "---:|---:|---:|---:|---:|---|---|"]
     for label, path in paths.items():
         outputs = real.run_ort(path, task.eval_x, real.static_batch(path) or task.eval_batch)
         scores = task.score(outputs, None if label == "FP32" else reference)
@@ -96,6 +103,8 @@ def run_model(name: str, target: str, worst: int, reps: int, smoke: bool, workdi
         lines.append(f"| {label} | {cells} | {sqnr} | {latency[label]:.3g} | {latency['FP32'] / latency[label]:.2f}x | "
                      f"{single[label]:.3g} | {single['FP32'] / single[label]:.2f}x | {wide} | {kernels} |")
         print(f"   {name} {label}: {cells}, {latency[label]:.3g} ms", file=sys.stderr, flush=True)
+    for label, why in refused.items():
+        lines.append(f"| {label} | no file: {why} |" + " |" * (len(task.metrics) + 7))
     return lines + [""]
 
 
