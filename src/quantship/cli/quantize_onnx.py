@@ -11,7 +11,8 @@ The file appears only when every check passes.
 
 ``--eval LABELLED`` scores top-1 of the float file and of the written file in ONNX Runtime (default
 optimizations, Wilson 95% intervals); with ``--max-drop POINTS`` the accuracy search
-(``quantize_onnx.search``) keeps the worst-SQNR nodes in float one at a time until the drop fits,
+(``quantize_onnx.search``) gives the worst-SQNR nodes 16-bit activations (where the target runs
+them) or keeps them in float, one at a time, until the drop fits,
 and exits 1, writing nothing, when no step does.
 """
 
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantship's own quantizer (default), or ONNX Runtime's quantize_static for comparison")
     parser.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NODE",
                         help="keep these nodes float: node names, name patterns (glob) or op types")
+    parser.add_argument("--int16", type=_names, action="extend", default=[], metavar="NAME[,NAME]",
+                        help="16-bit activations (weights int8) for these nodes: names, name patterns (glob) or op "
+                             "types, as --exclude; for targets that run them (onnxruntime-cpu)")
     parser.add_argument("--observer", choices=ACT_OBSERVERS, default=None,
                         help="activation range rule (default: the preset's, histogram)")
     parser.add_argument("--per-tensor", action="store_true", help="per-tensor weights (default per channel)")
@@ -49,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="labelled data (.npz with x and y, or a folder of class folders): top-1 of the float "
                              "file and of the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
     parser.add_argument("--max-drop", type=float, default=None, metavar="POINTS",
-                        help="accuracy search: keep the worst-SQNR nodes in float until the top-1 drop on --eval "
+                        help="accuracy search: give the worst-SQNR nodes 16-bit activations (where the target runs "
+                             "them) or keep them in float until the top-1 drop on --eval "
                              "is at most POINTS percentage points (exit 1, nothing written, if no step fits)")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="--max-drop: at most N nodes kept in float by the search (default: every candidate)")
@@ -67,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-steps N (N >= 0) bounds the accuracy search: give it with --max-drop")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
-    if args.engine == "ort" and (args.equalize or args.bias_correction):
-        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction)) if on]
+    if args.engine == "ort" and (args.equalize or args.bias_correction or args.int16):
+        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction),
+                                 ("--int16", args.int16)) if on]
         raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
@@ -140,7 +146,7 @@ def _run(args: argparse.Namespace, out) -> int:
                                          labelled=(labelled.x, labelled.y), exclude=args.exclude,
                                          observer=args.observer, per_tensor=args.per_tensor,
                                          max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
-                                         bias_correction=args.bias_correction,
+                                         bias_correction=args.bias_correction, int16=args.int16,
                                          wait=not args.no_wait, log=ui.say)
         except OnnxBudgetMissed as missed:
             return _budget_missed(args, ui, missed)
@@ -148,7 +154,7 @@ def _run(args: argparse.Namespace, out) -> int:
     else:
         result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
                                     observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
-                                    equalize=args.equalize, bias_correction=args.bias_correction)
+                                    equalize=args.equalize, bias_correction=args.bias_correction, int16=args.int16)
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
@@ -171,6 +177,7 @@ def _run(args: argparse.Namespace, out) -> int:
                                          if result.plan["kept_float"] else "")),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_uint8} uint8"),
+        *([("16-bit activations", f"{len(result.int16)} tensor(s): {', '.join(result.int16)}")] if result.int16 else []),
         ("ORT runs", f"{census['n_integer']} integer kernels ({_kernels(census['integer'])}), {census['n_float']} "
                      f"float Conv/MatMul/Gemm ({_kernels(census['float'])})"),
         ("vs FP32 (calibration data)", f"{agreement}max abs error {fused['max_abs_error']:.4g}"),
@@ -249,8 +256,8 @@ def _search_rows(search) -> list[tuple[str, str]]:
     # late: --help answers before numpy, onnx and onnxruntime load
     from quantship.quantize_onnx.search import steps_table
 
-    return [("accuracy search", f"{len(search.steps)} quantization(s); kept in float: "
-             f"{', '.join(search.chosen.excluded) or 'nothing'}"), *steps_table(search)]
+    return [("accuracy search", f"{len(search.steps)} quantization(s); {search.chosen.forms()}"),
+            *steps_table(search)]
 
 
 def _budget_missed(args: argparse.Namespace, ui, missed) -> int:
@@ -266,6 +273,14 @@ def _budget_missed(args: argparse.Namespace, ui, missed) -> int:
               [("file", "nothing written: no step met --max-drop"), *steps_table(search)])
     print(f"quantship quantize-onnx: {missed}", file=sys.stderr)
     return 1
+
+
+def _names(text: str) -> list[str]:
+    """``--int16 a,b``: comma-separated names (the flag may also be repeated)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no node: give NAME[,NAME]")
+    return names
 
 
 def _kernels(counts: dict) -> str:

@@ -6,6 +6,7 @@ in its metadata and the target's static rules all come from that one read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from quantship.errors import ExportRefused
@@ -13,6 +14,8 @@ from quantship.inspect.judge import check as deployability
 from quantship.inspect.read.facts import FileFacts, read_file
 from quantship.inspect.read.stats import QDQStats, qdq_stats, quant_spec_of_file
 from quantship.precision import Preset, QuantSpec
+
+WIDE_DTYPES = ("int16", "uint16")
 
 
 def read_written(path: Path | FileFacts) -> FileFacts:
@@ -22,12 +25,19 @@ def read_written(path: Path | FileFacts) -> FileFacts:
     return path if isinstance(path, FileFacts) else read_file(path)
 
 
-def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int) -> QDQStats:
+def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype: str, opset_version: int,
+                    int16_tensors: Sequence[str] = ()) -> QDQStats:
     """Refuse the file unless what it holds matches ``spec``; returns its ``QDQStats``. (Whether a target
-    accepts a file is ``inspect.judge.check.check_file``'s question; ``check_target`` asks it here.)"""
+    accepts a file is ``inspect.judge.check.check_file``'s question; ``check_target`` asks it here.)
+    ``int16_tensors``: the activations the file says it stores in 16 bits; exactly those must be."""
     facts = read_written(path)
     stats = qdq_stats(facts)
     problems: list[str] = []
+    wide = {q.tensor for q in facts.quant.of_role("activation")
+            if q.dtype in WIDE_DTYPES and q.op_type == "QuantizeLinear"}  # a DequantizeLinear names its output
+    if wide != set(int16_tensors):
+        problems.append(f"16-bit activations {sorted(wide)} where the file names {sorted(int16_tensors)}")
+    all_wide = bool(wide) and all(q.dtype in WIDE_DTYPES for q in facts.quant.of_role("activation"))
     declared = facts.opset_imports
     if declared.get("") != opset_version:
         problems.append(f"it declares opset {declared} instead of {opset_version}")
@@ -39,7 +49,7 @@ def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype
         problems.append(f"{stats.n_per_channel} per-channel scale(s) although the spec asks for per_tensor")
     if activation_dtype == "int8" and stats.n_uint8:
         problems.append(f"{stats.n_uint8} uint8 zero-point(s) in an int8 file")
-    if activation_dtype == "uint8" and stats.n_uint8 == 0:
+    if activation_dtype == "uint8" and stats.n_uint8 == 0 and not all_wide:
         problems.append("no uint8 zero-point although activation_dtype='uint8'")
     if spec.symmetric:
         expected = stats.n_uint8 if activation_dtype == "uint8" else 0

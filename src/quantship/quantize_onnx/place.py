@@ -61,7 +61,7 @@ class Plan:
         return {rule: {"why": ISLAND_RULES[rule], "tensors": tensors} for rule, tensors in found.items()}
 
 
-def resolve_excludes(nodes: list[ir.Node], patterns: Iterable[str]) -> set[int]:
+def resolve_excludes(nodes: list[ir.Node], patterns: Iterable[str], flag: str = "--exclude") -> set[int]:
     """Indices of the nodes ``patterns`` name: a node name, a glob over names, or an op type.
     A pattern that matches nothing is refused (a typo would otherwise quantize what it meant to keep)."""
     chosen: set[int] = set()
@@ -71,7 +71,7 @@ def resolve_excludes(nodes: list[ir.Node], patterns: Iterable[str]) -> set[int]:
                 or node_label(n, i) == pattern}
         if not hits:
             ops = sorted({n.op_type for n in nodes})
-            raise SpecRefused(f"--exclude {pattern!r} matches no node name, name pattern or op type of the file "
+            raise SpecRefused(f"{flag} {pattern!r} matches no node name, name pattern or op type of the file "
                               f"(its op types: {', '.join(ops[:12])}{', ...' if len(ops) > 12 else ''})")
         chosen |= hits
     return chosen

@@ -37,6 +37,7 @@ from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_tar
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, target_forms
 from quantship.quantize_onnx import equalize as equalizing
+from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
@@ -80,6 +81,7 @@ class OnnxQuantizeResult:
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
     algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, bias_correction)
+    int16: list[str] = field(default_factory=list)  # activation tensors stored in 16 bits (``int16``)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -87,7 +89,8 @@ class OnnxQuantizeResult:
                 "plan": self.plan, "counts": self.counts, "qdq_stats": self.qdq_stats.as_dict(),
                 "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
-                "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms}
+                "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms,
+                "int16": self.int16}
 
 
 def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
@@ -199,13 +202,13 @@ class Prepared:
 
 
 def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
-            exclude: Iterable[str] = (), *, equalize: bool = False) -> Prepared:
+            exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
-    target's ``target_forms``), probe it on the first feed and plan its Q/DQ pairs; ``feeds`` as
-    ``feeds_for`` gives them."""
+    target's ``target_forms``, then opset 21 if ``int16``), probe it on the first feed and plan its Q/DQ
+    pairs; ``feeds`` as ``feeds_for`` gives them."""
     model = ir.from_proto(proto)
     forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
-    extra = ((equalizing.PASS,) if equalize else ()) + forms
+    extra = ((equalizing.PASS,) if equalize else ()) + forms + ((sixteen.OPSET_PASS,) if int16 else ())
     records = normalise(model, feeds, (*normalize.PASSES, *extra) if extra else None)
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
@@ -248,7 +251,7 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
-                       bias_correction: bool = False) -> OnnxQuantizeResult:
+                       bias_correction: bool = False, int16: Iterable[str] = ()) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -256,7 +259,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
     default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
     calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
-    of its output mean (``bias_correction``). Refusals raise a ``QuantshipError`` and write nothing.
+    of its output mean (``bias_correction``). ``int16``: nodes (``exclude``'s grammar) whose activations
+    are stored in 16 bits, weights still int8, where the target runs them (``int16``). Refusals raise a
+    ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -269,6 +274,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     inputs = model_inputs(proto)
     feeds = as_feeds(calibration, inputs)
     placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
+    wide = tuple(int16)
+    if wide:
+        sixteen.refuse_unless_runs(p)
     feeds = feeds_for(p, feeds)
     read_on = _first_feeds(feeds, READING_SAMPLES)
     try:
@@ -276,7 +284,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
-    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize)
+    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, int16=bool(wide))
     del proto
     model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
                                                       ready.excluded, ready.layout)
@@ -289,10 +297,19 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
     qparams = place.group_qparams(layout, observers, placement.symmetric)
+    chosen = sixteen.chosen_tensors(layout, wide, excluded) if wide else []  # read before insert rewires inputs
+    float_weights = sixteen.keep_float_weights(layout, chosen) if chosen else []
+    chosen_values = sixteen.values_of(layout, chosen)
     counts = place.insert(model, layout, qparams, placement)
+    widened = sixteen.widen(model, chosen_values, observers, layout, sixteen.wide_dtype(placement.activation_dtype),
+                            placement.symmetric) if chosen else []  # as the file names them
+    if chosen:
+        counts["float_weights_of_int16_readers"] = len(float_weights)
+        counts["int16_pairs"] = len(widened)
     if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
+        widened_note = f" (--int16 leaves the weights of {', '.join(float_weights)} float)" if float_weights else ""
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
-                            "stored weight here; there is nothing to run as an integer kernel")
+                            f"stored weight here{widened_note}; there is nothing to run as an integer kernel")
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
             model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),
@@ -308,6 +325,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
     model.metadata_props[ALGORITHMS_KEY] = "; ".join(f"{k}: {_summary(v)}" for k, v in algorithms.items()) or "none"
+    if widened:
+        model.metadata_props[sixteen.INT16_KEY] = ", ".join(widened)
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
@@ -316,7 +335,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         artifact.save_model(final, staged)
         del final
         facts = read_file(staged)
-        stats = check_spec(facts, spec, activation_dtype=placement.activation_dtype, opset_version=opset)
+        stats = check_spec(facts, spec, activation_dtype=placement.activation_dtype, opset_version=opset,
+                           int16_tensors=widened)
         check_target(facts, p)
         del facts
         try:
@@ -338,7 +358,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
-        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms)
+        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened)
 
 
 def _summary(done: dict) -> str:

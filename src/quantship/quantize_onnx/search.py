@@ -1,11 +1,15 @@
-"""Accuracy search on an ONNX file: keep the most sensitive nodes in float until the metric of the
-written file fits a budget (the PyTorch path's ``quantize.accuracy``, on quantize-onnx's engine).
+"""Accuracy search on an ONNX file: give the most sensitive nodes 16-bit activations, or keep them in
+float, until the metric of the written file fits a budget (the PyTorch path's ``quantize.accuracy``, on
+quantize-onnx's engine).
 
 ``search_onnx`` quantizes with nothing more kept in float (step 0) and measures the metric of the
 written file in ONNX Runtime at its default optimizations (what a user runs). If the drop against
 the float file is over ``max_drop``, the per-node SQNR report (``sensitivity.node_sqnr``, on step 0's
-file) orders the nodes worst first, and each step keeps one more of them in float (``exclude``),
-quantizes again and measures again. It stops at the first step within the budget. Every step is
+file) orders the nodes worst first. For each node in turn, where the target runs 16-bit activations
+(``int16.runs_int16``), a step first gives it 16-bit activations (``int16``), then, if that misses
+the budget, a step keeps it in float (``exclude``); the node keeps whichever form scored higher for the
+next nodes' steps (float on a tie: ONNX Runtime's CPU kernels have no 16-bit form, so a 16-bit node runs
+a float kernel plus its 16-bit Q/DQ pairs; bench/int16.py measured it no faster than float at batch 1). It stops at the first step within the budget. Every step is
 quantized into a temporary folder beside ``out_path``; only the accepted file is moved there. When
 no step fits, ``OnnxBudgetMissed`` names the best set and every step, and nothing is written.
 
@@ -26,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from quantship.errors import DataRefused, ExportRefused, QuantshipError, one_line
+from quantship.errors import DataRefused, ExportRefused, QuantshipError, SpecRefused, one_line
 from quantship.export import artifact
 from quantship.inspect.run.consumers import ort_session
 from quantship.intervals import wilson_interval
 from quantship.precision import Preset
 from quantship.progress import step as progress_step
+from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
 
@@ -41,12 +46,14 @@ TOP1 = "top-1 (%)"
 
 @dataclass(frozen=True)
 class OnnxSearchStep:
-    """One file tried: the nodes kept in float, its metric; for top-1 the count and Wilson interval."""
+    """One file tried: the nodes kept in float and those with 16-bit activations, its metric; for top-1
+    the count and Wilson interval."""
 
     excluded: tuple[str, ...]
     metric: float
     correct: int | None = None
     n: int | None = None
+    int16: tuple[str, ...] = ()
 
     @property
     def interval(self) -> tuple[float, float] | None:
@@ -62,9 +69,14 @@ class OnnxSearchStep:
         low, high = self.interval
         return f"{self.correct}/{self.n} = {self.metric:.2f}% [{low:.1f}, {high:.1f}]"
 
+    def forms(self) -> str:
+        """Which form each searched node took: ``kept in float: ...; 16-bit: ...``."""
+        shown = f"kept in float: {', '.join(self.excluded) or 'nothing'}"
+        return shown + (f"; 16-bit: {', '.join(self.int16)}" if self.int16 else "")
+
     def as_dict(self) -> dict:
-        return {"excluded": list(self.excluded), "metric": self.metric, "correct": self.correct, "n": self.n,
-                "interval": list(self.interval) if self.interval else None}
+        return {"excluded": list(self.excluded), "int16": list(self.int16), "metric": self.metric,
+                "correct": self.correct, "n": self.n, "interval": list(self.interval) if self.interval else None}
 
 
 @dataclass
@@ -94,26 +106,28 @@ class OnnxSearch:
         for s in self.steps:
             if self.within(s):
                 return s
-        return max(self.steps, key=lambda s: (s.metric, -len(s.excluded)))
+        return max(self.steps, key=lambda s: (s.metric, -len(s.excluded), -len(s.int16)))
 
     def as_dict(self) -> dict:
         return {"metric": self.metric_name, "float": self.float_step.as_dict(), "max_drop": self.max_drop,
                 "met": self.met, "order": list(self.order),
                 "steps": [s.as_dict() | {"drop": self.drop(s), "within": self.within(s)} for s in self.steps],
-                "chosen": list(self.chosen.excluded) if self.steps else [], "refused": self.refused}
+                "chosen": list(self.chosen.excluded) if self.steps else [],
+                "chosen_int16": list(self.chosen.int16) if self.steps else [], "refused": self.refused}
 
     def to_markdown(self) -> str:
         lines = [f"float file {self.metric_name}: {self.float_step.describe()}; budget: a drop of at most "
-                 f"{self.max_drop:g}", "", f"| step | kept in float | {self.metric_name} | drop | within budget |",
-                 "|---:|---|---|---:|---|"]
+                 f"{self.max_drop:g}", "", f"| step | kept in float | 16-bit | {self.metric_name} | drop | within budget |",
+                 "|---:|---|---|---|---:|---|"]
         for i, s in enumerate(self.steps):
-            lines.append(f"| {i} | {', '.join(s.excluded) or '(nothing)'} | {s.describe()} | {self.drop(s):+.3g} | "
-                         f"{'yes' if self.within(s) else 'no'} |")
+            lines.append(f"| {i} | {', '.join(s.excluded) or '(nothing)'} | {', '.join(s.int16) or '-'} | "
+                         f"{s.describe()} | {self.drop(s):+.3g} | {'yes' if self.within(s) else 'no'} |")
         return "\n".join(lines)
 
     def summary(self) -> str:
         """One line: every step's exclusions and drop."""
-        return "; ".join(f"step {i} [{', '.join(s.excluded) or 'nothing'}] drop {self.drop(s):+.3g}"
+        return "; ".join(f"step {i} [{', '.join(s.excluded) or 'nothing'}]"
+                         f"{' 16-bit [' + ', '.join(s.int16) + ']' if s.int16 else ''} drop {self.drop(s):+.3g}"
                          for i, s in enumerate(self.steps))
 
 
@@ -165,18 +179,18 @@ def _scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Ru
             raise DataRefused(f"labelled data: x has {len(x)} sample(s) and y shape {list(y.shape)} ({y.dtype}); "
                               "give y as one integer class index per sample")
 
-        def score(path: Path, excluded: tuple[str, ...] = ()) -> OnnxSearchStep:
+        def score(path: Path, excluded: tuple[str, ...] = (), wide: tuple[str, ...] = ()) -> OnnxSearchStep:
             run, _, fixed = file_runner(path)
             correct, n = top1(run, x, y, batch_size, fixed)
-            return OnnxSearchStep(excluded, 100.0 * correct / n, correct, n)
+            return OnnxSearchStep(excluded, 100.0 * correct / n, correct, n, wide)
 
         return TOP1, score
 
-    def score_metric(path: Path, excluded: tuple[str, ...] = ()) -> OnnxSearchStep:
+    def score_metric(path: Path, excluded: tuple[str, ...] = (), wide: tuple[str, ...] = ()) -> OnnxSearchStep:
         value = float(metric(file_runner(path)[0]))
         if not np.isfinite(value):
             raise DataRefused(f"the metric gave {value} on {path.name}: it must return a finite number")
-        return OnnxSearchStep(excluded, value)
+        return OnnxSearchStep(excluded, value, int16=wide)
 
     return getattr(metric, "__name__", "metric"), score_metric
 
@@ -186,13 +200,15 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 metric: Callable[[Run], float] | None = None, exclude: Iterable[str] = (),
                 observer: str | None = None, per_tensor: bool = False, max_steps: int | None = None,
                 batch_size: int = 32, wait: bool = True, equalize: bool = False, bias_correction: bool = False,
+                int16: Iterable[str] = (), try_int16: bool = True,
                 log: Callable[[str], None] = lambda _: None) -> tuple[OnnxQuantizeResult, OnnxSearch]:
     """Quantize ``float_path`` for ``target`` keeping the fewest nodes in float whose file loses at most
     ``max_drop`` of the metric (see the module docstring); write it at ``out_path``.
 
-    ``exclude``: nodes kept in float in every step (the search adds to them). ``equalize`` /
-    ``bias_correction``: as ``quantize_onnx_file``'s, in every step. ``max_steps``: at most
-    that many steps after step 0 (None: every candidate node). Returns the accepted file's
+    ``exclude`` / ``int16``: nodes kept in float / with 16-bit activations in every step (the search adds
+    to them). ``try_int16``: try 16-bit before float for each node (where the target runs it).
+    ``equalize`` / ``bias_correction``: as ``quantize_onnx_file``'s, in every step. ``max_steps``: at
+    most that many candidate nodes after step 0, each one or two steps (None: every candidate node). Returns the accepted file's
     ``OnnxQuantizeResult`` and the search; raises ``OnnxBudgetMissed`` (nothing written) when no step fits.
     """
     if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:
@@ -202,46 +218,65 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
     name, score = _scorer(labelled, metric, batch_size)
     src = Path(float_path).expanduser()
     final = Path(out_path).expanduser().resolve()
-    base = tuple(exclude)
+    base, base_wide = tuple(exclude), tuple(int16)
+    sixteen_first = try_int16 and runs_int16(target)
     options = dict(target=target, observer=observer, per_tensor=per_tensor, equalize=equalize,
                    bias_correction=bias_correction)
     with progress_step(f"accuracy search: {name} of the float file"):
         reference = score(src)
     result = OnnxSearch(name, reference, float(max_drop))
     with artifact.workdir_beside(final) as scratch:
-        def attempt(excluded: tuple[str, ...]) -> tuple[OnnxQuantizeResult, OnnxSearchStep]:
+        def attempt(excluded: tuple[str, ...], wide: tuple[str, ...]) -> tuple[OnnxQuantizeResult, OnnxSearchStep]:
             k = len(result.steps)
-            with progress_step(f"accuracy search: step {k} ({len(excluded) - len(base)} node(s) kept in float)"):
-                done = quantize_onnx_file(src, scratch / f"step{k}.onnx", calibration, exclude=excluded, **options)
-                measured = score(done.path, excluded)
+            with progress_step(f"accuracy search: step {k} ({len(excluded) - len(base)} node(s) kept in float, "
+                               f"{len(wide) - len(base_wide)} in 16-bit)"):
+                done = quantize_onnx_file(src, scratch / f"step{k}.onnx", calibration, exclude=excluded,
+                                          int16=wide, **options)
+                measured = score(done.path, excluded, wide)
             result.steps.append(measured)
-            log(f"accuracy search: step {k}, kept in float {list(excluded) or 'nothing'}: {name} "
+            log(f"accuracy search: step {k}, {measured.forms()}: {name} "
                 f"{measured.describe()} (float {reference.describe()}, drop {result.drop(measured):+.3g})")
             return done, measured
 
-        done, measured = attempt(base)
+        done, measured = attempt(base, base_wide)
         if not result.within(measured) and max_steps != 0:
             with progress_step("accuracy search: per-node SQNR order"):
                 report = node_sqnr(src, calibration, exclude=base, quantized_path=done.path, **options)
-            result.order = [r.node for r in report.candidates() if r.node not in base]
+            result.order = [r.node for r in report.candidates() if r.node not in base and r.node not in base_wide]
             limit = len(result.order) if max_steps is None else min(max_steps, len(result.order))
-            excluded = base
+            excluded, wide = base, base_wide
             for node in result.order[:limit]:
-                excluded = (*excluded, node)
+                tried = None
+                if sixteen_first:
+                    try:
+                        tried = attempt(excluded, (*wide, node))
+                    except (ExportRefused, SpecRefused) as exc:  # the node has no 16-bit form here: float next
+                        log(f"accuracy search: {node} in 16-bit gives no file ({one_line(exc)})")
+                    if tried is not None and result.within(tried[1]):
+                        done, measured = tried
+                        break
                 try:
-                    done, measured = attempt(excluded)
+                    done, measured = attempt((*excluded, node), wide)
                 except ExportRefused as exc:  # e.g. nothing left to quantize: no further exclusion can help
-                    result.refused = f"{list(excluded)}: {one_line(exc)}"
-                    log(f"accuracy search: keeping {list(excluded)} in float gives no file ({one_line(exc)})")
+                    result.refused = f"{list((*excluded, node))}: {one_line(exc)}"
+                    log(f"accuracy search: keeping {list((*excluded, node))} in float gives no file ({one_line(exc)})")
+                    if tried is not None:
+                        done, measured = tried
                     break
                 if result.within(measured):
                     break
+                if tried is not None and tried[1].metric > measured.metric:
+                    done, measured = tried
+                    wide = (*wide, node)
+                else:
+                    excluded = (*excluded, node)
         if not result.within(measured):
             best = result.chosen
             stopped = f"; stopped: {result.refused}" if result.refused else ""
             raise OnnxBudgetMissed(
                 f"no exclusion set met the budget of {max_drop:g} ({name}): float file {reference.describe()}; the "
-                f"best found keeps {list(best.excluded) or 'nothing'} in float and scores {best.describe()} (drop "
+                f"best found keeps {list(best.excluded) or 'nothing'} in float"
+                f"{' and ' + str(list(best.int16)) + ' in 16-bit' if best.int16 else ''} and scores {best.describe()} (drop "
                 f"{result.drop(best):+.3g}) after {len(result.steps)} quantization(s) [{result.summary()}]{stopped}; nothing "
                 "written. Raise --max-drop, allow more steps, or give more calibration data", result)
         with artifact.atomic_destination(final, wait=wait) as staged:
@@ -253,7 +288,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
 
 def steps_table(search: OnnxSearch) -> list[tuple[str, str]]:
     """Report rows: one per step."""
-    return [(f"search step {i}", f"kept in float: {', '.join(s.excluded) or 'nothing'}; {search.metric_name} "
+    return [(f"search step {i}", f"{s.forms()}; {search.metric_name} "
              f"{s.describe()}, drop {search.drop(s):+.3g}{' (within budget)' if search.within(s) else ''}")
             for i, s in enumerate(search.steps)]
 

@@ -162,8 +162,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
                    "weight_dtype", "int32_bias", "zero_point_zero", "conv_kernel_shape"),
            source="TensorRT ONNX opset guide (opsets 9-25); explicit quantization: int8, zero-point 0"),
     Target("openvino", "OpenVINO", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
-           errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized", "weight_range_7bit"),
-           source="runs partially quantized QDQ graphs (float parts stay float)", lsb_tolerance=2.0,
+           errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized", "weight_range_7bit", "activation_dtype"),
+           source="runs partially quantized QDQ graphs (float parts stay float); OpenVINO 2026.4 compiles and runs "
+                  "uint16 activation pairs, but not as their Q/DQ arithmetic (outputs up to 0.11 from ONNX Runtime's "
+                  "literal reading on the PP-OCR classifier, where int8 agrees to 2e-6): a remark, not int8/uint8",
+           lsb_tolerance=2.0,
            local_functions=True),
     Target("tigris", "TiGrIS", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
            errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
