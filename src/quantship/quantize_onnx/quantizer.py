@@ -301,7 +301,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if seq_mse or learn_steps:
         algorithms.update(rounding.round_weights(
             model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, rounding.SAMPLES),
-            placement.weight_bound, seq_mse=seq_mse, adaround_iterations=learn_steps))
+            info, placement.weight_bound, seq_mse=seq_mse, adaround_iterations=learn_steps))
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
             model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),

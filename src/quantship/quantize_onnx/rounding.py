@@ -15,6 +15,7 @@ import torch
 from quantship.quantize_onnx import adaround as adarounding
 from quantship.quantize_onnx import seq_mse as seq_searching
 from quantship.quantize_onnx import weight_layers
+from quantship.quantize_onnx.calibrate import TensorInfo
 from quantship.quantize_onnx.data import Feed
 
 SAMPLES = weight_layers.SAMPLES  # calibration samples each layer is fitted on
@@ -34,7 +35,8 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def round_weights(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir.Node], feeds: Sequence[Feed],
-                  bound: int, *, seq_mse: bool, adaround_iterations: int) -> dict[str, dict]:
+                  info: dict[str, TensorInfo], bound: int, *, seq_mse: bool, adaround_iterations: int
+                  ) -> dict[str, dict]:
     """Rewrite the integer weights (and, with ``seq_mse``, the weight scales) of ``weighted`` in place;
     returns each algorithm's record by name."""
     start = time.perf_counter()
@@ -56,7 +58,7 @@ def round_weights(model: ir.Model, float_model: onnx.ModelProto, weighted: Seque
             timings["adaround"] += time.perf_counter() - t
 
     with torch_threads(TORCH_THREADS):
-        passes = weight_layers.sequential(model, float_model, layers, feeds, step, skipped) if layers else 0
+        passes = weight_layers.sequential(model, float_model, layers, feeds, step, skipped, info) if layers else 0
     reading = time.perf_counter() - start - timings["seq_mse"] - timings["adaround"]
     done: dict[str, dict] = {}
     for name, report in (("seq_mse", searched), ("adaround", learned)):

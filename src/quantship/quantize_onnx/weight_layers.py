@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from quantship.quantize_onnx.bias_correction import assign_depths, reference_name, subgraph_session
-from quantship.quantize_onnx.calibrate import MEMORY_BUDGET
+from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
 from quantship.quantize_onnx.data import Feed
 
 SAMPLES = 64  # calibration samples each layer is fitted on (the leading batches)
-ROWS = 8  # samples per ONNX Runtime run while reading a depth's inputs
+ROWS = 16  # samples per ONNX Runtime run while reading a depth's inputs
 CHECK_TOLERANCE = 1e-3  # torch reading vs ONNX Runtime's, relative to the output's largest magnitude
 
 
@@ -192,7 +192,8 @@ def integers_and_scale(layer: WeightLayer) -> tuple[torch.Tensor, torch.Tensor]:
     return q, layer.broadcast(s)
 
 
-def _read(session, names: Sequence[str], feeds: Sequence[Feed], samples: int) -> list[np.ndarray]:
+def _read(session, names: Sequence[str], feeds: Sequence[Feed], samples: int,
+          extra: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
     """``names`` over the leading ``samples`` samples, ``ROWS`` at a time; stops early at ``MEMORY_BUDGET``."""
     parts: list[list[np.ndarray]] = [[] for _ in names]
     seen, held = 0, 0
@@ -202,7 +203,7 @@ def _read(session, names: Sequence[str], feeds: Sequence[Feed], samples: int) ->
             if seen >= samples or held >= MEMORY_BUDGET:
                 break
             part = {k: v[start:start + min(ROWS, samples - seen)] for k, v in feed.items()}
-            outs = session.run(list(names), part)
+            outs = session.run(list(names), {**part, **(extra or {})})
             for k, value in enumerate(outs):
                 parts[k].append(value)
             seen += len(next(iter(part.values())))
@@ -211,20 +212,34 @@ def _read(session, names: Sequence[str], feeds: Sequence[Feed], samples: int) ->
 
 
 def sequential(model: ir.Model, float_model: onnx.ModelProto, layers: list[WeightLayer], feeds: Sequence[Feed],
-               step: Callable[[WeightLayer, torch.Tensor, torch.Tensor], None], skipped: dict[str, str]) -> int:
+               step: Callable[[WeightLayer, torch.Tensor, torch.Tensor], None], skipped: dict[str, str],
+               info: dict[str, TensorInfo]) -> int:
     """Call ``step(layer, inputs, float_target)`` for every layer, depth by depth, the inputs read from the
-    quantized model as the earlier depths left it; returns the quantized-model passes run."""
+    quantized model as the earlier depths left it; returns the quantized-model passes run. The float
+    targets are read in one pass when every layer's fit in half of ``MEMORY_BUDGET``, else depth by depth."""
     n_depths = assign_depths(model, layers)
+    every = list(dict.fromkeys(layer.reference for layer in layers))
+    held = sum(info[n].bytes_per_sample if n in info else MEMORY_BUDGET for n in every) * SAMPLES
+    targets = dict(zip(every, _read(subgraph_session(float_model, every), every, feeds, SAMPLES))) \
+        if held <= MEMORY_BUDGET // 2 else None
+    quantized = ir.to_proto(model)  # once: the rewritten weights are fed to each depth's session instead
+    stored = {}
+    for layer in layers:
+        stored[layer.quantized.name] = layer.quantized
+        stored[layer.scale.name] = layer.scale
     passes = 0
     for depth in range(n_depths):
         level = [layer for layer in layers if layer.depth == depth]
         if not level:
             continue
         names = list(dict.fromkeys([n for layer in level for n in (layer.input, layer.output)]))
-        session = subgraph_session(ir.to_proto(model), names)
-        read = dict(zip(names, _read(session, names, feeds, SAMPLES)))
-        wanted = list(dict.fromkeys(layer.reference for layer in level))
-        targets = dict(zip(wanted, _read(subgraph_session(float_model, wanted), wanted, feeds, SAMPLES)))
+        session = subgraph_session(quantized, names, list(stored))
+        fed = {i.name for i in session.get_inputs()}
+        current = {name: value.const_value.numpy() for name, value in stored.items() if name in fed}
+        read = dict(zip(names, _read(session, names, feeds, SAMPLES, current)))
+        if targets is None or not all(layer.reference in targets for layer in level):
+            wanted = list(dict.fromkeys(layer.reference for layer in level))
+            targets = dict(zip(wanted, _read(subgraph_session(float_model, wanted), wanted, feeds, SAMPLES)))
         passes += 1
         for layer in level:
             x = torch.from_numpy(read[layer.input])
