@@ -167,3 +167,15 @@ def test_adaround_on_bad_input_exits_2_with_one_line(flags, calib, message, tmp_
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_per_tensor_weights_get_one_scale_each(tmp_path):
+    float_path = graphs.save(heavy_convs(), tmp_path / "float.onnx")
+    plain = _quantize(float_path, tmp_path / "plain.onnx", per_tensor=True).path
+    result = _quantize(float_path, tmp_path / "q.onnx", per_tensor=True, seq_mse=True, adaround=50)
+    searched, learned = result.algorithms["seq_mse"], result.algorithms["adaround"]
+    assert searched["n_layers"] == 2 and searched["n_channels"] == 2  # one scale per layer
+    assert searched["error_after"] <= searched["error_before"] and learned["error_after"] < learned["error_before"]
+    assert _error(result.path, float_path, CALIBRATION) < _error(plain, float_path, CALIBRATION)
+    after = _initializers(result.path)
+    assert after["w1_scale"].shape == () and after["w2_scale"].shape == ()

@@ -80,7 +80,7 @@ class OnnxQuantizeResult:
     verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
-    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, bias_correction)
+    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, seq_mse, adaround, bias_correction)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,

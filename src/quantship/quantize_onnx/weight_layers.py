@@ -30,7 +30,7 @@ from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
 from quantship.quantize_onnx.data import Feed
 
 SAMPLES = 64  # calibration samples each layer is fitted on (the leading batches)
-ROWS = 16  # samples per ONNX Runtime run while reading a depth's inputs
+ERROR_ROWS = 32  # samples per torch run while measuring a layer's output error
 CHECK_TOLERANCE = 1e-3  # torch reading vs ONNX Runtime's, relative to the output's largest magnitude
 
 
@@ -78,6 +78,8 @@ def _why_not(node: ir.Node, weight: np.ndarray) -> str | None:
             return f"a Conv of weight rank {weight.ndim}"
         return None
     if node.op_type == "Gemm":
+        if attrs.get("transA", 0):
+            return "a Gemm with transA (its samples are not its rows)"
         return None if weight.ndim == 2 else "a Gemm weight that is not 2-D"
     if node.op_type == "MatMul":
         return None if weight.ndim == 2 else "a MatMul weight that is not 2-D"
@@ -105,9 +107,8 @@ def forward(layer: WeightLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tenso
         return conv(x, w, _bias(node), stride=list(attrs.get("strides", [1] * rank)), padding=begin,
                     dilation=list(attrs.get("dilations", [1] * rank)), groups=int(attrs.get("group", 1)))
     if node.op_type == "Gemm":
-        a = x.T if attrs.get("transA", 0) else x
         b = w.T if attrs.get("transB", 0) else w
-        y = float(attrs.get("alpha", 1.0)) * (a @ b)
+        y = float(attrs.get("alpha", 1.0)) * (x @ b)
         bias = _bias(node)
         return y if bias is None else y + float(attrs.get("beta", 1.0)) * bias
     return x @ w
@@ -116,7 +117,7 @@ def forward(layer: WeightLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tenso
 def channel_errors(layer: WeightLayer, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Sum of squared output errors per output channel (float64), over every sample and position."""
     total = None
-    step = max(1, ROWS * 4)
+    step = ERROR_ROWS
     with torch.no_grad():
         for start in range(0, len(x), step):
             diff = activate(layer, forward(layer, x[start:start + step], w)) - activate(layer, target[start:start + step])
@@ -194,21 +195,19 @@ def integers_and_scale(layer: WeightLayer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _read(session, names: Sequence[str], feeds: Sequence[Feed], samples: int,
           extra: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
-    """``names`` over the leading ``samples`` samples, ``ROWS`` at a time; stops early at ``MEMORY_BUDGET``."""
+    """``names`` over the leading ``samples`` samples, a whole calibration batch per run (a file of fixed
+    batch runs only those), stopping early once ``MEMORY_BUDGET`` is held."""
     parts: list[list[np.ndarray]] = [[] for _ in names]
     seen, held = 0, 0
     for feed in feeds:
-        n = len(next(iter(feed.values())))
-        for start in range(0, n, ROWS):
-            if seen >= samples or held >= MEMORY_BUDGET:
-                break
-            part = {k: v[start:start + min(ROWS, samples - seen)] for k, v in feed.items()}
-            outs = session.run(list(names), {**part, **(extra or {})})
-            for k, value in enumerate(outs):
-                parts[k].append(value)
-            seen += len(next(iter(part.values())))
-            held += sum(v.nbytes for v in outs)
-    return [np.concatenate(p) for p in parts]
+        if seen >= samples or held >= MEMORY_BUDGET:
+            break
+        outs = session.run(list(names), {**feed, **(extra or {})})
+        for k, value in enumerate(outs):
+            parts[k].append(value)
+        seen += len(next(iter(feed.values())))
+        held += sum(v.nbytes for v in outs)
+    return [np.concatenate(p)[:samples] for p in parts]
 
 
 def sequential(model: ir.Model, float_model: onnx.ModelProto, layers: list[WeightLayer], feeds: Sequence[Feed],
