@@ -17,6 +17,7 @@ from onnx import helper, numpy_helper
 
 from quantship.errors import SpecRefused
 from quantship.quantize_onnx import quantize_onnx_file
+from quantship.quantize_onnx.search import search_onnx
 from tests.quantize_onnx import graphs
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -179,3 +180,12 @@ def test_per_tensor_weights_get_one_scale_each(tmp_path):
     assert _error(result.path, float_path, CALIBRATION) < _error(plain, float_path, CALIBRATION)
     after = _initializers(result.path)
     assert after["w1_scale"].shape == () and after["w2_scale"].shape == ()
+
+
+def test_the_accuracy_search_quantizes_every_step_with_them(tmp_path):
+    float_path = graphs.save(heavy_convs(), tmp_path / "float.onnx")
+    result, search = search_onnx(float_path, tmp_path / "q.onnx", CALIBRATION, target="onnxruntime-cpu",
+                                 max_drop=100.0, metric=lambda run: float(run(HELD_OUT)[0].mean()),
+                                 seq_mse=True, adaround=20)
+    assert len(search.steps) == 1 and result.path == tmp_path / "q.onnx"
+    assert result.algorithms["seq_mse"]["n_layers"] == 2 and result.algorithms["adaround"]["iterations"] == 20
