@@ -2,8 +2,8 @@
 
 For each model (``bench/real.py``'s tasks: same data, calibration and metrics), ``quantize_onnx_file`` runs
 once per algorithm setting (plain, ``equalize``, ``bias_correction``, both, ``seq_mse``, ``adaround``, the
-last two together) for one preset; each INT8 file
-is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
+last two together; the adaround ones, minutes per model, only when ``--settings`` names them) for one
+preset; each INT8 file is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
 to FP32. Quantize time is wall time of the call; peak memory is the process's resident set sampled every
 10 ms during the call, above its value when the call started (what the call added; the first setting's
 figure also holds the one-time imports and caches of the first call).
@@ -73,7 +73,9 @@ class PeakRSS:
 
 
 def changed(algorithms: dict) -> str:
-    """What each algorithm changed, read from the result (the file's provenance says the same)."""
+    """What each algorithm changed, read from the result (the file's provenance says the same). "layer error
+    xR": the rewritten layers' summed squared output error against the float layers' outputs, on the
+    calibration samples, over nearest rounding's at the scale the algorithm started from."""
     parts = []
     if "equalize" in algorithms:
         parts.append(f"{algorithms['equalize']['pairs_changed']} conv pairs equalized")
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(real.MODELS)}")
     parser.add_argument("--target", default="onnxruntime-cpu", help="the preset every file is made for")
-    parser.add_argument("--settings", default=",".join(s for s in SETTINGS if s not in SLOW), help=f"comma-separated, of {','.join(SETTINGS)}")
+    parser.add_argument("--settings", default=",".join(s for s in SETTINGS if s not in SLOW),
+                        help=f"comma-separated, of {','.join(SETTINGS)} (default: all but {', '.join(SLOW)})")
     args = _smoke.parse_args(parser, argv, models="ocr_cls")
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in real.MODELS]

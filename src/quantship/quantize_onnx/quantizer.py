@@ -80,7 +80,7 @@ class OnnxQuantizeResult:
     verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
-    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, seq_mse, adaround, bias_correction)
+    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, seq_mse, adaround, ...)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -260,7 +260,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
     of its output mean (``bias_correction``); ``seq_mse``: each weight's scale per output channel searched
     for the least layer output error (``seq_mse``); ``adaround``: each weight's rounding learned
-    (``adaround``; True: its default steps per layer, or a number of steps). Refusals raise a ``QuantshipError`` and write nothing.
+    (``adaround``; True: its default steps per layer, or a number of steps). Refusals raise a
+    ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
