@@ -1,8 +1,9 @@
 """Post-training algorithms of the ONNX quantizer, side by side with plain quantization, on real models.
 
 For each model (``bench/real.py``'s tasks: same data, calibration and metrics), ``quantize_onnx_file`` runs
-once per algorithm setting (plain, ``equalize``, ``bias_correction``, both) for one preset; each INT8 file
-is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
+once per algorithm setting (plain, ``equalize``, ``bias_correction``, both, ``seq_mse``, ``adaround``, the
+last two together; the adaround ones, minutes per model, only when ``--settings`` names them) for one
+preset; each INT8 file is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
 to FP32. Quantize time is wall time of the call; peak memory is the process's resident set sampled every
 10 ms during the call, above its value when the call started (what the call added; the first setting's
 figure also holds the one-time imports and caches of the first call).
@@ -10,6 +11,7 @@ figure also holds the one-time imports and caches of the first call).
     python bench/algorithms.py                                   # ocr_cls, nudenet, magika, mtcnn_onet
     python bench/algorithms.py --models ocr_cls --target tigris
     python bench/algorithms.py --models nudenet --settings plain,bias_correction
+    python bench/algorithms.py --models ocr_cls --settings plain,seq_mse,adaround
     python bench/algorithms.py --smoke                           # the classifier at smoke size
 """
 
@@ -32,7 +34,11 @@ SETTINGS = {  # name -> quantize_onnx_file options
     "equalize": {"equalize": True},
     "bias_correction": {"bias_correction": True},
     "equalize + bias_correction": {"equalize": True, "bias_correction": True},
+    "seq_mse": {"seq_mse": True},
+    "adaround": {"adaround": True},
+    "seq_mse + adaround": {"seq_mse": True, "adaround": True},
 }
+SLOW = ("adaround", "seq_mse + adaround")  # minutes per model on 2 cores: run only when --settings names them
 
 
 class PeakRSS:
@@ -67,7 +73,9 @@ class PeakRSS:
 
 
 def changed(algorithms: dict) -> str:
-    """What each algorithm changed, read from the result (the file's provenance says the same)."""
+    """What each algorithm changed, read from the result (the file's provenance says the same). "layer error
+    xR": the rewritten layers' summed squared output error against the float layers' outputs, on the
+    calibration samples, over nearest rounding's at the scale the algorithm started from."""
     parts = []
     if "equalize" in algorithms:
         parts.append(f"{algorithms['equalize']['pairs_changed']} conv pairs equalized")
@@ -75,6 +83,16 @@ def changed(algorithms: dict) -> str:
         bc = algorithms["bias_correction"]
         parts.append(f"{bc['n_corrected']} biases corrected ({bc['n_added']} added, {len(bc['skipped'])} skipped) "
                      f"in {bc['n_passes']} passes on {bc['samples']} samples, {bc['seconds']:.1f} s")
+    if "seq_mse" in algorithms:
+        sm = algorithms["seq_mse"]
+        parts.append(f"{sm['n_channels_changed']} of {sm['n_channels']} weight scales moved (down to "
+                     f"{sm['smallest_fraction']:.2f}) in {sm['n_layers']} layers ({len(sm['skipped'])} skipped), layer "
+                     f"error x{sm['error_ratio']:.3f} on {sm['samples']} samples, {sm['seconds']:.1f} s")
+    if "adaround" in algorithms:
+        ar = algorithms["adaround"]
+        parts.append(f"{ar['n_flipped']} of {ar['n_weights']} weights rounded the other way in {ar['n_layers']} layers "
+                     f"({ar['n_kept_nearest']} kept nearest, {len(ar['skipped'])} skipped; {ar['iterations']} steps "
+                     f"each), layer error x{ar['error_ratio']:.3f} on {ar['samples']} samples, {ar['seconds']:.1f} s")
     return "; ".join(parts) or "-"
 
 
@@ -111,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(real.MODELS)}")
     parser.add_argument("--target", default="onnxruntime-cpu", help="the preset every file is made for")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {','.join(SETTINGS)}")
+    parser.add_argument("--settings", default=",".join(s for s in SETTINGS if s not in SLOW),
+                        help=f"comma-separated, of {','.join(SETTINGS)} (default: all but {', '.join(SLOW)})")
     args = _smoke.parse_args(parser, argv, models="ocr_cls")
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in real.MODELS]

@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cross-layer equalization of Conv -> ReLU -> Conv pairs before calibration (data-free)")
     parser.add_argument("--bias-correction", action="store_true",
                         help="correct each quantized layer's bias for the shift of its output mean (on the calibration data)")
+    parser.add_argument("--seq-mse", action="store_true",
+                        help="search each weight's scale per output channel for the least layer output error "
+                             "(on the calibration data)")
+    parser.add_argument("--adaround", nargs="?", const="default", default=None, metavar="STEPS",
+                        help="learn each weight's rounding up or down (AdaRound, on the calibration data); STEPS "
+                             "per layer (default 300)")
     parser.add_argument("--keep-refused", action="store_true",
                         help="--engine ort: keep the file even when the target's check refuses it")
     parser.add_argument("--eval", metavar="LABELLED",
@@ -72,14 +78,31 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-steps N (N >= 0) bounds the accuracy search: give it with --max-drop")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
-    if args.engine == "ort" and (args.equalize or args.bias_correction or args.int16):
+    args.adaround = _adaround_steps(args.adaround)
+    if args.engine == "ort" and (args.equalize or args.bias_correction or args.seq_mse or args.adaround or args.int16):
         flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction),
+                                 ("--seq-mse", args.seq_mse), ("--adaround", args.adaround),
                                  ("--int16", args.int16)) if on]
         raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
             return _run_ort(args, out)
         return _run(args, out)
+
+
+def _adaround_steps(value: str | None) -> bool | int:
+    """``--adaround [STEPS]`` as ``quantize_onnx_file(adaround=...)`` takes it."""
+    if value is None:
+        return False
+    if value == "default":
+        return True
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = -1
+    if steps < 1:
+        raise UsageError(f"--adaround {value}: give a number of steps per layer, >= 1 (or no value: the default)")
+    return steps
 
 
 def check_memory(path: str, feeds=()) -> None:
@@ -146,15 +169,16 @@ def _run(args: argparse.Namespace, out) -> int:
                                          labelled=(labelled.x, labelled.y), exclude=args.exclude,
                                          observer=args.observer, per_tensor=args.per_tensor,
                                          max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
-                                         bias_correction=args.bias_correction, int16=args.int16,
-                                         wait=not args.no_wait, log=ui.say)
+                                         bias_correction=args.bias_correction, seq_mse=args.seq_mse,
+                                         adaround=args.adaround, int16=args.int16, wait=not args.no_wait, log=ui.say)
         except OnnxBudgetMissed as missed:
             return _budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
     else:
         result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
                                     observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
-                                    equalize=args.equalize, bias_correction=args.bias_correction, int16=args.int16)
+                                    equalize=args.equalize, bias_correction=args.bias_correction,
+                                    seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16)
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census

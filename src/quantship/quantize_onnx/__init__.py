@@ -4,7 +4,9 @@
 exposed, the PyTorch path's observers), ``roles`` (the op -> role table), ``place`` (the Q/DQ layout,
 written with onnx_ir), ``data`` (calibration feeds per declared input), ``equalize`` (cross-layer
 equalization, a float pass), ``target_forms`` (what a target cannot read, rewritten), ``bias_correction``
-(each quantized layer's bias corrected on the calibration data), ``quantizer`` (the facade),
+(each quantized layer's bias corrected on the calibration data), ``seq_mse`` and ``adaround`` (weight
+scales searched, weight rounding learned, on the calibration data; ``weight_layers`` their layers and
+sequential pass, ``rounding`` the pass that runs them), ``quantizer`` (the facade),
 ``sensitivity`` (per-node SQNR of the written file), ``search`` (the accuracy search), ``memory``
 (the working-set estimate a file is refused on).
 """

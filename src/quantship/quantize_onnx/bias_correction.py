@@ -64,7 +64,7 @@ class BiasCorrection:
                 "seconds": round(self.seconds, 3)}
 
 
-def _reference_name(value: ir.Value, float_names: set[str]) -> str | None:
+def reference_name(value: ir.Value, float_names: set[str]) -> str | None:
     """The float model's name of a quantized model's tensor: the same, or (a graph output whose name
     moved to its DequantizeLinear) the name that pair's output took."""
     if value.name in float_names:
@@ -131,7 +131,7 @@ def _layers(model: ir.Model, weighted: Sequence[ir.Node], info: dict[str, Tensor
     for node in weighted:
         label = node.name or node.op_type
         out = node.outputs[0]
-        reference = _reference_name(out, float_names)
+        reference = reference_name(out, float_names)
         seen = info.get(reference) if reference else None
         if reference is None or seen is None or len(seen.shape) < 2:
             report.skipped[label] = "its output has no per-channel reading in the float model"
@@ -168,7 +168,7 @@ def _layers(model: ir.Model, weighted: Sequence[ir.Node], info: dict[str, Tensor
     return layers
 
 
-def _assign_depths(model: ir.Model, layers: list[_Layer]) -> int:
+def assign_depths(model: ir.Model, layers: list[_Layer]) -> int:
     """Depth of each layer: the longest chain of corrected layers above it (0: none). Returns the count of depths."""
     by_node = {id(layer.node): layer for layer in layers}
     depth_of: dict[int, int] = {}  # id(value) -> corrected layers on the longest path to it
@@ -195,7 +195,7 @@ def _needed(model: onnx.ModelProto, fetched: Sequence[str]) -> list[onnx.NodePro
     return [n for i, n in enumerate(model.graph.node) if i in keep]
 
 
-def _session(model: onnx.ModelProto, fetched: Sequence[str], bias_inputs: Sequence[str] = ()):
+def subgraph_session(model: onnx.ModelProto, fetched: Sequence[str], bias_inputs: Sequence[str] = ()):
     """A session of only the nodes ``fetched`` needs, the ``bias_inputs`` fed instead of stored."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -250,13 +250,13 @@ def correct(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir
     if not layers:
         report.seconds = time.perf_counter() - start
         return report
-    n_depths = _assign_depths(model, layers)
+    n_depths = assign_depths(model, layers)
 
     def nbytes(names: Sequence[str]) -> int:
         return sum(info[n].bytes_per_sample for n in names if n in info)
 
     references = [layer.reference for layer in layers]
-    target = _channel_means(_session(float_model, references), references, [layer.axis for layer in layers],
+    target = _channel_means(subgraph_session(float_model, references), references, [layer.axis for layer in layers],
                             feeds, nbytes(references))
     target_of = {id(layer): t for layer, t in zip(layers, target)}
     biases = {layer.bias.name: np.array(layer.bias.const_value.numpy(), np.float32) for layer in layers}
@@ -266,7 +266,7 @@ def correct(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir
         if not level:
             continue
         names = [layer.output for layer in level]
-        session = _session(quantized, names, list(biases))
+        session = subgraph_session(quantized, names, list(biases))
         fed = {i.name for i in session.get_inputs()}
         means = _channel_means(session, names, [layer.axis for layer in level], feeds,
                                nbytes([layer.reference for layer in level]),

@@ -35,9 +35,10 @@ from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, target_forms
+from quantship.quantize_onnx import calibrate, normalize, place, rounding, target_forms
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
+from quantship.quantize_onnx.adaround import iterations_of as adaround_iterations
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
@@ -80,7 +81,7 @@ class OnnxQuantizeResult:
     verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
-    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, bias_correction)
+    algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, seq_mse, adaround, ...)
     int16: list[str] = field(default_factory=list)  # activation tensors stored in 16 bits (``int16``)
 
     def as_dict(self) -> dict:
@@ -251,7 +252,8 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
-                       bias_correction: bool = False, int16: Iterable[str] = ()) -> OnnxQuantizeResult:
+                       bias_correction: bool = False, seq_mse: bool = False,
+                       adaround: bool | int = False, int16: Iterable[str] = ()) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -259,13 +261,16 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
     default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
     calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
-    of its output mean (``bias_correction``). ``int16``: nodes (``exclude``'s grammar) whose activations
-    are stored in 16 bits, weights still int8, where the target runs them (``int16``). Refusals raise a
-    ``QuantshipError`` and write nothing.
+    of its output mean (``bias_correction``); ``seq_mse``: each weight's scale per output channel searched
+    for the least layer output error (``seq_mse``); ``adaround``: each weight's rounding learned
+    (``adaround``; True: its default steps per layer, or a number of steps). ``int16``: nodes
+    (``exclude``'s grammar) whose activations are stored in 16 bits, weights still int8, where the target
+    runs them (``int16``). Refusals raise a ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
+    learn_steps = adaround_iterations(adaround)
     src = Path(float_path).expanduser()
     if src.is_file():
         refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
@@ -310,6 +315,10 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         widened_note = f" (--int16 leaves the weights of {', '.join(float_weights)} float)" if float_weights else ""
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
                             f"stored weight here{widened_note}; there is nothing to run as an integer kernel")
+    if seq_mse or learn_steps:
+        algorithms.update(rounding.round_weights(
+            model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, rounding.SAMPLES),
+            info, placement.weight_bound, seq_mse=seq_mse, adaround_iterations=learn_steps))
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
             model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),

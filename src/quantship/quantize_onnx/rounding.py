@@ -1,0 +1,71 @@
+"""Learned and searched weight rounding, in one sequential pass over the quantized layers: the
+sequential MSE scale search (``seq_mse``) then AdaRound (``adaround``) on each layer, whichever are on.
+Runs after the Q/DQ pairs are written and before bias correction (which then measures the rounded file)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from quantship.quantize_onnx import adaround as adarounding
+from quantship.quantize_onnx import seq_mse as seq_searching
+from quantship.quantize_onnx import weight_layers
+from quantship.quantize_onnx.calibrate import TensorInfo
+from quantship.quantize_onnx.data import Feed
+
+SAMPLES = weight_layers.SAMPLES  # calibration samples each layer is fitted on
+TORCH_THREADS = 1  # the layers are small: with two threads torch's barriers cost 100x on a busy machine (measured)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+
+def round_weights(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir.Node], feeds: Sequence[Feed],
+                  info: dict[str, TensorInfo], bound: int, *, seq_mse: bool, adaround_iterations: int
+                  ) -> dict[str, dict]:
+    """Rewrite the integer weights (and, with ``seq_mse``, the weight scales) of ``weighted`` in place;
+    returns each algorithm's record by name."""
+    start = time.perf_counter()
+    skipped: dict[str, str] = {}
+    layers = weight_layers.collect(model, float_model, weighted, bound, skipped)
+    samples = min(weight_layers.SAMPLES, sum(len(next(iter(f.values()))) for f in feeds))
+    searched = seq_searching.SeqMse(samples=samples) if seq_mse else None
+    learned = adarounding.AdaRound(iterations=adaround_iterations, samples=samples) if adaround_iterations else None
+    timings = {"seq_mse": 0.0, "adaround": 0.0}
+
+    def step(layer: weight_layers.WeightLayer, x, target) -> None:
+        if searched is not None:
+            t = time.perf_counter()
+            seq_searching.fit_scale(layer, x, target, searched)
+            timings["seq_mse"] += time.perf_counter() - t
+        if learned is not None:
+            t = time.perf_counter()
+            adarounding.learn(layer, x, target, adaround_iterations, learned)
+            timings["adaround"] += time.perf_counter() - t
+
+    with torch_threads(TORCH_THREADS):
+        passes = weight_layers.sequential(model, float_model, layers, feeds, step, skipped, info) if layers else 0
+    reading = time.perf_counter() - start - timings["seq_mse"] - timings["adaround"]
+    done: dict[str, dict] = {}
+    for name, report in (("seq_mse", searched), ("adaround", learned)):
+        if report is None:
+            continue
+        report.skipped, report.n_passes = dict(skipped), passes
+        # the shared pass that reads the layers' inputs is counted in each algorithm that ran
+        report.seconds = timings[name] + reading
+        done[name] = report.as_dict()
+    return done
