@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from quantship.errors import ExportRefused, OutputsRefused, one_line
-from quantship.inspect.run.outputs import output_arrays
+from quantship.inspect.run.outputs import names_of, output_arrays
 
 
 def reference_outputs(model: Any, batches: list[Any], sample: Any) -> tuple[list[str] | None, list[np.ndarray]]:
@@ -57,3 +57,17 @@ def check_outputs_line_up(produced: onnx.ModelProto, reference: list[np.ndarray]
         raise ExportRefused(f"the exporter wrote {len(outputs)} output(s) of rank(s) {ranks} for a model that "
                             f"returns {len(reference)} tensor(s) of rank(s) {[r.ndim for r in reference]}; "
                             "return a flat tuple or dict of tensors")
+
+
+def float_output_names(model: Any, sample: Any) -> list[str] | None:
+    """The keys of a float model's outputs on ``sample`` (one forward), so that its float file names them
+    as its INT8 file does; None (the exporter's names) for a single tensor, or when the outputs cannot be
+    named (the float exporter then writes what it can, as before)."""
+    import torch
+
+    inputs = sample if isinstance(sample, (tuple, list)) else (sample,)
+    try:
+        with torch.no_grad():
+            return names_of(model(*inputs), type(model).__name__)
+    except Exception:  # a forward or an output the exporter may still handle: its own names, its own error
+        return None
