@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -77,6 +78,22 @@ def test_what_cannot_be_exported_is_refused_by_name(output, named):
         flatten_outputs(output)
     message = str(info.value)
     assert named in message and "\n" not in message
+
+
+def test_a_graph_whose_outputs_do_not_line_up_with_the_model_is_refused():
+    from onnx import TensorProto, helper
+
+    from quantship.export.named_outputs import check_outputs_line_up
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph)
+    check_outputs_line_up(model, [np.zeros((2, 3))])
+    with pytest.raises(ExportRefused, match=r"wrote 1 output\(s\) of rank\(s\) \[2\] for a model that returns 2"):
+        check_outputs_line_up(model, [np.zeros((2, 3)), np.zeros(2)])
+    with pytest.raises(ExportRefused, match=r"returns 1 tensor\(s\) of rank\(s\) \[4\]"):
+        check_outputs_line_up(model, [np.zeros((2, 3, 1, 1))])
 
 
 # ---------------------------------------------------------------- the small two-head model, end to end

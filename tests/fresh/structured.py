@@ -51,6 +51,7 @@ def main(order: str, out: Path) -> None:
     import onnx
 
     from quantship import Quantizer, export_onnx, export_qdq
+
     # the class from the module by its name, not from __main__: the file records each node's module scope
     from tests.fresh.structured import two_heads as named_two_heads
 

@@ -50,13 +50,15 @@ def graph_output_names(names: list[str] | None, reference: list[np.ndarray],
 
 
 def check_outputs_line_up(produced: onnx.ModelProto, reference: list[np.ndarray]) -> None:
-    """The exporter wrote one graph output per tensor the model returns, in the same order (ranks match)."""
+    """The exporter wrote one graph output per tensor the model returns, in the same order (the ranks
+    match where the graph declares a shape)."""
     outputs = produced.graph.output
-    ranks = [len(o.type.tensor_type.shape.dim) for o in outputs]
-    if ranks != [r.ndim for r in reference]:
+    ranks = [len(o.type.tensor_type.shape.dim) if o.type.tensor_type.HasField("shape") else None for o in outputs]
+    expected = [r.ndim for r in reference]
+    if len(ranks) != len(expected) or any(r is not None and r != e for r, e in zip(ranks, expected)):
         raise ExportRefused(f"the exporter wrote {len(outputs)} output(s) of rank(s) {ranks} for a model that "
-                            f"returns {len(reference)} tensor(s) of rank(s) {[r.ndim for r in reference]}; "
-                            "return a flat tuple or dict of tensors")
+                            f"returns {len(reference)} tensor(s) of rank(s) {expected}; return a flat tuple or "
+                            "dict of tensors")
 
 
 def float_output_names(model: Any, sample: Any) -> list[str] | None:
