@@ -115,8 +115,8 @@ def render(records: dict[str, dict]) -> str:
         "no speed figure.",
         "",
         "| model | params M | prep | float compute / all | Q / DQ (per-channel) | output | shape | LSB literal / "
-        "fused | span LSB | QLinearConv | QGemm | float in ORT | quantize s | export s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "fused | span LSB | QLinearConv | QGemm | float in ORT | quantize s | export s | load | commit, UTC |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def lsb(x):
@@ -125,19 +125,19 @@ def render(records: dict[str, dict]) -> str:
     for name in MODELS:
         r = records.get(name)
         if r is None:
-            lines.append(f"| {name} | not run yet |" + " |" * 13)
+            lines.append(f"| {name} | not run yet |" + " |" * 14)
             continue
         for i, out in enumerate(r["outputs"]):
             head = (f"| {name} | {r['params_m']} | {r['prep']} | {r['n_float_compute']} / {r['n_compute']} | "
                     f"{r['n_quantize']} / {r['n_dequantize']} ({r['n_per_channel']}) |") if i == 0 else "| | | | | |"
             tail = (f" {r['census']['QLinearConv']} | {r['census']['QGemm']} | {r['float_in_ort']} | "
-                    f"{r['quantize_s']} | {r['export_s']} | {r['load_1min']} |") if i == 0 else " | | | | | |"
+                    f"{r['quantize_s']} | {r['export_s']} | {r['load_1min']} | {r['commit']}, "
+                    f"{r['measured_utc']} |") if i == 0 else " | | | | | | |"
             lines.append(f"{head} {out['name']} | {'x'.join(map(str, out['shape']))} | "
                          f"{lsb(out['literal_lsb'])} / {lsb(out['fused_lsb'])} | {out['span_lsb']} |{tail}")
-    meta = next(iter(records.values()), {})
-    lines += ["", f"CPU: {meta.get('cpu', '?')}; 2 cores shared with other developers' runs. "
-              f"Python {platform.python_version()}, torch {torch.__version__}; measured {meta.get('measured_utc', '?')} "
-              f"(commit {meta.get('commit', '?')}).", ""]
+    cpus = sorted({r.get("cpu", "?") for r in records.values()})
+    lines += ["", f"CPU: {'; '.join(cpus) or '?'}; 2 cores shared with other developers' runs (hence the load "
+              f"column). Python {platform.python_version()}, torch {torch.__version__}.", ""]
     return "\n".join(lines)
 
 
