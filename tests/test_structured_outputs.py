@@ -9,6 +9,7 @@ accepted (``hidden_states.0``).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -137,6 +138,9 @@ def test_a_dict_output_is_exported_under_its_keys_and_read_output_by_output(dict
     spans = _output_span_lsb(qmodel, sample, dict_file)
     assert min(spans.values()) > MIN_SPAN_LSB, spans  # neither output is constant: the LSB figures mean something
     assert "aux" in str(readings) and "out" in str(readings)
+    as_json = json.loads(json.dumps(readings.as_dict()))  # the CLI's --json document carries it as is
+    assert list(as_json["per_output"]) == ["out", "aux"]
+    assert as_json["per_output"]["aux"]["literal_lsb"] == readings.per_output["aux"].literal_lsb
     producer = {o: n for n in graph.node for o in n.output}
     compute = [n for n in graph.node if n.op_type in COMPUTE_OPS]
     assert compute and all(producer[i].op_type == "DequantizeLinear" for n in compute for i in n.input[:2])
