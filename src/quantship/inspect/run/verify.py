@@ -25,8 +25,8 @@ from quantship.inspect.run.outputs import output_arrays
 
 __all__ = [
     "DRIFT_LSB", "FusedKernelDrift", "MeasuredPath", "Readings", "Verification", "compare_logits",
-    "measure_readings", "ort_session", "readings_of", "readings_of_outputs", "run_session", "split_batches", "torch_outputs",
-    "verify_qdq", "warn_if_drift",
+    "measure_readings", "ort_session", "readings_of", "readings_of_outputs", "run_session", "split_batches",
+    "torch_outputs", "verify_qdq", "warn_if_drift",
 ]
 
 DRIFT_LSB = 2.0  # the two readings may differ by this much (requantization rounding) before a warning
