@@ -69,10 +69,10 @@ def test_a_model_output_gives_its_fields_that_are_set_in_order():
 
 @pytest.mark.parametrize("output, named", [
     ((_t(1), None), "output 'output_1' of the model is None"),
-    ({"out": _t(1), "n": 3}, "output 'n' of the model is a int"),
+    ({"out": _t(1), "n": 3}, "output 'n' of the model is of type int"),
     ({"out": _t(1), "h": ()}, "output 'h' of the model is an empty tuple"),
     ({1: _t(1), "1": _t(1)}, "repeat the name(s) ['1']"),
-    ("text", "the output of the model is a str"),
+    ("text", "the output of the model is of type str"),
 ])
 def test_what_cannot_be_exported_is_refused_by_name(output, named):
     with pytest.raises(OutputsRefused) as info:
@@ -189,6 +189,20 @@ def test_a_none_output_is_refused_before_anything_is_written(tmp_path):
     message = str(info.value)
     assert "output 'output_1'" in message and "is None" in message and "return tensors only" in message
     assert "\n" not in message and not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_the_cli_refuses_a_none_output_in_one_line_with_exit_2(tmp_path, capsys):
+    from quantship.cli.main import main
+
+    src = tmp_path / "net.py"
+    src.write_text("from tests.fresh.structured import TwoHeads\n\n\ndef build():\n    return TwoHeads('none')\n")
+    calib = tmp_path / "cal.npy"
+    np.save(calib, np.random.default_rng(0).standard_normal((4, 3, 12, 12)).astype(np.float32))
+    out = tmp_path / "none.onnx"
+    code = main(["quantize", f"{src}:build", "--calib", str(calib), "--out", str(out), "--target", "onnxruntime-cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    assert "output 'output_1' of the model (GraphModule) is None" in err[-1] and "Traceback" not in "".join(err)
 
 
 def test_the_float_file_names_its_outputs_as_the_int8_file(dict_file, tmp_path):

@@ -37,7 +37,7 @@ def _walk(value: Any, name: str, out: list[tuple[str, Any]], what: str) -> None:
     elif isinstance(value, (tuple, list)):
         items = [(f"{name}.{i}" if name else f"output_{i}", item) for i, item in enumerate(value)]
     else:
-        kind = "None" if value is None else f"a {type(value).__name__}"
+        kind = "None" if value is None else f"of type {type(value).__name__}"
         raise OutputsRefused(
             f"{where} of {what} is {kind}, not a tensor: only tensor outputs can be exported and compared; "
             f"return tensors only (a wrapper whose forward drops or converts it)")
@@ -73,7 +73,7 @@ def output_arrays(model: Any, batches: list[Any]) -> tuple[list[str] | None, lis
     concatenated along the batch: ``(names, arrays)``, names as ``names_of`` gives them."""
     import torch
 
-    what = type(model).__name__
+    what = f"the model ({type(model).__name__})"
     names: list[str] | None = None
     parts: list[list[np.ndarray]] = []
     with torch.no_grad():
@@ -85,7 +85,7 @@ def output_arrays(model: Any, batches: list[Any]) -> tuple[list[str] | None, lis
                 names, parts = here, [[] for _ in leaves]
             elif here != names:
                 raise OutputsRefused(f"{what} returns outputs {here} on one batch and {names} on another: "
-                                     "the outputs must not depend on the input")
+                                     "return the same outputs whatever the input")
             for part, (_, tensor) in zip(parts, leaves):
                 part.append(tensor.detach().float().cpu().numpy() if tensor.is_floating_point()
                             else tensor.detach().cpu().numpy())
