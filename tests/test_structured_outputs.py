@@ -180,6 +180,14 @@ def test_a_tuple_output_is_named_by_position_and_output_names_rename_it(tmp_path
     assert not (tmp_path / "one_name.onnx").exists()
 
 
+def test_nested_outputs_are_named_by_their_path(tmp_path):
+    model, calibration, sample = two_heads("nested")
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calibration)
+    path = export_qdq(qmodel, sample, tmp_path / "nested.onnx")
+    assert [o.name for o in onnx.load(str(path)).graph.output] == ["seg.out", "cls.0"]
+    assert all(r.literal_lsb is not None and r.literal_lsb <= LSB_LITERAL for r in path.readings.per_output.values())
+
+
 def test_a_none_output_is_refused_before_anything_is_written(tmp_path):
     model, calibration, sample = two_heads("none")
     qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calibration)

@@ -36,6 +36,8 @@ class TwoHeads(nn.Module):
             return out, aux
         if self.kind == "none":
             return out, None
+        if self.kind == "nested":
+            return {"seg": {"out": out}, "cls": [aux]}
         return collections.OrderedDict(out=out, aux=aux)
 
 
