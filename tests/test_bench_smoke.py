@@ -4,7 +4,7 @@ A bench that crashes on main while its published table stays is what these catch
 broke that way and nobody noticed). Each run is a new interpreter, as a user runs the script: a state left
 by an earlier call in the same process cannot hide a failure here. A run must exit 0, print or write its
 table (rows and section headers that an empty or half-written table would lack), write only into the
-test's directory, and leave the repository's published files (BENCHMARKS*.md, ZOO.md, bench/*.json)
+test's directory, and leave the repository's published files (BENCHMARKS*.md, ZOO*.md, bench/*.json)
 byte for byte and mtime for mtime as they were.
 """
 
@@ -81,6 +81,10 @@ RUNS = {
                                              r" +temp left after the next run +0")),
     "real": Smoke(stdout=("ocr_cls|onnx|fp32: ok", "ocr_cls|onnx|ort-defaults: ok",
                           "ocr_cls|onnx|quantship:onnxruntime-cpu: ok", "ocr_cls|pt2e|fp32: ok", "REAL.md")),
+    "segmentation": Smoke(("--out", "{tmp}/ZOO-segmentation.md"), files={
+        "ZOO-segmentation.md": ("Smoke run", "| lraspp_mobilenet_v3_large | 3.2 | ", "| out | 1x21x32x32 | ",
+                                "| deeplabv3_mobilenet_v3_large | not run yet |"),
+        "segmentation_results.json": ('"model": "lraspp_mobilenet_v3_large"', '"name": "out"')}),
     "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of "),
                                                     "zoo_results.json": ('"model": "resnet18"', '"status": "ok"')}),
 }
@@ -94,9 +98,9 @@ def _env() -> dict[str, str]:
 
 
 def _published() -> dict[str, tuple[int, str] | None]:
-    """mtime and digest of every published file (BENCHMARKS*.md, ZOO.md, bench/*.json), and the names of
+    """mtime and digest of every published file (BENCHMARKS*.md, ZOO*.md, bench/*.json), and the names of
     everything else in bench/ (nothing may appear there; the scripts themselves may be edited meanwhile)."""
-    published = [*ROOT.glob("BENCHMARKS*.md"), ROOT / "ZOO.md", *BENCH.glob("*.json")]
+    published = [*ROOT.glob("BENCHMARKS*.md"), *ROOT.glob("ZOO*.md"), *BENCH.glob("*.json")]
     state: dict[str, tuple[int, str] | None] = {p.name: None for p in BENCH.iterdir()}
     state.update({str(p.relative_to(ROOT)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
                   for p in published if p.is_file()})

@@ -44,6 +44,11 @@ class ActivationDtypeRefused(ExportRefused):
     """The activation dtype rewrite (int8 -> uint8) could not be proven exact."""
 
 
+class OutputsRefused(QuantshipError):
+    """A model output that cannot be exported and compared by name (a None or non-tensor leaf, names that
+    coincide)."""
+
+
 class TargetRefused(QuantshipError):
     """An unknown deployment target, or a file that its target's rules do not accept."""
 

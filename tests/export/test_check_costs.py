@@ -103,14 +103,16 @@ def test_reference_cuts_of_a_symbolic_batch(rows, cuts):
 
 
 def test_symbolic_batch_reference_is_the_whole_batch_reading(tiny_affine_pt2e, tiny_calib, tmp_path, monkeypatch):
+    import quantship.export.named_outputs as named_outputs
+
     forwards: list[int] = []
-    real = qdq.torch_outputs
+    real = named_outputs.output_arrays
 
     def recording(model, batches):
         forwards.extend(int(b.shape[0]) for b in batches)
         return real(model, batches)
 
-    monkeypatch.setattr(qdq, "torch_outputs", recording)
+    monkeypatch.setattr(named_outputs, "output_arrays", recording)
     cut = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "cut.onnx", dynamic_batch=True)
     assert forwards == [2, 2, 2, 2]
     monkeypatch.setattr(qdq, "reference_batches", lambda sample, dynamic: [sample])

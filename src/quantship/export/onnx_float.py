@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from quantship.export import artifact, capture, ort_quantize
 from quantship.export.checks import check_identical, check_model, run_unoptimized
+from quantship.export.named_outputs import float_output_names
 from quantship.export.opset import lower_opset
 from quantship.export.refusals import has_pt2e_ops
 from quantship.precision import quant_spec
@@ -36,7 +37,10 @@ def _refuse_pt2e(model: Any) -> None:
 
 def _float_graph(model: Any, sample: Any, opset_version: int, dynamic_batch: bool,
                  input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> onnx.ModelProto:
-    """Dynamo export at opset 18, lowered (and checked) when a lower opset is asked for."""
+    """Dynamo export at opset 18, lowered (and checked) when a lower opset is asked for; a dict / tuple /
+    ModelOutput's tensors are named after their keys, as in the INT8 file."""
+    if output_names is None:
+        output_names = float_output_names(model, sample)
     produced = capture.dynamo_export(
         model, sample, opset_version=max(opset_version, capture.EXPORTER_OPSET), dynamic_batch=dynamic_batch,
         input_names=input_names, output_names=output_names,

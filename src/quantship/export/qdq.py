@@ -32,6 +32,7 @@ from quantship.export.checks import (
 )
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import strip_source_metadata, write_metadata
+from quantship.export.named_outputs import check_outputs_line_up, graph_output_names, reference_outputs
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_spec_held, check_target
@@ -41,9 +42,8 @@ from quantship.inspect.run.verify import (
     MeasuredPath,
     Readings,
     ort_session,
-    readings_of,
+    readings_of_outputs,
     run_session,
-    torch_outputs,
     warn_if_drift,
 )
 from quantship.precision import ORT_CPU, Preset, QuantSpec, quant_preset, resolve_target
@@ -295,9 +295,10 @@ def reference_batches(sample: Any, dynamic_batch: bool) -> list[Any]:
             for a, b in bounds]
 
 
-def read_twice(path: Path, inputs: list[np.ndarray], literal: list[np.ndarray] | None, scale: float | None,
-               reference: np.ndarray) -> Readings:
-    """The written file's two readings on the sample: one optimized session (which must run, with finite
+def read_twice(path: Path, inputs: list[np.ndarray], literal: list[np.ndarray] | None,
+               scales: dict[str, float | None], reference: list[np.ndarray]) -> Readings:
+    """The written file's two readings on the sample, every output in its own LSB (``scales``: the
+    file's output names and scales, in order): one optimized session (which must run, with finite
     outputs: the fused reading) and the literal outputs, run on the file unless already proven."""
     with step("export check: runs with ORT optimizations on"):
         fused = check_runs_optimized(path, inputs, "the written file")
@@ -308,7 +309,7 @@ def read_twice(path: Path, inputs: list[np.ndarray], literal: list[np.ndarray] |
             except Exception as exc:  # ORT raises its own exception types
                 raise ExportRefused(f"the written file: ONNX Runtime cannot run it literally "
                                     f"({type(exc).__name__}: {one_line(exc)})") from exc
-        return readings_of(literal[0], fused[0], scale, reference)
+        return readings_of_outputs(list(scales), scales, literal, fused, reference)
 
 
 @rank_zero_writes("export_qdq")
@@ -344,6 +345,12 @@ def export_qdq(
     on the whole sample, their run of the same graph) and with its default optimizations; the
     returned ``Path`` carries both readings (``.readings``: max LSB vs the torch model, and their
     gap), and ``FusedKernelDrift`` is warned when they differ by more than 2 LSB.
+
+    A model that returns a tuple, a dict or a transformers ``ModelOutput`` gets one graph output per
+    tensor, in its order, named after its key (``out``, ``logits``; ``output_<i>`` in a tuple) unless
+    ``output_names`` names them; every output is checked and read, each in its own LSB
+    (``.readings.per_output``; the top-level figures are the worst output's). A None or non-tensor
+    output is refused by name.
     """
     target = resolve_target(target) if target is not None else None  # the one look-up: a Preset from here on
     spec = exportable_spec(model)
@@ -362,18 +369,13 @@ def export_qdq(
     # the torch reference first: a forward right after torch.export of the same module was measured 3-10x
     # slower on CPU (ResNet-18 pt2e, batch 1: 3.0 s instead of 0.3 s)
     refuse_batch(model, sample, dynamic)
-    try:
-        try:
-            reference = torch_outputs(model, reference_batches(sample, dynamic))
-        except Exception:  # a graph that refuses the cuts runs the sample whole (and refuses below if not)
-            reference = torch_outputs(model, [sample])
-    except Exception as exc:  # a model that cannot run its own sample: say so before exporting
-        raise ExportRefused(f"{type(model).__name__} does not run on the sample in torch "
-                            f"({type(exc).__name__}: {one_line(exc)})") from exc
+    names, reference = reference_outputs(model, reference_batches(sample, dynamic), sample)
+    output_names = graph_output_names(names, reference, output_names)
     with artifact.atomic_destination(path) as staged:
         with step("export: torch.onnx.export (dynamo)"):
             produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
                                input_names=input_names, output_names=output_names)
+            check_outputs_line_up(produced, reference)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
                             inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs))
@@ -393,9 +395,9 @@ def export_qdq(
         if target is not None:
             with step(f"export check: {target.target} rules"):
                 check_target(facts, target)
-        scale = next(iter(facts.output_scales.values()), None)
+        scales = dict(facts.output_scales)
         del facts
-        readings = read_twice(staged, inputs, literal, scale, reference)
+        readings = read_twice(staged, inputs, literal, scales, reference)
     out = MeasuredPath.of(Path(path).expanduser().resolve(), readings)  # a Path; .readings: both ORT readings
     logging.getLogger(__name__).info("%s: %s", out, readings)
     warn_if_drift(readings, str(out), stacklevel=3, seven_bit=spec.reduce_range)  # 3: past rank_zero_writes

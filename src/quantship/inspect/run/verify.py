@@ -21,11 +21,12 @@ import numpy as np
 from quantship.inspect.read.inputs import graph_inputs
 from quantship.inspect.read.lsb import LSBError, lsb_error, output_scales
 from quantship.inspect.run.consumers import cpu_info, ort_session, run_session
+from quantship.inspect.run.outputs import output_arrays
 
 __all__ = [
     "DRIFT_LSB", "FusedKernelDrift", "MeasuredPath", "Readings", "Verification", "compare_logits",
-    "measure_readings", "ort_session", "readings_of", "run_session", "split_batches", "torch_outputs",
-    "verify_qdq", "warn_if_drift",
+    "measure_readings", "ort_session", "readings_of", "readings_of_outputs", "run_session", "split_batches",
+    "torch_outputs", "verify_qdq", "warn_if_drift",
 ]
 
 DRIFT_LSB = 2.0  # the two readings may differ by this much (requantization rounding) before a warning
@@ -54,6 +55,9 @@ class Readings:
     fused_agreement: float | None = None
     cpu: str = ""
     reference: str = "torch"  # what the readings are measured against: the PyTorch model, or the FP32 file
+    # a file with several outputs: each one's readings by graph output name (the fields above are then the
+    # worst LSB over them, the first output's scale and agreement, and every output's values counted)
+    per_output: dict[str, Readings] | None = None
 
     @property
     def drifts(self) -> bool:
@@ -69,7 +73,32 @@ class Readings:
 
         vs = f"vs {self.reference}: literal {lsb(self.literal_lsb)}, fused {lsb(self.fused_lsb)}; " \
             if self.literal_lsb is not None else ""
-        return f"ONNX Runtime {vs}fused vs literal {lsb(self.gap_lsb)}"
+        text = f"ONNX Runtime {vs}fused vs literal {lsb(self.gap_lsb)}"
+        if self.per_output:
+            each = ", ".join(f"{name} {lsb(r.literal_lsb)} / {lsb(r.fused_lsb)}" for name, r in self.per_output.items())
+            text += f" (worst of {len(self.per_output)} outputs; literal / fused per output: {each})"
+        return text
+
+    @classmethod
+    def of_outputs(cls, named: list[tuple[str, Readings]]) -> Readings:
+        """One output's readings as they are; several outputs' as the worst LSB over them, each kept
+        in ``per_output`` under its graph output name."""
+        if len(named) == 1:
+            return named[0][1]
+        first = named[0][1]
+
+        def worst(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return max(known) if known else None
+
+        readings = [r for _, r in named]
+        return cls(
+            literal_lsb=worst([r.literal_lsb for r in readings]), fused_lsb=worst([r.fused_lsb for r in readings]),
+            gap_lsb=worst([r.gap_lsb for r in readings]), scale=first.scale,
+            n_values=sum(r.n_values for r in readings), literal_agreement=first.literal_agreement,
+            fused_agreement=first.fused_agreement, cpu=first.cpu, reference=first.reference,
+            per_output=dict(named),
+        )
 
 
 class Verification(float):
@@ -152,29 +181,41 @@ def warn_if_drift(readings: Readings, what: str, stacklevel: int = 2, *, seven_b
     return True
 
 
+def readings_of_outputs(names: list[str], scales: dict[str, float | None], literal: list[np.ndarray],
+                        fused: list[np.ndarray], reference: list[np.ndarray] | None = None,
+                        against: str = "torch") -> Readings:
+    """Both readings of every output of a file (graph output ``names``, in order), each in its own output's
+    LSB (``scales``, read off the file), against ``reference`` (one array per output, same order)."""
+    if reference is not None and len(reference) != len(names):
+        raise ValueError(f"the file has {len(names)} output(s) ({', '.join(names)}) but the reference "
+                         f"{len(reference)}: compare a model with the file exported from it")
+    return Readings.of_outputs([
+        (name, readings_of(literal[i], fused[i], scales.get(name), None if reference is None else reference[i],
+                           against))
+        for i, name in enumerate(names)])
+
+
 def measure_readings(path: str | Path, batches: list[list[np.ndarray]],
-                     reference: np.ndarray | None = None) -> Readings:
-    """Run ``path`` literally and fused on ``batches`` (each a list of positional inputs); read the
-    first output against ``reference`` (the batches' reference outputs, concatenated) if given."""
-    scale = next(iter(output_scales(path).values()), None)
+                     reference: np.ndarray | list[np.ndarray] | None = None) -> Readings:
+    """Run ``path`` literally and fused on ``batches`` (each a list of positional inputs) and read it
+    against ``reference`` (the batches' reference outputs, concatenated): an array reads the first
+    output, a list one array per output (every output, each in its own LSB)."""
+    scales = output_scales(path)
+    names = list(scales)
     outs = []
     for optimized in (False, True):
         session = ort_session(path, optimized=optimized)
-        outs.append(np.concatenate([run_session(session, batch)[0] for batch in batches]))
-    return readings_of(outs[0], outs[1], scale, reference)
+        runs = [run_session(session, batch) for batch in batches]
+        outs.append([np.concatenate([run[i] for run in runs]) for i in range(len(names))])
+    if reference is None or isinstance(reference, list):
+        return readings_of_outputs(names, scales, outs[0], outs[1], reference)
+    return readings_of(outs[0][0], outs[1][0], scales[names[0]], reference)
 
 
 def torch_outputs(model: Any, batches: list[Any]) -> np.ndarray:
-    """The first output of a torch model over ``batches`` (a tensor or a tuple of tensors each)."""
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for batch in batches:
-            y = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
-            y = y[0] if isinstance(y, (tuple, list)) else y
-            out.append(y.detach().float().cpu().numpy())
-    return np.concatenate(out)
+    """The first output of a torch model over ``batches`` (a tensor or a tuple of tensors each); every
+    output, named: ``outputs.output_arrays``."""
+    return output_arrays(model, batches)[1][0]
 
 
 def split_batches(sample: Any, n_batches: int) -> list[Any]:
@@ -223,16 +264,18 @@ def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *,
 
     The file is read twice, literally and with ONNX Runtime's default optimizations; the result is
     a ``float`` (the agreement of the literal reading, or of the fused one with ``optimized=True``)
-    whose ``.readings`` carries both readings (agreement and max LSB vs torch) and their gap.
+    whose ``.readings`` carries both readings (agreement and max LSB vs torch) and their gap. Every
+    output of the model (a tuple, a dict, a ``ModelOutput``) is compared with the file's output in
+    the same position, in that output's LSB (``.readings.per_output``); the agreement is the first's.
     Warns ``FusedKernelDrift`` when the readings differ by more than ``DRIFT_LSB``, and a
     ``UserWarning`` when the reference predicts one class for every input (the agreement then
     says nothing). ``sample`` is split into ``n_batches`` equal batches (the file's batch size).
     """
     batches = split_batches(sample, n_batches)
     _check_batch(path, int(batches[0].shape[0]))
-    ref = torch_outputs(model, batches)
-    readings = measure_readings(path, [[b.detach().cpu().numpy()] for b in batches], ref)
-    ref_pred = ref.argmax(-1)
+    _, refs = output_arrays(model, batches)
+    readings = measure_readings(path, [[b.detach().cpu().numpy()] for b in batches], refs)
+    ref_pred = refs[0].argmax(-1)
     if len(ref_pred) > 1 and np.unique(ref_pred).size == 1:
         warnings.warn(
             f"the reference model predicts class {int(ref_pred.flat[0])} for all {ref_pred.size} inputs, "
