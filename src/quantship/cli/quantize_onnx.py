@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cross-layer equalization of Conv -> ReLU -> Conv pairs before calibration (data-free)")
     parser.add_argument("--bias-correction", action="store_true",
                         help="correct each quantized layer's bias for the shift of its output mean (on the calibration data)")
+    parser.add_argument("--smooth-quant", type=float, nargs="?", const=0.5, default=None, metavar="ALPHA",
+                        help="SmoothQuant: move activation outliers into MatMul/Gemm/1x1 Conv weights before "
+                             "calibration, migration strength ALPHA in [0, 1] (0.5 when given alone; put it after "
+                             "FLOAT.onnx or give ALPHA)")
     parser.add_argument("--keep-refused", action="store_true",
                         help="--engine ort: keep the file even when the target's check refuses it")
     parser.add_argument("--eval", metavar="LABELLED",
@@ -67,8 +71,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-steps N (N >= 0) bounds the accuracy search: give it with --max-drop")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
-    if args.engine == "ort" and (args.equalize or args.bias_correction):
-        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction)) if on]
+    if args.smooth_quant is not None and not 0.0 <= args.smooth_quant <= 1.0:
+        raise UsageError(f"--smooth-quant {args.smooth_quant:g}: give the migration strength ALPHA in [0, 1] "
+                         "(0.5 when given without a value)")
+    if args.smooth_quant is not None and args.max_drop is not None:
+        raise UsageError("--smooth-quant is not yet combined with the accuracy search: drop --max-drop or --smooth-quant")
+    smoothing = args.smooth_quant is not None
+    if args.engine == "ort" and (args.equalize or args.bias_correction or smoothing):
+        flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction),
+                                 ("--smooth-quant", smoothing)) if on]
         raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
@@ -148,7 +159,8 @@ def _run(args: argparse.Namespace, out) -> int:
     else:
         result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
                                     observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
-                                    equalize=args.equalize, bias_correction=args.bias_correction)
+                                    equalize=args.equalize, bias_correction=args.bias_correction,
+                                    smooth_quant=args.smooth_quant)
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census

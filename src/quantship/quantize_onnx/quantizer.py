@@ -37,6 +37,7 @@ from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_tar
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, target_forms
 from quantship.quantize_onnx import equalize as equalizing
+from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
@@ -196,23 +197,25 @@ class Prepared:
     info: dict  # calibrate.TensorInfo per tensor
     excluded: set[int]
     layout: place.Plan
+    smoother: smoothing.Smoother | None = None  # what SmoothQuant did, when it ran
 
 
 def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
-            exclude: Iterable[str] = (), *, equalize: bool = False) -> Prepared:
+            exclude: Iterable[str] = (), *, equalize: bool = False, smooth_quant: float | None = None) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
     target's ``target_forms``), probe it on the first feed and plan its Q/DQ pairs; ``feeds`` as
     ``feeds_for`` gives them."""
     model = ir.from_proto(proto)
     forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
-    extra = ((equalizing.PASS,) if equalize else ()) + forms
+    smoother = smoothing.Smoother(smooth_quant, feeds) if smooth_quant is not None else None
+    extra = ((equalizing.PASS,) if equalize else ()) + ((smoothing.smoothing_pass(smoother),) if smoother else ()) + forms
     records = normalise(model, feeds, (*normalize.PASSES, *extra) if extra else None)
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
     excluded = place.resolve_excludes(list(model.graph), exclude)
     layout = place.plan(model, info, placement, excluded)
-    return Prepared(model, normal, records, info, excluded, layout)
+    return Prepared(model, normal, records, info, excluded, layout, smoother)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -248,7 +251,7 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
-                       bias_correction: bool = False) -> OnnxQuantizeResult:
+                       bias_correction: bool = False, smooth_quant: float | None = None) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -256,11 +259,14 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
     default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
     calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
-    of its output mean (``bias_correction``). Refusals raise a ``QuantshipError`` and write nothing.
+    of its output mean (``bias_correction``); ``smooth_quant``: SmoothQuant's alpha in [0, 1] (``smooth_quant``;
+    None: off), activation outliers moved into the weights before calibration. Refusals raise a ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
+    if smooth_quant is not None:
+        smoothing.check_alpha(smooth_quant)
     src = Path(float_path).expanduser()
     if src.is_file():
         refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
@@ -276,7 +282,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
-    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize)
+    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, smooth_quant=smooth_quant)
     del proto
     model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
                                                       ready.excluded, ready.layout)
@@ -285,6 +291,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if equalize:
         done = next(r for r in records if r.name == equalizing.PASS.name)
         algorithms["equalize"] = {"pairs_changed": done.changes, "max_abs_diff": done.max_abs_diff}
+    if ready.smoother is not None:
+        done = next(r for r in records if r.name == "smooth_quant")
+        algorithms["smooth_quant"] = {**ready.smoother.record(), "max_abs_diff": done.max_abs_diff}
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
