@@ -139,15 +139,13 @@ def _producer_edits(producer: ir.Node, from_end: int, channels: int) -> list[_Ed
         if bias is not None and _const(bias) is None:
             return "its LayerNormalization's bias is computed"
         return [_Edit(producer, 1, scale.ndim - 1)] + ([_Edit(producer, 2, _const(bias).ndim - 1)] if bias else [])
-    found = _layer(producer)
-    if found is None:
+    w = _const(producer.inputs[1]) if len(producer.inputs) > 1 else None
+    if w is None or (op == "Gemm" and _attr(producer, "transA", 0)) or (op != "Conv" and w.ndim != 2):
         return f"its producer {op} has no stored weight to take 1 / s"
-    layer, _ = found
-    w = _const(layer.weight)
-    if op == "Conv" and from_end == -(w.ndim - 1):
+    if op == "Conv" and from_end == -(w.ndim - 1) and _attr(producer, "group", 1) == 1:
         out_axis = 0
     elif op in ("MatMul", "Gemm") and from_end == -1:
-        out_axis = 1 - layer.axis
+        out_axis = 0 if op == "Gemm" and _attr(producer, "transB", 0) else 1
     else:
         return f"its producer {op}'s output channels are not on this layer's channel axis"
     if w.shape[out_axis] != channels:
