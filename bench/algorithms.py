@@ -79,7 +79,8 @@ def changed(algorithms: dict) -> str:
     if "smooth_quant" in algorithms:
         sq = algorithms["smooth_quant"]
         parts.append(f"{sq['layers_smoothed']} layers smoothed (alpha {sq['alpha']:g}, {sq['layers_skipped']} skipped, "
-                     f"largest s {sq['largest_scale']:.3g}, float proof max abs diff {sq['max_abs_diff'] or 0:.2g})")
+                     f"largest s {sq['largest_scale']:.3g}, float proof max abs diff {sq['max_abs_diff'] or 0:.2g}) "
+                     f"in {sq['seconds']:.1f} s")
     return "; ".join(parts) or "-"
 
 

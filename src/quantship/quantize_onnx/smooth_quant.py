@@ -32,6 +32,7 @@ only, batch by batch (sliced to ``calibrate.MEMORY_BUDGET``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -302,8 +303,16 @@ class Smoother:
         self.smoothed: dict[str, str] = {}  # layer -> the range of its s
         self.skipped: dict[str, str] = {}
         self.largest_scale = 1.0
+        self.seconds = 0.0
 
     def run(self, model: ir.Model) -> int:
+        start = time.perf_counter()
+        try:
+            return self._smooth(model)
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def _smooth(self, model: ir.Model) -> int:
         groups, self.skipped = find_groups(model)
         if not groups:
             return 0
@@ -324,7 +333,8 @@ class Smoother:
 
     def record(self) -> dict:
         return {"alpha": self.alpha, "layers_smoothed": len(self.smoothed), "layers_skipped": len(self.skipped),
-                "largest_scale": self.largest_scale, "smoothed": dict(self.smoothed), "skipped": dict(self.skipped)}
+                "largest_scale": self.largest_scale, "smoothed": dict(self.smoothed), "skipped": dict(self.skipped),
+                "seconds": round(self.seconds, 3)}
 
 
 def smoothing_pass(smoother: Smoother) -> Pass:
