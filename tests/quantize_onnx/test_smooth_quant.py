@@ -17,6 +17,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from quantship.errors import SpecRefused
+from quantship.examples import real
 from quantship.quantize_onnx import quantize_onnx_file
 from quantship.quantize_onnx import smooth_quant as sq
 from tests.quantize_onnx import graphs
@@ -249,3 +250,29 @@ def test_the_cli_flag_end_to_end_and_a_bad_alpha_in_one_line(tmp_path):
         done = _cli(str(path), "--calib", str(tmp_path / "cal.npy"), "--out", str(refused), f"--smooth-quant={bad}")
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "[0, 1]" in done.stderr and "Traceback" not in done.stderr and not refused.exists()
+
+
+def test_magika_s_layer_norm_is_folded_and_its_outputs_kept():
+    """The real transformer-like file: its LayerNorm is written out (``(x - mean) * (rstd * gamma) + beta``)
+    before the classifier head ``Dense_1``, which is smoothed; ``Dense_0`` reads a one-hot Cast and is
+    skipped. Random bytes are valid input (the proof needs the function, not real files)."""
+    try:
+        real.require("magika")
+    except real.MissingPackage as exc:
+        pytest.skip(str(exc))
+    from quantship.examples.real import magika_files
+
+    m = onnx.load(str(magika_files.model_path()))
+    name = m.graph.input[0].name
+    rng = np.random.default_rng(0)
+    calib = {name: rng.integers(0, 257, (16, 2048)).astype(np.int32)}
+    held_out = {name: rng.integers(0, 257, (16, 2048)).astype(np.int32)}
+    model = ir.from_proto(m)
+    smoother = sq.Smoother(0.5, [calib])
+    smoother.run(model)
+    record = smoother.record()
+    assert [k.rsplit("/", 2)[-2] for k in record["smoothed"]] == ["Dense_1"]
+    assert [(k.split("MagikaV2/")[-1], why) for k, why in record["skipped"].items()] == [
+        ("Dense_0/einsum/Einsum", "its producer Cast cannot take 1 / s exactly")]
+    before, after = _run(m, held_out)[0], _run(ir.to_proto(model), held_out)[0]
+    assert np.abs(before - after).max() <= 1e-5 * np.abs(before).max()
