@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
+from quantship.cli.main import main
 from quantship.errors import SpecRefused
 from quantship.examples import real
 from quantship.quantize_onnx import quantize_onnx_file
@@ -276,3 +277,18 @@ def test_magika_s_layer_norm_is_folded_and_its_outputs_kept():
         ("Dense_0/einsum/Einsum", "its producer Cast cannot take 1 / s exactly")]
     before, after = _run(m, held_out)[0], _run(ir.to_proto(model), held_out)[0]
     assert np.abs(before - after).max() <= 1e-5 * np.abs(before).max()
+
+
+@pytest.mark.parametrize("extra, said", [(["--engine", "ort"], "quantship's engine only"),
+                                         (["--eval", "EVAL", "--max-drop", "1"], "not yet combined")])
+def test_the_cli_refuses_smooth_quant_where_it_does_not_run(tmp_path, capsys, extra, said):
+    path = graphs.save(layer_norm_projections(), tmp_path / "ln.onnx")
+    x = _data(onnx.load(str(path)), 16, seed=1)["x"]
+    np.save(tmp_path / "cal.npy", x)
+    np.savez(tmp_path / "eval.npz", x=x, y=np.zeros(len(x), np.int64))
+    out = tmp_path / "int8.onnx"
+    argv = [str(tmp_path / "eval.npz") if a == "EVAL" else a for a in extra]
+    assert main(["quantize-onnx", str(path), "--calib", str(tmp_path / "cal.npy"), "--out", str(out),
+                 "--smooth-quant", "0.5", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0] and not out.exists()
