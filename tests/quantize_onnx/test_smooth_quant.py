@@ -90,15 +90,19 @@ def chains() -> onnx.ModelProto:
     return graphs.model(nodes, [graphs.value("x", ["n", f])], outs, inits)
 
 
-def conv_1x1() -> onnx.ModelProto:
-    """x -> Conv 3x3 (outlier output channels) -> Conv 1x1: 1 / s into the first conv's weight and bias."""
+def conv_1x1(depthwise: bool = False) -> onnx.ModelProto:
+    """x -> Conv 3x3 (outlier output channels; depthwise, MobileNet's pattern, if asked) -> Conv 1x1:
+    1 / s into the first conv's weight and bias."""
     spread = np.ones(C, np.float32)
     spread[OUTLIERS] = 30.0
-    w1 = np.random.default_rng(6).standard_normal((C, 3, 3, 3)).astype(np.float32) * spread[:, None, None, None]
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+    shape, group = ((C, 1, 3, 3), C) if depthwise else ((C, 3, 3, 3), 1)
+    w1 = np.random.default_rng(6).standard_normal(shape).astype(np.float32) * spread[:, None, None, None]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1], group=group),
              helper.make_node("Conv", ["c1", "w2", "b2"], ["y"], name="conv2")]
     inits = [_init(w1, "w1"), _init(spread, "b1"), graphs.weight(OUT, C, 1, 1, name="w2"), graphs.weight(OUT, name="b2")]
-    return graphs.model(nodes, [graphs.value("x", ["n", 3, 6, 6])], [graphs.value("y", ["n", OUT, 6, 6])], inits)
+    x_channels = C if depthwise else 3
+    return graphs.model(nodes, [graphs.value("x", ["n", x_channels, 6, 6])], [graphs.value("y", ["n", OUT, 6, 6])],
+                        inits)
 
 
 def _data(m: onnx.ModelProto, n: int, seed: int) -> dict[str, np.ndarray]:
@@ -133,6 +137,7 @@ def _weights(m: onnx.ModelProto) -> dict[str, np.ndarray]:
     (lambda: layer_norm_projections(3), {"proj0", "proj1", "proj2"}, set()),
     (chains, {"fc2", "fc4", "fc6"}, {"fc1", "fc3", "fc5", "fc7"}),
     (conv_1x1, {"conv2"}, set()),
+    (lambda: conv_1x1(depthwise=True), {"conv2"}, set()),
 ])
 def test_the_float_outputs_are_kept_and_the_record_names_each_layer(build, smoothed, skipped):
     m = build()

@@ -143,7 +143,7 @@ def _producer_edits(producer: ir.Node, from_end: int, channels: int) -> list[_Ed
     w = _const(producer.inputs[1]) if len(producer.inputs) > 1 else None
     if w is None or (op == "Gemm" and _attr(producer, "transA", 0)) or (op != "Conv" and w.ndim != 2):
         return f"its producer {op} has no stored weight to take 1 / s"
-    if op == "Conv" and from_end == -(w.ndim - 1) and _attr(producer, "group", 1) == 1:
+    if op == "Conv" and from_end == -(w.ndim - 1):  # grouped too: each output channel has its own weights
         out_axis = 0
     elif op in ("MatMul", "Gemm") and from_end == -1:
         out_axis = 0 if op == "Gemm" and _attr(producer, "transB", 0) else 1
