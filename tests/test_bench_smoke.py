@@ -42,7 +42,8 @@ class Smoke:
 RUNS = {
     "algorithms": Smoke(stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
                                 "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
-                                "15 conv pairs equalized", "biases corrected")),
+                                "| smooth_quant | ", "15 conv pairs equalized", "biases corrected",
+                                "layers smoothed (alpha 0.5")),
     "batch1_profile": Smoke(stdout=("ocr_cls_int8.onnx: graph ORT runs: ", "| op type | us per run | share |",
                                     "QLinearConv", "interleaved, median of 2: FP32 / INT8 = ")),
     "accuracy_budget": Smoke(stdout=("| observer | budget (points) |", "| minmax | 0 | ", "ORT ms batch 1")),
