@@ -5,6 +5,7 @@ plain, and the CLI flag runs end to end with a bad alpha refused in one line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from quantship.errors import SpecRefused
 from quantship.examples import real
 from quantship.quantize_onnx import quantize_onnx_file
 from quantship.quantize_onnx import smooth_quant as sq
-from tests.quantize_onnx import graphs
+from tests.quantize_onnx import graphs, outlier
 
 C, OUT = 32, 16
 OUTLIERS = [3, 11, 20, 21]  # channels where the activation is ~40x the others (what SmoothQuant moves)
@@ -284,8 +285,7 @@ def test_magika_s_layer_norm_is_folded_and_its_outputs_kept():
     assert np.abs(before - after).max() <= 1e-5 * np.abs(before).max()
 
 
-@pytest.mark.parametrize("extra, said", [(["--engine", "ort"], "quantship's engine only"),
-                                         (["--eval", "EVAL", "--max-drop", "1"], "not yet combined")])
+@pytest.mark.parametrize("extra, said", [(["--engine", "ort"], "quantship's engine only")])
 def test_the_cli_refuses_smooth_quant_where_it_does_not_run(tmp_path, capsys, extra, said):
     path = graphs.save(layer_norm_projections(), tmp_path / "ln.onnx")
     x = _data(onnx.load(str(path)), 16, seed=1)["x"]
@@ -297,3 +297,17 @@ def test_the_cli_refuses_smooth_quant_where_it_does_not_run(tmp_path, capsys, ex
                  "--smooth-quant", "0.5", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0] and not out.exists()
+
+
+def test_the_accuracy_search_runs_smoothed_and_the_outlier_needs_no_float_layer(tmp_path, capsys):
+    """``outlier.model``: fc1's channel 0 is 400x the others and fc2 does not read it (its weights there
+    are zero). Plain min/max int8 misses a 3-point budget (tests/quantize_onnx/test_search.py); smoothed,
+    step 0 already fits, so the search keeps nothing in float."""
+    files = outlier.files(tmp_path)
+    out = tmp_path / "q.onnx"
+    assert main(["quantize-onnx", str(files["float"]), "--calib", str(files["calib"]), "--out", str(out),
+                 "--observer", "minmax", "--eval", str(files["eval"]), "--max-drop", "3", "--smooth-quant",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["accuracy_search"]["chosen"] == [] and len(doc["accuracy_search"]["steps"]) == 1
+    assert doc["algorithms"]["smooth_quant"]["smoothed"].keys() == {"fc2"}

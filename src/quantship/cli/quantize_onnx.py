@@ -74,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
     if args.smooth_quant is not None and not 0.0 <= args.smooth_quant <= 1.0:
         raise UsageError(f"--smooth-quant {args.smooth_quant:g}: give the migration strength ALPHA in [0, 1] "
                          "(0.5 when given without a value)")
-    if args.smooth_quant is not None and args.max_drop is not None:
-        raise UsageError("--smooth-quant is not yet combined with the accuracy search: drop --max-drop or --smooth-quant")
     smoothing = args.smooth_quant is not None
     if args.engine == "ort" and (args.equalize or args.bias_correction or smoothing):
         flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction),
@@ -151,7 +149,7 @@ def _run(args: argparse.Namespace, out) -> int:
                                          labelled=(labelled.x, labelled.y), exclude=args.exclude,
                                          observer=args.observer, per_tensor=args.per_tensor,
                                          max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
-                                         bias_correction=args.bias_correction,
+                                         bias_correction=args.bias_correction, smooth_quant=args.smooth_quant,
                                          wait=not args.no_wait, log=ui.say)
         except OnnxBudgetMissed as missed:
             return _budget_missed(args, ui, missed)

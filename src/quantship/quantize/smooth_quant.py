@@ -23,7 +23,7 @@ import torch
 from quantship.errors import SpecRefused
 
 DEFAULT_ALPHA = 0.5
-MIN_RANGE = 1e-8  # a channel whose activation or weight is (almost) all zero keeps s = 1
+MIN_RANGE = 1e-8  # a channel whose activation is (almost) all zero keeps s = 1
 _LINEAR, _LAYER_NORM = "aten.linear.default", "aten.layer_norm.default"
 
 
@@ -142,6 +142,9 @@ def smooth(model: torch.nn.Module, batches: Sequence[torch.Tensor], alpha: float
             s = torch.ones_like(x_range)
             usable = (x_range > MIN_RANGE) & (w_range > MIN_RANGE)
             s[usable] = x_range[usable] ** record.alpha / w_range[usable] ** (1.0 - record.alpha)
+            unread = (x_range > MIN_RANGE) & (w_range <= MIN_RANGE)  # all-zero weights: any s is exact
+            if unread.any() and usable.any():  # the median smoothed range, as the ONNX pass does
+                s[unread] = x_range[unread] / (x_range[usable] / s[usable]).median()
             source = modules[producer]
             if isinstance(source, torch.nn.LayerNorm):
                 source.weight.div_(s.to(source.weight.dtype))

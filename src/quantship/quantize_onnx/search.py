@@ -186,12 +186,13 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 metric: Callable[[Run], float] | None = None, exclude: Iterable[str] = (),
                 observer: str | None = None, per_tensor: bool = False, max_steps: int | None = None,
                 batch_size: int = 32, wait: bool = True, equalize: bool = False, bias_correction: bool = False,
+                smooth_quant: float | None = None,
                 log: Callable[[str], None] = lambda _: None) -> tuple[OnnxQuantizeResult, OnnxSearch]:
     """Quantize ``float_path`` for ``target`` keeping the fewest nodes in float whose file loses at most
     ``max_drop`` of the metric (see the module docstring); write it at ``out_path``.
 
     ``exclude``: nodes kept in float in every step (the search adds to them). ``equalize`` /
-    ``bias_correction``: as ``quantize_onnx_file``'s, in every step. ``max_steps``: at most
+    ``bias_correction`` / ``smooth_quant``: as ``quantize_onnx_file``'s, in every step. ``max_steps``: at most
     that many steps after step 0 (None: every candidate node). Returns the accepted file's
     ``OnnxQuantizeResult`` and the search; raises ``OnnxBudgetMissed`` (nothing written) when no step fits.
     """
@@ -204,7 +205,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
     final = Path(out_path).expanduser().resolve()
     base = tuple(exclude)
     options = dict(target=target, observer=observer, per_tensor=per_tensor, equalize=equalize,
-                   bias_correction=bias_correction)
+                   bias_correction=bias_correction, smooth_quant=smooth_quant)
     with progress_step(f"accuracy search: {name} of the float file"):
         reference = score(src)
     result = OnnxSearch(name, reference, float(max_drop))

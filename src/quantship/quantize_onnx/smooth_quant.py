@@ -5,6 +5,8 @@ For a layer ``Y = X W`` (MatMul, Gemm, or a 1x1 Conv, whose weight is stored), e
 gets ``s_j = max|X_j| ^ alpha / max|W_j| ^ (1 - alpha)``, ``max|X_j|`` measured on the calibration
 data; ``X`` is divided by ``s`` and ``W``'s input channel ``j`` multiplied by ``s_j``, so ``Y`` is
 unchanged while the few channels where ``X`` is large no longer set the per-tensor activation grid.
+A channel no layer reads (its weights all zero, where the formula's ``s`` is infinite) is brought to the
+median range of the smoothed channels instead; that is exact too, its weights stay zero.
 
 The division is folded where it is exact, walking back from ``X`` through ops each of whose outputs
 has one reader:
@@ -45,7 +47,7 @@ from quantship.quantize_onnx.data import Feed
 from quantship.quantize_onnx.normalize import DEFAULT_DOMAINS, Pass
 
 DEFAULT_ALPHA = 0.5  # the paper's default migration strength
-MIN_RANGE = 1e-8  # a channel whose activation or weight is (almost) all zero keeps s = 1
+MIN_RANGE = 1e-8  # a channel whose activation is (almost) all zero keeps s = 1
 MAX_WALK = 4  # ops crossed back from the activation to the op that takes 1 / s
 
 
@@ -278,6 +280,9 @@ def _scales(group: _Group, x_range: np.ndarray, alpha: float) -> np.ndarray:
     s = np.ones_like(w_range)
     usable = (x_range > MIN_RANGE) & (w_range > MIN_RANGE)
     s[usable] = x_range[usable].astype(np.float64) ** alpha / w_range[usable] ** (1.0 - alpha)
+    unread = (x_range > MIN_RANGE) & (w_range <= MIN_RANGE)  # no layer reads the channel: any s is exact
+    if unread.any() and usable.any():  # the formula's s is infinite; bring it to the median smoothed range
+        s[unread] = x_range[unread] / np.median(x_range[usable] / s[usable])
     return s
 
 
