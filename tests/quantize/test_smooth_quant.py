@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import copy
 
+import onnx
 import pytest
 import torch
 import torch.nn as nn
 
-from quantship import Quantizer
+from quantship import Quantizer, export_qdq
 from quantship.errors import SpecRefused
 from quantship.quantize import smooth_quant as sq
 
@@ -97,3 +98,15 @@ def test_outlier_channels_quantize_better_smoothed_than_plain():
     # measured: mean abs error 0.086 plain, 0.065 smoothed (0.76x): the LayerNorm's outlier channels set the
     # per-tensor grid of q's and k's input when plain; 0.85x leaves room for observer changes, not for no gain
     assert errors[0.5] < 0.85 * errors[None], errors
+
+
+def test_the_exported_file_carries_the_smoothing_in_its_provenance(tmp_path):
+    model = Block().eval()
+    q = Quantizer(backend="pt2e", smooth_quant=0.5)
+    quantized = q.quantize(model, _batches(2), max_calibration_samples=32)
+    path = export_qdq(quantized, torch.randn(4, C), tmp_path / "smoothed.onnx")
+    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert meta["quantship.algorithms"].startswith("smooth_quant: alpha 0.5, layers_smoothed 3, layers_skipped 1")
+    plain = export_qdq(Quantizer(backend="pt2e").quantize(model, _batches(2), max_calibration_samples=32),
+                       torch.randn(4, C), tmp_path / "plain.onnx")
+    assert "quantship.algorithms" not in {p.key for p in onnx.load(str(plain)).metadata_props}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import Preset, QuantSpec, resolve_spec, resolve_target, tag_model
+from quantship.precision import ALGORITHMS_ATTRIBUTE, Preset, QuantSpec, resolve_spec, resolve_target, tag_model
 from quantship.quantize import accuracy
 from quantship.quantize import smooth_quant as smoothing
 from quantship.quantize.calibration import collect_batches
@@ -156,6 +156,8 @@ class Quantizer:
             if chosen.backend == "pt2e":
 
                 self.report = annotation_report(quantized)
+            if self.smoothing is not None:  # export_qdq writes it into the file's provenance
+                setattr(quantized, ALGORITHMS_ATTRIBUTE, {"smooth_quant": self.smoothing.as_dict()})
             return tag_model(quantized, chosen, self.preset)
 
         if self.max_accuracy_drop is None:

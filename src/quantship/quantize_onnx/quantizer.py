@@ -22,7 +22,7 @@ import onnx_ir as ir
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.export.metadata import write_metadata
+from quantship.export.metadata import ALGORITHMS_KEY, algorithms_summary, write_metadata
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
@@ -45,7 +45,6 @@ from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_R
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
 NORMALISED_KEY = "quantship.normalised"
-ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
 READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
@@ -316,7 +315,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
-    model.metadata_props[ALGORITHMS_KEY] = "; ".join(f"{k}: {_summary(v)}" for k, v in algorithms.items()) or "none"
+    model.metadata_props[ALGORITHMS_KEY] = algorithms_summary(algorithms)
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
@@ -349,9 +348,3 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
         census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms)
 
-
-def _summary(done: dict) -> str:
-    """``name value`` pairs of an algorithm's record for the provenance (no timings: the file stays reproducible)."""
-    shown = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
-             if k != "seconds" and not isinstance(v, dict) and v is not None]
-    return ", ".join(shown) or "ran"
