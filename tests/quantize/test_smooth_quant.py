@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import onnx
 import pytest
 import torch
 import torch.nn as nn
 
 from quantship import Quantizer, export_qdq
+from quantship.cli.main import main
 from quantship.errors import SpecRefused
 from quantship.quantize import smooth_quant as sq
 
@@ -110,3 +112,31 @@ def test_the_exported_file_carries_the_smoothing_in_its_provenance(tmp_path):
     plain = export_qdq(Quantizer(backend="pt2e").quantize(model, _batches(2), max_calibration_samples=32),
                        torch.randn(4, C), tmp_path / "plain.onnx")
     assert "quantship.algorithms" not in {p.key for p in onnx.load(str(plain)).metadata_props}
+
+
+NET = """import torch.nn as nn
+from tests.quantize.test_smooth_quant import Block
+class Net(nn.Module):  # the CLI calibrates on N x C x H x W arrays
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+    def forward(self, x):
+        return self.block(x.flatten(1))
+def build():
+    return Net()
+"""
+
+
+def test_quantize_cli_smooth_quant_end_to_end_and_a_bad_alpha(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(NET)
+    np.save(tmp_path / "cal.npy", torch.cat(_batches(4)).reshape(-1, 1, 4, 8).numpy())
+    out = tmp_path / "m.onnx"
+    common = ["quantize", f"{tmp_path / 'net.py'}:build", "--calib", str(tmp_path / "cal.npy"), "--quiet"]
+    assert main([*common, "--out", str(out), "--smooth-quant"]) == 0
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["quantship.algorithms"].startswith("smooth_quant: alpha 0.5, layers_smoothed 3")
+    capsys.readouterr()
+    refused = tmp_path / "refused.onnx"
+    assert main([*common, "--out", str(refused), "--smooth-quant=1.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[0, 1]" in err[0] and not refused.exists()
