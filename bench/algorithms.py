@@ -1,9 +1,10 @@
 """Post-training algorithms of the ONNX quantizer, side by side with plain quantization, on real models.
 
 For each model (``bench/real.py``'s tasks: same data, calibration and metrics), ``quantize_onnx_file`` runs
-once per algorithm setting (plain, ``equalize``, ``bias_correction``, both, ``seq_mse``, ``adaround``, the
-last two together; the adaround ones, minutes per model, only when ``--settings`` names them) for one
-preset; each INT8 file is scored in ONNX Runtime at its default optimizations (what users run) with a Wilson 95% interval, next
+once per algorithm setting (plain, ``equalize``, ``bias_correction``, both, ``smooth_quant`` with alpha 0.5,
+``seq_mse``, ``adaround``, the last two together; the adaround ones, minutes per model, only when
+``--settings`` names them) for one preset; each INT8 file is scored in ONNX Runtime at its default
+optimizations (what users run) with a Wilson 95% interval, next
 to FP32. Quantize time is wall time of the call; peak memory is the process's resident set sampled every
 10 ms during the call, above its value when the call started (what the call added; the first setting's
 figure also holds the one-time imports and caches of the first call).
@@ -34,6 +35,7 @@ SETTINGS = {  # name -> quantize_onnx_file options
     "equalize": {"equalize": True},
     "bias_correction": {"bias_correction": True},
     "equalize + bias_correction": {"equalize": True, "bias_correction": True},
+    "smooth_quant": {"smooth_quant": 0.5},
     "seq_mse": {"seq_mse": True},
     "adaround": {"adaround": True},
     "seq_mse + adaround": {"seq_mse": True, "adaround": True},
@@ -83,6 +85,11 @@ def changed(algorithms: dict) -> str:
         bc = algorithms["bias_correction"]
         parts.append(f"{bc['n_corrected']} biases corrected ({bc['n_added']} added, {len(bc['skipped'])} skipped) "
                      f"in {bc['n_passes']} passes on {bc['samples']} samples, {bc['seconds']:.1f} s")
+    if "smooth_quant" in algorithms:
+        sq = algorithms["smooth_quant"]
+        parts.append(f"{sq['layers_smoothed']} layers smoothed (alpha {sq['alpha']:g}, {sq['layers_skipped']} skipped, "
+                     f"largest s {sq['largest_scale']:.3g}, float proof max abs diff {sq['max_abs_diff'] or 0:.2g}) "
+                     f"in {sq['seconds']:.1f} s")
     if "seq_mse" in algorithms:
         sm = algorithms["seq_mse"]
         parts.append(f"{sm['n_channels_changed']} of {sm['n_channels']} weight scales moved (down to "

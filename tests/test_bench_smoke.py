@@ -42,8 +42,8 @@ class Smoke:
 RUNS = {
     "algorithms": Smoke(stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
                                 "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
-                                "15 conv pairs equalized", "biases corrected", "| seq_mse | ",
-                                "weight scales moved")),
+                                "| smooth_quant | ", "15 conv pairs equalized", "biases corrected",
+                                "layers smoothed (alpha 0.5", "| seq_mse | ", "weight scales moved")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",
                            "| FP32 | ", "| plain INT8 | ", "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ",
                            "Load average")),

@@ -18,6 +18,7 @@ from quantship.errors import SpecRefused, TargetRefused
 
 FLOAT_BITS = 16  # "stays floating point" in a label: W8A16 is INT8 weight-only
 SPEC_ATTRIBUTE = "_quantship_spec"  # where a produced model carries its QuantSpec
+ALGORITHMS_ATTRIBUTE = "_quantship_algorithms"  # ... and {algorithm: its record} (SmoothQuant), for export_qdq
 TARGET_ATTRIBUTE = "_quantship_target"  # and the deployment preset it was made for
 METADATA_KEY = "quantship.spec"  # the ONNX metadata_props key that carries it in a file
 

@@ -15,7 +15,8 @@ from quantship.cli.usage import UsageError
 
 # every Quantizer keyword a config file may set (the signature of quantship.Quantizer)
 QUANTIZER_KEYS = ("backend", "method", "weight_bits", "act_bits", "qscheme", "symmetric", "group_size",
-                  "qdq_placement", "skip_activations", "act_observer", "reduce_range", "max_accuracy_drop")
+                  "qdq_placement", "skip_activations", "act_observer", "reduce_range", "max_accuracy_drop",
+                  "smooth_quant")
 CONFIG_KEYS = (*QUANTIZER_KEYS, "target")
 
 
@@ -31,6 +32,9 @@ def add_quantizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-drop", type=float, default=None, metavar="POINTS",
                         help="accuracy-aware: keep the most sensitive layers in float until the top-1 drop on "
                              "--eval data is at most POINTS percentage points")
+    parser.add_argument("--smooth-quant", type=float, nargs="?", const=0.5, default=None, metavar="ALPHA",
+                        help="SmoothQuant before capture: LayerNorm/Linear -> Linear activation outliers moved into "
+                             "the weights, migration strength ALPHA in [0, 1] (0.5 when given alone)")
 
 
 def read_config(path: str | None) -> dict[str, Any]:
@@ -63,8 +67,12 @@ def quantizer_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[
     """Quantizer keywords: the config file's, then the command line's flags on top."""
     options = {k: v for k, v in config.items() if k in QUANTIZER_KEYS}
     flags = {"skip_activations": args.exclude, "qdq_placement": args.placement, "act_observer": args.observer,
-             "max_accuracy_drop": args.max_drop, "qscheme": getattr(args, "qscheme", None)}
+             "max_accuracy_drop": args.max_drop, "qscheme": getattr(args, "qscheme", None),
+             "smooth_quant": getattr(args, "smooth_quant", None)}
     options.update({k: v for k, v in flags.items() if v is not None})
+    alpha = options.get("smooth_quant")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+        raise UsageError(f"--smooth-quant {alpha}: give the migration strength ALPHA in [0, 1] (0.5 when given alone)")
     if options.get("max_accuracy_drop") is not None and not getattr(args, "eval", None):
         raise UsageError("--max-drop (max_accuracy_drop) needs --eval labelled data to measure top-1 on")
     return options

@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cross-layer equalization of Conv -> ReLU -> Conv pairs before calibration (data-free)")
     parser.add_argument("--bias-correction", action="store_true",
                         help="correct each quantized layer's bias for the shift of its output mean (on the calibration data)")
+    parser.add_argument("--smooth-quant", type=float, nargs="?", const=0.5, default=None, metavar="ALPHA",
+                        help="SmoothQuant: move activation outliers into MatMul/Gemm/1x1 Conv weights before "
+                             "calibration, migration strength ALPHA in [0, 1] (0.5 when given alone; put it after "
+                             "FLOAT.onnx or give ALPHA)")
     parser.add_argument("--seq-mse", action="store_true",
                         help="search each weight's scale per output channel for the least layer output error "
                              "(on the calibration data)")
@@ -79,10 +83,15 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
     args.adaround = _adaround_steps(args.adaround)
-    if args.engine == "ort" and (args.equalize or args.bias_correction or args.seq_mse or args.adaround or args.int16):
+    if args.smooth_quant is not None and not 0.0 <= args.smooth_quant <= 1.0:
+        raise UsageError(f"--smooth-quant {args.smooth_quant:g}: give the migration strength ALPHA in [0, 1] "
+                         "(0.5 when given without a value)")
+    smoothing = args.smooth_quant is not None
+    if args.engine == "ort" and (args.equalize or args.bias_correction or smoothing or args.seq_mse or args.adaround
+                                 or args.int16):
         flags = [f for f, on in (("--equalize", args.equalize), ("--bias-correction", args.bias_correction),
-                                 ("--seq-mse", args.seq_mse), ("--adaround", args.adaround),
-                                 ("--int16", args.int16)) if on]
+                                 ("--smooth-quant", smoothing), ("--seq-mse", args.seq_mse),
+                                 ("--adaround", args.adaround), ("--int16", args.int16)) if on]
         raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
     with common.writing(args) as out:
         if args.engine == "ort":
@@ -169,8 +178,9 @@ def _run(args: argparse.Namespace, out) -> int:
                                          labelled=(labelled.x, labelled.y), exclude=args.exclude,
                                          observer=args.observer, per_tensor=args.per_tensor,
                                          max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
-                                         bias_correction=args.bias_correction, seq_mse=args.seq_mse,
-                                         adaround=args.adaround, int16=args.int16, wait=not args.no_wait, log=ui.say)
+                                         bias_correction=args.bias_correction, smooth_quant=args.smooth_quant,
+                                         seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16,
+                                         wait=not args.no_wait, log=ui.say)
         except OnnxBudgetMissed as missed:
             return _budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
@@ -178,7 +188,8 @@ def _run(args: argparse.Namespace, out) -> int:
         result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
                                     observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
                                     equalize=args.equalize, bias_correction=args.bias_correction,
-                                    seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16)
+                                    seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16,
+                                    smooth_quant=args.smooth_quant)
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census

@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     config = options.read_config(args.config)
     overrides = options.quantizer_options(args, config)
     overrides.pop("max_accuracy_drop", None)
+    if overrides.get("smooth_quant") is not None:
+        raise UsageError("--smooth-quant: this report compares each layer's output with the unsmoothed model's, "
+                         "which smoothing rescales on purpose; run it without --smooth-quant")
     target = preset(args.target)
     model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
@@ -134,7 +137,8 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     batches = read_feeds(args, inputs)
     check_memory(args.model, batches)
     ui.say(f"sensitivity: quantizing {args.model} for {target.target}, then every quantized node's output vs float")
-    report = node_sqnr(args.model, batches, target=target, exclude=args.exclude or (), observer=args.observer)
+    report = node_sqnr(args.model, batches, target=target, exclude=args.exclude or (), observer=args.observer,
+                       smooth_quant=args.smooth_quant)
     suggested = report.suggest_exclude(args.k)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = report.plot(out_dir / "sensitivity.png", worst=args.k)

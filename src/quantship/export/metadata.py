@@ -10,6 +10,7 @@ from quantship.precision import METADATA_KEY, QuantSpec
 VERSION_KEY = "quantship.version"
 ACTIVATION_DTYPE_KEY = "quantship.activation_dtype"
 TARGET_KEY = "quantship.target"
+ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 # per-node properties torch's exporter writes that a deployable file should not carry: the Python stack
 # of each op (absolute paths and source lines of the exporting machine) and the FX node's text. The
 # module scopes (pkg.torch.onnx.name_scopes), the namespace and class hierarchy stay: inspect reads them.
@@ -24,6 +25,17 @@ def write_metadata(model: ir.Model, spec: QuantSpec, *, activation_dtype: str, t
     model.metadata_props[ACTIVATION_DTYPE_KEY] = activation_dtype
     if target is not None:
         model.metadata_props[TARGET_KEY] = target
+
+
+def algorithms_summary(algorithms: dict[str, dict]) -> str:
+    """``name: key value, ...`` per algorithm for the provenance (no timings or per-layer tables: the file
+    stays reproducible), ``none`` when none ran."""
+    def one(done: dict) -> str:
+        shown = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
+                 if k != "seconds" and not isinstance(v, dict) and v is not None]
+        return ", ".join(shown) or "ran"
+
+    return "; ".join(f"{k}: {one(v)}" for k, v in algorithms.items()) or "none"
 
 
 def strip_source_metadata(model: ir.Model) -> int:

@@ -31,7 +31,7 @@ from quantship.export.checks import (
     run_unoptimized,
 )
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.export.metadata import strip_source_metadata, write_metadata
+from quantship.export.metadata import ALGORITHMS_KEY, algorithms_summary, strip_source_metadata, write_metadata
 from quantship.export.named_outputs import check_outputs_line_up, graph_output_names, reference_outputs
 from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
@@ -46,7 +46,7 @@ from quantship.inspect.run.verify import (
     run_session,
     warn_if_drift,
 )
-from quantship.precision import ORT_CPU, Preset, QuantSpec, quant_preset, resolve_target
+from quantship.precision import ALGORITHMS_ATTRIBUTE, ORT_CPU, Preset, QuantSpec, quant_preset, resolve_target
 from quantship.progress import step
 from quantship.ranks import rank_zero_writes
 
@@ -63,6 +63,7 @@ class ExportContext:
     produced: onnx.ModelProto
     checked: onnx.ModelProto | None = None  # the last graph an ensures() ran, while nothing changed it since
     probe: list[np.ndarray] | None = None  # a smaller input the graph states are compared on (None: ``inputs``)
+    algorithms: dict | None = None  # the post-training algorithms the model went through (Quantizer's record)
     _reference: list[np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -195,6 +196,8 @@ class MetadataPass(ir.passes.InPlacePass):
         ctx = self.ctx
         write_metadata(model, ctx.spec, activation_dtype=ctx.activation_dtype,
                        target=ctx.target.target if ctx.target is not None else None)
+        if ctx.algorithms:
+            model.metadata_props[ALGORITHMS_KEY] = algorithms_summary(ctx.algorithms)
         strip_source_metadata(model)
         ctx.checked = None  # the model now differs from the last checked graph
         return ir.passes.PassResult(model, modified=True)
@@ -378,7 +381,8 @@ def export_qdq(
             check_outputs_line_up(produced, reference)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
-                            inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs))
+                            inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs),
+                            algorithms=getattr(model, ALGORITHMS_ATTRIBUTE, None))
         model_ir = ir.from_proto(produced)
         run_passes([make(ctx) for make in PASSES], model_ir)
         final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)

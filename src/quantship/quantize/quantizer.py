@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import Preset, QuantSpec, resolve_spec, resolve_target, tag_model
+from quantship.precision import ALGORITHMS_ATTRIBUTE, Preset, QuantSpec, resolve_spec, resolve_target, tag_model
 from quantship.quantize import accuracy
+from quantship.quantize import smooth_quant as smoothing
 from quantship.quantize.calibration import collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 from quantship.quantize.pt2e import annotation_report
@@ -52,10 +53,19 @@ class Quantizer:
         max_accuracy_drop: float | None = None,
         verbose: bool = False,
         strict: bool = False,
+        smooth_quant: float | None = None,
         **request: Any,
     ):
-        """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ...)."""
+        """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ...).
+        ``smooth_quant``: SmoothQuant's alpha in [0, 1] (``quantize.smooth_quant``; pt2e static only)."""
         self.spec: QuantSpec = resolve_spec(backend, method, **request)
+        if smooth_quant is not None:
+            smoothing.check_alpha(smooth_quant)
+            if (self.spec.backend, self.spec.method) != ("pt2e", "static"):
+                raise SpecRefused(f"smooth_quant needs backend='pt2e' static quantization (it measures activations "
+                                  f"on the calibration data); backend={self.spec.backend!r} method={self.spec.method!r}")
+        self.smooth_quant = smooth_quant
+        self.smoothing = None  # the quantize.smooth_quant.Smoothing of the last quantize(), when smooth_quant is set
         self.verbose = verbose
         if max_accuracy_drop is not None and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
             raise SpecRefused(
@@ -134,6 +144,10 @@ class Quantizer:
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
+        if self.smooth_quant is not None:  # a smoothed copy: the caller's model is left as it was
+            model, self.smoothing = smoothing.smooth(model, batches, self.smooth_quant)
+            self._log(f"smooth_quant: {len(self.smoothing.smoothed)} Linear layer(s) smoothed, "
+                      f"{len(self.smoothing.skipped)} skipped (alpha {self.smoothing.alpha:g})")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
         extra = {"strict": True} if self.strict else {}
 
@@ -142,6 +156,8 @@ class Quantizer:
             if chosen.backend == "pt2e":
 
                 self.report = annotation_report(quantized)
+            if self.smoothing is not None:  # export_qdq writes it into the file's provenance
+                setattr(quantized, ALGORITHMS_ATTRIBUTE, {"smooth_quant": self.smoothing.as_dict()})
             return tag_model(quantized, chosen, self.preset)
 
         if self.max_accuracy_drop is None:

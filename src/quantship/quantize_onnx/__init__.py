@@ -3,7 +3,8 @@
 ``normalize`` (passes, each proven in ONNX Runtime), ``calibrate`` (ONNX Runtime with intermediates
 exposed, the PyTorch path's observers), ``roles`` (the op -> role table), ``place`` (the Q/DQ layout,
 written with onnx_ir), ``data`` (calibration feeds per declared input), ``equalize`` (cross-layer
-equalization, a float pass), ``target_forms`` (what a target cannot read, rewritten), ``bias_correction``
+equalization, a float pass), ``smooth_quant`` (SmoothQuant: activation outliers moved into the weights, a
+float pass), ``target_forms`` (what a target cannot read, rewritten), ``bias_correction``
 (each quantized layer's bias corrected on the calibration data), ``seq_mse`` and ``adaround`` (weight
 scales searched, weight rounding learned, on the calibration data; ``weight_layers`` their layers and
 sequential pass, ``rounding`` the pass that runs them), ``quantizer`` (the facade),

@@ -22,7 +22,7 @@ import onnx_ir as ir
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.export.metadata import write_metadata
+from quantship.export.metadata import ALGORITHMS_KEY, algorithms_summary, write_metadata
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
@@ -38,6 +38,7 @@ from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, rounding, target_forms
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
+from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.adaround import iterations_of as adaround_iterations
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
@@ -46,7 +47,6 @@ from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_R
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
 NORMALISED_KEY = "quantship.normalised"
-ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
 READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
@@ -200,23 +200,27 @@ class Prepared:
     info: dict  # calibrate.TensorInfo per tensor
     excluded: set[int]
     layout: place.Plan
+    smoother: smoothing.Smoother | None = None  # what SmoothQuant did, when it ran
 
 
 def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
-            exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False) -> Prepared:
+            exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False,
+            smooth_quant: float | None = None) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
     target's ``target_forms``, then opset 21 if ``int16``), probe it on the first feed and plan its Q/DQ
     pairs; ``feeds`` as ``feeds_for`` gives them."""
     model = ir.from_proto(proto)
     forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
-    extra = ((equalizing.PASS,) if equalize else ()) + forms + ((sixteen.OPSET_PASS,) if int16 else ())
+    smoother = smoothing.Smoother(smooth_quant, feeds) if smooth_quant is not None else None
+    extra = (((equalizing.PASS,) if equalize else ()) + ((smoothing.smoothing_pass(smoother),) if smoother else ())
+             + forms + ((sixteen.OPSET_PASS,) if int16 else ()))
     records = normalise(model, feeds, (*normalize.PASSES, *extra) if extra else None)
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
     excluded = place.resolve_excludes(list(model.graph), exclude)
     layout = place.plan(model, info, placement, excluded)
-    return Prepared(model, normal, records, info, excluded, layout)
+    return Prepared(model, normal, records, info, excluded, layout, smoother)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -252,7 +256,7 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
-                       bias_correction: bool = False, seq_mse: bool = False,
+                       bias_correction: bool = False, smooth_quant: float | None = None, seq_mse: bool = False,
                        adaround: bool | int = False, int16: Iterable[str] = ()) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
@@ -261,16 +265,20 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     types to keep in float. ``observer``: the activation range rule (``precision.ACT_OBSERVERS``;
     default the preset's). ``equalize``: cross-layer equalization of Conv -> ReLU -> Conv pairs before
     calibration (``equalize``); ``bias_correction``: each quantized layer's bias corrected for the shift
-    of its output mean (``bias_correction``); ``seq_mse``: each weight's scale per output channel searched
-    for the least layer output error (``seq_mse``); ``adaround``: each weight's rounding learned
-    (``adaround``; True: its default steps per layer, or a number of steps). ``int16``: nodes
-    (``exclude``'s grammar) whose activations are stored in 16 bits, weights still int8, where the target
-    runs them (``int16``). Refusals raise a ``QuantshipError`` and write nothing.
+    of its output mean (``bias_correction``); ``smooth_quant``: SmoothQuant's alpha in [0, 1]
+    (``smooth_quant``; None: off), activation outliers moved into the weights before calibration;
+    ``seq_mse``: each weight's scale per output channel searched for the least layer output error
+    (``seq_mse``); ``adaround``: each weight's rounding learned (``adaround``; True: its default steps
+    per layer, or a number of steps). ``int16``: nodes (``exclude``'s grammar) whose activations are
+    stored in 16 bits, weights still int8, where the target runs them (``int16``). Refusals raise a
+    ``QuantshipError`` and write nothing.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
     learn_steps = adaround_iterations(adaround)
+    if smooth_quant is not None:
+        smoothing.check_alpha(smooth_quant)
     src = Path(float_path).expanduser()
     if src.is_file():
         refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
@@ -289,7 +297,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
-    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, int16=bool(wide))
+    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, int16=bool(wide),
+                    smooth_quant=smooth_quant)
     del proto
     model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
                                                       ready.excluded, ready.layout)
@@ -298,6 +307,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if equalize:
         done = next(r for r in records if r.name == equalizing.PASS.name)
         algorithms["equalize"] = {"pairs_changed": done.changes, "max_abs_diff": done.max_abs_diff}
+    if ready.smoother is not None:
+        done = next(r for r in records if r.name == "smooth_quant")
+        algorithms["smooth_quant"] = {**ready.smoother.record(), "max_abs_diff": done.max_abs_diff}
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
@@ -333,7 +345,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     spec = resolve_spec(**spec_kwargs, act_observer=act_observer, skip_activations=kept or None)
     write_metadata(model, spec, activation_dtype=placement.activation_dtype, target=p.target)
     model.metadata_props[ENGINE_KEY] = ENGINE
-    model.metadata_props[ALGORITHMS_KEY] = "; ".join(f"{k}: {_summary(v)}" for k, v in algorithms.items()) or "none"
+    model.metadata_props[ALGORITHMS_KEY] = algorithms_summary(algorithms)
     if widened:
         model.metadata_props[sixteen.INT16_KEY] = ", ".join(widened)
     model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
@@ -369,9 +381,3 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
         census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened)
 
-
-def _summary(done: dict) -> str:
-    """``name value`` pairs of an algorithm's record for the provenance (no timings: the file stays reproducible)."""
-    shown = [f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in done.items()
-             if k != "seconds" and not isinstance(v, dict) and v is not None]
-    return ", ".join(shown) or "ran"

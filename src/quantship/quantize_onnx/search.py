@@ -200,7 +200,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 metric: Callable[[Run], float] | None = None, exclude: Iterable[str] = (),
                 observer: str | None = None, per_tensor: bool = False, max_steps: int | None = None,
                 batch_size: int = 32, wait: bool = True, equalize: bool = False, bias_correction: bool = False,
-                seq_mse: bool = False, adaround: bool | int = False,
+                smooth_quant: float | None = None, seq_mse: bool = False, adaround: bool | int = False,
                 int16: Iterable[str] = (), try_int16: bool = True,
                 log: Callable[[str], None] = lambda _: None) -> tuple[OnnxQuantizeResult, OnnxSearch]:
     """Quantize ``float_path`` for ``target`` keeping the fewest nodes in float whose file loses at most
@@ -208,9 +208,9 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
 
     ``exclude`` / ``int16``: nodes kept in float / with 16-bit activations in every step (the search adds
     to them). ``try_int16``: try 16-bit before float for each node (where the target runs it).
-    ``equalize`` / ``bias_correction`` / ``seq_mse`` / ``adaround``: as ``quantize_onnx_file``'s, in every
-    step. ``max_steps``: at most that many candidate nodes after step 0, each one or two steps (None: every
-    candidate node). Returns the accepted file's
+    ``equalize`` / ``bias_correction`` / ``smooth_quant`` / ``seq_mse`` / ``adaround``: as
+    ``quantize_onnx_file``'s, in every step. ``max_steps``: at most that many candidate nodes after step 0,
+    each one or two steps (None: every candidate node). Returns the accepted file's
     ``OnnxQuantizeResult`` and the search; raises ``OnnxBudgetMissed`` (nothing written) when no step fits.
     """
     if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:
@@ -223,7 +223,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
     base, base_wide = tuple(exclude), tuple(int16)
     sixteen_first = try_int16 and runs_int16(target)
     options = dict(target=target, observer=observer, per_tensor=per_tensor, equalize=equalize,
-                   bias_correction=bias_correction, seq_mse=seq_mse, adaround=adaround)
+                   bias_correction=bias_correction, smooth_quant=smooth_quant, seq_mse=seq_mse, adaround=adaround)
     with progress_step(f"accuracy search: {name} of the float file"):
         reference = score(src)
     result = OnnxSearch(name, reference, float(max_drop))

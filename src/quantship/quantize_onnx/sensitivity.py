@@ -210,7 +210,7 @@ def _accumulate(float_model: onnx.ModelProto, quantized: onnx.ModelProto, pairs:
 def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset, exclude: Iterable[str] = (),
               observer: str | None = None, per_tensor: bool = False, equalize: bool = False,
               bias_correction: bool = False, seq_mse: bool = False, adaround: bool | int = False,
-              quantized_path: str | Path | None = None) -> NodeSqnrReport:
+              quantized_path: str | Path | None = None, smooth_quant: float | None = None) -> NodeSqnrReport:
     """Per-node SQNR (accumulated, see the module docstring) of the file ``quantize_onnx_file`` writes
     for these options, on ``calibration`` (its argument's forms: an array, a dict, or batches of either).
 
@@ -223,7 +223,7 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset,
     inputs = model_inputs(proto)
     placement, p, _ = placement_for(target, per_tensor=per_tensor)
     feeds = feeds_for(p, as_feeds(calibration, inputs))
-    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize)
+    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, smooth_quant=smooth_quant)
     del proto
     model, normal, info, excluded, layout = ready.model, ready.normal, ready.info, ready.excluded, ready.layout
     rows = planned_rows(model, layout)
@@ -234,7 +234,7 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset,
             written = quantize_onnx_file(src, Path(scratch) / "quantized.onnx", feeds, target=p, exclude=exclude,
                                          observer=observer, per_tensor=per_tensor, run_check=False,
                                          equalize=equalize, bias_correction=bias_correction, seq_mse=seq_mse,
-                                         adaround=adaround)
+                                         adaround=adaround, smooth_quant=smooth_quant)
             quantized = onnx.load(str(written.path))
     else:
         quantized = load_onnx(quantized_path)
