@@ -131,3 +131,21 @@ def test_constant_built_from_arange_is_stored_int8(module):
     with torch.no_grad():
         ref, got = model(x), converted(x)
     assert torch.allclose(ref, got, atol=0.1 * float(ref.abs().max()))
+
+
+def test_qat_trains_the_conv1d_weight_through_the_rewrite():
+    """The rewrite transposes the parameter in the graph, never a copy of it: training still updates it."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+    from quantship.precision import resolve_spec
+    from quantship.quantize.annotator import QuantshipQuantizer
+
+    model = Conv1DLike("addmm")
+    x = torch.randn(2, 5, 8)
+    graph = torch.export.export(model, (x,), strict=False).module()
+    prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(resolve_spec("pt2e", "qat"), is_qat=True))
+    assert op_counts(prepared)[aten.linear.default] == 1
+    weights = [p for name, p in prepared.named_parameters() if p.shape == (8, 6)]
+    assert len(weights) == 1
+    prepared(x).square().sum().backward()
+    assert weights[0].grad is not None and float(weights[0].grad.abs().sum()) > 0
