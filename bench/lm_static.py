@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 p = lm.perplexity(r, None if r is fp32 else fp32)
                 change = "-" if p.ratio is None else (f"{100 * (p.ratio - 1):+.2f}% "
                                                       f"[{100 * (p.ratio_low - 1):+.2f}, {100 * (p.ratio_high - 1):+.2f}]")
-                lsb_cell = f"{lsb:g}" if "file" in variant and lsb is not None else "-"
+                lsb_cell = f"{lsb:.1f}" if "file" in variant and lsb is not None else "-"
                 took = f"{seconds:.1f}" if variant == "W8A8 (torch)" else "-"
                 lines.append(f"| {label} | {variant} | {p.value:.4f} [{p.low:.4f}, {p.high:.4f}] | {change} | "
                              f"{lsb_cell} | {took} |")
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.calibration} random {lm.SEQ_LEN}-byte windows of the training files; the file is `export_qdq`'s.",
         f"Held-out: {len(windows)} files (one in ten, by a hash of the path), {n_windows} windows of",
         f"{lm.SEQ_LEN} bytes. Perplexity per byte; intervals: 2,000 bootstrap resamples of the held-out files.",
+        f"With {args.per_file} window(s) per file (one: each file's first bytes) the set differs from BENCHMARKS-LM.md's",
+        "two per file: compare the changes against FP32, not the perplexities across the two tables.",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.cpu_count()} shared cores, load "
         f"average (1 min) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (times scale with it).",
         "", table, "",

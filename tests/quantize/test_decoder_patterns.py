@@ -149,3 +149,28 @@ def test_qat_trains_the_conv1d_weight_through_the_rewrite():
     assert len(weights) == 1
     prepared(x).square().sum().backward()
     assert weights[0].grad is not None and float(weights[0].grad.abs().sum()) > 0
+
+
+class ZerosLikeTemplate(nn.Module):
+    """``x.new_zeros(...) + arange``: constant for the annotator (the template gives only dtype and device),
+    but it reads a model input: never evaluated here (the pure ``arange`` part may be stored)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        offset = x.new_zeros(8) + torch.arange(8, dtype=x.dtype)
+        return self.proj(x) * offset
+
+
+def test_constant_from_an_input_template_is_left_in_the_graph():
+    model = ZerosLikeTemplate().eval()
+    x = torch.randn(1, 5, 8)
+    converted, _ = _convert(model, x)
+    stored = [b for name, b in converted.named_buffers() if name.startswith("_quantship_constant_")]
+    assert all(torch.equal(b, torch.arange(8, dtype=torch.float32)) for b in stored)
+    assert op_counts(converted)[aten.new_zeros.default] == 1
+    with torch.no_grad():
+        ref, got = model(x), converted(x)
+    assert torch.allclose(ref, got, atol=0.1 * float(ref.abs().max()))

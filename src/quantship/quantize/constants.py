@@ -33,19 +33,22 @@ def _attribute(model: GraphModule, target: str) -> object:
     return value
 
 
-def _sources(node: Node, memo: dict[Node, tuple[bool, bool, bool]], model: GraphModule) -> tuple[bool, bool, bool]:
-    """(reaches a constructor, reaches a parameter, reaches a random op) over ``node``'s ancestors."""
+def _sources(node: Node, memo: dict[Node, tuple[bool, bool]], model: GraphModule) -> tuple[bool, bool]:
+    """(reaches a constructor, reaches what must stay live) over ``node``'s ancestors: a parameter, a random
+    op, or a model input (a ``new_zeros`` template the annotator counts as constant)."""
     if node in memo:
         return memo[node]
     if node.op == "get_attr":
-        result = (False, isinstance(_attribute(model, str(node.target)), torch.nn.Parameter), False)
+        result = (False, isinstance(_attribute(model, str(node.target)), torch.nn.Parameter))
+    elif node.op != "call_function":
+        result = (False, True)
     else:
         inputs = _args(node)
         seeded = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
-        result = (not inputs, False, seeded)
+        result = (not inputs, seeded)
         for a in inputs:
-            c, p, r = _sources(a, memo, model)
-            result = (result[0] or c, result[1] or p, result[2] or r)
+            constructor, live = _sources(a, memo, model)
+            result = (result[0] or constructor, result[1] or live)
     memo[node] = result
     return result
 
@@ -71,28 +74,29 @@ def _fake(model: GraphModule, value: torch.Tensor, like: Node) -> object:
 
 
 def store_constructed_constants(model: GraphModule, is_constant: Callable[[Node], bool]) -> int:
-    """Store in a buffer each constant built from a tensor constructor (and no parameter, no random op)
-    where it meets the rest of the graph: read by an input-dependent node (a float value: Llama's cos
+    """Store in a buffer each constant built from a tensor constructor (and no parameter, no random op, no
+    model input) where it meets the rest of the graph: read by an input-dependent node (a float value: Llama's cos
     and sin) or by a constant that also reads a parameter (GPT-2's position ids, whose embedding
     lookup convert_pt2e then folds); return how many were stored.
 
     Each value is the one torch computes at this graph's static shapes, so the output is unchanged.
     A parameter stays a parameter (quantization-aware training updates it)."""
     graph = model.graph
-    memo: dict[Node, tuple[bool, bool, bool]] = {}
+    memo: dict[Node, tuple[bool, bool]] = {}
     values: dict[Node, object] = {}
     n, suffix = 0, 0
     with torch.no_grad():
         for node in list(graph.nodes):
             if node.op != "call_function" or not is_constant(node):
                 continue
-            constructor, parameter, random = _sources(node, memo, model)
-            if not constructor or parameter or random:
+            constructor, live = _sources(node, memo, model)
+            if not constructor or live:
                 continue
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 continue
             to_input = val.is_floating_point() and any(not is_constant(user) for user in node.users)
+            # a constant that also reads a parameter (an embedding table): convert_pt2e folds it once this is stored
             to_parameter = any(is_constant(user) and user.op == "call_function" and _sources(user, memo, model)[1]
                                for user in node.users)
             if not (to_input or to_parameter):
