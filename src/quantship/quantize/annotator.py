@@ -316,8 +316,9 @@ class QuantshipQuantizer(Quantizer):
     # -- annotation ------------------------------------------------------------------------
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         """Decompose fused attention and batched-matmul einsums so their products are matmul nodes the
-        annotator quantizes, store the number operand of mul/add as a constant (affine specs), and give N-D linears a
-        2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
+        annotator quantizes, store the number operand of mul/add as a constant (affine specs), store the constants
+        built from arange (RoPE tables, position ids), make products by a constant [in, out] weight (GPT-2's
+        Conv1D) linears, and give N-D linears a 2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
         constants functional, so that convert_pt2e folds the whole constant subgraph."""
         decompose_attention(model)
         decompose_einsum(model)
