@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from quantship import Quantizer, export_qdq
     from quantship.examples import lm
+    from quantship.inspect.run.consumers import ort_optimized_ops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-file", type=int, default=1, help="128-byte windows per held-out file")
@@ -66,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     n_windows = sum(len(w) for w in windows)
     calibration = calibration_batches(corpus, args.calibration, lm.SEQ_LEN)
     sample = torch.from_numpy(windows[0][0][None, :-1])
-    lines = ["| model | variant | held-out perplexity [95% CI] | vs FP32 [paired 95% CI] | LSB literal | quantize s |",
+    lines = ["| model | variant | held-out perplexity [95% CI] | vs FP32 [paired 95% CI] | LSB literal / fused | quantize s |",
              "|---|---|---|---|---|---|"]
-    trained = []
+    trained, census = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for label, (model, how) in _models(args.smoke).items():
             trained.append(f"{label}: {how}")
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             seconds = time.perf_counter() - t0
             print(f"{label}: quantize {seconds:.1f} s; left float: {quantizer.report.unannotated_ops}", flush=True)
             path = export_qdq(quantized, sample, Path(tmp) / f"{label}.onnx", target="onnxruntime-cpu")
-            lsb = path.readings.literal_lsb
+            lsb, fused = path.readings.literal_lsb, path.readings.fused_lsb
+            ops = ort_optimized_ops(path)
+            census.append(f"{label}: " + ", ".join(f"{ops[k]} {k}" for k in ("QGemm", "QLinearMatMul", "Gemm", "MatMul",
+                                                                             "FusedMatMul") if ops[k]))
             rows = {}
             for variant, fn in [("FP32 (torch)", lm.torch_logits(model)),
                                 ("W8A8 (torch)", lm.torch_logits(quantized)),
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 p = lm.perplexity(r, None if r is fp32 else fp32)
                 change = "-" if p.ratio is None else (f"{100 * (p.ratio - 1):+.2f}% "
                                                       f"[{100 * (p.ratio_low - 1):+.2f}, {100 * (p.ratio_high - 1):+.2f}]")
-                lsb_cell = f"{lsb:.1f}" if "file" in variant and lsb is not None else "-"
+                lsb_cell = f"{lsb:.1f} / {fused:.1f}" if "file" in variant and lsb is not None else "-"
                 took = f"{seconds:.1f}" if variant == "W8A8 (torch)" else "-"
                 lines.append(f"| {label} | {variant} | {p.value:.4f} [{p.low:.4f}, {p.high:.4f}] | {change} | "
                              f"{lsb_cell} | {took} |")
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         "two per file: compare the changes against FP32, not the perplexities across the two tables.",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.cpu_count()} shared cores, load "
         f"average (1 min) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (times scale with it).",
+        "LSB: export_qdq's two readings of the file on the export sample against the quantized torch model, in",
+        "the output's quantization steps: literal (ONNX Runtime, optimizations off) and fused (its default level).",
+        "The products ONNX Runtime runs at its default level (integer kernels first): " + "; ".join(census) + ".",
         "", table, "",
     ])
     args.out.write_text(text)
