@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "tests/test_docs.py",  # 49 s
     "tests/quantize/test_transformers.py",  # 47 s
     "tests/test_structured_outputs.py",  # ~90 s CPU (lraspp, DistilBERT QA, a child process), 380 s wall at load 12
+    "tests/test_hf_decoders.py",  # GPT-2 and Llama small configs, ~45 s
     "tests/quantize/test_callback.py",  # 41 s
     "tests/cli/test_quantize_cli.py",  # 24 s
     "tests/quantize/test_placement.py",  # 22 s

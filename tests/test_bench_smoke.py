@@ -62,6 +62,9 @@ RUNS = {
         "Smoke run", "Held-out: 4 files", "| FP32 (torch) |", "| W4A16 g128 (torch) |",
         "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |",
         "| W4A16 g128 + GPTQ (torch) |", "| W4A16 g128 + GPTQ (MatMulNBits file, ORT) |")}),
+    "lm_static": Smoke(("--out", "{tmp}/BENCHMARKS-LM-static.md"), files={"BENCHMARKS-LM-static.md": (
+        "Smoke run", "Held-out: 4 files", "| Llama | FP32 (torch) |", "| Llama | W8A8 (QDQ file, ORT) |",
+        "| GPT-2 | W8A8 (torch) |", "| GPT-2 | W8A8 (QDQ file, ORT) |", "LSB literal / fused", "GPT-2: 5 QGemm")}),
     "lsb_trace": Smoke(stdout=("## resnet18 (input 32,", "| sample | output error, LSB |", "| 0 | ",
                                "one-step change injected in torch")),
     "observers": Smoke(stdout=("| digits TinyResNet | minmax |", "| digits TinyResNet | mse |",

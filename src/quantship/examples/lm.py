@@ -106,16 +106,31 @@ def build_model(hidden: int = 256, layers: int = 4, heads: int = 4, intermediate
     return CausalLMLogits(transformers.LlamaForCausalLM(config)).eval()
 
 
+def build_gpt2(hidden: int = 128, layers: int = 2, heads: int = 4, intermediate: int = 512) -> CausalLMLogits:
+    """A byte-level GPT-2 (its ``Conv1D`` layers are ``addmm`` products), smaller than the reference Llama so
+    that a short training fits a few minutes on shared cores."""
+    transformers = require_transformers()
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate,
+        n_positions=4 * SEQ_LEN, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return CausalLMLogits(transformers.GPT2LMHeadModel(config)).eval()
+
+
+ARCHITECTURES = {"llama": build_model, "gpt2": build_gpt2}  # name -> builder; "llama" is the reference
+
+
 def _windows(data: np.ndarray, n: int, gen: np.random.Generator) -> np.ndarray:
     starts = gen.integers(0, len(data) - SEQ_LEN - 1, size=n)
     return np.stack([data[s:s + SEQ_LEN + 1] for s in starts])
 
 
 def train(corpus: Corpus, steps: int = 400, batch: int = 16, seed: int = 0,
-          log: Callable[[str], None] | None = None) -> CausalLMLogits:
+          log: Callable[[str], None] | None = None, architecture: str = "llama") -> CausalLMLogits:
     """Next-byte training on random windows of the training files (3-4 minutes on 2 idle cores)."""
     torch.manual_seed(seed)
-    model = build_model()
+    model = ARCHITECTURES[architecture]()
     stream = np.concatenate(corpus.train)
     gen = np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.95))
@@ -136,19 +151,23 @@ def train(corpus: Corpus, steps: int = 400, batch: int = 16, seed: int = 0,
     return model.eval()
 
 
-def cache_path() -> Path:
+def cache_path(architecture: str = "llama", steps: int = 400) -> Path:
     version = f"py{sys.version_info.major}{sys.version_info.minor}"  # the corpus is this Python's stdlib
-    return cache_dir() / f"lm_llama_bytes_{version}_v{_CACHE_VERSION}.pt"
+    trained = "" if steps == 400 else f"_{steps}steps"
+    return cache_dir() / f"lm_{architecture}_bytes_{version}{trained}_v{_CACHE_VERSION}.pt"
 
 
-def trained_model(*, retrain: bool = False, log: Callable[[str], None] | None = None) -> CausalLMLogits:
-    """The trained reference LM, loaded from the cache or trained (and cached) on first use."""
-    path = cache_path()
+def trained_model(*, retrain: bool = False, log: Callable[[str], None] | None = None, architecture: str = "llama",
+                  steps: int = 400) -> CausalLMLogits:
+    """A trained LM (the reference Llama by default), loaded from the cache or trained (and cached) on first use."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture={architecture!r}: the LM task trains {sorted(ARCHITECTURES)}")
+    path = cache_path(architecture, steps)
     if path.exists() and not retrain:
-        model = build_model()
+        model = ARCHITECTURES[architecture]()
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model.eval()
-    model = train(load_corpus(), log=log)
+    model = train(load_corpus(), steps=steps, log=log, architecture=architecture)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes training at once never share a temp file
     torch.save(model.state_dict(), tmp)

@@ -39,10 +39,12 @@ from torchao.quantization.pt2e.quantizer import (
 
 from quantship.precision import QuantSpec, under_modules
 from quantship.quantize import observers
+from quantship.quantize.constants import store_constructed_constants
 from quantship.quantize.decompose import (
     decompose_attention,
     decompose_einsum,
     flatten_linear_inputs,
+    linear_from_matmul,
     out_of_place_on_constants,
     scalars_as_constants,
 )
@@ -314,8 +316,9 @@ class QuantshipQuantizer(Quantizer):
     # -- annotation ------------------------------------------------------------------------
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         """Decompose fused attention and batched-matmul einsums so their products are matmul nodes the
-        annotator quantizes, store the number operand of mul/add as a constant (affine specs), and give N-D linears a
-        2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
+        annotator quantizes, store the number operand of mul/add as a constant (affine specs), store the constants
+        built from arange (RoPE tables, position ids), make products by a constant [in, out] weight (GPT-2's
+        Conv1D) linears, and give N-D linears a 2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
         constants functional, so that convert_pt2e folds the whole constant subgraph."""
         decompose_attention(model)
         decompose_einsum(model)
@@ -323,6 +326,8 @@ class QuantshipQuantizer(Quantizer):
             # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
             # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured)
             scalars_as_constants(model)
+        store_constructed_constants(model, self._constant)  # RoPE tables, position embeddings: stored int8
+        linear_from_matmul(model, self._constant)  # GPT-2's Conv1D (addmm), x @ W: per-channel linears
         flatten_linear_inputs(model)
         out_of_place_on_constants(model, self._constant)
         self._constant_memo.clear()  # facts of the graph before the rewrites

@@ -21,6 +21,8 @@ from torch.fx import GraphModule, Node
 aten = torch.ops.aten
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 EINSUM_OPS = {aten.einsum.default}
+# products of an activation by a constant [in, out] weight, rewritten into linear layers
+PRODUCT_WEIGHT_OPS = {aten.addmm.default, aten.mm.default, aten.matmul.default}
 # products and sums ONNX Runtime fuses (QLinearMul, QLinearAdd) once both inputs are dequantized
 SCALAR_OPERAND_OPS = {aten.mul.Tensor, aten.add.Tensor}
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -124,6 +126,47 @@ def decompose_attention(model: GraphModule) -> int:
                     scores = _insert(graph, aten.add.Tensor, (scores, mask), node)
             weights = _insert(graph, aten.softmax.int, (scores, -1), node)
             out = _insert(graph, aten.matmul.default, (weights, v), node)
+        _swap(graph, node, out)
+        n += 1
+    return _recompiled(model, n)
+
+
+def _unit(value: object) -> bool:
+    return value is None or (not isinstance(value, bool) and value == 1)
+
+
+def linear_from_matmul(model: GraphModule, is_constant) -> int:
+    """Rewrite each product of an input-dependent tensor by a constant 2-D weight stored [in, out] --
+    ``addmm(bias, x, W)`` (GPT-2's ``Conv1D``), ``mm(x, W)``, ``matmul(x, W)`` -- into
+    ``linear(x, W.t(), bias)``; return how many.
+
+    The annotator then quantizes ``W.t()`` per output channel (axis 0 of ``[out, in]``) as a linear
+    layer's weight, where the product would have quantized W per tensor as a second activation. The
+    transpose is computed on the constant: convert_pt2e folds it into the stored int8 weight."""
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in PRODUCT_WEIGHT_OPS:
+            continue
+        addmm = node.target is aten.addmm.default
+        if addmm and not (_unit(node.kwargs.get("beta")) and _unit(node.kwargs.get("alpha"))):
+            continue
+        bias, (x, w) = (node.args[0], node.args[1:3]) if addmm else (None, node.args[:2])
+        if len(node.args) != (3 if addmm else 2) or not all(isinstance(a, Node) for a in (x, w)):
+            continue
+        w_val, x_val = w.meta.get("val"), x.meta.get("val")
+        if not isinstance(w_val, torch.Tensor) or not isinstance(x_val, torch.Tensor):
+            continue
+        if w_val.dim() != 2 or x_val.dim() < 2 or not w_val.is_floating_point() or is_constant(x) or not is_constant(w):
+            continue
+        if addmm:
+            b_val = bias.meta.get("val") if isinstance(bias, Node) else None
+            if (not isinstance(b_val, torch.Tensor) or b_val.dim() != 1 or b_val.shape[0] != w_val.shape[1]
+                    or not is_constant(bias)):
+                continue
+        with graph.inserting_before(node):
+            w_t = _insert(graph, aten.t.default, (w,), node)
+            out = _insert(graph, aten.linear.default, (x, w_t) if bias is None else (x, w_t, bias), node)
         _swap(graph, node, out)
         n += 1
     return _recompiled(model, n)
