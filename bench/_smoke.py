@@ -47,6 +47,18 @@ def banner(args: argparse.Namespace) -> list[str]:
 LM_TOKENS = 16  # tokens per window of the smoke LM
 
 
+def cpu_lines(title: str) -> list[str]:
+    """A table's heading and the CPU line under it: model, int8 extensions, cores, load at the start."""
+    import os
+
+    from quantship.inspect.run.consumers import cpu_info
+
+    cpu, flags = cpu_info()
+    int8 = ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or "no int8 extension"
+    return [f"# {title}", "", f"CPU: {cpu} ({int8}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at "
+            "the start (a shared machine: times are indicative).", ""]
+
+
 def tiny_lm():
     """The reference LM's architecture (``quantship.examples.lm``) at its smallest useful size, untrained:
     one layer, hidden 128 (every Linear's input a multiple of the 128-wide weight-only groups)."""

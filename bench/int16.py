@@ -121,13 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {unknown}; known: {list(real.MODELS)}")
     if args.smoke:
         os.environ.setdefault("QUANTSHIP_CACHE", tempfile.mkdtemp(prefix="quantship-int16-smoke-"))
-    from quantship.inspect.run.consumers import cpu_info
-
-    cpu, flags = cpu_info()
-    int8 = ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or "no int8 extension"
-    lines = [*_smoke.banner(args), "# 16-bit activations against float for the most sensitive nodes", "",
-             f"CPU: {cpu} ({int8}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start "
-             "(a shared machine: times are indicative).", ""]
+    lines = [*_smoke.banner(args), *_smoke.cpu_lines("16-bit activations against float for the most sensitive nodes")]
     with tempfile.TemporaryDirectory(prefix="quantship-int16-") as tmp:
         for name in chosen:
             lines += run_model(name, args.target, args.worst, args.reps, args.smoke, Path(tmp))

@@ -226,7 +226,10 @@ def test_the_int8_file_is_the_same_after_a_float_export_in_a_fresh_process(dict_
     table once leaked), then quantize and the INT8 export. Same bytes as this process's file, same
     names, every output read."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT),
-                                                                    os.environ.get("PYTHONPATH")])))
+                                                                    os.environ.get("PYTHONPATH")])),
+               # the child calibrates with this process's torch thread count (one per xdist worker): a
+               # float reduction split over another number of threads can move a scale by one step
+               OMP_NUM_THREADS=str(torch.get_num_threads()))
     done = subprocess.run([sys.executable, "-m", "tests.fresh.structured", "fp32-first", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

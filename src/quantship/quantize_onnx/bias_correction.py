@@ -31,6 +31,7 @@ import onnx_ir as ir
 
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo, exposing_session
 from quantship.quantize_onnx.data import Feed
+from quantship.quantize_onnx.normalize import fresh_initializer
 
 SAMPLES = 64  # calibration samples the shift is measured on (the leading batches)
 
@@ -90,24 +91,12 @@ def _sole_reader(value: ir.Value):
     return None
 
 
-def _fresh_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
-    used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
-    name, k = base, 0
-    while name in used:
-        k += 1
-        name = f"{base}_{k}"
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
 def _own_bias(graph: ir.Graph, node: ir.Node, index: int, channels: int) -> tuple[ir.Value | None, str | None]:
     """The float bias initializer at ``node.inputs[index]``, owned by this node only (a shared one is
     copied), or a new zero bias when there is none; (None, why) when it is not a per-channel constant."""
     value = node.inputs[index] if len(node.inputs) > index else None
     if value is None or not value.name:
-        fresh = _fresh_initializer(graph, f"{node.name or node.op_type}_bias", np.zeros(channels, np.float32))
+        fresh = fresh_initializer(graph, f"{node.name or node.op_type}_bias", np.zeros(channels, np.float32))
         if len(node.inputs) <= index:
             node.resize_inputs(index + 1)
         node.replace_input_with(index, fresh)
@@ -118,7 +107,7 @@ def _own_bias(graph: ir.Graph, node: ir.Node, index: int, channels: int) -> tupl
     if array.size != channels or array.shape[-1] != channels:
         return None, f"its bias of shape {list(array.shape)} is not one value per output channel"
     if len(value.uses()) > 1 or value.is_graph_output() or value.is_graph_input():
-        fresh = _fresh_initializer(graph, f"{value.name}_corrected", np.array(array, np.float32))
+        fresh = fresh_initializer(graph, f"{value.name}_corrected", np.array(array, np.float32))
         node.replace_input_with(index, fresh)
         return fresh, None
     return value, None

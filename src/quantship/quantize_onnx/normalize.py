@@ -185,6 +185,20 @@ def upgrade_opset(model: ir.Model) -> int:
     return 1
 
 
+def fresh_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
+    """A float32 initializer holding ``array`` under ``base``, or ``base_1``, ``base_2``... when a tensor of
+    the graph already has that name."""
+    used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
+    name, k = base, 0
+    while name in used:
+        k += 1
+        name = f"{base}_{k}"
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                     const_value=ir.tensor(np.asarray(array, np.float32), name=name))
+    graph.register_initializer(value)
+    return value
+
+
 def replace_model(model: ir.Model, new: ir.Model) -> None:
     """Move ``new``'s graph and opsets into ``model`` (passes mutate the model they were given)."""
     opsets = dict(new.opset_imports)

@@ -44,7 +44,7 @@ import onnx_ir as ir
 from quantship.errors import SpecRefused
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, exposing_session
 from quantship.quantize_onnx.data import Feed
-from quantship.quantize_onnx.normalize import DEFAULT_DOMAINS, Pass
+from quantship.quantize_onnx.normalize import DEFAULT_DOMAINS, Pass, fresh_initializer
 
 DEFAULT_ALPHA = 0.5  # the paper's default migration strength
 MIN_RANGE = 1e-8  # a channel whose activation is (almost) all zero keeps s = 1
@@ -261,15 +261,7 @@ def _store(graph: ir.Graph, owner: ir.Node, index: int, array: np.ndarray) -> No
         value.const_value = ir.tensor(array, name=value.name)
         value.shape = ir.Shape(array.shape)
         return
-    used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
-    name, k = f"{value.name}_smoothed", 0
-    while name in used:
-        k += 1
-        name = f"{value.name}_smoothed_{k}"
-    fresh = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(fresh)
-    owner.replace_input_with(index, fresh)
+    owner.replace_input_with(index, fresh_initializer(graph, f"{value.name}_smoothed", array))
 
 
 def _scales(group: _Group, x_range: np.ndarray, alpha: float) -> np.ndarray:
