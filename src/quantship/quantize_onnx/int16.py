@@ -18,7 +18,6 @@ import collections
 from collections.abc import Iterable
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from quantship.errors import SpecRefused
@@ -61,11 +60,7 @@ def refuse_unless_runs(target: str | Preset) -> None:
 
 def upgrade_for_int16(model: ir.Model) -> int:
     """Convert a file below opset 21 to 21 (``onnx.version_converter``), for 16-bit zero-points."""
-    if normalize.default_opset(model) >= INT16_OPSET:
-        return 0
-    converted = onnx.version_converter.convert_version(ir.to_proto(model), INT16_OPSET)
-    normalize.replace_model(model, ir.from_proto(converted))
-    return 1
+    return normalize.convert_opset(model, INT16_OPSET)
 
 
 OPSET_PASS = normalize.Pass("opset_21_for_int16", upgrade_for_int16, "exact",

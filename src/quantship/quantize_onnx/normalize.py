@@ -173,28 +173,31 @@ def dynamic_dims(model: ir.Model) -> int:
     return n
 
 
-def upgrade_opset(model: ir.Model) -> int:
-    """Files below opset 13 are converted to 13 (``onnx.version_converter``): per-channel Q/DQ needs it."""
-    version = default_opset(model)
-    if version >= MIN_OPSET:
+def convert_opset(model: ir.Model, version: int) -> int:
+    """A model below ``version`` of the default domain converted to it in place (``onnx.version_converter``);
+    1 if it was converted, 0 if it was there already."""
+    if default_opset(model) >= version:
         return 0
-    proto = ir.to_proto(model)
-    converted = onnx.version_converter.convert_version(proto, MIN_OPSET)
-    new = ir.from_proto(converted)
-    replace_model(model, new)
+    replace_model(model, ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), version)))
     return 1
 
 
-def fresh_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
-    """A float32 initializer holding ``array`` under ``base``, or ``base_1``, ``base_2``... when a tensor of
+def upgrade_opset(model: ir.Model) -> int:
+    """Files below opset 13 are converted to 13 (``onnx.version_converter``): per-channel Q/DQ needs it."""
+    return convert_opset(model, MIN_OPSET)
+
+
+def fresh_initializer(graph: ir.Graph, base: str, array: float | np.ndarray) -> ir.Value:
+    """A float32 initializer holding ``array`` (a scalar, or an array as given) under ``base``, or ``base_1``, ``base_2``... when a tensor of
     the graph already has that name."""
     used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
     name, k = base, 0
     while name in used:
         k += 1
         name = f"{base}_{k}"
+    array = np.asarray(array, dtype=np.float32)
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                     const_value=ir.tensor(np.asarray(array, np.float32), name=name))
+                     const_value=ir.tensor(array, name=name))
     graph.register_initializer(value)
     return value
 

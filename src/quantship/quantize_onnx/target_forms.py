@@ -42,8 +42,10 @@ from quantship.quantize_onnx.normalize import (
     DEFAULT_DOMAINS,
     Pass,
     batch_norm_statistics,
+    convert_opset,
     default_opset,
     drop_unused_initializers,
+    fresh_initializer,
     replace_model,
 )
 
@@ -128,15 +130,6 @@ def _hard_swish_partner(graph_node: ir.Node) -> ir.Node | None:
     return None
 
 
-def _constant(graph: ir.Graph, name: str, value: float | np.ndarray) -> ir.Value:
-    """A float32 initializer named ``name`` (a scalar, or an array as given)."""
-    array = np.asarray(value, dtype=np.float32)
-    v = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape),
-                 type=ir.TensorType(ir.DataType.FLOAT))
-    graph.register_initializer(v)
-    return v
-
-
 def _take_over(old: ir.Value, new: ir.Value) -> None:
     """``new`` replaces ``old`` for every reader, graph outputs included, under ``old``'s name."""
     old.replace_all_uses_with(new, replace_graph_outputs=True)
@@ -161,7 +154,7 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
             n += 1
             continue
         alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
-        scale, shift, six, zero, sixth = (_constant(graph, f"{node.name}/{label}", v) for label, v in (
+        scale, shift, six, zero, sixth = (fresh_initializer(graph, f"{node.name}/{label}", v) for label, v in (
             ("scale", 6.0 * alpha), ("shift", 6.0 * beta), ("six", 6.0), ("zero", 0.0), ("sixth", 1.0 / 6.0)))
         mul = ir.node("Mul", [x, scale], name=f"{node.name}/mul")
         add = ir.node("Add", [mul.outputs[0], shift], name=f"{node.name}/add")
@@ -264,13 +257,12 @@ def _hard_swishes(graph: ir.Graph) -> list[tuple[ir.Node, ir.Value, list[ir.Node
 
 
 def hard_swish_one_op(model: ir.Model) -> int:
-    if not _hard_swishes(model.graph):
+    found = _hard_swishes(model.graph)
+    if not found:
         return 0
-    if default_opset(model) < HARD_SWISH_OPSET:
-        replace_model(model, ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model),
-                                                                                  HARD_SWISH_OPSET)))
+    if convert_opset(model, HARD_SWISH_OPSET):  # a new graph: match again in it
+        found = _hard_swishes(model.graph)
     graph = model.graph
-    found = _hard_swishes(graph)
     for end, x, nodes in found:
         swish = ir.node("HardSwish", [x], name=f"{end.name}/hardswish")
         graph.insert_before(end, swish)
@@ -301,7 +293,7 @@ def prelu_written_out(model: ir.Model) -> int:
     found = [p for p in _prelus(graph) if (_values_per_sample(p.inputs[0]) or PRELU_MIN_VALUES) >= PRELU_MIN_VALUES]
     if not found:
         return 0
-    zero = _constant(graph, "prelu/zero", 0.0)
+    zero = fresh_initializer(graph, "prelu/zero", 0.0)
     for node in found:
         x, slope = node.inputs
         relu = ir.node("Relu", [x], name=f"{node.name}/relu")
@@ -330,8 +322,8 @@ def batch_norm_written_out(model: ir.Model) -> int:
             continue
         factor, beta, mean = stats
         per_channel = (1, -1) + (1,) * (rank - 2)  # at the activation's rank: TiGrIS broadcasts no lower rank
-        scale = _constant(graph, f"{bn.name}/factor", factor.reshape(per_channel))
-        shift = _constant(graph, f"{bn.name}/shift", (beta - mean * factor).reshape(per_channel))
+        scale = fresh_initializer(graph, f"{bn.name}/factor", factor.reshape(per_channel))
+        shift = fresh_initializer(graph, f"{bn.name}/shift", (beta - mean * factor).reshape(per_channel))
         mul = ir.node("Mul", [x, scale], name=f"{bn.name}/mul")
         add = ir.node("Add", [mul.outputs[0], shift], name=f"{bn.name}/add")
         graph.insert_before(bn, [mul, add])
