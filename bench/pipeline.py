@@ -206,7 +206,7 @@ class Spent:
     """Wall and CPU seconds spent inside chosen functions during export_qdq, by part."""
 
     PARTS = {"exporter": [("quantship.export.qdq", "produce")],
-             "torch reference": [("quantship.export.qdq", "torch_outputs")],
+             "torch reference": [("quantship.export.qdq", "reference_outputs")],
              "ORT sessions + runs": [(m, f) for m in ("quantship.export.checks", "quantship.export.qdq",
                                                      "quantship.inspect.run.verify") for f in ("ort_session", "run_session")]}
 
@@ -218,8 +218,10 @@ class Spent:
         for part, names in self.PARTS.items():
             for module_name, name in names:
                 module = importlib.import_module(module_name)
-                if hasattr(module, name):
-                    setattr(module, name, self._wrap(part, getattr(module, name)))
+                if not hasattr(module, name):  # a renamed function would time nothing, silently
+                    raise RuntimeError(f"bench/pipeline.py times {module_name}.{name}, which no longer exists: "
+                                       "name the function that now does that part")
+                setattr(module, name, self._wrap(part, getattr(module, name)))
 
     def _wrap(self, part: str, real):
         def wrapper(*args, **kwargs):
