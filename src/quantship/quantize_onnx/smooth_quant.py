@@ -41,27 +41,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from quantship.errors import SpecRefused
+from quantship.quantize.smooth_quant import MIN_RANGE, check_alpha
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, exposing_session
 from quantship.quantize_onnx.data import Feed
 from quantship.quantize_onnx.normalize import DEFAULT_DOMAINS, Pass, fresh_initializer
 
-DEFAULT_ALPHA = 0.5  # the paper's default migration strength
-MIN_RANGE = 1e-8  # a channel whose activation is (almost) all zero keeps s = 1
 MAX_WALK = 4  # ops crossed back from the activation to the op that takes 1 / s
-
-
-def check_alpha(alpha: float) -> float:
-    """``alpha`` as a float in [0, 1], or a one-line refusal that says what to give."""
-    try:
-        value = float(alpha)
-    except (TypeError, ValueError):
-        raise SpecRefused(f"smooth_quant={alpha!r}: give the migration strength alpha, a number in [0, 1] "
-                          f"(the paper's default {DEFAULT_ALPHA})") from None
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise SpecRefused(f"smooth_quant={alpha!r} is outside [0, 1]: give the migration strength alpha in [0, 1] "
-                          f"(the paper's default {DEFAULT_ALPHA})")
-    return value
 
 
 @dataclass
