@@ -144,3 +144,17 @@ def paddle_style() -> onnx.ModelProto:
 
 def images(n: int, shape=(3, 8, 8), seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1, 1, (n, *shape)).astype(np.float32)
+
+
+def embedding_matmul(vocab: int = 1000, width: int = 16, seq: int = 6) -> onnx.ModelProto:
+    """int64 token ids -> Gather(word table) + Gather(position table, constant positions) -> Add -> MatMul:
+    the word table is read by computed indices (a table read), the position rows are a constant."""
+    positions = numpy_helper.from_array(np.arange(seq, dtype=np.int64), "positions")
+    nodes = [helper.make_node("Gather", ["words", "ids"], ["emb"], name="embed"),
+             helper.make_node("Gather", ["position_table", "positions"], ["pos"], name="embed_positions"),
+             helper.make_node("Add", ["emb", "pos"], ["h"], name="add_positions"),
+             helper.make_node("MatMul", ["h", "w"], ["y"], name="fc")]
+    inits = [weight(vocab, width, name="words"), weight(seq, width, name="position_table"), positions,
+             weight(width, 4, name="w")]
+    return model(nodes, [value("ids", ["n", seq], TensorProto.INT64)], [value("y", ["n", seq, 4])], inits)
+

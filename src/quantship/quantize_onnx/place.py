@@ -8,6 +8,8 @@ and output are all quantized already. A tensor produced by an op that now runs o
 only quantized (every consumer reads its DequantizeLinear); one produced by a float op keeps its
 float value for float consumers. ``full`` placement quantizes every float activation except its float
 islands (``ISLAND_RULES``: each named, applied node by node and listed in the plan with its reason).
+A Gather reading a stored table by computed indices is a table read (``tables``): its output is
+quantized under the table's own scale, and the table stored in 8 bits.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from quantship.quantize_onnx.float_islands import (
     release_split_range_outputs,
 )
 from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
+from quantship.quantize_onnx.tables import read_table, tie_to_tables, write_tables
 
 FLOAT_DTYPES = (np.dtype(np.float32),)  # activations the int8 grid replaces (float16/64 stay as they are)
 @dataclass
@@ -40,6 +43,7 @@ class Plan:
     readers: set[tuple[int, int]] = field(default_factory=set)  # (node index, input index)
     integer_nodes: set[int] = field(default_factory=set)  # nodes that run on quantized inputs and output
     weighted: list[int] = field(default_factory=list)  # nodes whose stored weight is quantized
+    tables: list[int] = field(default_factory=list)  # Gathers whose stored table is quantized (``tables``)
     ties: list[tuple[str, ...]] = field(default_factory=list)  # tensors that share one scale
     concat_ties: list[tuple[str, ...]] = field(default_factory=list)  # tied only when ranges are close
     roles: collections.Counter = field(default_factory=collections.Counter)
@@ -50,6 +54,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"n_tensors": len(self.tensors), "n_reads": len(self.readers), "n_weighted": len(self.weighted),
+                "n_tables": len(self.tables),
                 "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles),
                 "kept_float": dict(self.kept_float), "float_islands": self.islands_by_rule()}
 
@@ -186,6 +191,12 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
             want(point)  # otherwise quantized only if a reader needs it (the fixed point below decides)
         result.integer_nodes.add(i)
     result.integer_nodes |= fused_relu
+    for i, node in enumerate(g.nodes):
+        if i not in excluded and read_table(node, g.constant) is not None and g.is_activation(node.outputs[0]):
+            result.tables.append(i)
+            want(node.outputs[0])
+            result.integer_nodes.add(i)
+            result.roles[f"table:{node.op_type}"] += 1
 
     statistics: set[str] = set()
     if placement.mode == "full":
@@ -276,9 +287,12 @@ def _value(g: _Graph, name: str) -> ir.Value | None:
     return cache.get(name)
 
 
-def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool) -> dict[str, tuple[float, int]]:
+def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool,
+                  table_bound: int | None = None) -> dict[str, tuple[float, int]]:
     """(scale, int8 zero-point) per quantized tensor; tied tensors share the union of their ranges. A
-    full placement's split-range output Concats are released first (``release_split_range_outputs``)."""
+    full placement's split-range output Concats are released first (``release_split_range_outputs``).
+    ``table_bound``: the stored-constant bound; a table read's output group then takes the table's
+    scale where it fits (``tables.tie_to_tables``)."""
     release_split_range_outputs(p, observers, symmetric)
     parent = {n: n for n in p.tensors}
 
@@ -307,6 +321,8 @@ def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool
         qp = shared_qparams([observers[m] for m in members], symmetric)
         for m in members:
             out[m] = qp
+    if p.tables and table_bound is not None:
+        tie_to_tables(p.nodes, p.tables, list(groups.values()), out, observers, table_bound)
     return out
 
 
@@ -383,8 +399,11 @@ def insert(model: ir.Model, p: Plan, qparams: dict[str, tuple[float, int]], plac
             value.name = names(f"{name}_float")
             dq_out.name = name
             graph.outputs[position] = dq_out
+    n_tables = write_tables(nodes, p.tables, qparams, placement.weight_bound,
+                            lambda zero: _stored_zero(zero, placement.activation_dtype),
+                            lambda base, array: _initializer(graph, names, base, array), names, graph)
     n_weights = _weights(model, p, placement, names)
-    return {"activation_pairs": len(p.tensors), "reads": n_reads, "weights": n_weights}
+    return {"activation_pairs": len(p.tensors), "reads": n_reads, "weights": n_weights, "tables": n_tables}
 
 
 def _read_quantized_everywhere(value: ir.Value, dq_out: ir.Value) -> bool:

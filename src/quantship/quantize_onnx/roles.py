@@ -12,6 +12,9 @@ The same concept as the PyTorch path's annotator (``quantize.annotator.ROLES``),
 - ``integer_capable``: ops ONNX Runtime has integer kernels for (Add, Mul, average pooling, Sigmoid,
   LeakyRelu); they read their inputs quantized only when those inputs already carry a Q/DQ pair
   and their output does too (no new rounding point is added for them).
+- ``table`` (``TABLE_OPS``): a Gather reading a stored float table by computed indices (an embedding):
+  the table is stored int8 per tensor and the output quantized under the same scale (``tables``);
+  the indices stay integer.
 - ``fused_activation``: Relu / Clip right after a weighted op: the quantization point moves past
   them (the integer kernel clamps instead).
 
@@ -31,6 +34,7 @@ SHARED_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identi
               "MaxPool", "GlobalMaxPool", "Resize", "Split", "Expand", "Tile", "DepthToSpace", "SpaceToDepth",
               "ReduceMax", "ReduceMin", "Dropout")
 CONCAT_OPS = ("Concat",)
+TABLE_OPS = ("Gather", "GatherElements", "GatherND")  # pure data movement: a stored data input is a table
 INTEGER_CAPABLE_OPS = ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Sigmoid", "LeakyRelu")
 FUSED_ACTIVATION_OPS = ("Relu", "Clip")
 
