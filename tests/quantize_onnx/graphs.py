@@ -158,3 +158,24 @@ def embedding_matmul(vocab: int = 1000, width: int = 16, seq: int = 6) -> onnx.M
              weight(width, 4, name="w")]
     return model(nodes, [value("ids", ["n", seq], TensorProto.INT64)], [value("y", ["n", seq, 4])], inits)
 
+
+def two_heads(first_weight: np.ndarray | None = None) -> onnx.ModelProto:
+    """x -> Gemm(w1) -> score and x -> Gemm(w2) -> box: two graph outputs from one input (a detector's
+    two heads). ``box`` does not read feature 7 (w2's row 7 is zero); ``first_weight`` replaces w1."""
+    w2 = numpy_helper.to_array(weight(8, 4, name="w2")).copy()
+    w2[7] = 0.0
+    w1 = weight(8, 2, name="w1") if first_weight is None else numpy_helper.from_array(
+        first_weight.astype(np.float32), "w1")
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["score"], name="score_head"),
+             helper.make_node("Gemm", ["x", "w2", "b2"], ["box"], name="box_head")]
+    inits = [w1, weight(2, name="b1"), numpy_helper.from_array(w2, "w2"), weight(4, name="b2")]
+    return model(nodes, [value("x", ["n", 8])], [value("score", ["n", 2]), value("box", ["n", 4])], inits)
+
+
+def heavy_tailed_feature(n: int, seed: int = 0) -> np.ndarray:
+    """N x 8 standard normal features whose last one is 0 but for rare spikes of 40: a range a
+    histogram observer clips."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype(np.float32)
+    x[:, 7] = np.where(rng.random(n) < 0.02, 40.0, 0.0)
+    return x

@@ -215,8 +215,9 @@ def _run(args: argparse.Namespace, out) -> int:
         *([("16-bit activations", f"{len(result.int16)} tensor(s): {', '.join(result.int16)}")] if result.int16 else []),
         ("ORT runs", f"{census['n_integer']} integer kernels ({_kernels(census['integer'])}), {census['n_float']} "
                      f"float Conv/MatMul/Gemm ({_kernels(census['float'])})"),
-        ("vs FP32 (calibration data)", f"{agreement}max abs error {fused['max_abs_error']:.4g}"),
-        ("ORT readings", f"{result.readings}" if result.readings.scale else
+        ("vs FP32 (calibration data)", f"{agreement}max abs error {fused['max_abs_error']:.4g}"
+         + _other_outputs(result.fidelity)),
+        ("ORT readings", f"{result.readings}" if result.readings.literal_lsb is not None else
          f"literal vs fused max abs {result.fidelity['fused_vs_literal_max_abs']:.4g} (float outputs)"),
         *([("top-1 float file (ORT)", accuracy["float"].describe()),
            ("top-1 INT8 file (ORT)", accuracy["int8"].describe())] if accuracy else []),
@@ -225,6 +226,15 @@ def _run(args: argparse.Namespace, out) -> int:
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])
     return exit_code(verdict)  # 1 for refused, failed or inconclusive, as every command that writes a file
+
+
+def _other_outputs(fidelity: dict) -> str:
+    """The max abs error of each output, named, when the file has several (the row above is the first's)."""
+    each = fidelity.get("per_output")
+    if not each:
+        return ""
+    return " (first output); per output: " + ", ".join(f"{name} {f['fused']['max_abs_error']:.4g}"
+                                                        for name, f in each.items())
 
 
 def _labelled(args: argparse.Namespace, inputs):

@@ -32,7 +32,7 @@ from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
-from quantship.inspect.run.verify import readings_of
+from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, rounding, target_forms
@@ -76,7 +76,8 @@ class OnnxQuantizeResult:
     counts: dict
     qdq_stats: Any  # inspect.read.stats.QDQStats
     readings: Any  # inspect.run.verify.Readings (literal and fused, against the float file)
-    fidelity: dict  # agreement and error of the first output against the float file, both readings
+    fidelity: dict  # agreement and error against the float file, both readings: the first output's, and
+    # with several outputs each one's under ``per_output`` (by graph output name)
     census: dict  # what ONNX Runtime's optimized graph runs: integer vs float Conv/MatMul/Gemm kernels
     verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
@@ -242,6 +243,14 @@ def census(path: Path) -> dict:
             "n_dequantize": ops.get("DequantizeLinear", 0)}
 
 
+def fidelity_of_outputs(names: list[str], reference: list[np.ndarray], literal: list[np.ndarray],
+                        fused: list[np.ndarray]) -> dict:
+    """``_fidelity`` of the first output, and with several outputs of each one under ``per_output``."""
+    each = {name: _fidelity(reference[k], literal[k], fused[k]) for k, name in enumerate(names)}
+    first = each[names[0]]
+    return first if len(names) == 1 else {**first, "per_output": each}
+
+
 def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> dict:
     def one(out: np.ndarray) -> dict:
         diff = np.abs(out.astype(np.float64) - reference.astype(np.float64))
@@ -368,9 +377,10 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
             raise ExportRefused("the quantized file gives NaN or infinite outputs in ONNX Runtime")
 
-        scale = next(iter(output_scales(staged).values()), None)
-        readings = readings_of(literal[0], fused[0], scale, reference[0], against="the FP32 file")
-        fidelity = _fidelity(reference[0], literal[0], fused[0])
+        scales = output_scales(staged)  # every graph output, by name, in order: each read in its own LSB
+        names = list(scales)
+        readings = readings_of_outputs(names, scales, literal, fused, reference, against="the FP32 file")
+        fidelity = fidelity_of_outputs(names, reference, literal, fused)
         kernels = census(staged)
         run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
         verdict = check_file(staged, p, run=run_check and run_inputs is not None,

@@ -83,7 +83,8 @@ class CheckReport:
         if verdict == FAILED:
             run = next(r for r in ran if not r.ok and r.status != INCONCLUSIVE)
             if run.max_lsb is not None and run.tolerance_lsb is not None and run.max_lsb > run.tolerance_lsb:
-                return f"failed: {run.consumer} {run.max_lsb:.1f} LSB > tolerance {run.tolerance_lsb:g}"
+                where = f" ({run.worst_output})" if run.worst_output else ""
+                return f"failed: {run.consumer} {run.max_lsb:.1f} LSB{where} > tolerance {run.tolerance_lsb:g}"
             return f"failed: {run.consumer}: {run.detail}"
         if verdict == INCONCLUSIVE:
             run = next(r for r in ran if r.status == INCONCLUSIVE)

@@ -54,6 +54,16 @@ class RunResult:
     tolerance_lsb: float | None = None
     status: str = ""
     inputs: str = "random"  # "random": seeded standard-normal feeds; "given": the caller's inputs
+    # a file with several outputs: each one's max LSB by graph output name (None: a float output, not
+    # compared); ``max_lsb`` is the worst of them, so one output beyond tolerance fails the run
+    per_output: dict[str, float | None] | None = None
+
+    @property
+    def worst_output(self) -> str | None:
+        """The output whose LSB is ``max_lsb`` (None with one output)."""
+        if not self.per_output or self.max_lsb is None:
+            return None
+        return next((name for name, lsb in self.per_output.items() if lsb == self.max_lsb), None)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -67,8 +77,12 @@ class RunResult:
                 judged = "(not judged)"
             else:
                 judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {self.tolerance_lsb:g}"
-            head += (f", max {self.max_lsb:.1f} LSB {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
+            worst = f" ({self.worst_output})" if self.worst_output else ""
+            head += (f", max {self.max_lsb:.1f} LSB{worst} {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
                      f"read literally, on {self.n_inputs} {self.inputs} input batch(es)")
+            if self.per_output:
+                head += "; per output: " + ", ".join(
+                    f"{name} {'float' if lsb is None else f'{lsb:.1f} LSB'}" for name, lsb in self.per_output.items())
         return f"{head}; {self.detail}" if self.detail else head
 
 
@@ -124,15 +138,21 @@ def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int 
         return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind)
     except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
         return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind)
-    scales = list(output_scales(model).values())
+    named = output_scales(model)  # every graph output, in order, each in its own LSB
+    scales = list(named.values())
     max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
+    each = None
+    if len(named) > 1:
+        each = {name: lsb_between([[r[k]] for r in reference], [[c[k]] for c in outputs], [scales[k]])[0]
+                for k, name in enumerate(named)}
     detail = ""
     if target == ORT_CPU:
         detail = "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
     result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind)
+    changes = {"per_output": each} if each else {}
     if result.status == PASSED and detail:
-        result = RunResult(**{**result.as_dict(), "detail": detail})
-    return result
+        changes["detail"] = detail
+    return RunResult(**{**result.as_dict(), **changes}) if changes else result
 
 
 def _first(exc: BaseException) -> str:
