@@ -63,3 +63,29 @@ def test_the_report_names_every_output(two_heads, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert set(report["readings"]["per_output"]) == {"score", "box"}
     assert set(report["check"]["runs"][0]["per_output"]) == {"score", "box"}
+
+
+def test_the_sqnr_report_reads_every_output(two_heads):
+    from quantship.quantize_onnx.sensitivity import node_sqnr
+
+    src, _ = two_heads
+    report = node_sqnr(src, _calibration(), target="onnxruntime-cpu")
+    each = report.per_output_sqnr_db
+    assert list(each) == ["score", "box"]
+    assert each["box"] < each["score"]  # the box head loses the most (its readings say the same, in LSB)
+    assert report.output_sqnr_db == each["box"]  # the worst output's, not the first's
+    assert "box" in report.to_markdown() and report.as_dict()["per_output_sqnr_db"] == each
+
+
+def test_a_file_that_lost_renamed_or_reshaped_an_output_is_refused():
+    from quantship.errors import ExportRefused
+    from quantship.quantize_onnx.quantizer import check_outputs_kept
+
+    score, box = np.zeros((4, 2), np.float32), np.zeros((4, 4), np.float32)
+    check_outputs_kept(["score", "box"], ["score", "box"], [score, box], [score.copy(), box.copy()])
+    with pytest.raises(ExportRefused, match=r"outputs \['box', 'score'\] are not"):
+        check_outputs_kept(["score", "box"], ["box", "score"], [score, box], [box, score])
+    with pytest.raises(ExportRefused, match=r"outputs \['score'\] are not"):
+        check_outputs_kept(["score", "box"], ["score"], [score, box], [score])
+    with pytest.raises(ExportRefused, match="output 'box' is float32 \\[4, 1\\]"):
+        check_outputs_kept(["score", "box"], ["score", "box"], [score, box], [score, box[:, :1]])

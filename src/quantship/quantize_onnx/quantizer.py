@@ -251,6 +251,18 @@ def fidelity_of_outputs(names: list[str], reference: list[np.ndarray], literal: 
     return first if len(names) == 1 else {**first, "per_output": each}
 
 
+def check_outputs_kept(float_names: list[str], names: list[str], reference: list[np.ndarray],
+                       literal: list[np.ndarray]) -> None:
+    """The written file has the float file's outputs: the same names in the same order, each of the
+    same shape and dtype on the same inputs (every output is then read against its own reference)."""
+    if names != float_names:
+        raise ExportRefused(f"the quantized file's outputs {names} are not the float file's {float_names}")
+    for name, ref, got in zip(names, reference, literal):
+        if ref.shape != got.shape or ref.dtype != got.dtype:
+            raise ExportRefused(f"output {name!r} is {got.dtype} {list(got.shape)} in the quantized file and "
+                                f"{ref.dtype} {list(ref.shape)} in the float file: not the same model")
+
+
 def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> dict:
     def one(out: np.ndarray) -> dict:
         diff = np.abs(out.astype(np.float64) - reference.astype(np.float64))
@@ -294,6 +306,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     proto = load_onnx(src)
     refuse_unusable(proto, float_path)
     inputs = model_inputs(proto)
+    float_outputs = [o.name for o in proto.graph.output]
     feeds = as_feeds(calibration, inputs)
     placement, p, base_spec = placement_for(target, per_tensor=per_tensor)
     wide = tuple(int16)
@@ -379,6 +392,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
 
         scales = output_scales(staged)  # every graph output, by name, in order: each read in its own LSB
         names = list(scales)
+        check_outputs_kept(float_outputs, names, reference, literal)
         readings = readings_of_outputs(names, scales, literal, fused, reference, against="the FP32 file")
         fidelity = fidelity_of_outputs(names, reference, literal, fused)
         kernels = census(staged)

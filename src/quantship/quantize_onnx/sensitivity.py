@@ -56,7 +56,8 @@ class NodeSqnr:
 
 @dataclass
 class NodeSqnrReport:
-    """Every quantized node's SQNR (accumulated, see ``MEASURE``), in graph order, and the first output's."""
+    """Every quantized node's SQNR (accumulated, see ``MEASURE``), in graph order, and every output's:
+    ``output_sqnr_db`` is the worst output's, ``per_output_sqnr_db`` each one by graph output name."""
 
     rows: list[NodeSqnr]
     output_sqnr_db: float
@@ -64,6 +65,7 @@ class NodeSqnrReport:
     target: str
     excluded: list[str] = field(default_factory=list)  # nodes kept float while measuring
     unmatched: list[str] = field(default_factory=list)  # planned tensors the written file does not hold
+    per_output_sqnr_db: dict[str, float] = field(default_factory=dict)
 
     def candidates(self) -> list[NodeSqnr]:
         """Rows that add a rounding of their own, worst (lowest SQNR) first: what to keep in float."""
@@ -81,6 +83,7 @@ class NodeSqnrReport:
     def as_dict(self) -> dict:
         return {"version": 1, "measure": MEASURE, "measure_text": MEASURE_TEXT, "target": self.target,
                 "n_samples": self.n_samples, "output_sqnr_db": self.output_sqnr_db,
+                "per_output_sqnr_db": dict(self.per_output_sqnr_db),
                 "rows": [asdict(r) for r in self.rows], "worst": [r.node for r in self.worst()],
                 "excluded": list(self.excluded), "unmatched": list(self.unmatched)}
 
@@ -90,7 +93,9 @@ class NodeSqnrReport:
         for r in self.rows:
             flag = " **worst**" if r.node in marked else ""
             lines.append(f"| {r.order} | {r.node} | {r.op} | {r.tensor} | {r.sqnr_db:.1f}{flag} |")
-        lines.append(f"\n{MEASURE_TEXT}; model output SQNR {self.output_sqnr_db:.1f} dB over {self.n_samples} "
+        each = ("" if len(self.per_output_sqnr_db) < 2 else " (the worst output; per output: "
+                + ", ".join(f"{name} {db:.1f} dB" for name, db in self.per_output_sqnr_db.items()) + ")")
+        lines.append(f"\n{MEASURE_TEXT}; model output SQNR {self.output_sqnr_db:.1f} dB{each} over {self.n_samples} "
                      "sample(s)")
         return "\n".join(lines)
 
@@ -240,11 +245,12 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset,
         quantized = load_onnx(quantized_path)
     names = _quantized_names(quantized, [r.tensor for r in rows])
     measured = [r for r in rows if r.tensor in names]
-    output = normal.graph.output[0].name
-    pairs = [(r.tensor, names[r.tensor]) for r in measured] + [(output, quantized.graph.output[0].name)]
+    outputs = [o.name for o in normal.graph.output]  # the quantized file keeps them, in order
+    pairs = [(r.tensor, names[r.tensor]) for r in measured] + list(zip(outputs, [o.name for o in quantized.graph.output]))
     rows_per_run = max(1, MEMORY_BUDGET // (2 * _exposed_bytes([f for f, _ in pairs], info)))
     signal, noise, n = _accumulate(normal, quantized, pairs, feeds, rows_per_run)
     result = [NodeSqnr(k, r.node, r.op, r.role, r.tensor, sqnr_db(signal[k], noise[k])) for k, r in enumerate(measured)]
-    return NodeSqnrReport(result, sqnr_db(signal[-1], noise[-1]), n, p.target, excluded=skipped,
-                          unmatched=[r.tensor for r in rows if r.tensor not in names])
+    each = {name: sqnr_db(signal[len(measured) + k], noise[len(measured) + k]) for k, name in enumerate(outputs)}
+    return NodeSqnrReport(result, min(each.values()), n, p.target, excluded=skipped,
+                          unmatched=[r.tensor for r in rows if r.tensor not in names], per_output_sqnr_db=each)
 
