@@ -91,3 +91,12 @@ def test_an_excluded_gather_keeps_its_float_table(tmp_path):
     _, result, q = _quantize(tmp_path, exclude=["embed"])
     assert result.plan["n_tables"] == 0
     assert "words" in _node(q, "embed").input
+
+
+def test_a_small_lookup_stays_float(tmp_path):
+    # 100 x 16 values, under MIN_TABLE_VALUES: a lookup of scales or anchors may need float's range
+    src = graphs.save(graphs.embedding_matmul(100), tmp_path / "float.onnx")
+    ids = np.random.default_rng(0).integers(0, 100, (16, 6)).astype(np.int64)
+    result = quantize_onnx_file(src, tmp_path / "int8.onnx", [ids], target="onnxruntime-cpu")
+    assert result.plan["n_tables"] == 0
+    assert "words" in _node(onnx.load(str(result.path)), "embed").input

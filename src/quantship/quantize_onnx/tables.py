@@ -26,7 +26,11 @@ import onnx_ir as ir
 from quantship.quantize_onnx.calibrate import QMAX, QMIN, TensorObserver
 from quantship.quantize_onnx.roles import TABLE_OPS
 
-__all__ = ["read_table", "table_scale", "tie_to_tables", "write_tables"]
+__all__ = ["MIN_TABLE_VALUES", "read_table", "table_scale", "tie_to_tables", "write_tables"]
+
+# a smaller stored lookup stays float: it gains little in size, and may be a table of scales or anchors
+# whose range one 8-bit grid per tensor cannot hold (an embedding is thousands of rows)
+MIN_TABLE_VALUES = 4096
 
 
 def read_table(node: ir.Node, constant: set[str]) -> ir.Value | None:
@@ -37,6 +41,8 @@ def read_table(node: ir.Node, constant: set[str]) -> ir.Value | None:
     if table is None or indices is None or table.const_value is None or table.is_graph_input():
         return None
     if table.const_value.dtype != ir.DataType.FLOAT or indices.name in constant:
+        return None
+    if table.const_value.size < MIN_TABLE_VALUES:
         return None
     return table
 
