@@ -32,7 +32,7 @@ from quantship.quantize_onnx.float_islands import (
     release_split_range_outputs,
 )
 from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
-from quantship.quantize_onnx.tables import read_table, tie_to_tables, write_tables
+from quantship.quantize_onnx.tables import TABLE_BOUND, read_table, tie_to_tables, write_tables
 
 FLOAT_DTYPES = (np.dtype(np.float32),)  # activations the int8 grid replaces (float16/64 stay as they are)
 @dataclass
@@ -287,12 +287,10 @@ def _value(g: _Graph, name: str) -> ir.Value | None:
     return cache.get(name)
 
 
-def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool,
-                  table_bound: int | None = None) -> dict[str, tuple[float, int]]:
+def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool) -> dict[str, tuple[float, int]]:
     """(scale, int8 zero-point) per quantized tensor; tied tensors share the union of their ranges. A
-    full placement's split-range output Concats are released first (``release_split_range_outputs``).
-    ``table_bound``: the stored-constant bound; a table read's output group then takes the table's
-    scale where it fits (``tables.tie_to_tables``)."""
+    full placement's split-range output Concats are released first (``release_split_range_outputs``);
+    a table read's output group takes the table's scale where it fits (``tables.tie_to_tables``)."""
     release_split_range_outputs(p, observers, symmetric)
     parent = {n: n for n in p.tensors}
 
@@ -321,8 +319,8 @@ def group_qparams(p: Plan, observers: dict[str, TensorObserver], symmetric: bool
         qp = shared_qparams([observers[m] for m in members], symmetric)
         for m in members:
             out[m] = qp
-    if p.tables and table_bound is not None:
-        tie_to_tables(p.nodes, p.tables, list(groups.values()), out, observers, table_bound)
+    if p.tables:
+        tie_to_tables(p.nodes, p.tables, list(groups.values()), out, observers, TABLE_BOUND)
     return out
 
 
@@ -399,7 +397,7 @@ def insert(model: ir.Model, p: Plan, qparams: dict[str, tuple[float, int]], plac
             value.name = names(f"{name}_float")
             dq_out.name = name
             graph.outputs[position] = dq_out
-    n_tables = write_tables(nodes, p.tables, qparams, placement.weight_bound,
+    n_tables = write_tables(nodes, p.tables, qparams, TABLE_BOUND,
                             lambda zero: _stored_zero(zero, placement.activation_dtype),
                             lambda base, array: _initializer(graph, names, base, array), names, graph)
     n_weights = _weights(model, p, placement, names)

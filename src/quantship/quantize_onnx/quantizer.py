@@ -335,7 +335,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
                                   symmetric=placement.symmetric)
-    qparams = place.group_qparams(layout, observers, placement.symmetric, table_bound=placement.weight_bound)
+    qparams = place.group_qparams(layout, observers, placement.symmetric)
     chosen = sixteen.chosen_tensors(layout, wide, excluded) if wide else []  # read before insert rewires inputs
     float_weights = sixteen.keep_float_weights(layout, chosen) if chosen else []
     chosen_values = sixteen.values_of(layout, chosen)

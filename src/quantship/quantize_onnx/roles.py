@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantship.inspect.read.view import TABLE_READERS
 from quantship.precision import ORT_CPU
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -34,7 +35,7 @@ SHARED_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identi
               "MaxPool", "GlobalMaxPool", "Resize", "Split", "Expand", "Tile", "DepthToSpace", "SpaceToDepth",
               "ReduceMax", "ReduceMin", "Dropout")
 CONCAT_OPS = ("Concat",)
-TABLE_OPS = ("Gather", "GatherElements", "GatherND")  # pure data movement: a stored data input is a table
+TABLE_OPS = TABLE_READERS  # pure data movement: a stored data input is a table (inspect reads the same list)
 INTEGER_CAPABLE_OPS = ("Add", "Mul", "GlobalAveragePool", "AveragePool", "Sigmoid", "LeakyRelu")
 FUSED_ACTIVATION_OPS = ("Relu", "Clip")
 

@@ -3,9 +3,8 @@
 A ``Gather`` (``roles.TABLE_OPS``) whose data input is a float initializer and whose indices are
 computed from the inputs (token ids) moves rows of a stored tensor: the table is a constant, so the
 activation roles never reach it and it would stay float (a BERT encoder's 30522 x 256 word table is
-three quarters of its file). Here the table is stored as 8-bit integers, per tensor and symmetric,
-under the stored-constant rule of the PyTorch path's annotator (``absmax / weight_bound``:
-``reduce_range`` honoured), and the op's output is quantized under that same scale and zero-point:
+three quarters of its file). Here the table is stored as 8-bit integers, per tensor and symmetric
+(``absmax / TABLE_BOUND``), and the op's output is quantized under that same scale and zero-point:
 ``DequantizeLinear -> Gather -> QuantizeLinear`` with one (scale, zero-point) on both sides is
 exact (a per-tensor DequantizeLinear commutes with moving values), and ONNX Runtime's QDQ
 transformer drops that pair, gathering the 8-bit rows themselves: no run-time dequantization of the
@@ -26,11 +25,16 @@ import onnx_ir as ir
 from quantship.quantize_onnx.calibrate import QMAX, QMIN, TensorObserver
 from quantship.quantize_onnx.roles import TABLE_OPS
 
-__all__ = ["MIN_TABLE_VALUES", "read_table", "table_scale", "tie_to_tables", "write_tables"]
+__all__ = ["MIN_TABLE_VALUES", "TABLE_BOUND", "read_table", "table_scale", "tie_to_tables", "write_tables"]
 
 # a smaller stored lookup stays float: it gains little in size, and may be a table of scales or anchors
 # whose range one 8-bit grid per tensor cannot hold (an embedding is thousands of rows)
 MIN_TABLE_VALUES = 4096
+# the full symmetric int8 range, whatever reduce_range says: the 7-bit bound keeps u8s8 kernels from
+# saturating, and no kernel multiplies a table (its rows are moved, then dequantized). Measured on the
+# BERT encoder's output vs FP32 (batch 1): mean abs error 0.0054 with a float table, 0.0128 at 63 steps,
+# 0.0078 at 127.
+TABLE_BOUND = 127
 
 
 def read_table(node: ir.Node, constant: set[str]) -> ir.Value | None:

@@ -25,7 +25,7 @@ from quantship.inspect.read.counts import QDQStats, count_qdq, float_compute_nod
 from quantship.inspect.read.float_ops import FloatCompute, module_path
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.quantization import QuantFacts, quant_facts
-from quantship.inspect.read.view import DEQUANTIZE, GraphView, node_label
+from quantship.inspect.read.view import DEQUANTIZE, TABLE_READERS, GraphView, node_label
 from quantship.precision import METADATA_KEY, QuantSpec
 
 MAX_SPEC_DEPTH = 16  # quantship writes a spec two levels deep; anything this deep is not one
@@ -68,9 +68,14 @@ class FileFacts:
 
     def widest_stored_weight(self) -> int:
         """The largest |value - zero-point| among the stored integer tensors that DequantizeLinear reads
-        directly (a uint8 constant stored with zero-point 128 spans the same range as its int8 form)."""
+        directly (a uint8 constant stored with zero-point 128 spans the same range as its int8 form). A
+        table only a Gather reads (``TABLE_READERS``: rows moved, never multiplied by a u8s8 kernel) is
+        not counted: the 7-bit bound of ``reduce_range`` is about those kernels."""
         widest = 0
         for node in self.view.nodes:
+            readers = self.view.consumer_nodes(node.output[0]) if node.output else []
+            if readers and all(r.op_type in TABLE_READERS and r.input[0] == node.output[0] for r in readers):
+                continue
             if node.op_type == DEQUANTIZE and node.input and node.input[0] in self.view.initializers:
                 values = self.view.value(node.input[0])
                 if values is not None and values.dtype.kind in "iu" and values.size:

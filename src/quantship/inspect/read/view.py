@@ -20,6 +20,9 @@ QUANTIZE = "QuantizeLinear"
 DEQUANTIZE = "DequantizeLinear"
 # ops that only relabel shape: their output shares storage with their input
 SHAPE_ONLY = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+# ops that move rows of their data input by indices: a stored data input is a table (an embedding), which
+# no integer kernel multiplies
+TABLE_READERS = ("Gather", "GatherElements", "GatherND")
 # activations a runtime fuses into the operator that feeds them (pt2e annotates conv+relu as one)
 FUSED_ACTIVATIONS = frozenset({"Relu", "Clip"})
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
