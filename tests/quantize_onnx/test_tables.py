@@ -104,3 +104,13 @@ def test_a_small_lookup_stays_float(tmp_path):
     result = quantize_onnx_file(src, tmp_path / "int8.onnx", [ids], target="onnxruntime-cpu")
     assert result.plan["n_tables"] == 0
     assert "words" in _node(onnx.load(str(result.path)), "embed").input
+
+
+def test_the_report_says_the_table_is_8bit(tmp_path, capsys):
+    from quantship.cli.main import main
+
+    src = graphs.save(graphs.embedding_matmul(VOCAB), tmp_path / "float.onnx")
+    np.save(tmp_path / "ids.npy", _ids(16, 0))
+    assert main(["quantize-onnx", str(src), "--calib", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "q.onnx")]) == 0
+    text = "".join(capsys.readouterr().out.replace("│", " ").split())  # the table's cells wrap
+    assert "1storedtable(s)readbyGatherin8bits" in text
