@@ -8,8 +8,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from quantship import export_onnx
+from quantship.examples import real
+from quantship.examples.real import mtcnn
 from quantship.inspect.run.consumers import tigris_executable
 from quantship.precision import resolve_target
 from quantship.quantize_onnx import target_forms
@@ -185,13 +189,14 @@ def test_written_out_hard_swishes_become_one_hard_swish_at_opset_14_and_the_outp
     assert target_forms.hard_swish_one_op(m) == 0  # nothing left to rewrite
 
 
-def prelus(small: int, large: int) -> onnx.ModelProto:
-    """Conv -> PRelu on ``large`` x 8 x 8 values, then a PRelu on ``small`` values after a pooling."""
+def prelus(small: int, large: int, top_slope: float = 0.8) -> onnx.ModelProto:
+    """Conv -> PRelu on ``large`` x 8 x 8 values (slopes -0.5 .. ``top_slope``), then a PRelu on ``small``
+    values after a pooling."""
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
              helper.make_node("PRelu", ["c1", "s1"], ["p1"], name="prelu1"),
              helper.make_node("GlobalAveragePool", ["p1"], ["g"], name="pool"),
              helper.make_node("PRelu", ["g", "s2"], ["y"], name="prelu2")]
-    slopes = [numpy_helper.from_array(np.linspace(-0.5, 0.8, large, dtype=np.float32).reshape(large, 1, 1), "s1"),
+    slopes = [numpy_helper.from_array(np.linspace(-0.5, top_slope, large, dtype=np.float32).reshape(large, 1, 1), "s1"),
               numpy_helper.from_array(np.full((large, 1, 1), 0.25, np.float32), "s2")]
     inits = [graphs.weight(large, 3, 3, 3, name="w1"), graphs.weight(large, name="b1"), *slopes]
     return graphs.model(nodes, [graphs.value("x", ["n", 3, 8, 8])], [graphs.value("y", ["n", large, 1, 1])], inits)
@@ -203,5 +208,37 @@ def test_a_prelu_on_a_large_tensor_is_written_out_bit_for_bit_and_a_small_one_st
     before = _run(m, X)
     assert target_forms.prelu_written_out(m) == 1
     ops = [n.op_type for n in m.graph]
-    assert ops == ["Conv", "Relu", "Min", "Mul", "Add", "GlobalAveragePool", "PRelu"]  # the pooled one: too small
+    assert ops == ["Conv", "Mul", "Max", "GlobalAveragePool", "PRelu"]  # slopes <= 1; the pooled one: too small
     assert np.array_equal(_run(m, X), before)  # the same values, bit for bit
+
+
+def test_a_prelu_with_a_slope_above_one_takes_the_four_kernel_form_bit_for_bit():
+    """Max(x, x * a) is PRelu only where a <= 1 (for x >= 0 and a > 1, x * a wins): one slope of 1.2
+    (MTCNN PNet's first PRelu reaches 1.01, RNet's 1.30) sends the node to Relu + Min * a + Add."""
+    channels = target_forms.PRELU_MIN_VALUES // 64
+    m = ir.from_proto(prelus(small=channels, large=channels, top_slope=1.2))
+    before = _run(m, X)
+    assert target_forms.prelu_written_out(m) == 1
+    assert [n.op_type for n in m.graph] == ["Conv", "Relu", "Min", "Mul", "Add", "GlobalAveragePool", "PRelu"]
+    assert np.array_equal(_run(m, X), before)
+
+
+def test_mtcnn_onets_prelus_take_the_two_kernel_form_and_its_outputs_do_not_move(tmp_path):
+    """The real case: facenet-pytorch's ONet (every slope <= 1, 32-256 channels) exported by export_onnx;
+    the PRelus on at least PRELU_MIN_VALUES values per sample become Mul + Max, ONNX Runtime's outputs on
+    real crops identical bit for bit."""
+    try:
+        real.require(mtcnn.MODULE)
+    except real.MissingPackage as exc:
+        pytest.skip(str(exc))
+    crops = mtcnn.make_crops(16, seed=1).x["onet"]
+    path = export_onnx(mtcnn.FaceProbability(mtcnn.load_net("onet")), torch.from_numpy(crops[:1]),
+                       tmp_path / "onet.onnx", input_names=["x"], output_names=["p"])
+    m = ir.load(str(path))
+    before = _run(m, crops)
+    large = [p for p in m.graph if p.op_type == "PRelu"
+             and (target_forms._values_per_sample(p.inputs[0]) or 0) >= target_forms.PRELU_MIN_VALUES]
+    assert large and target_forms.prelu_written_out(m) == len(large)
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("Max") == len(large) and "Min" not in ops
+    assert np.array_equal(_run(m, crops), before)
