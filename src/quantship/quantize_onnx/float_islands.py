@@ -1,4 +1,5 @@
-"""The float islands of a ``full`` placement: tensors left float on purpose, each by a named rule.
+"""The float islands: tensors left float on purpose, each by a named rule (a ``full`` placement's; a
+detector's post-processing in every placement).
 
 The structure (which tensors) is ``inspect.read.islands``, shared with the ``fully_quantized`` rule; this module
 holds the reasons, measured on the real models, and the rule that needs calibrated ranges
@@ -32,6 +33,11 @@ ISLAND_RULES: dict[str, str] = {
                            "(GELU's x + 0.044715 x^3 before its Tanh) stays float: x^3 spans the cube of x's "
                            "range, one int8 scale rounds it and x to 0 (magika's second GELU: x^3 +-1e6, "
                            "its Tanh at 0.1 dB SQNR)",
+    "detection_postprocess": "a detector's post-processing (what feeds NonMaxSuppression / TopK back to the "
+                             "head's Conv outputs, and what is computed from it: anchors, box decoding, scores, "
+                             "top-k, NMS) stays float in every placement: decoded boxes span the image while "
+                             "their deltas are O(1), and the top-k ranks scores a few 1e-4 apart, which one int8 "
+                             "scale would reorder; ONNX Runtime has no integer kernel for these ops",
     "split_range_output_concat": f"a Concat writing a graph output from inputs whose ranges differ more than "
                                  f"{CONCAT_TIE_RATIO:g}x moves each input's dequantized values (exact) instead "
                                  f"of one shared scale (nudenet's head: boxes 0..320 and scores 0..1 in one "

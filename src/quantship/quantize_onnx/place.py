@@ -7,7 +7,8 @@ quantized (their input joins, tied to the same scale), then ops with integer ker
 and output are all quantized already. A tensor produced by an op that now runs on integers exists
 only quantized (every consumer reads its DequantizeLinear); one produced by a float op keeps its
 float value for float consumers. ``full`` placement quantizes every float activation except its float
-islands (``ISLAND_RULES``: each named, applied node by node and listed in the plan with its reason).
+islands (``ISLAND_RULES``: each named, applied node by node and listed in the plan with its reason). A
+detector's post-processing (``detection_postprocess``) is an island in either placement: no pair joins it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantship.errors import SpecRefused
-from quantship.inspect.read.islands import Op, normalisation_statistics, polynomial_interiors
+from quantship.inspect.read.islands import Op, detection_postprocess, normalisation_statistics, polynomial_interiors
 from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, shared_qparams
 from quantship.quantize_onnx.float_islands import (
     CONCAT_TIE_RATIO,
@@ -101,8 +102,7 @@ class _Graph:
         return bool(name) and name not in self.constant and seen is not None and seen.dtype in FLOAT_DTYPES
 
     def ops(self) -> list[Op]:
-        return [Op(n.op_type, tuple(v.name if v is not None else "" for v in n.inputs),
-                   tuple(o.name or "" for o in n.outputs)) for n in self.nodes]
+        return [_op_record(n) for n in self.nodes]
 
     def is_activation(self, value: ir.Value | None) -> bool:
         """A float tensor computed from the inputs (not a weight, not shape arithmetic on constants)."""
@@ -117,6 +117,24 @@ class _Graph:
     def producer_index(self, value: ir.Value) -> int | None:
         producer = value.producer()
         return None if producer is None else self.index.get(id(producer))
+
+
+def _op_record(node: ir.Node) -> Op:
+    """The island rules' record of ``node``: with the outer tensors its subgraphs read, and their op types."""
+    inputs = [v.name if v is not None else "" for v in node.inputs]
+    nested: set[str] = set()
+    for attr in node.attributes.values():
+        bodies = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+        for body in bodies:
+            inner = {v.name for v in body.inputs} | set(body.initializers)
+            for sub in ir.traversal.RecursiveGraphIterator(body):
+                nested.add(sub.op_type)
+                inner.update(o.name for o in sub.outputs if o.name)
+            for sub in ir.traversal.RecursiveGraphIterator(body):
+                inputs.extend(v.name for v in sub.inputs if v is not None and v.name and v.name not in inner)
+    return Op(node.op_type, tuple(dict.fromkeys(inputs)), tuple(o.name or "" for o in node.outputs),
+              frozenset(nested))
 
 
 def _output_point(g: _Graph, node: ir.Node, excluded: set[int]) -> ir.Value:
@@ -187,11 +205,14 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         result.integer_nodes.add(i)
     result.integer_nodes |= fused_relu
 
-    statistics: set[str] = set()
+    ops = g.ops()
+    postprocess = {n for n in detection_postprocess(ops, g.is_activation_name) if n not in quantized}
+    result.islands.update(dict.fromkeys(sorted(postprocess), "detection_postprocess"))
+    statistics: set[str] = set(postprocess)  # in either placement: no pair joins it
     if placement.mode == "full":
-        ops = g.ops()
-        statistics = normalisation_statistics(ops, g.is_activation_name)
-        result.islands.update(dict.fromkeys(sorted(statistics), "normalisation_statistics"))
+        norms = normalisation_statistics(ops, g.is_activation_name) - statistics
+        result.islands.update(dict.fromkeys(sorted(norms), "normalisation_statistics"))
+        statistics |= norms
         interiors = polynomial_interiors(ops, g.is_activation_name) - statistics
         result.islands.update(dict.fromkeys(sorted(interiors), "polynomial_interior"))
         statistics |= interiors
