@@ -14,6 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from quantship.cli.main import main
 from quantship.examples.detection import detections, export_float, tiny_ssd
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.islands import Op, detection_postprocess
@@ -121,3 +122,13 @@ def test_matching_pairs_boxes_by_label_and_overlap():
     assert (match.n_matched, match.max_coordinate_diff) == (1, 1.0)
     with pytest.raises(ValueError, match="same images"):
         match_detections(ref, [])
+
+
+def test_quantize_onnx_names_the_island_it_kept(detector, tmp_path, capsys):
+    fp32, _ = detector
+    np.save(tmp_path / "cal.npy", np.concatenate(_images(2, seed=1)))
+    out = tmp_path / "int8.onnx"
+    assert main(["quantize-onnx", str(fp32), "--calib", str(tmp_path / "cal.npy"), "--out", str(out),
+                 "--batch-size", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "detection_postprocess keeps" in printed and out.is_file()

@@ -209,7 +209,9 @@ def _run(args: argparse.Namespace, out) -> int:
         ("normalised", passes),
         ("placement", f"{placement.mode}: {result.plan['n_tensors']} activation pairs, {result.plan['n_weighted']} "
                       f"weighted ops" + (f", {len(result.plan['kept_float'])} kept float for speed"
-                                         if result.plan["kept_float"] else "")),
+                                         if result.plan["kept_float"] else "")
+                      + "".join(f", {rule} keeps {len(island['tensors'])} tensors float"
+                                for rule, island in result.plan["float_islands"].items())),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_uint8} uint8"),
         *([("16-bit activations", f"{len(result.int16)} tensor(s): {', '.join(result.int16)}")] if result.int16 else []),
