@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx_ir as ir
 
+from quantship.inspect.read.islands import Op
 from quantship.quantize_onnx.calibrate import TensorObserver
 
 if TYPE_CHECKING:
@@ -65,3 +67,21 @@ def release_split_range_outputs(p: Plan, observers: dict[str, TensorObserver], s
             p.islands[out] = "split_range_output_concat"
             released.append(out)
     return released
+
+
+def op_record(node: ir.Node) -> Op:
+    """The island rules' record of ``node``: with the outer tensors its subgraphs read, and their op types."""
+    inputs = [v.name if v is not None else "" for v in node.inputs]
+    nested: set[str] = set()
+    for attr in node.attributes.values():
+        bodies = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+        for body in bodies:
+            inner = {v.name for v in body.inputs} | set(body.initializers)
+            for sub in ir.traversal.RecursiveGraphIterator(body):
+                nested.add(sub.op_type)
+                inner.update(o.name for o in sub.outputs if o.name)
+            for sub in ir.traversal.RecursiveGraphIterator(body):
+                inputs.extend(v.name for v in sub.inputs if v is not None and v.name and v.name not in inner)
+    return Op(node.op_type, tuple(dict.fromkeys(inputs)), tuple(o.name or "" for o in node.outputs),
+              frozenset(nested))

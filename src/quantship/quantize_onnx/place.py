@@ -27,6 +27,7 @@ from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, 
 from quantship.quantize_onnx.float_islands import (
     CONCAT_TIE_RATIO,
     ISLAND_RULES,
+    op_record,
     range_ratio,
     release_split_range_outputs,
 )
@@ -102,7 +103,7 @@ class _Graph:
         return bool(name) and name not in self.constant and seen is not None and seen.dtype in FLOAT_DTYPES
 
     def ops(self) -> list[Op]:
-        return [_op_record(n) for n in self.nodes]
+        return [op_record(n) for n in self.nodes]
 
     def is_activation(self, value: ir.Value | None) -> bool:
         """A float tensor computed from the inputs (not a weight, not shape arithmetic on constants)."""
@@ -117,24 +118,6 @@ class _Graph:
     def producer_index(self, value: ir.Value) -> int | None:
         producer = value.producer()
         return None if producer is None else self.index.get(id(producer))
-
-
-def _op_record(node: ir.Node) -> Op:
-    """The island rules' record of ``node``: with the outer tensors its subgraphs read, and their op types."""
-    inputs = [v.name if v is not None else "" for v in node.inputs]
-    nested: set[str] = set()
-    for attr in node.attributes.values():
-        bodies = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
-            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
-        for body in bodies:
-            inner = {v.name for v in body.inputs} | set(body.initializers)
-            for sub in ir.traversal.RecursiveGraphIterator(body):
-                nested.add(sub.op_type)
-                inner.update(o.name for o in sub.outputs if o.name)
-            for sub in ir.traversal.RecursiveGraphIterator(body):
-                inputs.extend(v.name for v in sub.inputs if v is not None and v.name and v.name not in inner)
-    return Op(node.op_type, tuple(dict.fromkeys(inputs)), tuple(o.name or "" for o in node.outputs),
-              frozenset(nested))
 
 
 def _output_point(g: _Graph, node: ir.Node, excluded: set[int]) -> ir.Value:
