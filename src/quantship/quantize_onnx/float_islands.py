@@ -71,7 +71,8 @@ def release_split_range_outputs(p: Plan, observers: dict[str, TensorObserver], s
 
 def op_record(node: ir.Node) -> Op:
     """The island rules' record of ``node``: with the outer tensors its subgraphs read, and their op types."""
-    inputs = [v.name if v is not None else "" for v in node.inputs]
+    inputs = [v.name if v is not None else "" for v in node.inputs]  # as the node lists them (x * x: twice)
+    outer: list[str] = []
     nested: set[str] = set()
     for attr in node.attributes.values():
         bodies = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
@@ -82,6 +83,6 @@ def op_record(node: ir.Node) -> Op:
                 nested.add(sub.op_type)
                 inner.update(o.name for o in sub.outputs if o.name)
             for sub in ir.traversal.RecursiveGraphIterator(body):
-                inputs.extend(v.name for v in sub.inputs if v is not None and v.name and v.name not in inner)
-    return Op(node.op_type, tuple(dict.fromkeys(inputs)), tuple(o.name or "" for o in node.outputs),
-              frozenset(nested))
+                outer.extend(v.name for v in sub.inputs if v is not None and v.name and v.name not in inner)
+    extra = tuple(dict.fromkeys(v for v in outer if v not in inputs))
+    return Op(node.op_type, (*inputs, *extra), tuple(o.name or "" for o in node.outputs), frozenset(nested))

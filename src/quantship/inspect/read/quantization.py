@@ -123,7 +123,8 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
 
 def op_record(node: onnx.NodeProto) -> Op:
     """The island rules' record of ``node``: with the outer tensors its subgraphs read, and their op types."""
-    inputs = list(node.input)
+    inputs = list(node.input)  # as the node lists them (x * x: twice)
+    outer: list[str] = []
     nested: set[str] = set()
     bodies = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
     bodies += [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
@@ -134,8 +135,9 @@ def op_record(node: onnx.NodeProto) -> Op:
             nested.add(sub.op_type)
             record = op_record(sub)
             nested |= record.nested
-            inputs.extend(v for v in record.inputs if v and v not in inner)
-    return Op(node.op_type, tuple(dict.fromkeys(inputs)), tuple(node.output), frozenset(nested))
+            outer.extend(v for v in record.inputs if v and v not in inner)
+    return Op(node.op_type, (*inputs, *dict.fromkeys(v for v in outer if v not in inputs)), tuple(node.output),
+              frozenset(nested))
 
 
 def _float_leftovers(view: GraphView) -> tuple[list[str], list[str], list[str]]:
