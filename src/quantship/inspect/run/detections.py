@@ -25,6 +25,7 @@ class DetectionMatch:
     n_other: int
     max_coordinate_diff: float | None  # pixels, over matched boxes (None: nothing matched)
     iou: float = MATCH_IOU
+    median_coordinate_diff: float | None = None  # pixels, each matched box's largest corner difference
 
     @property
     def share(self) -> float | None:
@@ -32,7 +33,8 @@ class DetectionMatch:
 
     def as_dict(self) -> dict:
         return {"n_reference": self.n_reference, "n_matched": self.n_matched, "n_other": self.n_other,
-                "share": self.share, "max_coordinate_diff": self.max_coordinate_diff, "iou": self.iou}
+                "share": self.share, "max_coordinate_diff": self.max_coordinate_diff,
+                "median_coordinate_diff": self.median_coordinate_diff, "iou": self.iou}
 
 
 def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -54,7 +56,7 @@ def match_detections(reference: Sequence[tuple[np.ndarray, np.ndarray]], other: 
         raise ValueError(f"match_detections: {len(reference)} reference images but {len(other)} others; "
                          "pass the detections of the same images")
     n_ref = n_matched = n_other = 0
-    worst: float | None = None
+    diffs: list[float] = []
     for (ref_boxes, ref_labels), (boxes, labels) in zip(reference, other):
         ref_boxes, boxes = np.asarray(ref_boxes).reshape(-1, 4), np.asarray(boxes).reshape(-1, 4)
         ref_labels, labels = np.asarray(ref_labels).reshape(-1), np.asarray(labels).reshape(-1)
@@ -69,6 +71,6 @@ def match_detections(reference: Sequence[tuple[np.ndarray, np.ndarray]], other: 
                 continue
             free[j] = False
             n_matched += 1
-            diff = float(np.abs(ref_boxes[k].astype(np.float64) - boxes[j].astype(np.float64)).max())
-            worst = diff if worst is None else max(worst, diff)
-    return DetectionMatch(n_ref, n_matched, n_other, worst, iou)
+            diffs.append(float(np.abs(ref_boxes[k].astype(np.float64) - boxes[j].astype(np.float64)).max()))
+    return DetectionMatch(n_ref, n_matched, n_other, max(diffs) if diffs else None, iou,
+                          float(np.median(diffs)) if diffs else None)
