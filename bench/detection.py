@@ -213,8 +213,11 @@ def render(records: dict[str, dict], banner: list[str] | None = None) -> str:
               f"- `detection_postprocess` (float island): {ISLAND_RULES['detection_postprocess']}."]
     lines += [f"- `{rule}` (float compute): {FLOAT_RULES[rule][0]}." for rule in used if rule in FLOAT_RULES]
     lines += ["", "Random weights: these rows prove graph coverage (the backbone, neck and heads run as integer "
-              "kernels, the post-processing stays float by the rule above, the INT8 file runs end to end in ONNX "
-              "Runtime and finds the float file's boxes again), not accuracy.", ""]
+              "kernels but for the convs a float rule names, the post-processing stays float by the rule above, the "
+              "INT8 file runs end to end in ONNX Runtime and returns as many boxes as the float file), not accuracy. "
+              "How many of the float file's boxes it finds again (`matched`) is to be read against `FP32 vs FP32 "
+              "nudged`: an untrained network amplifies a rounding difference layer after layer and its near-equal "
+              "scores reorder, so a share below that floor says nothing about a trained detector's boxes.", ""]
     cpus = sorted({r.get("cpu", "?") for r in records.values()})
     lines += [f"CPU: {'; '.join(cpus) or '?'}; 2 cores shared with other developers' runs (hence the load "
               f"column). Python {platform.python_version()}, torch {torch.__version__}.", ""]
