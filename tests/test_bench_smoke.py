@@ -56,6 +56,10 @@ RUNS = {
     "accuracy_budget": Smoke(stdout=("| observer | budget (points) |", "| minmax | 0 | ", "ORT ms batch 1")),
     "distributed": Smoke(stdout=("| observer | 1 rank, 1 thread", "| minmax | ", "| histogram | ", "QAT: the per-step",
                                  "### On paper", "| histogram | 16 | ")),
+    "detection": Smoke(("--out", "{tmp}/ZOO-detection.md"), files={
+        "ZOO-detection.md": ("Smoke run", "| tiny_ssd | 0.0 | ", "`detection_postprocess` (float island)",
+                             "not accuracy"),
+        "detection_results.json": ('"model": "tiny_ssd"', '"postprocess_tensors"')}),
     "dynamic_batch": Smoke(stdout=("| model | preset | max LSB per batch", "| resnet18 | onnxruntime-cpu | ")),
     "latency": Smoke(("--out", "{tmp}/BENCHMARKS.md"), files={"BENCHMARKS.md": (
         "Smoke run", "at 32x32", "| resnet18 | 1 | FP32 |", "| resnet18 | 2 | quantship onnxruntime-cpu",

@@ -211,7 +211,9 @@ def _run(args: argparse.Namespace, out) -> int:
                       f"weighted ops" + (f", {len(result.plan['kept_float'])} kept float for speed"
                                          if result.plan["kept_float"] else "")
                       + (f", {result.plan['n_tables']} stored table(s) read by Gather in 8 bits"
-                         if result.plan.get("n_tables") else "")),
+                         if result.plan.get("n_tables") else "")
+                      + "".join(f", {rule} keeps {len(island['tensors'])} tensors float"
+                                for rule, island in result.plan["float_islands"].items())),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_uint8} uint8"),
         *([("16-bit activations", f"{len(result.int16)} tensor(s): {', '.join(result.int16)}")] if result.int16 else []),

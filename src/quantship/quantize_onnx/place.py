@@ -10,6 +10,7 @@ float value for float consumers. ``full`` placement quantizes every float activa
 islands (``ISLAND_RULES``: each named, applied node by node and listed in the plan with its reason).
 A Gather reading a stored table by computed indices is a table read (``tables``): its output is
 quantized under the table's own scale, and the table stored in 8 bits.
+A detector's post-processing (``detection_postprocess``) is an island in either placement: no pair joins it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import numpy as np
 import onnx_ir as ir
 
 from quantship.errors import SpecRefused
-from quantship.inspect.read.islands import Op, normalisation_statistics, polynomial_interiors
+from quantship.inspect.read.islands import Op, detection_postprocess, normalisation_statistics, polynomial_interiors
 from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, shared_qparams
 from quantship.quantize_onnx.float_islands import (
     CONCAT_TIE_RATIO,
     ISLAND_RULES,
+    op_record,
     range_ratio,
     release_split_range_outputs,
 )
@@ -106,8 +108,7 @@ class _Graph:
         return bool(name) and name not in self.constant and seen is not None and seen.dtype in FLOAT_DTYPES
 
     def ops(self) -> list[Op]:
-        return [Op(n.op_type, tuple(v.name if v is not None else "" for v in n.inputs),
-                   tuple(o.name or "" for o in n.outputs)) for n in self.nodes]
+        return [op_record(n) for n in self.nodes]
 
     def is_activation(self, value: ir.Value | None) -> bool:
         """A float tensor computed from the inputs (not a weight, not shape arithmetic on constants)."""
@@ -198,11 +199,14 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
             result.integer_nodes.add(i)
             result.roles[f"table:{node.op_type}"] += 1
 
-    statistics: set[str] = set()
+    ops = g.ops()
+    postprocess = {n for n in detection_postprocess(ops, g.is_activation_name) if n not in quantized}
+    result.islands.update(dict.fromkeys(sorted(postprocess), "detection_postprocess"))
+    statistics: set[str] = set(postprocess)  # in either placement: no pair joins it
     if placement.mode == "full":
-        ops = g.ops()
-        statistics = normalisation_statistics(ops, g.is_activation_name)
-        result.islands.update(dict.fromkeys(sorted(statistics), "normalisation_statistics"))
+        norms = normalisation_statistics(ops, g.is_activation_name) - statistics
+        result.islands.update(dict.fromkeys(sorted(norms), "normalisation_statistics"))
+        statistics |= norms
         interiors = polynomial_interiors(ops, g.is_activation_name) - statistics
         result.islands.update(dict.fromkeys(sorted(interiors), "polynomial_interior"))
         statistics |= interiors

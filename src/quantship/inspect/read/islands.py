@@ -12,6 +12,14 @@ of the graph (the placement keeps them float, the ``fully_quantized`` rule does 
   saturating op (GELU's tanh form: x*x, x^3, x + 0.044715 x^3, its scaling, up to the Tanh): a cube
   spans the cube of the input's range, so one int8 scale rounds x and 0.044715 x^3 to 0 for every
   moderate x (magika's second GELU: Conv_0's output reaches +-296, x^3 +-1e6, Tanh at 0.1 dB).
+- ``detection_postprocess``: a detector's post-processing, everything that feeds a selection
+  (``NonMaxSuppression``, ``TopK``, or an ``If``/``Loop`` whose body runs one) back to the compute ops
+  that produced it (the head's Conv/Gemm outputs, which keep their own pair), and everything computed
+  from that downstream until a compute op or a feature sampler (``RoiAlign``) reads it: anchor
+  arithmetic, box decoding (Exp of the regressed sizes, pixel coordinates), softmax/sigmoid scores,
+  thresholds, top-k, NMS. Box coordinates span the image (0..320) while the deltas they decode are
+  O(1), scores that differ by a few 1e-4 decide the order of the top-k: one int8 scale per tensor
+  rounds the ranking and moves boxes by pixels; these ops have no integer kernel anyway.
 - ``dequantized_data``: values that are dequantized integers moved without arithmetic (a Concat, Slice,
   Transpose... of DequantizeLinear outputs): exact, so a float graph output written this way computes
   nothing in float (TiGrIS 0.12.1 compiles such a tail and runs it).
@@ -36,13 +44,48 @@ DATA_MOVEMENT = frozenset({"Concat", "Reshape", "Transpose", "Squeeze", "Unsquee
 DEQUANTIZE = "DequantizeLinear"
 
 
+SELECTION_OPS = frozenset({"NonMaxSuppression", "TopK"})
+# where the post-processing region ends: compute that reads it (its output is features, not boxes) and the
+# Q/DQ of a written file
+POSTPROCESS_BOUNDARY = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "RoiAlign", "MaxRoiPool",
+                                  "QuantizeLinear", DEQUANTIZE})
+
+
 @dataclass(frozen=True)
 class Op:
-    """One node as the island rules read it (inputs/outputs by tensor name, "" for an absent one)."""
+    """One node as the island rules read it (inputs/outputs by tensor name, "" for an absent one). A node
+    with subgraphs (If, Loop, Scan) lists the outer tensors its bodies read among its inputs, and the op
+    types its bodies run in ``nested``."""
 
     op_type: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    nested: frozenset[str] = frozenset()
+
+    @property
+    def selects(self) -> bool:
+        return self.op_type in SELECTION_OPS or bool(self.nested & SELECTION_OPS)
+
+
+def detection_postprocess(ops: Sequence[Op], is_activation: Callable[[str], bool]) -> set[str]:
+    """The float tensors of a detector's post-processing in ``ops`` (graph order): see the module docstring."""
+    producer = {o: op for op in ops for o in op.outputs if o}
+    region: set[str] = set()
+    stack = [v for op in ops if op.selects for v in (*op.inputs, *op.outputs) if v and is_activation(v)]
+    while stack:  # back from each selection to the compute ops
+        name = stack.pop()
+        op = producer.get(name)
+        if name in region or op is not None and op.op_type in POSTPROCESS_BOUNDARY:
+            continue
+        region.add(name)
+        if op is not None:
+            stack.extend(v for v in op.inputs if v and is_activation(v))
+    if not region:
+        return region
+    for op in ops:  # then forward, what is computed from it
+        if op.op_type not in POSTPROCESS_BOUNDARY and any(v in region for v in op.inputs if v):
+            region.update(o for o in op.outputs if o and is_activation(o))
+    return region
 
 
 def normalisation_statistics(ops: Sequence[Op], is_activation: Callable[[str], bool]) -> set[str]:

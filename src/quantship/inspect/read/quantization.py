@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from quantship.inspect.read.islands import Op, dequantized_data, normalisation_statistics, polynomial_interiors
+from quantship.inspect.read.islands import (
+    Op,
+    dequantized_data,
+    detection_postprocess,
+    normalisation_statistics,
+    polynomial_interiors,
+)
 from quantship.inspect.read.parameters import foreign_operators, parameter_problems
 from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
 
@@ -115,6 +121,25 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     )
 
 
+def op_record(node: onnx.NodeProto) -> Op:
+    """The island rules' record of ``node``: with the outer tensors its subgraphs read, and their op types."""
+    inputs = list(node.input)  # as the node lists them (x * x: twice)
+    outer: list[str] = []
+    nested: set[str] = set()
+    bodies = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+    bodies += [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
+    for body in bodies:
+        inner = {v.name for v in body.input} | {t.name for t in body.initializer}
+        inner.update(o for n in body.node for o in n.output)
+        for sub in body.node:
+            nested.add(sub.op_type)
+            record = op_record(sub)
+            nested |= record.nested
+            outer.extend(v for v in record.inputs if v and v not in inner)
+    return Op(node.op_type, (*inputs, *dict.fromkeys(v for v in outer if v not in inputs)), tuple(node.output),
+              frozenset(nested))
+
+
 def _float_leftovers(view: GraphView) -> tuple[list[str], list[str], list[str]]:
     """Activations computed in float outside any Q/DQ pair, the operators that compute on them, and the
     float islands (``inspect.read.islands``: a normalisation's statistics, a polynomial's interior, dequantized
@@ -122,12 +147,13 @@ def _float_leftovers(view: GraphView) -> tuple[list[str], list[str], list[str]]:
     a fully integer target runs in float on purpose and which are not leftovers."""
     tensors: dict[str, None] = {}
     operators: dict[str, None] = {}
-    ops = [Op(n.op_type, tuple(n.input), tuple(n.output)) for n in view.nodes]
+    ops = [op_record(n) for n in view.nodes]
 
     def activation(name: str) -> bool:
         return name not in view.constant and view.is_float(name)
 
-    statistics = normalisation_statistics(ops, activation) | polynomial_interiors(ops, activation)
+    statistics = (normalisation_statistics(ops, activation) | polynomial_interiors(ops, activation)
+                  | detection_postprocess(ops, activation))
     exact = dequantized_data(ops, activation)
     islands: dict[str, None] = {}
     for index, node in enumerate(view.nodes):
