@@ -17,7 +17,7 @@ import onnx
 from quantship.errors import cause
 from quantship.inspect.judge.rules import Target
 from quantship.inspect.judge.rules import target as get_target
-from quantship.inspect.read.lsb import output_scales
+from quantship.inspect.read.output_units import OutputUnit, output_units
 from quantship.inspect.run.consumers import (
     Inputs,
     array_inputs,
@@ -83,7 +83,7 @@ def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, toleranc
                   "nothing; pass real inputs (check --run --inputs real.npy, or a trained model)")
     elif max_lsb is None and tolerance is not None:
         status = INCONCLUSIVE
-        detail = detail or "the outputs are float (no output scale), so not compared in LSB"
+        detail = detail or "the outputs are float and not compared in LSB"
     else:
         status = PASSED
     return RunResult(consumer, True, status == PASSED, detail, n_inputs, max_lsb, mean_lsb, tolerance, status,
@@ -124,15 +124,24 @@ def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int 
         return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind)
     except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
         return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind)
-    scales = list(output_scales(model).values())
-    max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
-    detail = ""
-    if target == ORT_CPU:
-        detail = "ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"
-    result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind)
-    if result.status == PASSED and detail:
-        result = RunResult(**{**result.as_dict(), "detail": detail})
-    return result
+    units = output_units(model)
+    max_lsb, mean_lsb = lsb_between(reference, outputs, [u.unit for u in units.values()])
+    notes = ["ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"] if target == ORT_CPU else []
+    notes += units_note(units)
+    return judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind,
+                 detail="; ".join(notes))
+
+
+def units_note(units: dict[str, OutputUnit]) -> list[str]:
+    """What the LSB of each float output means, or why it has none (``read.output_units``: the rule)."""
+    notes = []
+    for name, unit in units.items():
+        if unit.unit is None:
+            notes.append(f"output {name!r} is float and not compared in LSB: {unit.reason}")
+        elif unit.rule:
+            notes.append(f"output {name!r} in LSB of the quantized tensors feeding it, {unit.rule} "
+                         "(each op's Lipschitz bound: an error beyond tolerance is proven, within it is necessary)")
+    return notes
 
 
 def _first(exc: BaseException) -> str:
