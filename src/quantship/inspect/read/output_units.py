@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from quantship.inspect.read.facts import facts_of
-from quantship.inspect.read.view import DEQUANTIZE, GraphView
+from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, GraphView
 
 if TYPE_CHECKING:
     from quantship.inspect.read.facts import FileFacts
@@ -60,7 +60,7 @@ def output_units(path: str | Path | onnx.ModelProto | FileFacts) -> dict[str, Ou
     for name in view.outputs:
         scale = facts.output_scales.get(name)
         if scale:
-            units[name] = OutputUnit(scale, "")
+            units[name] = _requantized(view, name, scale)
             continue
         ops: list[str] = []
         try:
@@ -72,8 +72,25 @@ def output_units(path: str | Path | onnx.ModelProto | FileFacts) -> dict[str, Ou
             units[name] = OutputUnit(None, "", "it does not depend on a quantized activation")
             continue
         seen = list(dict.fromkeys(reversed(ops)))  # in the order the file computes them
-        units[name] = OutputUnit(unit, "through " + ", ".join(seen) + " after the last DequantizeLinear")
+        units[name] = OutputUnit(unit, "the quantized tensors feeding it, through " + ", ".join(seen)
+                                 + " after the last DequantizeLinear")
     return units
+
+
+def _requantized(view: GraphView, name: str, scale: float) -> OutputUnit:
+    """An output read off a DequantizeLinear; when its QuantizeLinear requantizes a Softmax, Sigmoid or
+    shape op of quantized tensors, the larger of its own step and one LSB of those carried through it
+    (a Softmax from logits at 0.07 to probabilities at 0.008 turns one logit LSB into 4 output LSB)."""
+    ops: list[str] = []
+    try:
+        carried = _unit(view, view.through_shape_ops_up(name), ops, 0, {}, look_back=True)
+    except _NoUnit:
+        return OutputUnit(scale, "")
+    if carried <= scale * (1 + 1e-6):
+        return OutputUnit(scale, "")
+    seen = list(dict.fromkeys(reversed(ops)))
+    return OutputUnit(carried, f"the quantized tensors feeding {', '.join(seen)} (one LSB of them carried through: "
+                               f"{carried / scale:.1f}x the output's own step {scale:.4g})")
 
 
 def _constant(view: GraphView, tensor: str) -> np.ndarray | None:
@@ -91,7 +108,8 @@ def _constant(view: GraphView, tensor: str) -> np.ndarray | None:
     return None
 
 
-def _unit(view: GraphView, tensor: str, ops: list[str], depth: int, memo: dict[str, float]) -> float:
+def _unit(view: GraphView, tensor: str, ops: list[str], depth: int, memo: dict[str, float],
+          look_back: bool = False) -> float:
     """The largest output change of one LSB at every quantized tensor feeding ``tensor`` (0: constant)."""
     if tensor in memo:
         return memo[tensor]
@@ -108,10 +126,17 @@ def _unit(view: GraphView, tensor: str, ops: list[str], depth: int, memo: dict[s
         if scale is None or scale.size != 1:
             raise _NoUnit(f"DequantizeLinear {node.name!r} has no single scale")
         unit = float(scale.reshape(()))
+        q = view.node_of(node.input[0])
+        if look_back and q is not None and q.op_type == QUANTIZE and view.node_of(q.input[0]) is not None:
+            seen = len(ops)
+            try:  # a requantized Softmax/Sigmoid/shape op: one LSB of what feeds it, carried through
+                unit = max(unit, _unit(view, q.input[0], ops, depth + 1, memo, look_back))
+            except _NoUnit:  # a Conv or another op without a rule: this tensor's own step
+                del ops[seen:]
     else:
         ops.append(op)
         value_inputs = [t for t in (node.input if op in _ALL_INPUTS else node.input[:1]) if t]
-        inner = [_unit(view, t, ops, depth + 1, memo) for t in value_inputs]
+        inner = [_unit(view, t, ops, depth + 1, memo, look_back) for t in value_inputs]
         if op in _ONE:
             unit = max(inner)
         elif op in _GAIN:
@@ -123,28 +148,29 @@ def _unit(view: GraphView, tensor: str, ops: list[str], depth: int, memo: dict[s
             alpha = next((a.f for a in node.attribute if a.name == "alpha"), 0.01)
             unit = max(1.0, abs(alpha)) * inner[0]
         elif op in ("Add", "Sub", "Mul", "Div") and len(node.input) == 2:
-            unit = _binary(view, node, ops, depth, memo)
+            unit = _binary(view, node, ops, depth, memo, look_back)
         else:
             raise _NoUnit(f"{op} {node.name!r} follows the last DequantizeLinear (no Lipschitz rule for it)")
     memo[tensor] = unit
     return unit
 
 
-def _binary(view: GraphView, node: onnx.NodeProto, ops: list[str], depth: int, memo: dict[str, float]) -> float:
+def _binary(view: GraphView, node: onnx.NodeProto, ops: list[str], depth: int, memo: dict[str, float],
+            look_back: bool) -> float:
     a, b = node.input
     ca, cb = _constant(view, a), _constant(view, b)
     op = node.op_type
     if op in ("Add", "Sub"):
-        return (0.0 if ca is not None else _unit(view, a, ops, depth + 1, memo)) + \
-            (0.0 if cb is not None else _unit(view, b, ops, depth + 1, memo))
+        return (0.0 if ca is not None else _unit(view, a, ops, depth + 1, memo, look_back)) + \
+            (0.0 if cb is not None else _unit(view, b, ops, depth + 1, memo, look_back))
     if ca is not None and cb is not None:
         return 0.0
     if op == "Mul" and (ca is not None or cb is not None):
         constant, other = (ca, b) if ca is not None else (cb, a)
-        return float(np.abs(constant).max(initial=0.0)) * _unit(view, other, ops, depth + 1, memo)
+        return float(np.abs(constant).max(initial=0.0)) * _unit(view, other, ops, depth + 1, memo, look_back)
     if op == "Div" and cb is not None:
         smallest = float(np.abs(cb).min(initial=np.inf))
         if smallest > 0:
-            return _unit(view, a, ops, depth + 1, memo) / smallest
+            return _unit(view, a, ops, depth + 1, memo, look_back) / smallest
     raise _NoUnit(f"{op} {node.name!r} of two computed tensors follows the last DequantizeLinear "
                   "(its error bound depends on the values)")
