@@ -69,7 +69,7 @@ class RunResult:
             if self.tolerance_lsb is None:
                 judged = "(not judged)"
             else:
-                judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {self.tolerance_lsb:.1f}"
+                judged = f"{'>' if self.max_lsb > self.tolerance_lsb else '<='} tolerance {round(self.tolerance_lsb, 1):g}"
                 if self.ort_fused_lsb:
                     judged += (f" ({self.tolerance_lsb - self.ort_fused_lsb:g} + {self.ort_fused_lsb:.1f}, the distance "
                                "of ONNX Runtime's own fused kernels from its literal reading on these inputs)")
