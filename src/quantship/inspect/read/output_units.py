@@ -40,7 +40,7 @@ _MAX_DEPTH = 64  # a decode longer than this is not followed
 class OutputUnit:
     """One output's LSB: ``unit`` (None: not comparable in LSB) and the ops that shaped it."""
 
-    unit: float | None
+    unit: float | np.ndarray | None  # an array (broadcast to the output) for a Concat of parts in different units
     rule: str  # "" when the output is the DequantizeLinear itself (through shape-only ops); else the ops
     reason: str = ""  # why there is no unit
 
@@ -64,6 +64,10 @@ def output_units(path: str | Path | onnx.ModelProto | FileFacts) -> dict[str, Ou
             continue
         ops: list[str] = []
         try:
+            sliced = _concat_slices(view, name, ops)
+            if sliced is not None:
+                units[name] = sliced
+                continue
             unit = _unit(view, name, ops, 0, {})
         except _NoUnit as exc:
             units[name] = OutputUnit(None, "", str(exc))
@@ -75,6 +79,31 @@ def output_units(path: str | Path | onnx.ModelProto | FileFacts) -> dict[str, Ou
         units[name] = OutputUnit(unit, "the quantized tensors feeding it, through " + ", ".join(seen)
                                  + " after the last DequantizeLinear")
     return units
+
+
+def _concat_slices(view: GraphView, name: str, ops: list[str]) -> OutputUnit | None:
+    """An output that is a Concat of parts at different units (YOLO's boxes in pixels beside class
+    scores in [0, 1]): each slice is judged in its own part's unit, an array over the Concat axis (None
+    when the output is no such Concat, or the parts' sizes along the axis are not known)."""
+    node = view.node_of(name)
+    if node is None or node.op_type != "Concat":
+        return None
+    shapes = [view.shape.get(t) for t in node.input]
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    if not shapes or any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
+        return None
+    parts = [_unit(view, t, ops, 1, {}) for t in node.input]
+    if len(set(parts)) < 2:
+        return None
+    rank = len(shapes[0])
+    axis %= rank
+    unit = np.concatenate([np.full(s[axis], u, np.float64) for s, u in zip(shapes, parts)])
+    if not np.all(unit > 0):
+        raise _NoUnit("a part of its Concat does not depend on a quantized activation")
+    shape = [1] * rank
+    shape[axis] = unit.size
+    return OutputUnit(unit.reshape(shape), f"each part of its Concat in its own unit ({min(parts):.4g} .. "
+                      f"{max(parts):.4g}, along axis {axis})")
 
 
 def _requantized(view: GraphView, name: str, scale: float) -> OutputUnit:

@@ -226,7 +226,11 @@ def lsb_between(reference: list[list[np.ndarray]], candidate: list[list[np.ndarr
     maxima, means = [], []
     for ref_outs, cand_outs in zip(reference, candidate):
         for ref, cand, scale in zip(ref_outs, cand_outs, scales):
-            if scale:
+            if isinstance(scale, np.ndarray):  # one unit per slice (a Concat of parts at different units)
+                diff = np.abs(np.asarray(ref, np.float64) - np.asarray(cand, np.float64).reshape(np.shape(ref))) / scale
+                maxima.append(float(diff.max()))
+                means.append(float(diff.mean()))
+            elif scale:
                 err = lsb_error(ref, np.asarray(cand).reshape(np.shape(ref)), scale)
                 maxima.append(err.max_lsb)
                 means.append(err.mean_lsb)
