@@ -13,6 +13,10 @@ REAL.md files (quantize-onnx, bench/real.py's calibration and task inputs):
   PNet tigris (600 crops): 13 output LSB = 3.0 logit LSB, ORT fused 1.2: passed at 5.2 (was failed).
   PP-OCR classifier tigris (200 lines): 25 output LSB = 4.7 logit LSB (Softmax: 9.5x the output
   step), ORT fused 3.8: passed at 7.8 (was failed).
+  PP-OCRv4 detector tigris (10 pages): 3.8 LSB before its Sigmoid (33x the output step), ORT fused
+  3.8: passed at 7.8 (was "127 LSB > 4").
+  nudenet tigris (16 images): output a Concat of boxes (unit 2.48) and scores (0.0047), judged per
+  slice: TiGrIS 34, ORT fused 36: passed at 40 (was inconclusive); without the widening it fails.
 """
 
 from __future__ import annotations
