@@ -84,12 +84,12 @@ class CheckReport:
             run = next(r for r in ran if not r.ok and r.status != INCONCLUSIVE)
             if run.max_lsb is not None and run.tolerance_lsb is not None and run.max_lsb > run.tolerance_lsb:
                 where = f" ({run.worst_output})" if run.worst_output else ""
-                return f"failed: {run.consumer} {run.max_lsb:.1f} LSB{where} > tolerance {run.tolerance_lsb:g}"
+                return f"failed: {run.consumer} {run.max_lsb:.1f} LSB{where} > tolerance {round(run.tolerance_lsb, 1):g}"
             return f"failed: {run.consumer}: {run.detail}"
         if verdict == INCONCLUSIVE:
             run = next(r for r in ran if r.status == INCONCLUSIVE)
             return f"inconclusive ({run.consumer}): {run.detail.removeprefix('inconclusive: ')}"
-        measured = [f"{r.consumer} {r.max_lsb:.1f} LSB" + (f" <= {r.tolerance_lsb:g}" if r.tolerance_lsb else "")
+        measured = [f"{r.consumer} {r.max_lsb:.1f} LSB" + (f" <= {round(r.tolerance_lsb, 1):g}" if r.tolerance_lsb else "")
                     for r in ran if r.max_lsb is not None]
         return "accepted" + (f" (ran: {', '.join(measured)})" if measured else "")
 

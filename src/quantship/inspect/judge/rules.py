@@ -141,6 +141,12 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "deploy on a CPU with VNNI/AMX, or quantize weights to 7 bits (reduce_range) for such CPUs",
          lambda f, t: [f"{q.node} (|w| up to {q.max_abs_int})" for q in f.of_role("weight")
                        if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63]),
+    Rule("tigris_kernels", "operators in the forms TiGrIS has kernels for: Clip as ReLU (min 0) or ReLU6 (0, 6); "
+         "ReduceSum/Mean/Max of a rank-3 input over one constant axis, or of a rank-4 one over H and W",
+         "{n} operator(s) in a form {consumer} has no kernel for ({what}), so it compiles no plan",
+         "keep such ops out of the model (a hard sigmoid as HardSigmoid, not a Clip to [0, 1]; a "
+         "LayerNorm or softmax over a rank-3 tensor), or deploy to a runtime that has them",
+         lambda f, t: [f"{node} ({form})" for node, form in f.operator_forms]),
     Rule("conv_kernel_shape", "every Conv carries kernel_shape",
          "{n} Conv node(s) have no kernel_shape attribute ({what}); {consumer}'s ONNX parser needs it",
          "write kernel_shape from the weight's spatial dims (quantship export_qdq does this)",
@@ -170,8 +176,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            local_functions=True),
     Target("tigris", "TiGrIS", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
            errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
-                   "weight_dtype", "int32_bias"),
-           source="TiGrIS quantization guide: QDQ, static, fully quantized; uint8 restated as int8",
+                   "weight_dtype", "int32_bias", "tigris_kernels"),
+           source="TiGrIS quantization guide: QDQ, static, fully quantized; uint8 restated as int8; kernel "
+                  "forms measured with tigris analyze 0.12.1",
            lsb_tolerance=4.0),
 )}
 

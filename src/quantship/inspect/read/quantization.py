@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from quantship.inspect.read.forms import operator_forms
 from quantship.inspect.read.islands import (
     Op,
     dequantized_data,
@@ -63,6 +64,8 @@ class QuantFacts:
     biases: list[tuple[str, str, str]] = field(default_factory=list)  # (node, tensor, stored dtype)
     parameter_problems: list[str] = field(default_factory=list)  # broken scales, zero-points, axes, dims
     foreign_operators: list[tuple[str, str, bool]] = field(default_factory=list)  # (node, domain, local function)
+    # (node, form) of ops in a form some runtimes have no kernel for (``read.forms``: Clip bounds, reductions)
+    operator_forms: list[tuple[str, str]] = field(default_factory=list)
 
     def of_role(self, role: str) -> list[QDQNode]:
         return [q for q in self.qdq if q.role == role]
@@ -206,6 +209,7 @@ def quant_facts(view: GraphView) -> QuantFacts:
     facts.float_tensors, facts.float_operators, facts.float_islands = _float_leftovers(view)
     facts.parameter_problems = parameter_problems(view)
     facts.foreign_operators = foreign_operators(view)
+    facts.operator_forms = operator_forms(view)
     if facts.dynamic_nodes:
         facts.format = "dynamic"
     elif facts.qoperator_nodes:

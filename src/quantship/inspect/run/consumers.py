@@ -172,6 +172,20 @@ def _last_line(done: subprocess.CompletedProcess) -> str:
     return (errors or lines or [f"exit code {done.returncode}"])[-1]
 
 
+def _tigris_reason(path: str | Path) -> str:
+    """Why TiGrIS cannot compile the file, from ``tigris analyze``: the unsupported operators, each with
+    TiGrIS's own reason (the first two; how many there are), or "" when it names none."""
+    try:
+        unsupported = tigris_analyze(path).get("model", {}).get("unsupported_operators") or []
+    except (ValueError, OSError, subprocess.SubprocessError):
+        return ""
+    if not unsupported:
+        return ""
+    shown = "; ".join(str(u) for u in unsupported[:2])
+    more = f" (and {len(unsupported) - 2} more)" if len(unsupported) > 2 else ""
+    return f"{len(unsupported)} operator(s) it does not support: {shown}{more}"
+
+
 def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) -> list[list[np.ndarray]]:
     """Compile a plan with the tigris CLI, then run it on the host runtime with NHWC inputs."""
     from tigris.runtime import Session
@@ -183,7 +197,7 @@ def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) ->
         plan = Path(tmp) / "plan.tgrs"
         done = _tigris("compile", str(path), "-m", TIGRIS_MEMORY, "-o", str(plan))
         if done.returncode != 0 or not plan.exists():
-            raise RuntimeError(f"tigris compile refused the file: {_last_line(done)}")
+            raise RuntimeError(f"tigris compile refused the file: {_tigris_reason(path) or _last_line(done)}")
         results = []
         with Session(plan) as session:
             for feed in feeds:
@@ -212,7 +226,11 @@ def lsb_between(reference: list[list[np.ndarray]], candidate: list[list[np.ndarr
     maxima, means = [], []
     for ref_outs, cand_outs in zip(reference, candidate):
         for ref, cand, scale in zip(ref_outs, cand_outs, scales):
-            if scale:
+            if isinstance(scale, np.ndarray):  # one unit per slice (a Concat of parts at different units)
+                diff = np.abs(np.asarray(ref, np.float64) - np.asarray(cand, np.float64).reshape(np.shape(ref))) / scale
+                maxima.append(float(diff.max()))
+                means.append(float(diff.mean()))
+            elif scale:
                 err = lsb_error(ref, np.asarray(cand).reshape(np.shape(ref)), scale)
                 maxima.append(err.max_lsb)
                 means.append(err.mean_lsb)
