@@ -88,6 +88,9 @@ RUNS = {
         "ZOO-segmentation.md": ("Smoke run", "| lraspp_mobilenet_v3_large | 3.2 | ", "| out | 1x21x32x32 | ",
                                 "| deeplabv3_mobilenet_v3_large | not run yet |"),
         "segmentation_results.json": ('"model": "lraspp_mobilenet_v3_large"', '"name": "out"')}),
+    "yolo_head": Smoke(("--out", "{tmp}/ZOO-yolo.md"), files={"ZOO-yolo.md": (
+        "Smoke run", "| choice | option | FP32 detections reproduced | scores = 0 |", "| default | `--target",
+        "| shared scale: output Concat | `--shared-scale /model.22/Concat_25` | ")}),
     "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of "),
                                                     "zoo_results.json": ('"model": "resnet18"', '"status": "ok"')}),
 }
