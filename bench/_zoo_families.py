@@ -90,10 +90,11 @@ def _hf_entries() -> list[Entry]:
         hf("deberta_v2", lambda: t.DebertaV2Model(t.DebertaV2Config(**text)), "last_hidden_state"),
         hf("t5_encoder", lambda: t.T5EncoderModel(t.T5Config(vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128,
                                                              num_layers=2, num_heads=2)), "last_hidden_state"),
-        hf("whisper_encoder", lambda: t.WhisperModel(t.WhisperConfig(
+        hf("whisper_encoder", lambda: t.models.whisper.modeling_whisper.WhisperEncoder(t.WhisperConfig(
             d_model=64, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-            encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=16,
-            vocab_size=VOCAB)).encoder, "last_hidden_state", _shape(1, 16, 32)),
+            encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=16, vocab_size=VOCAB,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
+            begin_suppress_tokens=None)), "last_hidden_state", _shape(1, 16, 32)),
         hf("wav2vec2", lambda: t.Wav2Vec2Model(t.Wav2Vec2Config(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, conv_dim=(32, 32),
             conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)),

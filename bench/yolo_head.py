@@ -118,6 +118,38 @@ def score_zeros(out: np.ndarray) -> float:
     return float((out[:, N_BOX:, :] == 0).mean())
 
 
+@dataclass(frozen=True)
+class Measured:
+    choice: str
+    k: int
+    n: int
+    interval: tuple[float, float]
+    zeros: float
+    ms: dict[str, tuple[float, float]]
+
+
+def reading(rows: list[Measured]) -> list[str]:
+    """Each choice against the first row (the default): detections, beyond noise or not (Wilson 95% intervals
+    that do not overlap), and the INT8 / FP32 latency ratio of each (the interleaved pairs)."""
+    if not rows:
+        return []
+    base = rows[0]
+    lines = ["## Reading", "", f"Against `{base.choice}` ({base.k}/{base.n}); `beyond noise`: the two Wilson 95% "
+             "intervals do not overlap. INT8 / FP32 latency: the ratio of the interleaved medians of each row.", ""]
+    better = []
+    for r in rows:
+        apart = r.interval[0] > base.interval[1] or r.interval[1] < base.interval[0]
+        ratio = ", ".join(f"{b} {r.ms[b][1] / r.ms[b][0]:.2f}x" for b in ("b1", "b8"))
+        verdict = "-" if r is base else (f"{r.k - base.k:+d} detections, " + ("beyond noise" if apart else "within noise"))
+        lines.append(f"- {r.choice}: {r.k}/{r.n} ({verdict}); class scores exactly 0: {100 * r.zeros:.2f}%; "
+                     f"INT8 / FP32 latency {ratio}")
+        if r is not base and apart and r.k > base.k:
+            better.append(r.choice)
+    lines += ["", f"Beyond noise and better than `{base.choice}` on detections: {', '.join(better)}." if better else
+              f"No choice reproduces more FP32 detections than `{base.choice}` beyond noise."]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     import _smoke
 
@@ -164,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "float in ORT | float kernels | plan | quantize s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = []
+    rows: list[str] = []
+    measured: list[Measured] = []
     with tempfile.TemporaryDirectory() as tmp:
         for choice in (c for c in CHOICES if c.name in args.choices):
             path = Path(tmp) / f"{choice.name.replace(' ', '_').replace(':', '').replace('+', '_')}.onnx"
@@ -189,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"{compute} / {other} | {kernels} | {planned} | {seconds:.0f} |")
             print(row, flush=True)
             rows.append(row)
+            measured.append(Measured(choice.name, reproduced.k, reproduced.n, (lo, hi), score_zeros(out), ms))
     lines += rows
-    lines += ["", f"Load average at the end: {os.getloadavg()[0]:.1f} (2 cores)."]
+    lines += ["", f"Load average at the end: {os.getloadavg()[0]:.1f} (2 cores).", "", *reading(measured)]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -168,7 +168,12 @@ def run_model(entry: Entry, family: str, workdir: Path, observer: str | None) ->
 
     name = entry.name
     torch.manual_seed(0)
-    model = entry.build()
+    try:
+        model = entry.build()
+    except Exception as exc:  # the library cannot build this config here: the record says so, the run goes on
+        traceback.print_exc()
+        return ZooRow(name, 0.0, family=family, observer=observer,
+                      status=f"not built: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
     row = ZooRow(name, sum(p.numel() for p in model.parameters()) / 1e6, family=family, observer=observer)
     if row.params_m * 1e6 > GIANT_PARAMS:
         row.status = f"left out: {row.params_m:.0f}M parameters (> {GIANT_PARAMS / 1e6:.0f}M on this machine)"

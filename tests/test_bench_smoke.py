@@ -91,7 +91,8 @@ RUNS = {
         "segmentation_results.json": ('"model": "lraspp_mobilenet_v3_large"', '"name": "out"')}),
     "yolo_head": Smoke(("--out", "{tmp}/ZOO-yolo.md"), files={"ZOO-yolo.md": (
         "Smoke run", "| choice | option | FP32 detections reproduced | scores = 0 |", "| default | `--target",
-        "| shared scale: output Concat | `--shared-scale /model.22/Concat_25` | ")}),
+        "| shared scale: output Concat | `--shared-scale /model.22/Concat_25` | ", "## Reading",
+        "- shared scale: output Concat: ", "INT8 / FP32 latency b1 ")}),
     "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of ", "## hf"),
                                                     "zoo_results.json": ('"model": "resnet18"', '"status": "ok"')}),
     "zoo_hf": Smoke(("--family", "hf", "--out", "{tmp}/ZOO.md"), script="zoo", files={
