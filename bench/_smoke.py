@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # what the bench scripts publish: a smoke run writes none of them
 PUBLISHED = tuple(ROOT / name for name in ("BENCHMARKS.md", "BENCHMARKS-LM.md", "BENCHMARKS-LM-static.md",
                                            "BENCHMARKS-LM-latency.md", "BENCHMARKS-pipeline.md", "ZOO.md",
-                                           "bench/zoo_results.json", "ZOO-segmentation.md",
+                                           "bench/zoo_results.json", "ZOO-segmentation.md", "ZOO-yolo.md",
                                            "bench/segmentation_results.json", "ZOO-detection.md",
                                            "bench/detection_results.json"))
 HELP = ("smallest run that goes through the whole table (tiny model, one repetition; figures meaningless), "

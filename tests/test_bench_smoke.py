@@ -37,6 +37,7 @@ class Smoke:
     files: dict[str, tuple[str, ...]] = field(default_factory=dict)  # file in {tmp} -> text each must hold
     never: tuple[str, ...] = ()  # must appear nowhere in the output
     lines: tuple[str, ...] = ()  # regular expressions, each matching a whole line of the output
+    script: str = ""  # the script, where the run's name is not it (a second run of one script)
 
 
 RUNS = {
@@ -97,8 +98,16 @@ RUNS = {
         "ZOO-segmentation.md": ("Smoke run", "| lraspp_mobilenet_v3_large | 3.2 | ", "| out | 1x21x32x32 | ",
                                 "| deeplabv3_mobilenet_v3_large | not run yet |"),
         "segmentation_results.json": ('"model": "lraspp_mobilenet_v3_large"', '"name": "out"')}),
-    "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of "),
+    "yolo_head": Smoke(("--out", "{tmp}/ZOO-yolo.md"), files={"ZOO-yolo.md": (
+        "Smoke run", "| choice | option | FP32 detections reproduced | scores = 0 |", "| default | `--target",
+        "| shared scale: output Concat | `--shared-scale /model.22/Concat_25` | ", "## Reading",
+        "- shared scale: output Concat: ", "INT8 / FP32 latency b1 ")}),
+    "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of ", "## hf"),
                                                     "zoo_results.json": ('"model": "resnet18"', '"status": "ok"')}),
+    "zoo_hf": Smoke(("--family", "hf", "--out", "{tmp}/ZOO.md"), script="zoo", files={
+        "ZOO.md": ("## torchvision", "## hf", "| bert | 0.1 | 1x16 ids | - | 0 / 16 | ",
+                   "quantize time per stage: slowest per stage over the 1 timed record(s): capture bert"),
+        "zoo_results.json": ('"model": "bert"', '"family": "hf"', '"stages": {', '"capture": ')}),
 }
 
 
@@ -121,7 +130,7 @@ def _published() -> dict[str, tuple[int, str] | None]:
 
 def test_every_bench_script_has_a_smoke_run():
     scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")}
-    covered = {f"{name}.py" for name in RUNS}
+    covered = {f"{smoke.script or name}.py" for name, smoke in RUNS.items()}
     assert scripts == covered, "a bench script without a smoke run here (or a run of a script gone)"
     for name in covered:
         text = (BENCH / name).read_text()
@@ -132,7 +141,7 @@ def test_every_bench_script_has_a_smoke_run():
 @pytest.mark.parametrize("name", list(RUNS))
 def test_bench_script_runs_in_smoke_mode(name, tmp_path):
     smoke = RUNS[name]
-    script = BENCH / f"{name}.py"
+    script = BENCH / f"{smoke.script or name}.py"
     args = [a.replace("{tmp}", str(tmp_path)) for a in smoke.args]
     before = _published()
     start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -112,3 +112,19 @@ def test_the_memory_estimate_names_the_data_when_the_data_is_what_does_not_fit(t
     assert fits.data_bytes == feeds[0]["x"].nbytes and fits.total > MODEL_COPIES * path.stat().st_size
     with pytest.raises(DataRefused, match=r"--max-samples.*--batch-size"):
         refuse_if_too_large(path, feeds, available=fits.total - 1)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--shared-scale", "conv1"], "--shared-scale 'conv1' names no Concat"),
+    (["--shared-scale", "conv1", "--engine", "ort"], "--shared-scale runs in quantship's engine"),
+], ids=["not a concat", "with --engine ort"])
+def test_a_shared_scale_the_file_cannot_take_exits_2_with_one_line(extra, message, files, tmp_path):
+    out = tmp_path / "q.onnx"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-m", "quantship", "quantize-onnx", str(files / "float.onnx"), "--calib",
+                           str(files / "cal.npy"), "--out", str(out), *extra], capture_output=True, text=True,
+                          env=env, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not out.exists()

@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
+from quantship.errors import SpecRefused
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.islands import Op, normalisation_statistics, polynomial_interiors
 from quantship.inspect.run.consumers import run_tigris, tigris_executable
@@ -167,3 +168,37 @@ def test_tigris_compiles_the_float_tail_and_runs_the_scores_at_their_scale(tmp_p
     (out,), = run_tigris(r.path, [{"x": x}], onnx.load(str(r.path)))
     ref = _run(src, x)
     assert float(np.abs(out[:, 4:] - ref[:, 4:]).max()) < 0.02
+
+
+def test_a_shared_scale_on_request_ties_the_output_concat_and_rounds_the_scores_away(tmp_path):
+    """``shared_scale`` forces one scale through a Concat (bench/yolo_head.py measures it on nudenet's head):
+    on onnxruntime-cpu the output Concat gets a pair it never has by default, and the 0..1 scores land on
+    a grid of box-range steps."""
+    data = [graphs.images(16, (3, 4, 4), seed=0)]
+    src = graphs.save(boxes_and_scores(), tmp_path / "float.onnx")
+    plain = quantize_onnx_file(src, tmp_path / "plain.onnx", data, target="onnxruntime-cpu", run_check=False)
+    shared = quantize_onnx_file(src, tmp_path / "shared.onnx", data, target="onnxruntime-cpu", run_check=False,
+                                shared_scale=["head"])
+    assert plain.plan["shared_scale"] == [] and shared.plan["shared_scale"] == ["head"]
+    q = onnx.load(str(shared.path))
+    scales = {n.input[0]: numpy_helper.to_array(next(t for t in q.graph.initializer if t.name == n.input[1]))
+              for n in q.graph.node if n.op_type == "QuantizeLinear"}
+    assert {"a2", "b", "y_float"} <= set(scales) and scales["a2"] == scales["b"] == scales["y_float"]
+    assert "y_float" not in {n.input[0] for n in onnx.load(str(plain.path)).graph.node if n.op_type == "QuantizeLinear"}
+    x = graphs.images(16, (3, 4, 4), seed=1)
+    ref, out_plain, out_shared = _run(src, x), _run(plain.path, x), _run(tmp_path / "shared.onnx", x)
+    step = float(scales["y_float"])
+    scores = slice(4, 8)
+    # shared (measured): every score is 0 or one step of ~0.92 (the box range over 255), 25% exactly 0, error
+    # up to 0.46; default: the Sigmoid runs in float on the dequantized class logits, error 0.027, no zero
+    values = np.unique(out_shared[:, scores])
+    assert step > 0.5 and len(values) <= 2 and np.allclose(values, [0.0, step][:len(values)])
+    assert float(np.abs(out_shared[:, scores] - ref[:, scores]).max()) > 0.3
+    assert float(np.abs(out_plain[:, scores] - ref[:, scores]).max()) < 0.05 and not (out_plain[:, scores] == 0).any()
+
+def test_a_shared_scale_that_names_no_concat_is_refused(tmp_path):
+    src = graphs.save(boxes_and_scores(), tmp_path / "float.onnx")
+    with pytest.raises(SpecRefused, match="--shared-scale 'score' names no Concat"):
+        quantize_onnx_file(src, tmp_path / "q.onnx", [graphs.images(4, (3, 4, 4))], target="onnxruntime-cpu",
+                           shared_scale=["score"])
+    assert not (tmp_path / "q.onnx").exists()

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int16", type=_names, action="extend", default=[], metavar="NAME[,NAME]",
                         help="16-bit activations (weights int8) for these nodes: names, name patterns (glob) or op "
                              "types, as --exclude; for targets that run them (onnxruntime-cpu)")
+    parser.add_argument("--shared-scale", type=_names, action="extend", default=[], metavar="CONCAT[,CONCAT]",
+                        help="one scale for these Concat nodes' inputs and output whatever their ranges (names or "
+                             "globs, as --exclude; by default inputs whose ranges differ > 8x keep their own)")
     parser.add_argument("--observer", choices=ACT_OBSERVERS, default=None,
                         help="activation range rule (default: the preset's, histogram)")
     parser.add_argument("--per-tensor", action="store_true", help="per-tensor weights (default per channel)")
@@ -93,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
                                  ("--smooth-quant", smoothing), ("--seq-mse", args.seq_mse),
                                  ("--adaround", args.adaround), ("--int16", args.int16)) if on]
         raise UsageError(f"{' and '.join(flags)} run in quantship's engine only: drop --engine ort")
+    if args.shared_scale and (args.engine == "ort" or args.max_drop is not None):
+        raise UsageError("--shared-scale runs in quantship's engine without --max-drop: drop --engine ort / --max-drop")
     with common.writing(args) as out:
         if args.engine == "ort":
             return _run_ort(args, out)
@@ -189,7 +194,7 @@ def _run(args: argparse.Namespace, out) -> int:
                                     observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
                                     equalize=args.equalize, bias_correction=args.bias_correction,
                                     seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16,
-                                    smooth_quant=args.smooth_quant)
+                                    smooth_quant=args.smooth_quant, shared_scale=args.shared_scale)
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census

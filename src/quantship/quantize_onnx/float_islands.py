@@ -59,11 +59,13 @@ def range_ratio(members: Iterable[str], observers: dict[str, TensorObserver], sy
 
 def release_split_range_outputs(p: Plan, observers: dict[str, TensorObserver], symmetric: bool) -> list[str]:
     """``split_range_output_concat``: a graph-output Concat whose inputs' ranges differ more than
-    CONCAT_TIE_RATIO loses its output pair (the plan changes: known only once calibrated)."""
+    CONCAT_TIE_RATIO loses its output pair (the plan changes: known only once calibrated), unless its scale
+    was shared on request (``Plan.forced_ties``)."""
     released = []
+    forced = set().union(*p.forced_ties.values())
     for out, ins in p.output_concats.items():
         ratio = range_ratio(ins, observers, symmetric)
-        if out in p.tensors and ratio is not None and ratio > CONCAT_TIE_RATIO:
+        if out in p.tensors and out not in forced and ratio is not None and ratio > CONCAT_TIE_RATIO:
             p.tensors.remove(out)
             p.islands[out] = "split_range_output_concat"
             released.append(out)

@@ -23,7 +23,7 @@ import onnx_ir as ir
 from quantship.errors import SpecRefused
 from quantship.inspect.judge.rules import target as rules_of
 from quantship.precision import Preset, resolve_target
-from quantship.quantize_onnx import normalize, place
+from quantship.quantize_onnx import normalize, place, selection
 from quantship.quantize_onnx.calibrate import TensorObserver
 
 INT16_OPSET = 21  # QuantizeLinear / DequantizeLinear accept int16 / uint16 zero-points from opset 21
@@ -87,10 +87,10 @@ def chosen_tensors(layout: place.Plan, patterns: Iterable[str], excluded: set[in
                         by_node[i].add(nxt.outputs[0].name)
     chosen: set[str] = set()
     for pattern in patterns:
-        hits = place.resolve_excludes(nodes, [pattern], flag="--int16")
+        hits = selection.resolve_excludes(nodes, [pattern], flag="--int16")
         found = set().union(*(by_node.get(i, set()) for i in hits - excluded))
         if not found:
-            names = ", ".join(sorted(place.node_label(nodes[i], i) for i in hits)[:4])
+            names = ", ".join(sorted(selection.node_label(nodes[i], i) for i in hits)[:4])
             raise SpecRefused(f"--int16 {pattern!r} names nodes ({names}) that read and write no quantized "
                               "activation here (kept in float, or not quantized by this target's placement); "
                               "name a quantized node (quantship sensitivity lists them)")
@@ -105,7 +105,7 @@ def keep_float_weights(layout: place.Plan, tensors: list[str]) -> list[str]:
     kept = [i for i in layout.weighted if layout.nodes[i].op_type in REQUANTIZING_READERS
             and layout.nodes[i].inputs[0] is not None and layout.nodes[i].inputs[0].name in wide]
     layout.weighted = [i for i in layout.weighted if i not in kept]
-    return [place.node_label(layout.nodes[i], i) for i in kept]
+    return [selection.node_label(layout.nodes[i], i) for i in kept]
 
 
 def _with_ties(chosen: set[str], layout: place.Plan) -> set[str]:

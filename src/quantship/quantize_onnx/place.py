@@ -16,14 +16,12 @@ A detector's post-processing (``detection_postprocess``) is an island in either 
 from __future__ import annotations
 
 import collections
-import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
-from quantship.errors import SpecRefused
 from quantship.inspect.read.islands import Op, detection_postprocess, normalisation_statistics, polynomial_interiors
 from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, shared_qparams
 from quantship.quantize_onnx.float_islands import (
@@ -34,6 +32,7 @@ from quantship.quantize_onnx.float_islands import (
     release_split_range_outputs,
 )
 from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
+from quantship.quantize_onnx.selection import node_label
 from quantship.quantize_onnx.tables import TABLE_BOUND, read_table, tie_to_tables, write_tables
 
 FLOAT_DTYPES = (np.dtype(np.float32),)  # activations the int8 grid replaces (float16/64 stay as they are)
@@ -52,13 +51,15 @@ class Plan:
     kept_float: dict[str, str] = field(default_factory=dict)  # weighted node -> why it stays float
     islands: dict[str, str] = field(default_factory=dict)  # tensor left float in a full placement -> rule id
     output_concats: dict[str, tuple[str, ...]] = field(default_factory=dict)  # graph-output Concat: out -> ins
+    forced_ties: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Concat given one scale on request -> tied
     nodes: list[ir.Node] = field(default_factory=list, repr=False)  # the graph's nodes when planned
 
     def as_dict(self) -> dict:
         return {"n_tensors": len(self.tensors), "n_reads": len(self.readers), "n_weighted": len(self.weighted),
                 "n_tables": len(self.tables),
                 "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles),
-                "kept_float": dict(self.kept_float), "float_islands": self.islands_by_rule()}
+                "kept_float": dict(self.kept_float), "float_islands": self.islands_by_rule(),
+                "shared_scale": list(self.forced_ties)}
 
     def islands_by_rule(self) -> dict[str, dict]:
         """Each island rule that applied: why, and the tensors it left float."""
@@ -66,26 +67,6 @@ class Plan:
         for tensor, rule in self.islands.items():
             found[rule].append(tensor)
         return {rule: {"why": ISLAND_RULES[rule], "tensors": tensors} for rule, tensors in found.items()}
-
-
-def resolve_excludes(nodes: list[ir.Node], patterns: Iterable[str], flag: str = "--exclude") -> set[int]:
-    """Indices of the nodes ``patterns`` name: a node name, a glob over names, or an op type.
-    A pattern that matches nothing is refused (a typo would otherwise quantize what it meant to keep)."""
-    chosen: set[int] = set()
-    for pattern in patterns:
-        hits = {i for i, n in enumerate(nodes)
-                if n.op_type == pattern or (n.name and (n.name == pattern or fnmatch.fnmatchcase(n.name, pattern)))
-                or node_label(n, i) == pattern}
-        if not hits:
-            ops = sorted({n.op_type for n in nodes})
-            raise SpecRefused(f"{flag} {pattern!r} matches no node name, name pattern or op type of the file "
-                              f"(its op types: {', '.join(ops[:12])}{', ...' if len(ops) > 12 else ''})")
-        chosen |= hits
-    return chosen
-
-
-def node_label(node: ir.Node, index: int) -> str:
-    return node.name or f"{node.op_type}#{index}"
 
 
 class _Graph:
@@ -146,8 +127,10 @@ def _adds_bias(value: ir.Value, constant: set[str]) -> bool:
                for u in value.uses())
 
 
-def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, excluded: set[int]) -> Plan:
-    """Decide the layout for ``placement`` (see the module docstring)."""
+def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, excluded: set[int],
+         shared: set[int] = frozenset()) -> Plan:
+    """Decide the layout for ``placement`` (see the module docstring). ``shared``: Concat nodes whose
+    inputs and output are quantized with one scale whatever their ranges (``shared_scale``)."""
     g = _Graph(model, info)
     quantized: dict[str, None] = {}
     result = Plan(nodes=g.nodes)
@@ -227,6 +210,21 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         for v in g.graph.outputs:
             if g.is_activation(v) and v.name not in statistics:
                 want(v)
+
+    for i in sorted(shared - excluded):
+        node = g.nodes[i]
+        ins = [(k, v) for k, v in enumerate(node.inputs) if g.is_activation(v) and v.name not in statistics]
+        outs = [o for o in node.outputs if g.is_activation(o)]
+        for k, v in ins:
+            want(v)
+            result.readers.add((i, k))
+        for o in outs:
+            want(o)
+        members = tuple(dict.fromkeys([v.name for _, v in ins] + [o.name for o in outs]))
+        ties.append(members)
+        result.integer_nodes.add(i)
+        result.roles["concat:shared_scale"] += 1
+        result.forced_ties[node_label(node, i)] = members
 
     changed = True
     while changed:

@@ -35,7 +35,7 @@ from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, rounding, target_forms
+from quantship.quantize_onnx import calibrate, normalize, place, rounding, selection, target_forms
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
@@ -206,7 +206,7 @@ class Prepared:
 
 def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
             exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False,
-            smooth_quant: float | None = None) -> Prepared:
+            smooth_quant: float | None = None, shared_scale: Iterable[str] = ()) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
     target's ``target_forms``, then opset 21 if ``int16``), probe it on the first feed and plan its Q/DQ
     pairs; ``feeds`` as ``feeds_for`` gives them."""
@@ -219,8 +219,9 @@ def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed]
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
-    excluded = place.resolve_excludes(list(model.graph), exclude)
-    layout = place.plan(model, info, placement, excluded)
+    excluded = selection.resolve_excludes(list(model.graph), exclude)
+    shared = selection.resolve_shared_scale(list(model.graph), shared_scale)
+    layout = place.plan(model, info, placement, excluded, shared)
     return Prepared(model, normal, records, info, excluded, layout, smoother)
 
 
@@ -278,7 +279,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
                        bias_correction: bool = False, smooth_quant: float | None = None, seq_mse: bool = False,
-                       adaround: bool | int = False, int16: Iterable[str] = ()) -> OnnxQuantizeResult:
+                       adaround: bool | int = False, int16: Iterable[str] = (),
+                       shared_scale: Iterable[str] = ()) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -291,7 +293,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     ``seq_mse``: each weight's scale per output channel searched for the least layer output error
     (``seq_mse``); ``adaround``: each weight's rounding learned (``adaround``; True: its default steps
     per layer, or a number of steps). ``int16``: nodes (``exclude``'s grammar) whose activations are
-    stored in 16 bits, weights still int8, where the target runs them (``int16``). Refusals raise a
+    stored in 16 bits, weights still int8, where the target runs them (``int16``). ``shared_scale``: Concat
+    nodes (``exclude``'s grammar) whose inputs and output get one scale whatever their ranges (the
+    ``CONCAT_TIE_RATIO`` rule and the output-Concat release set aside; bench/yolo_head.py). Refusals raise a
     ``QuantshipError`` and write nothing.
     """
 
@@ -320,7 +324,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
     ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, int16=bool(wide),
-                    smooth_quant=smooth_quant)
+                    smooth_quant=smooth_quant, shared_scale=shared_scale)
     del proto
     model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
                                                       ready.excluded, ready.layout)
@@ -359,7 +363,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
             info).as_dict()
     del normal
     counts["kernel_shape_written"] = write_kernel_shapes(model)
-    skipped = sorted(place.node_label(nodes[i], i) for i in excluded)
+    skipped = sorted(selection.node_label(nodes[i], i) for i in excluded)
     spec_kwargs = dict(p.spec_kwargs)
     if per_tensor:
         spec_kwargs["qscheme"] = "per_tensor"

@@ -29,7 +29,7 @@ from quantship.errors import ExportRefused
 from quantship.inspect.read.loading import load_onnx
 from quantship.precision import Preset
 from quantship.quantize.layer_error import LayerError, LayerErrorReport, sqnr_db
-from quantship.quantize_onnx import calibrate, place
+from quantship.quantize_onnx import calibrate, place, selection
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.data import as_feeds, model_inputs
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable
@@ -151,7 +151,7 @@ def planned_rows(model: ir.Model, layout: place.Plan) -> list[_Row]:
             role = "matmul"  # a MatMul of two activations
         if role == "fused_activation":
             continue  # its producer's row holds it
-        rows.append(_Row(len(rows), place.node_label(node, i), node.op_type, role, out.name))
+        rows.append(_Row(len(rows), selection.node_label(node, i), node.op_type, role, out.name))
     return rows
 
 
@@ -232,7 +232,7 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset,
     del proto
     model, normal, info, excluded, layout = ready.model, ready.normal, ready.info, ready.excluded, ready.layout
     rows = planned_rows(model, layout)
-    skipped = sorted(place.node_label(layout.nodes[i], i) for i in excluded)
+    skipped = sorted(selection.node_label(layout.nodes[i], i) for i in excluded)
     del model
     if quantized_path is None:
         with tempfile.TemporaryDirectory(prefix="quantship-sensitivity-") as scratch:
