@@ -124,3 +124,12 @@ def test_quantize_cli_equalize_end_to_end(tmp_path):
                  "--out", str(out), "--equalize"]) == 0
     meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
     assert meta["quantship.algorithms"].startswith("equalize: pairs_changed 2")
+
+
+def test_sensitivity_refuses_equalize_in_one_line(tmp_path, capsys):
+    (tmp_path / "net.py").write_text(NET)
+    np.save(tmp_path / "cal.npy", torch.cat(_batches(1)).numpy())
+    code = main(["sensitivity", f"{tmp_path / 'net.py'}:build", "--calib", str(tmp_path / "cal.npy"),
+                 "--out-dir", str(tmp_path / "report"), "--equalize"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--equalize" in err[0] and not (tmp_path / "report").exists()
