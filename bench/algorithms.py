@@ -14,6 +14,12 @@ figure also holds the one-time imports and caches of the first call).
     python bench/algorithms.py --models nudenet --settings plain,bias_correction
     python bench/algorithms.py --models ocr_cls --settings plain,seq_mse,adaround
     python bench/algorithms.py --smoke                           # the classifier at smoke size
+    python bench/algorithms.py --path pt2e --models ocr_cls,mtcnn_rnet,mtcnn_onet   # the PyTorch path
+
+``--path pt2e``: the same settings through ``Quantizer.for_target(T, **options)`` + ``export_qdq`` on the
+task's PyTorch model (onnx2torch's conversion, or facenet-pytorch's MTCNN nets), as ``bench/real.py``'s
+PyTorch rows are made; quantize time is the ``quantize`` call (the export is not counted; the peak memory
+figure covers both).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ SETTINGS = {  # name -> quantize_onnx_file options
     "adaround": {"adaround": True},
     "seq_mse + adaround": {"seq_mse": True, "adaround": True},
 }
+PT2E_SETTINGS = ("plain", "equalize", "bias_correction", "equalize + bias_correction")  # what Quantizer has
 SLOW = ("adaround", "seq_mse + adaround")  # minutes per model on 2 cores: run only when --settings names them
 
 
@@ -103,13 +110,30 @@ def changed(algorithms: dict) -> str:
     return "; ".join(parts) or "-"
 
 
-def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list[str]) -> list[str]:
+def pt2e_file(task, model, out: Path, target: str, options: dict) -> tuple[float, dict]:
+    """``Quantizer.for_target(target, **options)`` on the PyTorch model, exported to ``out``: (seconds of the
+    ``quantize`` call, the algorithms' records)."""
+    import torch
+
+    from quantship import Quantizer, export_qdq
+
+    quantizer = Quantizer.for_target(target, **options)
+    start = time.perf_counter()
+    qmodel = quantizer.quantize(model, [torch.from_numpy(b) for b in real.batched(task.calib, task.calib_batch)],
+                                max_calibration_samples=len(task.calib))
+    seconds = time.perf_counter() - start
+    export_qdq(qmodel, torch.from_numpy(task.eval_x[:1]), out, target=target)
+    return seconds, quantizer.algorithms
+
+
+def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list[str], path: str = "onnx") -> list[str]:
     from quantship.quantize_onnx import quantize_onnx_file
 
     task = real.make_task(name, smoke, workdir)
+    model = task.torch_model() if path == "pt2e" else None
     reference = real.run_ort(task.float_path, task.eval_x, task.eval_batch)
     fp32 = task.score(reference, None)
-    lines = [f"## {task.title}", "", f"Data: {task.data}. Preset `{target}`; INT8 files in ONNX Runtime at default "
+    lines = [f"## {task.title}", "", f"Data: {task.data}. Preset `{target}`, {path} path; INT8 files in ONNX Runtime at default "
              f"optimizations; {len(task.calib)} calibration samples.", "",
              f"| algorithm | {' | '.join(task.metrics)} | quantize s | peak RSS added, MB | what it changed |",
              "|---|" + "---|" * len(task.metrics) + "---|---|---|",
@@ -121,12 +145,16 @@ def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list
         out = workdir / f"{name}_{setting.replace(' + ', '_')}.onnx"
         with PeakRSS() as memory:
             start = time.perf_counter()
-            result = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False, **options)
-            seconds = time.perf_counter() - start
+            if path == "pt2e":
+                seconds, algorithms = pt2e_file(task, model, out, target, options)
+            else:
+                result = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False,
+                                            **options)
+                seconds, algorithms = time.perf_counter() - start, result.algorithms
         batch = real.static_batch(out) or task.eval_batch
         scores = task.score(real.run_ort(out, task.eval_x, batch), reference)
         cells = " | ".join(real._pct(scores[m].k, scores[m].n) for m in task.metrics)
-        lines.append(f"| {setting} | {cells} | {seconds:.1f} | {memory.added_mb:.0f} | {changed(result.algorithms)} |")
+        lines.append(f"| {setting} | {cells} | {seconds:.1f} | {memory.added_mb:.0f} | {changed(algorithms)} |")
         print(f"   {name} {setting}: {cells} ({seconds:.1f} s)", file=sys.stderr, flush=True)
         out.unlink()
     return lines + [""]
@@ -136,22 +164,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(real.MODELS)}")
     parser.add_argument("--target", default="onnxruntime-cpu", help="the preset every file is made for")
-    parser.add_argument("--settings", default=",".join(s for s in SETTINGS if s not in SLOW),
-                        help=f"comma-separated, of {','.join(SETTINGS)} (default: all but {', '.join(SLOW)})")
+    parser.add_argument("--path", choices=("onnx", "pt2e"), default="onnx",
+                        help="the ONNX quantizer (quantize_onnx_file) or the PyTorch path (Quantizer + export_qdq)")
+    parser.add_argument("--settings", default=None,
+                        help=f"comma-separated, of {','.join(SETTINGS)} (default: all but {', '.join(SLOW)}; "
+                             f"--path pt2e: of {','.join(PT2E_SETTINGS)})")
     args = _smoke.parse_args(parser, argv, models="ocr_cls")
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in real.MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {list(real.MODELS)}")
+    known = PT2E_SETTINGS if args.path == "pt2e" else tuple(SETTINGS)
+    args.settings = args.settings or ",".join(s for s in known if s not in SLOW)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    if not settings or any(s not in SETTINGS for s in settings):
-        parser.error(f"--settings {args.settings!r}: choose among {list(SETTINGS)}")
+    if not settings or any(s not in known for s in settings):
+        parser.error(f"--settings {args.settings!r}: choose among {list(known)} for the {args.path} path")
     if args.smoke:
         os.environ.setdefault("QUANTSHIP_CACHE", tempfile.mkdtemp(prefix="quantship-algorithms-smoke-"))
-    lines = [*_smoke.banner(args), *_smoke.cpu_lines("Post-training algorithms of the ONNX quantizer")]
+    lines = [*_smoke.banner(args), *_smoke.cpu_lines("Post-training algorithms of the "
+                                                         + ("PyTorch path" if args.path == "pt2e" else "ONNX quantizer"))]
     with tempfile.TemporaryDirectory(prefix="quantship-algorithms-") as tmp:
         for name in chosen:
-            lines += run_model(name, args.target, args.smoke, Path(tmp), settings)
+            lines += run_model(name, args.target, args.smoke, Path(tmp), settings, args.path)
     print("\n".join(lines))
     return 0
 

@@ -16,7 +16,7 @@ from quantship.cli.usage import UsageError
 # every Quantizer keyword a config file may set (the signature of quantship.Quantizer)
 QUANTIZER_KEYS = ("backend", "method", "weight_bits", "act_bits", "qscheme", "symmetric", "group_size",
                   "qdq_placement", "skip_activations", "act_observer", "reduce_range", "max_accuracy_drop",
-                  "smooth_quant")
+                  "smooth_quant", "equalize", "bias_correction")
 CONFIG_KEYS = (*QUANTIZER_KEYS, "target")
 
 
@@ -35,6 +35,12 @@ def add_quantizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smooth-quant", type=float, nargs="?", const=0.5, default=None, metavar="ALPHA",
                         help="SmoothQuant before capture: LayerNorm/Linear -> Linear activation outliers moved into "
                              "the weights, migration strength ALPHA in [0, 1] (0.5 when given alone)")
+    parser.add_argument("--equalize", action="store_const", const=True, default=None,
+                        help="cross-layer equalization before capture: Conv -> [BatchNorm] -> ReLU/PReLU/pooling -> "
+                             "Conv channel ranges balanced, the float function kept")
+    parser.add_argument("--bias-correction", action="store_const", const=True, default=None,
+                        help="after conversion, each quantized conv/linear bias moved so its per-channel output "
+                             "mean on the calibration data matches the float model's")
 
 
 def read_config(path: str | None) -> dict[str, Any]:
@@ -68,11 +74,15 @@ def quantizer_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[
     options = {k: v for k, v in config.items() if k in QUANTIZER_KEYS}
     flags = {"skip_activations": args.exclude, "qdq_placement": args.placement, "act_observer": args.observer,
              "max_accuracy_drop": args.max_drop, "qscheme": getattr(args, "qscheme", None),
-             "smooth_quant": getattr(args, "smooth_quant", None)}
+             "smooth_quant": getattr(args, "smooth_quant", None), "equalize": getattr(args, "equalize", None),
+             "bias_correction": getattr(args, "bias_correction", None)}
     options.update({k: v for k, v in flags.items() if v is not None})
     alpha = options.get("smooth_quant")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
         raise UsageError(f"--smooth-quant {alpha}: give the migration strength ALPHA in [0, 1] (0.5 when given alone)")
+    for key in ("equalize", "bias_correction"):
+        if key in options and not isinstance(options[key], bool):
+            raise UsageError(f"{key} = {options[key]!r} in the config file: give true or false")
     if options.get("max_accuracy_drop") is not None and not getattr(args, "eval", None):
         raise UsageError("--max-drop (max_accuracy_drop) needs --eval labelled data to measure top-1 on")
     return options

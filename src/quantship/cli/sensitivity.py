@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if overrides.get("smooth_quant") is not None:
         raise UsageError("--smooth-quant: this report compares each layer's output with the unsmoothed model's, "
                          "which smoothing rescales on purpose; run it without --smooth-quant")
+    if overrides.get("equalize"):
+        raise UsageError("--equalize: this report compares each layer's output with the unequalized model's, "
+                         "which equalization rescales per channel on purpose; run it without --equalize")
     target = preset(args.target)
     model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import torch
 from torch.fx import GraphModule
 
-from quantship.precision import QuantSpec
+from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec
 from quantship.progress import step
+from quantship.quantize import bias_correction as bias_correcting
 from quantship.quantize.annotator import WEIGHTED_OPS, AnnotationReport, QuantshipQuantizer
 from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
@@ -55,11 +56,13 @@ def quantize_pt2e(
     log: Callable[[str], None],
     verbose: bool = False,
     strict: bool = False,
+    bias_correction: bool = False,
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``.
 
     ``strict``: refuse a model with an op the annotator has no INT8 rule for (listed by module),
-    instead of quantizing around it.
+    instead of quantizing around it. ``bias_correction``: each conv / linear bias of the converted graph
+    corrected against the calibrated float graph (``quantize.bias_correction``), recorded on the result.
     """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -81,12 +84,19 @@ def quantize_pt2e(
 
     if (merged := merge_observers(prepared, n_samples=n)) is not None:
         log(f"pt2e: merged {merged.n_observers} observer(s) across ranks ({merged.n_floats} floats, {merged.seconds:.3f} s)")
+    reference = bias_correcting.float_reference(prepared) if bias_correction else None
     log("pt2e: converting to a quantized graph")
     with step("quantize: convert (convert_pt2e)"), fold_what_can_match(prepared, qat=False):
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
     unshare(converted, model)
     check_converted(converted)
+    if reference is not None:
+        with step("quantize: bias correction"):
+            corrected = bias_correcting.correct(converted, reference, batches)
+        log(f"pt2e: bias correction: {corrected.n_corrected} layer(s) corrected ({corrected.n_added} bias(es) added) "
+            f"in {corrected.n_passes} pass(es) on {corrected.samples} sample(s), largest shift {corrected.max_shift:.3g}")
+        setattr(converted, ALGORITHMS_ATTRIBUTE, {"bias_correction": corrected.as_dict()})
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
     setattr(converted, REPORT_ATTRIBUTE, quantizer.report)
@@ -233,6 +243,7 @@ def check_converted(graph: GraphModule) -> dict[str, int]:
     return {"n_quantized_weights": n_quantized}
 
 
-def quantize(model, spec, batches, *, log, verbose=False, strict=False):
+def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
-    return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict)
+    return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict,
+                         bias_correction=bias_correction)

@@ -18,6 +18,7 @@ import torch
 from quantship.errors import DataRefused, SpecRefused
 from quantship.precision import ALGORITHMS_ATTRIBUTE, Preset, QuantSpec, resolve_spec, resolve_target, tag_model
 from quantship.quantize import accuracy
+from quantship.quantize import equalize as equalizing
 from quantship.quantize import smooth_quant as smoothing
 from quantship.quantize.calibration import collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
@@ -54,18 +55,31 @@ class Quantizer:
         verbose: bool = False,
         strict: bool = False,
         smooth_quant: float | None = None,
+        equalize: bool = False,
+        bias_correction: bool = False,
         **request: Any,
     ):
         """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ...).
-        ``smooth_quant``: SmoothQuant's alpha in [0, 1] (``quantize.smooth_quant``; pt2e static only)."""
+        ``smooth_quant``: SmoothQuant's alpha in [0, 1] (``quantize.smooth_quant``); ``equalize``: cross-layer
+        equalization of conv pairs before capture (``quantize.equalize``); ``bias_correction``: each quantized
+        conv / linear bias corrected for the shift of its output mean (``quantize.bias_correction``). pt2e
+        static only, each recorded in ``algorithms`` and the exported file's provenance."""
         self.spec: QuantSpec = resolve_spec(backend, method, **request)
         if smooth_quant is not None:
             smoothing.check_alpha(smooth_quant)
-            if (self.spec.backend, self.spec.method) != ("pt2e", "static"):
-                raise SpecRefused(f"smooth_quant needs backend='pt2e' static quantization (it measures activations "
-                                  f"on the calibration data); backend={self.spec.backend!r} method={self.spec.method!r}")
+        for name, value in (("equalize", equalize), ("bias_correction", bias_correction)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} must be True or False")
+        asked = [n for n, on in (("smooth_quant", smooth_quant is not None), ("equalize", equalize),
+                                 ("bias_correction", bias_correction)) if on]
+        if asked and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
+            raise SpecRefused(f"{asked[0]} needs backend='pt2e' static quantization (it works on the calibration "
+                              f"data and the pt2e graph); backend={self.spec.backend!r} method={self.spec.method!r}")
         self.smooth_quant = smooth_quant
         self.smoothing = None  # the quantize.smooth_quant.Smoothing of the last quantize(), when smooth_quant is set
+        self.equalize = equalize
+        self.bias_correction = bias_correction
+        self.algorithms: dict[str, dict] = {}  # name -> what it changed, for the last quantize() (as in the file)
         self.verbose = verbose
         if max_accuracy_drop is not None and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
             raise SpecRefused(
@@ -144,20 +158,32 @@ class Quantizer:
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
+        self.algorithms = {}
+        if self.equalize:  # an equalized copy: the caller's model is left as it was
+            model, equalized = equalizing.equalize(model, batches)
+            self.algorithms["equalize"] = equalized.as_dict()
+            self._log(f"equalize: {len(equalized.pairs)} conv pair(s), {equalized.pairs_changed} rescaled in "
+                      f"{equalized.sweeps} sweep(s), float outputs moved by {equalized.max_abs_diff:.3g} at most")
         if self.smooth_quant is not None:  # a smoothed copy: the caller's model is left as it was
             model, self.smoothing = smoothing.smooth(model, batches, self.smooth_quant)
+            self.algorithms["smooth_quant"] = self.smoothing.as_dict()
             self._log(f"smooth_quant: {len(self.smoothing.smoothed)} Linear layer(s) smoothed, "
                       f"{len(self.smoothing.skipped)} skipped (alpha {self.smoothing.alpha:g})")
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
         extra = {"strict": True} if self.strict else {}
+        if self.bias_correction:
+            extra["bias_correction"] = True
 
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
             if chosen.backend == "pt2e":
 
                 self.report = annotation_report(quantized)
-            if self.smoothing is not None:  # export_qdq writes it into the file's provenance
-                setattr(quantized, ALGORITHMS_ATTRIBUTE, {"smooth_quant": self.smoothing.as_dict()})
+            corrected = getattr(quantized, ALGORITHMS_ATTRIBUTE, {}).get("bias_correction")
+            if corrected is not None:
+                self.algorithms["bias_correction"] = corrected
+            if self.algorithms:  # export_qdq writes them into the file's provenance
+                setattr(quantized, ALGORITHMS_ATTRIBUTE, dict(self.algorithms))
             return tag_model(quantized, chosen, self.preset)
 
         if self.max_accuracy_drop is None:

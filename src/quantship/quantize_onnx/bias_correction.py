@@ -15,7 +15,8 @@ depth is measured in the same pass, after every shallower depth is corrected. Th
 calibration pass of the float model plus one of the quantized model per depth. ONNX Runtime runs every
 node of a session whatever is fetched (measured), so each depth's session holds only the nodes its
 layers' outputs need: a shallow depth is a short pass, and the passes together cost about half a
-calibration pass per depth. The biases are inputs of those sessions, fed anew on each pass. Memory: per-channel sums only, accumulated batch by batch; a batch
+calibration pass per depth. The biases are inputs of those sessions, fed anew on each pass. The record,
+the per-channel means, the depths and the update are ``quantize.bias_correction``'s (shared with pt2e). Memory: per-channel sums only, accumulated batch by batch; a batch
 whose fetched tensors would exceed ``calibrate.MEMORY_BUDGET`` runs in shorter slices.
 """
 
@@ -23,17 +24,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship.quantize import bias_correction as shared
+from quantship.quantize.bias_correction import BiasCorrection, ChannelMeans, corrected_bias, layer_depths
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo, exposing_session
 from quantship.quantize_onnx.data import Feed
 from quantship.quantize_onnx.normalize import fresh_initializer
 
-SAMPLES = 64  # calibration samples the shift is measured on (the leading batches)
+SAMPLES = shared.SAMPLES  # calibration samples the shift is measured on (one figure for both paths)
 
 
 @dataclass
@@ -45,24 +48,6 @@ class _Layer:
     bias: ir.Value | None = None  # the float initializer corrected
     divisor: float = 1.0  # Gemm's beta: the stored bias is added times beta
     depth: int = 0
-
-
-@dataclass
-class BiasCorrection:
-    """What bias correction did: layers corrected, biases added, layers skipped (with why), passes."""
-
-    n_corrected: int = 0
-    n_added: int = 0  # layers that had no bias and got one
-    skipped: dict[str, str] = field(default_factory=dict)
-    n_passes: int = 0  # quantized-model passes (one per depth)
-    samples: int = 0
-    max_shift: float = 0.0  # largest |mean_quantized - mean_float| corrected
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {"n_corrected": self.n_corrected, "n_added": self.n_added, "skipped": dict(self.skipped),
-                "n_passes": self.n_passes, "samples": self.samples, "max_shift": self.max_shift,
-                "seconds": round(self.seconds, 3)}
 
 
 def reference_name(value: ir.Value, float_names: set[str]) -> str | None:
@@ -160,14 +145,9 @@ def _layers(model: ir.Model, weighted: Sequence[ir.Node], info: dict[str, Tensor
 def assign_depths(model: ir.Model, layers: list[_Layer]) -> int:
     """Depth of each layer: the longest chain of corrected layers above it (0: none). Returns the count of depths."""
     by_node = {id(layer.node): layer for layer in layers}
-    depth_of: dict[int, int] = {}  # id(value) -> corrected layers on the longest path to it
-    for node in model.graph:
-        above = max((depth_of.get(id(v), 0) for v in node.inputs if v is not None), default=0)
-        layer = by_node.get(id(node))
-        if layer is not None:
-            layer.depth = above
-        for o in node.outputs:
-            depth_of[id(o)] = above + (layer is not None)
+    depths = layer_depths(model.graph, lambda n: n.inputs, lambda n: n.outputs, lambda n: id(n) in by_node)
+    for key, depth in depths.items():
+        by_node[key].depth = depth
     return 1 + max((layer.depth for layer in layers), default=-1)
 
 
@@ -211,8 +191,7 @@ def subgraph_session(model: onnx.ModelProto, fetched: Sequence[str], bias_inputs
 def _channel_means(session, names: Sequence[str], axes: Sequence[int], feeds: Sequence[Feed],
                    per_sample: int, extra: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
     """Mean per channel of each fetched tensor over every sample (sums accumulated batch by batch)."""
-    sums: list[np.ndarray | None] = [None] * len(names)
-    counts = [0] * len(names)
+    sums = ChannelMeans(len(names))
     rows = max(1, MEMORY_BUDGET // max(per_sample, 1))
     for feed in feeds:
         n = len(next(iter(feed.values())))
@@ -220,12 +199,9 @@ def _channel_means(session, names: Sequence[str], axes: Sequence[int], feeds: Se
             part = {k: v[start:start + rows] for k, v in feed.items()}
             outs = session.run(list(names), {**part, **(extra or {})})
             for k, (value, axis) in enumerate(zip(outs, axes)):
-                moved = np.moveaxis(value.astype(np.float64), axis, 0).reshape(value.shape[axis], -1)
-                total = moved.sum(axis=1)
-                sums[k] = total if sums[k] is None else sums[k] + total
-                counts[k] += moved.shape[1]
+                sums.add(k, value, axis)
             del outs
-    return [s / max(c, 1) for s, c in zip(sums, counts)]
+    return sums.means()
 
 
 def correct(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir.Node], feeds: Sequence[Feed],
@@ -262,10 +238,8 @@ def correct(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir
                                {k: v for k, v in biases.items() if k in fed})
         report.n_passes += 1
         for layer, mean in zip(level, means):
-            shift = mean - target_of[id(layer)]
-            report.max_shift = max(report.max_shift, float(np.abs(shift).max()))
-            stored = biases[layer.bias.name]
-            biases[layer.bias.name] = (stored - (shift / layer.divisor).reshape(stored.shape)).astype(np.float32)
+            biases[layer.bias.name] = corrected_bias(biases[layer.bias.name], mean, target_of[id(layer)], report,
+                                                     layer.divisor)
     for layer in layers:
         layer.bias.const_value = ir.tensor(biases[layer.bias.name], name=layer.bias.name)
     report.n_corrected = len(layers)

@@ -19,7 +19,8 @@ between must have exactly one reader (another reader would see the rescaled chan
 
 The pass runs on the normalised float model (BatchNormalization already folded into the convs) as one
 more float pass of ``quantizer.normalise``, so its float outputs are proven unchanged within
-``normalize.FLOAT_TOLERANCE`` in ONNX Runtime before any calibration.
+``normalize.FLOAT_TOLERANCE`` in ONNX Runtime before any calibration. The channel arithmetic (ranges,
+scales) is ``quantize.equalize``'s, shared with the pt2e path.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from quantship.quantize.equalize import (
+    MAX_BETWEEN,
+    MAX_SWEEPS,
+    TOLERANCE,
+    equalizing_scales,
+    input_channel_ranges,
+    scale_input_channels,
+)
 from quantship.quantize_onnx.normalize import Pass
-
-TOLERANCE = 1e-3  # stop when every scale of a sweep is within this of 1
-MAX_SWEEPS = 50
-MAX_BETWEEN = 3  # homogeneous ops crossed between two convs (MTCNN: PReLU then MaxPool)
-MIN_RANGE = 1e-8  # a channel whose weights are (almost) all zero on one side is left alone
 
 
 @dataclass
@@ -125,26 +129,12 @@ def find_pairs(model: ir.Model) -> list[ConvPair]:
     return pairs
 
 
-def _input_channel_ranges(w2: np.ndarray, group: int) -> np.ndarray:
-    """Largest absolute weight that reads each input channel of a (grouped) conv."""
-    out_per_group, in_per_group = w2.shape[0] // group, w2.shape[1]
-    per_output = np.abs(w2).reshape(w2.shape[0], in_per_group, -1).max(axis=2)  # [out, in_per_group]
-    return per_output.reshape(group, out_per_group, in_per_group).max(axis=1).reshape(-1)
-
-
-def _scale_input_channels(w2: np.ndarray, group: int, s: np.ndarray) -> np.ndarray:
-    out_per_group, in_per_group = w2.shape[0] // group, w2.shape[1]
-    factors = s.reshape(group, 1, in_per_group)  # channel c = g * in_per_group + j
-    shaped = w2.reshape(group, out_per_group, in_per_group, -1) * factors[..., None]
-    return shaped.reshape(w2.shape).astype(np.float32)
-
-
 def channel_ranges(pair: ConvPair) -> tuple[np.ndarray, np.ndarray]:
     """(first conv's range per output channel, second conv's range per input channel)."""
     w1, _ = _weights_of(pair.first)
     w2, _ = _weights_of(pair.second)
     group = pair.second.attributes["group"].value if "group" in pair.second.attributes else 1
-    return np.abs(w1).reshape(w1.shape[0], -1).max(axis=1), _input_channel_ranges(w2, group)
+    return np.abs(w1).reshape(w1.shape[0], -1).max(axis=1), input_channel_ranges(w2, group)
 
 
 def _set(value: ir.Value, array: np.ndarray) -> None:
@@ -156,15 +146,12 @@ def _rescale(pair: ConvPair) -> float:
     w1, b1 = _weights_of(pair.first)
     w2, _ = _weights_of(pair.second)
     group = pair.second.attributes["group"].value if "group" in pair.second.attributes else 1
-    r1, r2 = channel_ranges(pair)
-    usable = (r1 > MIN_RANGE) & (r2 > MIN_RANGE)
-    s = np.ones_like(r1, dtype=np.float64)
-    s[usable] = np.sqrt(r1[usable] * r2[usable]) / r2[usable]
+    s = equalizing_scales(*channel_ranges(pair))
     shape = (-1,) + (1,) * (w1.ndim - 1)
     _set(pair.first.inputs[1], w1 / s.reshape(shape))
     if b1 is not None:
         _set(pair.first.inputs[2], b1 / s)
-    _set(pair.second.inputs[1], _scale_input_channels(w2, group, s))
+    _set(pair.second.inputs[1], scale_input_channels(w2, group, s))
     return float(np.abs(s - 1).max()) if s.size else 0.0
 
 
