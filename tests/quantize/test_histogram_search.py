@@ -20,11 +20,13 @@ def _values(kind: str, g: torch.Generator) -> torch.Tensor:
         # the slow cases of torchao's loop (every one of its 100,001 steps runs): a few discrete values
         "two values": lambda: (torch.rand(n, generator=g) > 0.5).float(),
         "attention mask": lambda: torch.where(torch.rand(n, generator=g) > 0.9, -1e4, 0.0),
+        # under TINY: searched scaled by a power of two, where torchao's float32 error does not underflow yet
+        "small": lambda: torch.randn(n, generator=g) * 1e-7,
     }[kind]()
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu", "heavy tail", "outlier", "softmax", "constant", "two values",
-                                  "attention mask"])
+                                  "attention mask", "small"])
 @pytest.mark.parametrize("qscheme", [torch.per_tensor_affine, torch.per_tensor_symmetric])
 def test_the_same_range_and_qparams_as_torchao(kind, qscheme):
     g = torch.Generator().manual_seed(0)
@@ -48,3 +50,26 @@ def test_the_quantile_bounds_are_the_loops_own_sums():
 
 def test_histogram_is_the_fast_search():
     assert activation_observer("histogram") is HistogramSearchObserver
+
+
+@pytest.mark.parametrize("power", [-70, -140])  # -140: subnormal float32 values, a factor beyond float32's range
+def test_a_range_whose_error_underflows_is_searched_as_the_same_range_near_one(power):
+    """Values near 2^-70 or 2^-140 (an untrained MobileViT's branches hold both): torchao's float32 error is
+    0 at every step, so its search narrows the range bin by bin to about one bin; ours keeps what the
+    search keeps at unit scale (at 2^-70, the unit-scale result scaled back, bit for bit; at 2^-140 the
+    histogram of subnormal values is binned differently, so only the share kept is checked)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=g)
+    tiny = (x.double() * 2.0 ** power).float()
+    kwargs = dict(dtype=torch.int8, qscheme=torch.per_tensor_affine, quant_min=-128, quant_max=127)
+    unit, ours, theirs = (HistogramSearchObserver(**kwargs), HistogramSearchObserver(**kwargs),
+                          HistogramObserver(**kwargs))
+    unit(x), ours(tiny), theirs(tiny)
+    kept = [(float(hi) - float(lo)) / (float(o.max_val) - float(o.min_val))
+            for o, (lo, hi) in ((o, o._non_linear_param_search()) for o in (unit, ours, theirs))]
+    assert kept[0] > 0.8 and kept[1] > 0.8  # measured 0.95 at unit scale, 0.95 at 2^-70, 0.84 at 2^-140
+    assert kept[2] <= 2 / theirs.bins  # torchao's: collapsed to a bin or two
+    if power == -70:
+        for a, b in zip(ours._non_linear_param_search(), unit._non_linear_param_search()):
+            assert torch.equal(a, (b.double() * 2.0 ** power).float())
+    assert ours.min_val == theirs.min_val and ours.max_val == theirs.max_val  # the observer is left as it was
