@@ -73,8 +73,9 @@ def concat_convs() -> onnx.ModelProto:
     return model(nodes, [value("x", ["n", 3, 4, 4])], [value("y", ["n", 2, 4, 4])], inits)
 
 
-def written_layernorm() -> onnx.ModelProto:
-    """MatMul -> a LayerNorm written out (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div) -> MatMul."""
+def written_layernorm(tokens: int | None = None) -> onnx.ModelProto:
+    """MatMul -> a LayerNorm written out (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div) -> MatMul, on
+    [n, 8] (or [n, tokens, 8]: TiGrIS reduces one axis of a rank-3 tensor only)."""
     eps = numpy_helper.from_array(np.array(1e-5, np.float32), "eps")
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
              helper.make_node("ReduceMean", ["h"], ["mu"], name="mean", axes=[-1]),
@@ -86,7 +87,8 @@ def written_layernorm() -> onnx.ModelProto:
              helper.make_node("Div", ["d", "sd"], ["n1"], name="normalise"),
              helper.make_node("MatMul", ["n1", "w2"], ["y"], name="fc2")]
     inits = [weight(8, 16, name="w1"), eps, weight(16, 4, name="w2")]
-    return model(nodes, [value("x", ["n", 8])], [value("y", ["n", 4])], inits, opset=17)
+    lead = ["n"] if tokens is None else ["n", tokens]
+    return model(nodes, [value("x", [*lead, 8])], [value("y", [*lead, 4])], inits, opset=17)
 
 
 def integer_ids() -> onnx.ModelProto:

@@ -86,7 +86,8 @@ def test_written_out_layernorm_stays_float_for_onnxruntime_and_its_statistics_st
     assert quantized == {"x", "n1"}
     assert result.census["integer"] == {"MatMulIntegerToFloat": 2}
     assert result.placement.mode == "integer"
-    full, qt = _quantize(tmp_path, graphs.written_layernorm(), data, target="tigris")
+    tokens = [np.random.default_rng(0).standard_normal((16, 4, 8)).astype(np.float32)]
+    full, qt = _quantize(tmp_path, graphs.written_layernorm(tokens=4), tokens, target="tigris")
     assert full.placement.mode == "full" and full.verdict.verdict in ("accepted", "failed")  # tigris may not compile
     assert not [f for f in full.verdict.findings if f.rule == "fully_quantized"]
     # full placement: every activation has a pair but the normalisation's statistics (float islands, named)
