@@ -84,3 +84,19 @@ def output(args: argparse.Namespace, path: Path | None, published: Path) -> Path
     if args.smoke and Path(path).resolve() in {p.resolve() for p in PUBLISHED}:
         raise SystemExit(f"--smoke does not write {path}: it is a published file (give an --out elsewhere)")
     return Path(path)
+
+
+def stamp(script: str) -> tuple[str, str]:
+    """(commit, CPU) for a bench record: HEAD, ``+dirty`` when src/ or ``script`` (bench/NAME.py) differ from
+    it (what this process runs); the CPU's name and which of its int8 extensions it has."""
+    import subprocess
+
+    from quantship.inspect.run.consumers import cpu_info
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short=7", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", "src", script)
+                                                      else "")
+    name, flags = cpu_info()
+    return commit, f"{name} ({', '.join(sorted({'avx512_vnni', 'amx_int8', 'avx2'} & flags)) or 'no VNNI'})"

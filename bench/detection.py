@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -242,16 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     args.results = _smoke.output(args, args.results, RESULTS)
     records = json.loads(args.results.read_text()) if args.results.exists() else {}
     if not args.render:
-        from quantship.inspect.run.consumers import cpu_info
-
-        def git(*argv: str) -> str:
-            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-        # HEAD, +dirty when src/ or this script differ from it (what this process runs)
-        commit = git("rev-parse", "--short=7", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", "src",
-                                                                          "bench/detection.py") else "")
-        name, flags = cpu_info()
-        cpu = f"{name} ({', '.join(sorted({'avx512_vnni', 'amx_int8', 'avx2'} & flags)) or 'no VNNI'})"
+        commit, cpu = _smoke.stamp("bench/detection.py")
         with tempfile.TemporaryDirectory() as tmp:
             for model in args.models:
                 row = run_model(model, Path(tmp), args.size, args.images, args.runs)

@@ -376,7 +376,6 @@ def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, i
 
     fixed = static_batch(int8_path)
     sessions = [ort_session(float_path, optimized=True), ort_session(int8_path, optimized=True)]
-    names = [s.get_inputs()[0].name for s in sessions]
     result = {}
     for label, batch, n in (("b1", 1, reps[0]), ("b8", 8, reps[1])):
         if fixed is not None and fixed != batch:
@@ -385,17 +384,23 @@ def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, i
         if len(x) < batch:
             result[label] = f"fewer than {batch} samples"
             continue
-        feed = x[:batch]
-        for s, name in zip(sessions, names):  # warm-up
-            s.run(None, {name: feed})
-        times: list[list[float]] = [[], []]
-        for _ in range(n):
-            for i, (s, name) in enumerate(zip(sessions, names)):
-                start = time.perf_counter()
-                s.run(None, {name: feed})
-                times[i].append((time.perf_counter() - start) * 1e3)
-        result[label] = [statistics.median(times[0]), statistics.median(times[1])]
+        result[label] = interleaved_ms(sessions, x[:batch], n)
     return result
+
+
+def interleaved_ms(sessions: list, feed: np.ndarray, n: int) -> list[float]:
+    """Median ms of each session on ``feed`` (its first input), after one warm-up run each, the sessions
+    run in turn ``n`` times (so a change in the machine's load reaches all of them alike)."""
+    names = [s.get_inputs()[0].name for s in sessions]
+    for s, name in zip(sessions, names):
+        s.run(None, {name: feed})
+    times: list[list[float]] = [[] for _ in sessions]
+    for _ in range(n):
+        for i, (s, name) in enumerate(zip(sessions, names)):
+            start = time.perf_counter()
+            s.run(None, {name: feed})
+            times[i].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def counts(scores: dict) -> dict:

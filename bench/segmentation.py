@@ -160,18 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     args.results = _smoke.output(args, args.results, RESULTS)
     records = json.loads(args.results.read_text()) if args.results.exists() else {}
     if not args.render:
-        import subprocess
-
-        from quantship.inspect.run.consumers import cpu_info
-
-        def git(*argv: str) -> str:
-            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-        # HEAD, +dirty when src/ or this script differ from it (what this process runs)
-        commit = git("rev-parse", "--short=7", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", "src",
-                                                                          "bench/segmentation.py") else "")
-        name, flags = cpu_info()
-        cpu = f"{name} ({', '.join(sorted({'avx512_vnni', 'amx_int8', 'avx2'} & flags)) or 'no VNNI'})"
+        commit, cpu = _smoke.stamp("bench/segmentation.py")
         with tempfile.TemporaryDirectory() as tmp:
             for model in args.models:
                 row = run_model(model, Path(tmp), args.size)

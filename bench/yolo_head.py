@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -86,20 +85,12 @@ def run(path: Path, x: np.ndarray, batch: int = 8) -> np.ndarray:
 
 def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, int]) -> dict[str, tuple[float, float]]:
     """Median ms (FP32, INT8), one ORT thread each, interleaved, at batch 1 and 8."""
+    import real  # bench/real.py: the interleaved timing REAL.md uses
+
     sessions = [session(float_path, threads=1), session(int8_path, threads=1)]
-    names = [s.get_inputs()[0].name for s in sessions]
     result = {}
     for label, batch, n in (("b1", 1, reps[0]), ("b8", 8, reps[1])):
-        feed = x[:batch]
-        for s, name in zip(sessions, names):
-            s.run(None, {name: feed})
-        times: list[list[float]] = [[], []]
-        for _ in range(n):
-            for i, (s, name) in enumerate(zip(sessions, names)):
-                start = time.perf_counter()
-                s.run(None, {name: feed})
-                times[i].append((time.perf_counter() - start) * 1e3)
-        result[label] = (statistics.median(times[0]), statistics.median(times[1]))
+        result[label] = tuple(real.interleaved_ms(sessions, x[:batch], n))
     return result
 
 
