@@ -67,6 +67,9 @@ CASES = {  # name: (float ops after the DequantizeLinear, output, expected unit[
                              helper.make_node("Sigmoid", ["c"], ["y"])], "y", S1 / 4, 20),
     "add of two branches": ([helper.make_node("Add", ["a_d", "b_d"], ["y"])], "y", S1 + S2),
     "mul by a constant": ([helper.make_node("Mul", ["a_d", "three"], ["y"])], "y", 3 * S1),
+    # magika's logits reach its output through a Max (jax's Maximum): every input counts, constants as 0
+    "max of two branches": ([helper.make_node("Max", ["a_d", "b_d"], ["y"])], "y", S1),
+    "min of a branch and a constant": ([helper.make_node("Min", ["b_d", "three"], ["y"])], "y", S2),
 }
 EXTRA = [numpy_helper.from_array(np.array([1, 10], np.int64), "shape"),
          numpy_helper.from_array(np.array(3.0, np.float32), "three")]

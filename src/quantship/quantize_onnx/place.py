@@ -139,6 +139,16 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
     def want(value: ir.Value) -> None:
         quantized.setdefault(value.name, None)
 
+    def join(i: int, ins: list[tuple[int, ir.Value]], outs: list[ir.Value]) -> tuple[str, ...]:
+        """Node ``i`` moves integers: its data inputs (read quantized) and outputs join, as one tie."""
+        for k, v in ins:
+            want(v)
+            result.readers.add((i, k))
+        for o in outs:
+            want(o)
+        result.integer_nodes.add(i)
+        return tuple(dict.fromkeys([v.name for _, v in ins] + [o.name for o in outs]))
+
     fused_relu: set[int] = set()
     for i, node in enumerate(g.nodes):
         if i in excluded:
@@ -215,14 +225,8 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
         node = g.nodes[i]
         ins = [(k, v) for k, v in enumerate(node.inputs) if g.is_activation(v) and v.name not in statistics]
         outs = [o for o in node.outputs if g.is_activation(o)]
-        for k, v in ins:
-            want(v)
-            result.readers.add((i, k))
-        for o in outs:
-            want(o)
-        members = tuple(dict.fromkeys([v.name for _, v in ins] + [o.name for o in outs]))
+        members = join(i, ins, outs)
         ties.append(members)
-        result.integer_nodes.add(i)
         result.roles["concat:shared_scale"] += 1
         result.forced_ties[node_label(node, i)] = members
 
@@ -241,14 +245,7 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
             if role in ("shared", "concat"):
                 if not any(o.name in quantized for o in outs) and placement.mode != "full":
                     continue
-                for k, v in ins:
-                    want(v)
-                    result.readers.add((i, k))
-                for o in outs:
-                    want(o)
-                members = tuple(dict.fromkeys([v.name for _, v in ins] + [o.name for o in outs]))
-                (result.concat_ties if role == "concat" else ties).append(members)
-                result.integer_nodes.add(i)
+                (result.concat_ties if role == "concat" else ties).append(join(i, ins, outs))
                 result.roles[role] += 1
                 changed = True
             elif role == "integer_capable":

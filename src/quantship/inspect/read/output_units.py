@@ -3,7 +3,7 @@
 A float output (Softmax, Sigmoid, Concat, a decode after the last DequantizeLinear) still comes from
 quantized tensors. Its unit is the largest change one LSB at each of those tensors can make at the
 output: the scale of the DequantizeLinear, carried through each float op by that op's Lipschitz
-bound in max norm (Reshape/Transpose/Concat/Slice/MaxPool/Relu: 1; Softmax: 1/2; Sigmoid: 1/4;
+bound in max norm (Reshape/Transpose/Concat/Slice/MaxPool/Relu/Max/Min: 1; Softmax: 1/2; Sigmoid: 1/4;
 Mul by a constant c: max |c|; Add of two quantized branches: the sum of their units). So an output
 error of ``k`` units means the quantized tensors feeding it were at least ``k`` LSB apart: a
 failure against a tolerance is proven, a pass is necessary, not sufficient. An output whose path
@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 # float ops whose output values are a selection, a max or a clamp of their value inputs' values
 _ONE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Slice", "Gather",
                   "Split", "Concat", "Expand", "Tile", "MaxPool", "GlobalMaxPool", "ReduceMax", "Relu", "Clip",
-                  "Cast"})
-_ALL_INPUTS = frozenset({"Concat"})  # every input carries values; the others: input 0 only
+                  "Cast", "Max", "Min"})
+# every input carries values (elementwise Max/Min: |max(a, b) - max(a', b')| <= max(|a - a'|, |b - b'|));
+# the others: input 0 only
+_ALL_INPUTS = frozenset({"Concat", "Max", "Min"})
 # fixed Lipschitz bounds (max norm): |d out_i| <= gain * max_j |d in_j|
 _GAIN = {"Softmax": 0.5, "Sigmoid": 0.25, "Tanh": 1.0, "LogSoftmax": 2.0, "HardSwish": 1.5, "Neg": 1.0,
          "Abs": 1.0, "AveragePool": 1.0, "GlobalAveragePool": 1.0, "ReduceMean": 1.0}
