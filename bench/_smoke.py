@@ -13,6 +13,7 @@ argument given on the command line still wins (``--smoke --out somewhere.md``).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -100,3 +101,27 @@ def stamp(script: str) -> tuple[str, str]:
                                                       else "")
     name, flags = cpu_info()
     return commit, f"{name} ({', '.join(sorted({'avx512_vnni', 'amx_int8', 'avx2'} & flags)) or 'no VNNI'})"
+
+
+def record_models(args: argparse.Namespace, script: str, table: Path, results: Path, run_model, render) -> None:
+    """A records bench's main loop: ``--out`` / ``--results`` resolved (a smoke run's records beside its
+    table), each of ``args.models`` measured by ``run_model(model, tmp_dir)`` unless ``--render``, stamped
+    (``stamp``) and merged into the records file as it finishes, then ``render(records, banner)`` written."""
+    args.out = output(args, args.out, table)
+    if args.smoke and args.results is None:
+        args.results = args.out.with_name(results.name)
+    args.results = output(args, args.results, results)
+    records = json.loads(args.results.read_text()) if args.results.exists() else {}
+    if not args.render:
+        commit, cpu = stamp(script)
+        with tempfile.TemporaryDirectory() as tmp:
+            for model in args.models:
+                row = run_model(model, Path(tmp))
+                row.update(commit=commit, cpu=cpu)
+                records[model] = row
+                args.results.write_text(json.dumps(records, indent=1) + "\n")
+                print(json.dumps(row), flush=True)
+    text = render(records, banner(args))
+    args.out.write_text(text)
+    print(text)
+    print(f"wrote {args.out}")

@@ -28,12 +28,10 @@ file running end to end with the float file's boxes), not accuracy.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -235,24 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=None, help=f"the records (default: bench/{RESULTS.name})")
     parser.add_argument("--render", action="store_true", help="only render the table from the records")
     args = _smoke.parse_args(parser, argv, models=[SMOKE_MODEL], size=64, images=2, runs=1)
-    args.out = _smoke.output(args, args.out, TABLE)
-    if args.smoke and args.results is None:
-        args.results = args.out.with_name(RESULTS.name)
-    args.results = _smoke.output(args, args.results, RESULTS)
-    records = json.loads(args.results.read_text()) if args.results.exists() else {}
-    if not args.render:
-        commit, cpu = _smoke.stamp("bench/detection.py")
-        with tempfile.TemporaryDirectory() as tmp:
-            for model in args.models:
-                row = run_model(model, Path(tmp), args.size, args.images, args.runs)
-                row.update(commit=commit, cpu=cpu)
-                records[model] = row
-                args.results.write_text(json.dumps(records, indent=1) + "\n")
-                print(json.dumps(row), flush=True)
-    table = render(records, _smoke.banner(args))
-    args.out.write_text(table)
-    print(table)
-    print(f"wrote {args.out}")
+    _smoke.record_models(args, "bench/detection.py", TABLE, RESULTS, lambda model, tmp: run_model(model, tmp, args.size, args.images, args.runs), render)
 
 
 if __name__ == "__main__":
