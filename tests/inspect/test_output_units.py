@@ -141,10 +141,9 @@ def test_quantize_onnx_verdict_passes_a_softmax_output_openvino_runs(tmp_path):
     assert again.status == PASSED and again.max_lsb == pytest.approx(run.max_lsb, abs=1e-9)
 
 
-@pytest.mark.slow
-def test_the_real_mtcnn_pnet_openvino_file_passes(tmp_path):
-    """facenet-pytorch's PNet ends in Softmax: the openvino file OpenVINO runs within tolerance passes."""
-    _need_openvino()
+def _real_pnet(tmp_path, target: str, n: int):
+    """facenet-pytorch's PNet exported by export_onnx and quantized for ``target`` (32 calibration crops):
+    ``n`` task crops and the quantize_onnx_file result."""
     pytest.importorskip("facenet_pytorch")
     import torch
 
@@ -152,11 +151,18 @@ def test_the_real_mtcnn_pnet_openvino_file_passes(tmp_path):
     from quantship.examples.real import mtcnn
     from quantship.quantize_onnx.quantizer import quantize_onnx_file
 
-    crops, calib = mtcnn.make_crops(120, seed=0), mtcnn.make_crops(32, seed=1)
+    crops, calib = mtcnn.make_crops(n, seed=0), mtcnn.make_crops(32, seed=1)
     src = tmp_path / "pnet.onnx"
     export_onnx(mtcnn.FaceProbability(mtcnn.load_net("pnet")), torch.from_numpy(crops.x["pnet"][:1]), src,
                 dynamic_batch=True, input_names=["x"], output_names=["face_probability"])
-    result = quantize_onnx_file(src, tmp_path / "int8.onnx", calib.x["pnet"], target="openvino", run_check=False)
+    return crops, quantize_onnx_file(src, tmp_path / "int8.onnx", calib.x["pnet"], target=target, run_check=False)
+
+
+@pytest.mark.slow
+def test_the_real_mtcnn_pnet_openvino_file_passes(tmp_path):
+    """facenet-pytorch's PNet ends in Softmax: the openvino file OpenVINO runs within tolerance passes."""
+    _need_openvino()
+    crops, result = _real_pnet(tmp_path, "openvino", 120)
     run = run_consumer(result.path, "openvino", inputs=crops.x["pnet"], n_inputs=120)
     assert run.status == PASSED and run.max_lsb is not None and run.max_lsb <= 2.0, run
     assert "Softmax" in run.detail
@@ -193,18 +199,7 @@ def test_the_real_mtcnn_pnet_tigris_file_passes_judged_at_its_logits(tmp_path):
     rounds half to even): TiGrIS's own rounding, not the placement."""
     if tigris_executable() is None:
         pytest.skip("tigris CLI not installed (pip install tigris-ml)")
-    pytest.importorskip("facenet_pytorch")
-    import torch
-
-    from quantship import export_onnx
-    from quantship.examples.real import mtcnn
-    from quantship.quantize_onnx.quantizer import quantize_onnx_file
-
-    crops, calib = mtcnn.make_crops(200, seed=0), mtcnn.make_crops(32, seed=1)
-    src = tmp_path / "pnet.onnx"
-    export_onnx(mtcnn.FaceProbability(mtcnn.load_net("pnet")), torch.from_numpy(crops.x["pnet"][:1]), src,
-                dynamic_batch=True, input_names=["x"], output_names=["face_probability"])
-    result = quantize_onnx_file(src, tmp_path / "int8.onnx", calib.x["pnet"], target="tigris", run_check=False)
+    crops, result = _real_pnet(tmp_path, "tigris", 200)
     (unit,) = output_units(result.path).values()
     assert "Softmax" in unit.rule
     run = run_consumer(result.path, "tigris", inputs=crops.x["pnet"], n_inputs=200)
