@@ -305,18 +305,16 @@ def prelu_written_out(model: ir.Model) -> int:
         x, slope = node.inputs
         if _slopes_at_most_one(slope):  # x >= a*x for x >= 0 and a*x >= x for x < 0 when every a <= 1
             scaled = ir.node("Mul", [x, slope], name=f"{node.name}/slope")
-            larger = ir.node("Max", [x, scaled.outputs[0]], name=f"{node.name}/max")
-            graph.insert_before(node, [scaled, larger])
-            _take_over(node.outputs[0], larger.outputs[0])
-            graph.remove(node, safe=True)
-            continue
-        zero = zero or fresh_initializer(graph, "prelu/zero", 0.0)
-        relu = ir.node("Relu", [x], name=f"{node.name}/relu")
-        negative = ir.node("Min", [x, zero], name=f"{node.name}/min")
-        scaled = ir.node("Mul", [negative.outputs[0], slope], name=f"{node.name}/slope")
-        total = ir.node("Add", [relu.outputs[0], scaled.outputs[0]], name=f"{node.name}/add")
-        graph.insert_before(node, [relu, negative, scaled, total])
-        _take_over(node.outputs[0], total.outputs[0])
+            nodes = [scaled, ir.node("Max", [x, scaled.outputs[0]], name=f"{node.name}/max")]
+        else:
+            if zero is None:
+                zero = fresh_initializer(graph, "prelu/zero", 0.0)
+            relu = ir.node("Relu", [x], name=f"{node.name}/relu")
+            negative = ir.node("Min", [x, zero], name=f"{node.name}/min")
+            scaled = ir.node("Mul", [negative.outputs[0], slope], name=f"{node.name}/slope")
+            nodes = [relu, negative, scaled, ir.node("Add", [relu.outputs[0], scaled.outputs[0]], name=f"{node.name}/add")]
+        graph.insert_before(node, nodes)
+        _take_over(node.outputs[0], nodes[-1].outputs[0])
         graph.remove(node, safe=True)
     return len(found)
 
