@@ -164,11 +164,12 @@ def matched(reference: np.ndarray, boxes: np.ndarray, threshold: float = 0.5) ->
 
 
 def pyramid_sizes(h: int, w: int) -> list[tuple[int, int]]:
-    m, sizes, minl, scale = 12.0 / MIN_FACE, [], min(h, w) * 12.0 / MIN_FACE, 12.0 / MIN_FACE
-    while minl >= 12:
+    """The PNet input sizes ``detect_face`` makes for an h x w image (its own scale loop)."""
+    scale = 12.0 / MIN_FACE
+    sizes, shortest = [], min(h, w) * scale
+    while shortest >= 12:
         sizes.append((int(h * scale + 1), int(w * scale + 1)))
-        scale, minl = scale * FACTOR, minl * FACTOR
-    del m
+        scale, shortest = scale * FACTOR, shortest * FACTOR
     return sizes
 
 
@@ -223,12 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         # PNet's first two Convs read 3 and 10 channels: ONNX Runtime's QLinearConv runs those slower than
         # its float Conv (bench/conv_speed.py); the same files with them kept float, as a user would
         excluded = first_convs(fp32["pnet"], 2)
-        int8_ex, _ = quantize_nets(fp32, calib, Path(tmp), exclude={"pnet": excluded}, tag="int8_ex")
+        pnet_ex, _ = quantize_nets({"pnet": fp32["pnet"]}, calib, Path(tmp), exclude={"pnet": excluded}, tag="int8_ex")
+        int8_ex = {**int8, **pnet_ex}  # RNet's and ONet's files are the plain ones
         sizes = [pyramid_sizes(*im.shape[:2]) for im in images]
+        largest = max(s[0] for s in sizes)
         lines += ["", f"{len(images)} images, longer side 240-480 px (grace_hopper cropped and jittered: 3 in 4; china "
                   f"and flower: 1 in 4); min face {MIN_FACE} px, thresholds {THRESHOLDS}, pyramid factor {FACTOR}: "
                   f"{min(map(len, sizes))}-{max(map(len, sizes))} PNet scales per image, the largest "
-                  f"{max(s[0] for s in sizes)[0]} x {max(s[0] for s in sizes)[1]}. Quantize time (s): "
+                  f"{largest[0]} x {largest[1]}. Quantize time (s): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ".", ""]
         header = "| INT8 files | threads | faces FP32 finds | reproduced by INT8 (IoU >= 0.5) | INT8 only | " + \
             " | ".join(f"{n} ms FP32 / INT8" for n in (*NETS, "total")) + " |"
