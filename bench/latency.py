@@ -484,6 +484,11 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
     dynamic = Path(f"{stem}_ort_dynamic.onnx")
     quantize_dynamic(str(files["FP32"]), str(dynamic), weight_type=QuantType.QInt8)
     files["ORT quantize_dynamic"] = dynamic
+    # quantship's own dynamic-activation form of the same FP32 file, data-free (`--activations dynamic`)
+    from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file
+
+    files["quantship quantize-onnx --activations dynamic"] = quantize_dynamic_file(
+        files["FP32"], f"{stem}_qs_onnx_dynamic.onnx", run_check=False).path
     pre, static = Path(f"{stem}_pre.onnx"), Path(f"{stem}_ort_static.onnx")
     quant_pre_process(str(files["FP32"]), str(pre))
     name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
@@ -547,7 +552,9 @@ def _encoder_section(rows: list[Row], runs: int, warmup: int, shape: EncoderShap
             "batch. Census: the integer kernels in ONNX Runtime's optimized graph. `quantship onnxruntime-cpu`: the",
             "PyTorch path (`Quantizer.for_target` + `export_qdq`); `quantship quantize-onnx`: quantship's ONNX",
             "quantizer on the FP32 file; `attention float`: the same with the attention's activation x activation",
-            "MatMuls (two per layer) excluded, every projection still an integer kernel.", "",
+            "MatMuls (two per layer) excluded, every projection still an integer kernel; `--activations dynamic`:",
+            "quantship's ONNX quantizer writing int8 per-column weights and run-time activation quantization",
+            "(DynamicQuantizeLinear -> MatMulInteger, no Q/DQ pair; data-free), as ORT `quantize_dynamic` does.", "",
             _encoder_table(rows), ""]
 
 

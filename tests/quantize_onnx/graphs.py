@@ -181,3 +181,39 @@ def heavy_tailed_feature(n: int, seed: int = 0) -> np.ndarray:
     x = rng.standard_normal((n, 8)).astype(np.float32)
     x[:, 7] = np.where(rng.random(n) < 0.02, 40.0, 0.0)
     return x
+
+
+def encoder_block(width: int = 16, tokens: int = 6, classes: int = 3) -> onnx.ModelProto:
+    """One transformer block on x [n, tokens, width]: Q/K/V projections (MatMul + bias Add, the bias first
+    in V's Add), q @ k^T, softmax, @ v, the output projection, residual + LayerNormalization, a two-MatMul
+    feed-forward with Relu, then a mean over tokens and a Gemm head (transB=1, alpha 0.5): seven weighted
+    MatMul/Gemm and two activation x activation MatMuls."""
+    scale = numpy_helper.from_array(np.array(1.0 / np.sqrt(width), np.float32), "attn_scale")
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q0"], name="proj_q"),
+             helper.make_node("Add", ["q0", "bq"], ["q"], name="bias_q"),
+             helper.make_node("MatMul", ["x", "wk"], ["k0"], name="proj_k"),
+             helper.make_node("Add", ["k0", "bk"], ["k"], name="bias_k"),
+             helper.make_node("MatMul", ["x", "wv"], ["v0"], name="proj_v"),
+             helper.make_node("Add", ["bv", "v0"], ["v"], name="bias_v"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["s0"], name="scores"),
+             helper.make_node("Mul", ["s0", "attn_scale"], ["s"], name="scale_scores"),
+             helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["ctx"], name="context"),
+             helper.make_node("MatMul", ["ctx", "wo"], ["o0"], name="proj_o"),
+             helper.make_node("Add", ["o0", "bo"], ["o"], name="bias_o"),
+             helper.make_node("Add", ["x", "o"], ["r"], name="residual"),
+             helper.make_node("LayerNormalization", ["r", "ln_g", "ln_b"], ["h"], name="norm", axis=-1),
+             helper.make_node("MatMul", ["h", "w1"], ["f0"], name="ffn_in"),
+             helper.make_node("Add", ["f0", "b1"], ["f1"], name="bias_in"),
+             helper.make_node("Relu", ["f1"], ["f2"], name="relu"),
+             helper.make_node("MatMul", ["f2", "w2"], ["f3"], name="ffn_out"),
+             helper.make_node("Add", ["f3", "b2"], ["f"], name="bias_out"),
+             helper.make_node("ReduceMean", ["f"], ["pooled"], name="pool", axes=[1], keepdims=0),
+             helper.make_node("Gemm", ["pooled", "wh", "bh"], ["y"], name="head", transB=1, alpha=0.5)]
+    inits = [weight(width, width, name=n) for n in ("wq", "wk", "wv", "wo")]
+    inits += [weight(width, name=n) for n in ("bq", "bk", "bv", "bo", "ln_b", "b2")]
+    inits += [numpy_helper.from_array(np.ones(width, np.float32), "ln_g"), scale,
+              weight(width, 4 * width, name="w1"), weight(4 * width, name="b1"), weight(4 * width, width, name="w2"),
+              weight(classes, width, name="wh"), weight(classes, name="bh")]
+    return model(nodes, [value("x", ["n", tokens, width])], [value("y", ["n", classes])], inits)

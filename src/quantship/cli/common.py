@@ -82,9 +82,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, hf: bool = False) ->
                         help="allow --weights to be a whole pickled model (unpickling runs its code)")
 
 
-def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calib", required=True, metavar="DATA",
-                        help=".npy/.npz array (N x C x H x W) or a folder of images")
+def add_calibration_arguments(parser: argparse.ArgumentParser, *, required: bool = True, help: str | None = None) -> None:
+    """``--calib`` and how it is read; ``required=False``: the command checks it itself (a mode that needs none)."""
+    parser.add_argument("--calib", required=required, metavar="DATA",
+                        help=help or ".npy/.npz array (N x C x H x W) or a folder of images")
     parser.add_argument("--key", help="array name inside a .npz file")
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="calibration batch size: how the data is fed, not the batch the file serves")

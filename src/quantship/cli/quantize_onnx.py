@@ -25,6 +25,7 @@ from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
 
 ENGINES = ("quantship", "ort")
+ACTIVATIONS = ("static", "dynamic")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,12 +72,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is at most POINTS percentage points (exit 1, nothing written, if no step fits)")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="--max-drop: at most N nodes kept in float by the search (default: every candidate)")
-    common.add_calibration_arguments(parser)
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="static",
+                        help="static (default): calibrated Q/DQ pairs; dynamic: int8 per-column weights and each "
+                             "MatMul/Gemm's activation quantized at run time (the batch-1 transformer form; Convs "
+                             "stay float; data-free: --calib optional, the file is then read on seeded inputs)")
+    common.add_calibration_arguments(parser, required=False,
+                                     help=".npy/.npz array (N x C x H x W) or a folder of images (required unless "
+                                          "--activations dynamic)")
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.activations == "dynamic":
+        from quantship.cli.quantize_onnx_dynamic import refuse_combinations  # late: it loads onnx
+
+        refuse_combinations(args)
+        with common.writing(args) as out:
+            return _run_dynamic(args, out)
+    if not args.calib:
+        raise UsageError("--calib DATA is required: static activations are calibrated on it (--activations dynamic "
+                         "needs none)")
     if args.max_drop is not None and not args.eval:
         raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
     if args.max_drop is not None and args.max_drop < 0:
@@ -235,6 +251,25 @@ def _run(args: argparse.Namespace, out) -> int:
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])
     return exit_code(verdict)  # 1 for refused, failed or inconclusive, as every command that writes a file
+
+
+def _run_dynamic(args: argparse.Namespace, out) -> int:
+    """``--activations dynamic``: the data is read here (optional), the rest is ``quantize_onnx_dynamic``'s."""
+    # late: --help answers before onnx, onnxruntime and numpy load
+    from quantship.cli import quantize_onnx_dynamic as dynamic
+    from quantship.inspect.read.loading import load_onnx
+    from quantship.quantize_onnx.data import model_inputs
+    from quantship.quantize_onnx.quantizer import refuse_unusable
+
+    check_memory(args.float_model)
+    model = load_onnx(args.float_model)
+    refuse_unusable(model, args.float_model)
+    inputs = model_inputs(model)
+    del model
+    batches = read_feeds(args, inputs) if args.calib else None
+    labelled = _labelled(args, inputs)
+    result = dynamic.quantize(args, out, batches)
+    return dynamic.report(args, result, _top1_of(args, labelled, result.path) if labelled is not None else {})
 
 
 def _other_outputs(fidelity: dict) -> str:
