@@ -17,7 +17,7 @@ from onnx import numpy_helper
 from quantship.cli.main import main
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.quantize_onnx.dynamic import ACTIVATIONS_KEY, WEIGHTS_KEY
-from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file
+from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file, seeded_feeds
 from tests.quantize_onnx import graphs
 
 WEIGHTED = ("proj_q", "proj_k", "proj_v", "proj_o", "ffn_in", "ffn_out", "head")
@@ -152,3 +152,27 @@ def test_a_file_with_no_weight_matmul_is_refused_with_nothing_written(tmp_path, 
     assert main(["quantize-onnx", str(float_path), "--out", str(out), "--activations", "dynamic"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "Convs stay float" in lines[0] and not out.exists()
+
+
+def test_an_embedding_table_is_stored_int8_and_its_gathered_rows_dequantized(tmp_path):
+    from quantship.quantize_onnx.tables import TABLE_BOUND
+
+    float_path = graphs.save(graphs.embedding_matmul(), tmp_path / "embed.onnx")
+    ids = np.random.default_rng(2).integers(0, 1000, (8, 6)).astype(np.int64)
+    result = quantize_dynamic_file(float_path, tmp_path / "q.onnx", ids)
+    model = onnx.load(str(result.path))
+    stored = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    gather = next(n for n in model.graph.node if n.name == "embed")
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
+    words = numpy_helper.to_array(graphs.weight(1000, 16, name="words"))
+    scale = np.float32(float(np.abs(words).max()) / TABLE_BOUND)
+    assert result.plan.tables == ["embed"] and dq.input[0] == gather.output[0]
+    assert stored[dq.input[1]] == scale and "words" not in stored  # the float table is gone
+    assert np.array_equal(stored[gather.input[0]], np.clip(np.rint(words / scale), -TABLE_BOUND, TABLE_BOUND))
+    ref = ort_session(float_path).run(None, {"ids": ids})[0]
+    got = ort_session(result.path, optimized=True).run(None, {"ids": ids})[0]
+    assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max() and result.census["n_integer"] == 1
+    assert result.inputs == "given"
+    seeded = seeded_feeds(onnx.load(str(float_path)))  # without data: ids drawn below the table's row count
+    drawn = np.concatenate([f["ids"] for f in seeded])
+    assert drawn.dtype == np.int64 and 0 <= drawn.min() and drawn.max() < 1000 and len(np.unique(drawn)) > 1

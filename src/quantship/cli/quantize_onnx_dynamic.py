@@ -69,7 +69,8 @@ def report(args: argparse.Namespace, result, accuracy: dict) -> int:
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
         ("form", f"dynamic: {len(plan.layers)} MatMul/Gemm with int8 weights ({result.weights['qscheme']}, "
-                 f"+-{result.weights['bound']}), {plan.n_quantize_nodes} DynamicQuantizeLinear{kept}; no Q/DQ pair"),
+                 f"+-{result.weights['bound']}), {plan.n_quantize_nodes} DynamicQuantizeLinear{kept}"
+                 + (f", {len(plan.tables)} table(s) read in 8 bits" if plan.tables else "") + "; no QuantizeLinear"),
         ("ORT runs", f"{census['n_integer']} of {result.n_matmul_gemm} MatMul/Gemm as integer kernels "
                      f"({_kernels(census['integer'])}), {census['n_float']} float ({_kernels(census['float'])})"),
         (f"vs FP32 ({result.inputs} inputs)", f"{agreement}max abs error {fused['max_abs_error']:.4g}"

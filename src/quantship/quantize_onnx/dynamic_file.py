@@ -1,8 +1,8 @@
 """``quantize_dynamic_file``: a float ONNX file to a verified dynamic-activation file (``dynamic``'s form).
 
 Data-free: no calibration. The same guarantees as the static file's where they apply: every normalisation
-pass proven in ONNX Runtime, the file's post-conditions (no Q/DQ pair, one integer MatMul per layer
-planned, stored weights within their bound, the float file's outputs kept), the target's rules, both ONNX
+pass proven in ONNX Runtime, the file's post-conditions (no QuantizeLinear, one integer MatMul per layer
+planned, one DequantizeLinear per int8 table read, stored weights within their bound, the float file's outputs kept), the target's rules, both ONNX
 Runtime readings (literal: the DynamicQuantizeLinear/MatMulInteger arithmetic as written; fused: the
 kernels a user's session runs), the census of what ONNX Runtime runs and ``check --run``. A dynamic file
 has no static output scale, so its error is read against the float file as max abs error and SQNR, never
@@ -133,14 +133,16 @@ def sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
 
 
 def check_dynamic_held(path: Path, plan: dynamic.DynamicPlan, weight_bound: int, opset: int) -> None:
-    """Refuse the written file unless it holds the plan: no Q/DQ pair, the planned DynamicQuantizeLinear and
-    MatMulInteger nodes, int8 stored weights within ``weight_bound``, the opset declared."""
+    """Refuse the written file unless it holds the plan: no QuantizeLinear, one DequantizeLinear per int8 table
+    read, the planned DynamicQuantizeLinear and MatMulInteger nodes, int8 stored weights within
+    ``weight_bound``, the opset declared."""
     model = onnx.load(str(path))
     ops = [n.op_type for n in model.graph.node]
     problems = []
-    pairs = ops.count("QuantizeLinear") + ops.count("DequantizeLinear")
-    if pairs:
-        problems.append(f"it holds {pairs} QuantizeLinear/DequantizeLinear node(s)")
+    if ops.count("QuantizeLinear"):
+        problems.append(f"it holds {ops.count('QuantizeLinear')} QuantizeLinear node(s)")
+    if ops.count("DequantizeLinear") != len(plan.tables):
+        problems.append(f"{ops.count('DequantizeLinear')} DequantizeLinear for {len(plan.tables)} int8 table read(s)")
     if ops.count("MatMulInteger") != len(plan.layers):
         problems.append(f"{ops.count('MatMulInteger')} MatMulInteger for {len(plan.layers)} planned layer(s)")
     if ops.count("DynamicQuantizeLinear") != plan.n_quantize_nodes:
