@@ -68,8 +68,8 @@ def report(args: argparse.Namespace, result, accuracy: dict) -> int:
     ui.report(report, [
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
-        ("form", f"dynamic: {len(plan.layers)} MatMul/Gemm with int8 weights ({result.weights['qscheme']}, "
-                 f"+-{result.weights['bound']}), {plan.n_quantize_nodes} DynamicQuantizeLinear{kept}"
+        ("form", f"dynamic: {len(plan.layers)} MatMul/Gemm with int8 weights (+-{result.weights['bound']} "
+                 f"{'per output column' if result.weights['qscheme'] == 'per_channel' else 'per tensor'}), {plan.n_quantize_nodes} DynamicQuantizeLinear{kept}"
                  + (f", {len(plan.tables)} table(s) read in 8 bits" if plan.tables else "") + "; no QuantizeLinear"),
         ("ORT runs", f"{census['n_integer']} of {result.n_matmul_gemm} MatMul/Gemm as integer kernels "
                      f"({_kernels(census['integer'])}), {census['n_float']} float ({_kernels(census['float'])})"),

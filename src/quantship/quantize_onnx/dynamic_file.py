@@ -202,7 +202,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
                             "here; nothing runs as an integer kernel in the dynamic form (Convs stay float in it: use "
                             "--activations static)")
     weights = {"dtype": "int8", "symmetric": True, "bound": placement.weight_bound,
-               "qscheme": "per_channel (output column)" if placement.per_channel else "per_tensor",
+               "qscheme": "per_channel" if placement.per_channel else "per_tensor",  # a channel: an output column
                "reduce_range": bool(base_spec.reduce_range)}
     meta = model.metadata_props
     meta[VERSION_KEY], meta[TARGET_KEY], meta[ENGINE_KEY] = __version__, p.target, ENGINE
