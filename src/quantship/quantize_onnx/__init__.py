@@ -9,9 +9,11 @@ float pass), ``target_forms`` (what a target cannot read, rewritten), ``bias_cor
 scales searched, weight rounding learned, on the calibration data; ``weight_layers`` their layers and
 sequential pass, ``rounding`` the pass that runs them), ``quantizer`` (the facade),
 ``sensitivity`` (per-node SQNR of the written file), ``search`` (the accuracy search), ``memory``
-(the working-set estimate a file is refused on).
+(the working-set estimate a file is refused on), ``dynamic`` and ``dynamic_file`` (the dynamic-activation
+form, ``quantize_dynamic_file``: int8 weights, activations quantized at run time; data-free).
 """
 
+from quantship.quantize_onnx.dynamic_file import DynamicQuantizeResult, quantize_dynamic_file
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
 
-__all__ = ["OnnxQuantizeResult", "quantize_onnx_file"]
+__all__ = ["DynamicQuantizeResult", "OnnxQuantizeResult", "quantize_dynamic_file", "quantize_onnx_file"]
