@@ -70,8 +70,20 @@ CASES = {  # name: (float ops after the DequantizeLinear, output, expected unit[
     # magika's logits reach its output through a Max (jax's Maximum): every input counts, constants as 0
     "max of two branches": ([helper.make_node("Max", ["a_d", "b_d"], ["y"])], "y", S1),
     "min of a branch and a constant": ([helper.make_node("Min", ["b_d", "three"], ["y"])], "y", S2),
+    # magika's (jax2tf's) softmax, op by op: exp(z - max(c, max z)) / sum, both reductions keepdims=0
+    "written-out softmax": ([helper.make_node("ReduceMax", ["a_d"], ["top"], axes=[1], keepdims=0),
+                             helper.make_node("Max", ["three", "top"], ["shift"]),
+                             helper.make_node("Reshape", ["shift", "column"], ["shift_c"]),
+                             helper.make_node("Sub", ["a_d", "shift_c"], ["z"]),
+                             helper.make_node("Exp", ["z"], ["e"]),
+                             helper.make_node("ReduceSum", ["e", "axis1"], ["total"], keepdims=0),
+                             helper.make_node("Reshape", ["total", "column"], ["total_c"]),
+                             helper.make_node("Expand", ["total_c", "shape"], ["total_e"]),
+                             helper.make_node("Div", ["e", "total_e"], ["y"])], "y", S1 / 2),
 }
 EXTRA = [numpy_helper.from_array(np.array([1, 10], np.int64), "shape"),
+         numpy_helper.from_array(np.array([1, 1], np.int64), "column"),
+         numpy_helper.from_array(np.array([1], np.int64), "axis1"),
          numpy_helper.from_array(np.array(3.0, np.float32), "three")]
 
 
@@ -82,6 +94,7 @@ def test_the_unit_of_a_float_output_and_the_bound_holds_in_onnx_runtime(case, tm
     (unit,) = output_units(path).values()
     assert np.allclose(unit.unit, expected, rtol=1e-6) and np.shape(unit.unit) == np.shape(expected), unit
     assert "through " in unit.rule or "each part of its Concat" in unit.rule
+    assert ("Softmax (written out)" in unit.rule) == (case == "written-out softmax"), unit.rule
     # one LSB at every quantized tensor (a step of its scale, either way) moves the output by at most the unit
     rng = np.random.default_rng(1)
     a, b = rng.uniform(-2, 2, (2, 1, 10)).astype(np.float32)
@@ -99,6 +112,15 @@ def test_a_product_of_two_activations_has_no_unit_and_says_why(tmp_path):
     path = graphs.save(_graph([helper.make_node("Mul", ["a_d", "b_d"], ["y"], name="gate")], "y"), tmp_path / "m.onnx")
     (unit,) = output_units(path).values()
     assert unit.unit is None and "Mul 'gate'" in unit.reason
+
+
+def test_a_div_by_a_sum_of_another_exp_is_no_softmax(tmp_path):
+    """exp(a) / sum(exp(b)) is not softmax(a): its error depends on the values, so it has no unit."""
+    tail = [helper.make_node("Exp", ["a_d"], ["ea"]), helper.make_node("Exp", ["b_d"], ["eb"]),
+            helper.make_node("ReduceSum", ["eb", "axis1"], ["total"], keepdims=1),
+            helper.make_node("Div", ["ea", "total"], ["y"], name="ratio")]
+    (unit,) = output_units(graphs.save(_graph(tail, "y", EXTRA), tmp_path / "m.onnx")).values()
+    assert unit.unit is None and "Div 'ratio'" in unit.reason, unit.reason
 
 
 def test_an_output_read_off_a_dequantize_keeps_its_scale(tmp_path):

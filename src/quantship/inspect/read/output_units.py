@@ -4,7 +4,8 @@ A float output (Softmax, Sigmoid, Concat, a decode after the last DequantizeLine
 quantized tensors. Its unit is the largest change one LSB at each of those tensors can make at the
 output: the scale of the DequantizeLinear, carried through each float op by that op's Lipschitz
 bound in max norm (Reshape/Transpose/Concat/Slice/MaxPool/Relu/Max/Min: 1; Softmax: 1/2; Sigmoid: 1/4;
-Mul by a constant c: max |c|; Add of two quantized branches: the sum of their units). So an output
+Mul by a constant c: max |c|; Add of two quantized branches: the sum of their units; a softmax written
+out as ``Exp(z - shift) / ReduceSum(Exp(z - shift))``, the shift whatever it is: 1/2). So an output
 error of ``k`` units means the quantized tensors feeding it were at least ``k`` LSB apart: a
 failure against a tolerance is proven, a pass is necessary, not sufficient. An output whose path
 holds anything else (a product of two activations, an unquantized Conv) has no unit (None).
@@ -36,6 +37,8 @@ _ALL_INPUTS = frozenset({"Concat", "Max", "Min"})
 _GAIN = {"Softmax": 0.5, "Sigmoid": 0.25, "Tanh": 1.0, "LogSoftmax": 2.0, "HardSwish": 1.5, "Neg": 1.0,
          "Abs": 1.0, "AveragePool": 1.0, "GlobalAveragePool": 1.0, "ReduceMean": 1.0}
 _MAX_DEPTH = 64  # a decode longer than this is not followed
+# what carries a ReduceSum back to its input's shape in a written-out softmax (keepdims=0 exports)
+_BROADCAST = frozenset({"Reshape", "Unsqueeze", "Expand", "Identity"})
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,10 @@ def _unit(view: GraphView, tensor: str, ops: list[str], depth: int, memo: dict[s
                 del ops[seen:]
     else:
         ops.append(op)
+        if op in ("Add", "Sub", "Mul", "Div") and len(node.input) == 2:
+            unit = _binary(view, node, ops, depth, memo, look_back)
+            memo[tensor] = unit
+            return unit
         value_inputs = [t for t in (node.input if op in _ALL_INPUTS else node.input[:1]) if t]
         inner = [_unit(view, t, ops, depth + 1, memo, look_back) for t in value_inputs]
         if op in _ONE:
@@ -178,8 +185,6 @@ def _unit(view: GraphView, tensor: str, ops: list[str], depth: int, memo: dict[s
         elif op == "LeakyRelu":
             alpha = next((a.f for a in node.attribute if a.name == "alpha"), 0.01)
             unit = max(1.0, abs(alpha)) * inner[0]
-        elif op in ("Add", "Sub", "Mul", "Div") and len(node.input) == 2:
-            unit = _binary(view, node, ops, depth, memo, look_back)
         else:
             raise _NoUnit(f"{op} {node.name!r} follows the last DequantizeLinear (no Lipschitz rule for it)")
     memo[tensor] = unit
@@ -199,9 +204,33 @@ def _binary(view: GraphView, node: onnx.NodeProto, ops: list[str], depth: int, m
     if op == "Mul" and (ca is not None or cb is not None):
         constant, other = (ca, b) if ca is not None else (cb, a)
         return float(np.abs(constant).max(initial=0.0)) * _unit(view, other, ops, depth + 1, memo, look_back)
+    if op == "Div":
+        logits = _written_softmax(view, node)
+        if logits is not None:  # softmax(z) whatever the shift: 1/2-Lipschitz in max norm, as Softmax
+            ops[-1] = "Softmax (written out)"  # in place of the Div _unit listed
+            return _GAIN["Softmax"] * _unit(view, logits, ops, depth + 1, memo, look_back)
     if op == "Div" and cb is not None:
         smallest = float(np.abs(cb).min(initial=np.inf))
         if smallest > 0:
             return _unit(view, a, ops, depth + 1, memo, look_back) / smallest
     raise _NoUnit(f"{op} {node.name!r} of two computed tensors follows the last DequantizeLinear "
                   "(its error bound depends on the values)")
+
+
+def _written_softmax(view: GraphView, div: onnx.NodeProto) -> str | None:
+    """The logits ``z`` when ``div`` is ``Exp(z [- shift]) / ReduceSum(that Exp)`` (the sum carried back to
+    the Exp's shape by Reshape/Unsqueeze/Expand), the softmax a TensorFlow/JAX export writes op by op; the
+    shift (the max, usually) cancels exactly, so only ``z`` carries units. None for any other Div."""
+    numerator, denominator = div.input
+    exp = view.node_of(numerator)
+    if exp is None or exp.op_type != "Exp":
+        return None
+    total = view.node_of(denominator)
+    while total is not None and total.op_type in _BROADCAST:
+        total = view.node_of(total.input[0])
+    if total is None or total.op_type != "ReduceSum" or total.input[0] != numerator:
+        return None
+    shifted = view.node_of(exp.input[0])
+    if shifted is not None and shifted.op_type == "Sub":
+        return shifted.input[0]
+    return exp.input[0]
