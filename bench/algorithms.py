@@ -3,7 +3,9 @@
 For each model (``bench/real.py``'s tasks: same data, calibration and metrics), ``quantize_onnx_file`` runs
 once per algorithm setting (plain, ``equalize``, ``bias_correction``, both, ``smooth_quant`` with alpha 0.5,
 ``seq_mse``, ``adaround``, the last two together; the adaround ones, minutes per model, only when
-``--settings`` names them) for one preset; each INT8 file is scored in ONNX Runtime at its default
+``--settings`` names them; so are ``bias_correction+int16_worstK``: bias correction plus 16-bit activations for
+the K worst nodes of the per-node SQNR report of the bias-corrected file, measured on the calibration data,
+their quantize time end to end: that file, the report, the new file) for one preset; each INT8 file is scored in ONNX Runtime at its default
 optimizations (what users run) with a Wilson 95% interval, next
 to FP32. Quantize time is wall time of the call; peak memory is the process's resident set sampled every
 10 ms during the call, above its value when the call started (what the call added; the first setting's
@@ -13,6 +15,7 @@ figure also holds the one-time imports and caches of the first call).
     python bench/algorithms.py --models ocr_cls --target tigris
     python bench/algorithms.py --models nudenet --settings plain,bias_correction
     python bench/algorithms.py --models ocr_cls --settings plain,seq_mse,adaround
+    python bench/algorithms.py --models nudenet --settings bias_correction,bias_correction+int16_worst1
     python bench/algorithms.py --smoke                           # the classifier at smoke size
     python bench/algorithms.py --path pt2e --models ocr_cls,mtcnn_rnet,mtcnn_onet   # the PyTorch path
 
@@ -46,8 +49,14 @@ SETTINGS = {  # name -> quantize_onnx_file options
     "adaround": {"adaround": True},
     "seq_mse + adaround": {"seq_mse": True, "adaround": True},
 }
+# name -> (base setting, k): the base setting plus 16-bit activations (``int16=``) for the k worst nodes of the
+# per-node SQNR report (``sensitivity.node_sqnr``, lowest SQNR first) of the base setting's own file, measured on
+# the calibration data (never the evaluation data); nothing kept in float
+WORST_INT16 = {f"bias_correction+int16_worst{k}": ("bias_correction", k) for k in (1, 2, 4, 8)}
+SETTINGS.update({name: SETTINGS[base] for name, (base, _) in WORST_INT16.items()})
 PT2E_SETTINGS = ("plain", "equalize", "bias_correction", "equalize + bias_correction")  # what Quantizer has
 SLOW = ("adaround", "seq_mse + adaround")  # minutes per model on 2 cores: run only when --settings names them
+ON_REQUEST = (*SLOW, *WORST_INT16)  # int16: an SQNR report and a second file per setting; run when named
 
 
 class PeakRSS:
@@ -102,6 +111,13 @@ def changed(algorithms: dict) -> str:
         parts.append(f"{sm['n_channels_changed']} of {sm['n_channels']} weight scales moved (down to "
                      f"{sm['smallest_fraction']:.2f}) in {sm['n_layers']} layers ({len(sm['skipped'])} skipped), layer "
                      f"error x{sm['error_ratio']:.3f} on {sm['samples']} samples, {sm['seconds']:.1f} s")
+    if "int16" in algorithms:
+        w = algorithms["int16"]
+        chosen = ", ".join(f"{n} ({db:.1f} dB)" for n, db in w["nodes"].items())
+        parts.append(f"16-bit activations for the {len(w['nodes'])} worst-SQNR node(s) of the {w['base']} file's "
+                     f"report on {w['samples']} calibration samples ({w['report_seconds']:.1f} s; output "
+                     f"{w['output_sqnr_db']:.1f} dB): {chosen}; {w['n_tensors']} tensors 16-bit, "
+                     f"{w['float_weights']} weights left float")
     if "adaround" in algorithms:
         ar = algorithms["adaround"]
         parts.append(f"{ar['n_flipped']} of {ar['n_weights']} weights rounded the other way in {ar['n_layers']} layers "
@@ -128,6 +144,7 @@ def pt2e_file(task, model, out: Path, target: str, options: dict) -> tuple[float
 
 def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list[str], path: str = "onnx") -> list[str]:
     from quantship.quantize_onnx import quantize_onnx_file
+    from quantship.quantize_onnx.int16 import runs_int16
 
     task = real.make_task(name, smoke, workdir)
     model = task.torch_model() if path == "pt2e" else None
@@ -140,13 +157,21 @@ def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list
              "| FP32 | " + " | ".join(real._pct(fp32[m].k, fp32[m].n) if m in fp32 else "-" for m in task.metrics)
              + " | - | - | - |"]
     calibration = real.batched(task.calib, task.calib_batch)
+    bases = {WORST_INT16[s][0] for s in settings if s in WORST_INT16}
+    kept: dict[str, tuple[Path, float]] = {}  # base setting -> (its file, its quantize seconds), for the reports
     for setting in settings:
         options = SETTINGS[setting]
         out = workdir / f"{name}_{setting.replace(' + ', '_')}.onnx"
+        if setting in WORST_INT16 and not runs_int16(target):
+            lines.append(f"| {setting} | not run: {target} has no 16-bit activations |"
+                         + " - |" * (len(task.metrics) + 2))
+            continue
         with PeakRSS() as memory:
             start = time.perf_counter()
             if path == "pt2e":
                 seconds, algorithms = pt2e_file(task, model, out, target, options)
+            elif setting in WORST_INT16:
+                seconds, algorithms = worst_int16_file(task, out, calibration, target, setting, kept)
             else:
                 result = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False,
                                             **options)
@@ -156,8 +181,36 @@ def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list
         cells = " | ".join(real._pct(scores[m].k, scores[m].n) for m in task.metrics)
         lines.append(f"| {setting} | {cells} | {seconds:.1f} | {memory.added_mb:.0f} | {changed(algorithms)} |")
         print(f"   {name} {setting}: {cells} ({seconds:.1f} s)", file=sys.stderr, flush=True)
-        out.unlink()
+        if setting in bases and path == "onnx":
+            kept[setting] = (out, seconds)
+        else:
+            out.unlink()
     return lines + [""]
+
+
+def worst_int16_file(task, out: Path, calibration: list, target: str, setting: str,
+                     kept: dict[str, tuple[Path, float]]) -> tuple[float, dict]:
+    """A ``WORST_INT16`` setting's file: the base setting's file (the one this run wrote, else a new one inside the
+    report), its per-node SQNR report on the calibration data, then the base options plus ``int16=`` its ``k``
+    worst nodes. Seconds: end to end (base file + report + this file), what a user running the three pays."""
+    from quantship.quantize_onnx import quantize_onnx_file
+    from quantship.quantize_onnx.sensitivity import node_sqnr
+
+    base, k = WORST_INT16[setting]
+    options = SETTINGS[base]
+    base_file, base_seconds = kept.get(base, (None, 0.0))
+    start = time.perf_counter()
+    report = node_sqnr(task.float_path, calibration, target=target, quantized_path=base_file, **options)
+    report_seconds = time.perf_counter() - start
+    worst = report.worst(k)
+    start = time.perf_counter()
+    result = quantize_onnx_file(task.float_path, out, calibration, target=target, run_check=False,
+                                int16=[r.node for r in worst], **options)
+    seconds = time.perf_counter() - start
+    record = {"base": base, "nodes": {r.node: r.sqnr_db for r in worst}, "samples": report.n_samples,
+              "report_seconds": report_seconds, "output_sqnr_db": report.output_sqnr_db,
+              "n_tensors": len(result.int16), "float_weights": result.counts.get("float_weights_of_int16_readers", 0)}
+    return base_seconds + report_seconds + seconds, {**result.algorithms, "int16": record}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", choices=("onnx", "pt2e"), default="onnx",
                         help="the ONNX quantizer (quantize_onnx_file) or the PyTorch path (Quantizer + export_qdq)")
     parser.add_argument("--settings", default=None,
-                        help=f"comma-separated, of {','.join(SETTINGS)} (default: all but {', '.join(SLOW)}; "
+                        help=f"comma-separated, of {','.join(SETTINGS)} (default: all but {', '.join(ON_REQUEST)}; "
                              f"--path pt2e: of {','.join(PT2E_SETTINGS)})")
     args = _smoke.parse_args(parser, argv, models="ocr_cls")
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -175,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {list(real.MODELS)}")
     known = PT2E_SETTINGS if args.path == "pt2e" else tuple(SETTINGS)
-    args.settings = args.settings or ",".join(s for s in known if s not in SLOW)
+    args.settings = args.settings or ",".join(s for s in known if s not in ON_REQUEST)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     if not settings or any(s not in known for s in settings):
         parser.error(f"--settings {args.settings!r}: choose among {list(known)} for the {args.path} path")

@@ -45,6 +45,10 @@ RUNS = {
                                 "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
                                 "| smooth_quant | ", "15 conv pairs equalized", "biases corrected",
                                 "layers smoothed (alpha 0.5", "| seq_mse | ", "weight scales moved")),
+    "algorithms_int16": Smoke(("--settings", "bias_correction,bias_correction+int16_worst1"), script="algorithms",
+                              stdout=("| bias_correction | ", "| bias_correction+int16_worst1 | ",
+                                      "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
+                                      "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",
                            "| FP32 | ", "| plain INT8 | ", "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ",
                            "Load average")),
