@@ -41,14 +41,16 @@ class Smoke:
 
 
 RUNS = {
-    "algorithms": Smoke(stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
+    # the default settings and one worst-SQNR 16-bit setting, in one run (one import, one task)
+    "algorithms": Smoke(("--settings", "plain,equalize,bias_correction,equalize + bias_correction,smooth_quant,"
+                                       "seq_mse,bias_correction+int16_worst1"),
+                        stdout=("| algorithm | accuracy | agrees with FP32 | quantize s |", "| FP32 | ", "| plain | ",
                                 "| equalize | ", "| bias_correction | ", "| equalize + bias_correction | ",
                                 "| smooth_quant | ", "15 conv pairs equalized", "biases corrected",
-                                "layers smoothed (alpha 0.5", "| seq_mse | ", "weight scales moved")),
-    "algorithms_int16": Smoke(("--settings", "bias_correction,bias_correction+int16_worst1"), script="algorithms",
-                              stdout=("| bias_correction | ", "| bias_correction+int16_worst1 | ",
-                                      "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
-                                      "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
+                                "layers smoothed (alpha 0.5", "| seq_mse | ", "weight scales moved",
+                                "| bias_correction+int16_worst1 | ",
+                                "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
+                                "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",
                            "| FP32 | ", "| plain INT8 | ", "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ",
                            "Load average")),
