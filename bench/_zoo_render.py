@@ -144,7 +144,10 @@ FAMILY_TEXT = {
     "torchvision": "torchvision's classification zoo (`list_models(module=torchvision.models)`), `weights=None`, "
                    "the smallest square input the float model accepts.",
     "timm": "issue 29's timm architectures at their smallest variant, `timm.create_model(name, pretrained=False, "
-            "num_classes=10)`, the smallest square input the float model accepts.",
+            "num_classes=10)`, the smallest square input the float model accepts; the models built for 224 px only "
+            "are built for 64 px where timm allows it (`img_size=64`; swin also `window_size=4`, eva02 `img_size=70`, "
+            "5x5 patches of 14; `_zoo_families.TIMM_SMALL_INPUT`), efficientformer_l1 stays at 224 (its attention "
+            "bias table is sized for 224). Random weights: graph coverage, not accuracy.",
     "hf": "transformers models from small configs (2 layers, hidden 64 where the config has one; random weights, "
           "seed 0), each returning its main tensor (`last_hidden_state` or `logits`); token models read 1 x 16 ids "
           "of a 128-word vocabulary. The preparation of the image families does not apply.",

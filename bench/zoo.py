@@ -180,7 +180,7 @@ def run_model(entry: Entry, family: str, workdir: Path, observer: str | None) ->
         return row
     gen = torch.Generator().manual_seed(1)
     if entry.make_input is None:
-        row.size = smallest_size(model)
+        row.size = entry.size or smallest_size(model)
         if row.size is None:
             row.status = f"no float forward at any of {SIZES}"
             return row
