@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 
 import torch
@@ -9,6 +10,13 @@ from _zoo_families import STAGES
 
 EARLIER_CPU = "not recorded (AMD EPYC, the CPU the ZOO.md of those records named)"
 STAGE_COLUMNS = ("capture", "prepare", "calibrate", "convert", "histogram search", "export", "checks", "other")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _fmt(value: float | None) -> str:
@@ -195,13 +203,15 @@ def render(records: dict, zoos: dict[str, list[str]], unavailable: dict[str, str
         "2 cores shared by up to 7 engineers: the time columns were measured under load (the "
         "`load` column), and are no speed figure; "
         f"Python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
-        f"onnxruntime {ort.__version__}.",
+        f"onnxruntime {ort.__version__}" + (f", timm {_version('timm')}" if _version("timm") else "") + ".",
     ]
     for family, zoo in zoos.items():
         rows = [records[m] for m in zoo if m in records and records[m].family == family]
         lines += ["", f"## {family}", "", FAMILY_TEXT[family], ""]
         if family == "torchvision":
             lines += [f"Preparation of the untrained model (column `prep`): {preparation}. {TORCHVISION_WHY}", ""]
+        if family == "timm":
+            lines += ["Preparation of the untrained model (column `prep`): the torchvision family's (above).", ""]
         if family in unavailable and not rows:
             lines += [f"Not run: {unavailable[family]}. Models listed: {', '.join(zoo)}."]
             continue
