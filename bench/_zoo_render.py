@@ -166,8 +166,8 @@ FAMILY_TEXT = {
 }
 
 
-def render(records: dict, zoos: dict[str, list[str]], unavailable: dict[str, str], *, census_keys, giant_params: float,
-           preparation: str) -> str:
+def render(records: dict[tuple[str, str], object], zoos: dict[str, list[str]], unavailable: dict[str, str], *,
+           census_keys, giant_params: float, preparation: str) -> str:
     import onnxruntime as ort
     import torchvision
 
@@ -206,7 +206,7 @@ def render(records: dict, zoos: dict[str, list[str]], unavailable: dict[str, str
         f"onnxruntime {ort.__version__}" + (f", timm {_version('timm')}" if _version("timm") else "") + ".",
     ]
     for family, zoo in zoos.items():
-        rows = [records[m] for m in zoo if m in records and records[m].family == family]
+        rows = [records[family, m] for m in zoo if (family, m) in records]
         lines += ["", f"## {family}", "", FAMILY_TEXT[family], ""]
         if family == "torchvision":
             lines += [f"Preparation of the untrained model (column `prep`): {preparation}. {TORCHVISION_WHY}", ""]
@@ -215,7 +215,7 @@ def render(records: dict, zoos: dict[str, list[str]], unavailable: dict[str, str
         if family in unavailable and not rows:
             lines += [f"Not run: {unavailable[family]}. Models listed: {', '.join(zoo)}."]
             continue
-        lines += _summary(family, rows, zoo, {m: r for m, r in records.items() if r.family == family}, giant_params,
+        lines += _summary(family, rows, zoo, {m: r for (f, m), r in records.items() if f == family}, giant_params,
                           census_keys)
         lines += ["", *_table(rows, census_keys)]
     return "\n".join(lines) + "\n"
