@@ -3,7 +3,7 @@ and the timing hook that splits a model's quantize + export time into stages.
 
 torchvision: its classification zoo (``list_models(module=torchvision.models)``, ``weights=None``). timm: the
 architectures issue 29 tried, ``timm.create_model(name, pretrained=False, num_classes=10)``, when timm is
-installed. hf: transformers models from small configs (random weights, seed 0), each wrapped to return its main
+installed (the ones built for 224 px only built for 64 px where timm allows it: ``TIMM_SMALL_INPUT``). hf: transformers models from small configs (random weights, seed 0), each wrapped to return its main
 tensor (``last_hidden_state`` or ``logits``). detection: the torchvision detectors issue 29 names
 (``weights=None, weights_backbone=None``), through the same whole-model path (bench/detection.py, another
 bench, quantizes their backbones and heads with the post-processing kept float).
@@ -26,15 +26,29 @@ from dataclasses import dataclass
 import torch
 
 FAMILIES = ("torchvision", "timm", "hf", "detection")
-# issue 29's timm architectures, at their smallest variant
+# issue 29's timm architectures, at their smallest variant; mobileone_s0 first (its histogram search was 349 s)
 TIMM_MODELS = (
-    "resnet18d", "efficientnet_b0", "mobilenetv3_small_100", "mobilenetv4_conv_small", "convnext_atto",
-    "regnetz_b16", "repvgg_a0", "mobileone_s0", "hrnet_w18_small", "dla34", "cspdarknet53", "ghostnet_100",
+    "mobileone_s0", "resnet18d", "efficientnet_b0", "mobilenetv3_small_100", "mobilenetv4_conv_small",
+    "convnext_atto", "regnetz_b16", "repvgg_a0", "hrnet_w18_small", "dla34", "cspdarknet53", "ghostnet_100",
     "rexnet_100", "mobilevit_xxs", "efficientformer_l1", "levit_128s", "fastvit_t8", "edgenext_xx_small",
     "poolformer_s12", "mixer_s16_224", "pvt_v2_b0", "tiny_vit_5m_224", "coatnet_nano_rw_224",
     "eva02_tiny_patch14_224", "gcvit_xxtiny", "swin_tiny_patch4_window7_224", "deit_tiny_patch16_224",
     "vit_tiny_patch16_224",
 )
+# the models built for one input size (224): built for a smaller one instead, (create_model arguments, size).
+# The same blocks and weights shapes, fewer tokens; swin's window shrinks with the image (7 -> 4: 16x16 tokens
+# at 64 px); eva02's patch stays 14 (5x5 patches at 70 px). efficientformer_l1 keeps 224: its attention bias
+# table is sized for the 7x7 last stage whatever img_size says.
+TIMM_SMALL_INPUT = {
+    "levit_128s": (dict(img_size=64), 64),
+    "mixer_s16_224": (dict(img_size=64), 64),
+    "coatnet_nano_rw_224": (dict(img_size=64), 64),
+    "eva02_tiny_patch14_224": (dict(img_size=70), 70),
+    "gcvit_xxtiny": (dict(img_size=64), 64),
+    "swin_tiny_patch4_window7_224": (dict(img_size=64, window_size=4), 64),
+    "deit_tiny_patch16_224": (dict(img_size=64), 64),
+    "vit_tiny_patch16_224": (dict(img_size=64), 64),
+}
 DETECTION_MODELS = ("ssdlite320_mobilenet_v3_large", "fasterrcnn_mobilenet_v3_large_320_fpn",
                     "retinanet_resnet50_fpn_v2", "fcos_resnet50_fpn")
 VOCAB, SEQ = 128, 16
@@ -48,6 +62,7 @@ class Entry:
     name: str
     build: Callable[[], torch.nn.Module]
     make_input: Callable[[torch.Generator], torch.Tensor] | None = None
+    size: int | None = None  # the square image the model was built for (None: the smallest it accepts)
 
 
 class Main(torch.nn.Module):
@@ -139,8 +154,9 @@ def entries(family: str) -> list[Entry]:
         def timm_model(name: str) -> torch.nn.Module:
             import timm
 
-            return timm.create_model(name, pretrained=False, num_classes=10).eval()
-        return [Entry(m, lambda m=m: timm_model(m)) for m in TIMM_MODELS]
+            kwargs = TIMM_SMALL_INPUT.get(name, ({}, None))[0]
+            return timm.create_model(name, pretrained=False, num_classes=10, **kwargs).eval()
+        return [Entry(m, lambda m=m: timm_model(m), size=TIMM_SMALL_INPUT.get(m, ({}, None))[1]) for m in TIMM_MODELS]
     if family == "hf":
         return _hf_entries() if available("hf") is None else []
     raise ValueError(f"family {family!r}: not one of {FAMILIES}")

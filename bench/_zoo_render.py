@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 
 import torch
@@ -9,6 +10,13 @@ from _zoo_families import STAGES
 
 EARLIER_CPU = "not recorded (AMD EPYC, the CPU the ZOO.md of those records named)"
 STAGE_COLUMNS = ("capture", "prepare", "calibrate", "convert", "histogram search", "export", "checks", "other")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _fmt(value: float | None) -> str:
@@ -144,7 +152,10 @@ FAMILY_TEXT = {
     "torchvision": "torchvision's classification zoo (`list_models(module=torchvision.models)`), `weights=None`, "
                    "the smallest square input the float model accepts.",
     "timm": "issue 29's timm architectures at their smallest variant, `timm.create_model(name, pretrained=False, "
-            "num_classes=10)`, the smallest square input the float model accepts.",
+            "num_classes=10)`, the smallest square input the float model accepts; the models built for 224 px only "
+            "are built for 64 px where timm allows it (`img_size=64`; swin also `window_size=4`, eva02 `img_size=70`, "
+            "5x5 patches of 14; `_zoo_families.TIMM_SMALL_INPUT`), efficientformer_l1 stays at 224 (its attention "
+            "bias table is sized for 224). Random weights: graph coverage, not accuracy.",
     "hf": "transformers models from small configs (2 layers, hidden 64 where the config has one; random weights, "
           "seed 0), each returning its main tensor (`last_hidden_state` or `logits`); token models read 1 x 16 ids "
           "of a 128-word vocabulary. The preparation of the image families does not apply.",
@@ -155,8 +166,8 @@ FAMILY_TEXT = {
 }
 
 
-def render(records: dict, zoos: dict[str, list[str]], unavailable: dict[str, str], *, census_keys, giant_params: float,
-           preparation: str) -> str:
+def render(records: dict[tuple[str, str], object], zoos: dict[str, list[str]], unavailable: dict[str, str], *,
+           census_keys, giant_params: float, preparation: str) -> str:
     import onnxruntime as ort
     import torchvision
 
@@ -192,17 +203,19 @@ def render(records: dict, zoos: dict[str, list[str]], unavailable: dict[str, str
         "2 cores shared by up to 7 engineers: the time columns were measured under load (the "
         "`load` column), and are no speed figure; "
         f"Python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
-        f"onnxruntime {ort.__version__}.",
+        f"onnxruntime {ort.__version__}" + (f", timm {_version('timm')}" if _version("timm") else "") + ".",
     ]
     for family, zoo in zoos.items():
-        rows = [records[m] for m in zoo if m in records and records[m].family == family]
+        rows = [records[family, m] for m in zoo if (family, m) in records]
         lines += ["", f"## {family}", "", FAMILY_TEXT[family], ""]
         if family == "torchvision":
             lines += [f"Preparation of the untrained model (column `prep`): {preparation}. {TORCHVISION_WHY}", ""]
+        if family == "timm":
+            lines += ["Preparation of the untrained model (column `prep`): the torchvision family's (above).", ""]
         if family in unavailable and not rows:
             lines += [f"Not run: {unavailable[family]}. Models listed: {', '.join(zoo)}."]
             continue
-        lines += _summary(family, rows, zoo, {m: r for m, r in records.items() if r.family == family}, giant_params,
+        lines += _summary(family, rows, zoo, {m: r for (f, m), r in records.items() if f == family}, giant_params,
                           census_keys)
         lines += ["", *_table(rows, census_keys)]
     return "\n".join(lines) + "\n"

@@ -180,7 +180,7 @@ def run_model(entry: Entry, family: str, workdir: Path, observer: str | None) ->
         return row
     gen = torch.Generator().manual_seed(1)
     if entry.make_input is None:
-        row.size = smallest_size(model)
+        row.size = entry.size or smallest_size(model)
         if row.size is None:
             row.status = f"no float forward at any of {SIZES}"
             return row
@@ -253,27 +253,30 @@ def head_commit() -> str:
     return git("rev-parse", "--short=7", "HEAD") + ("+dirty" if dirty else "")
 
 
-def load_records(path: Path = RESULTS) -> dict[str, ZooRow]:
+def load_records(path: Path = RESULTS) -> dict[tuple[str, str], ZooRow]:
+    """The records by (family, model): two families may hold a model of the same name (efficientnet_b0)."""
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
     names = {f.name for f in fields(ZooRow)}
-    return {r["model"]: ZooRow(**{k: v for k, v in r.items() if k in names}) for r in data["records"]}
+    rows = [ZooRow(**{k: v for k, v in r.items() if k in names}) for r in data["records"]]
+    return {(r.family, r.model): r for r in rows}
 
 
-def save_records(updates: list[ZooRow], order: list[str], path: Path = RESULTS) -> dict[str, ZooRow]:
+def save_records(updates: list[ZooRow], order: list[tuple[str, str]], path: Path = RESULTS
+                 ) -> dict[tuple[str, str], ZooRow]:
     """Merge ``updates`` into the file under a lock (re-read first: another run may have saved since)."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         records = load_records(path)
-        records.update({r.model: r for r in updates})
-        rank = {m: i for i, m in enumerate(order)}
-        ordered = sorted(records.values(), key=lambda r: rank.get(r.model, len(rank)))
+        records.update({(r.family, r.model): r for r in updates})
+        rank = {key: i for i, key in enumerate(order)}
+        ordered = sorted(records.values(), key=lambda r: rank.get((r.family, r.model), len(rank)))
         doc = {"version": 1, "generator": "bench/zoo.py", "records": [asdict(r) for r in ordered]}
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         os.replace(tmp, path)
-    return {r.model: r for r in ordered}
+    return {(r.family, r.model): r for r in ordered}
 
 
 def import_table(md: Path, commit: str, measured: str, observer: str | None) -> list[ZooRow]:
@@ -306,7 +309,7 @@ def zoos() -> dict[str, list[str]]:
     return {f: [e.name for e in entries(f)] for f in FAMILIES}
 
 
-def render_all(records: dict[str, ZooRow]) -> str:
+def render_all(records: dict[tuple[str, str], ZooRow]) -> str:
     from _zoo_render import render
 
     unavailable = {f: why for f in FAMILIES if (why := available(f)) is not None}
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and args.results is None:
         args.results = args.out.with_name("zoo_results.json")
     args.results = _smoke.output(args, args.results, RESULTS)
-    order = [m for names in zoos().values() for m in names]
+    order = [(f, m) for f, names in zoos().items() for m in names]
     if args.import_md:
         text = args.import_md.read_text()
         when = re.search(r"measured (\d{4}-\d\d-\d\d \d\d:\d\d UTC)", text)

@@ -22,11 +22,13 @@ def _values(kind: str, g: torch.Generator) -> torch.Tensor:
         "attention mask": lambda: torch.where(torch.rand(n, generator=g) > 0.9, -1e4, 0.0),
         # under TINY: searched scaled by a power of two, where torchao's float32 error does not underflow yet
         "small": lambda: torch.randn(n, generator=g) * 1e-7,
+        # above HUGE: scaled too, where torchao's float32 error does not overflow yet (its cubes reach ~1e28)
+        "large": lambda: torch.randn(n, generator=g) * 1e9,
     }[kind]()
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu", "heavy tail", "outlier", "softmax", "constant", "two values",
-                                  "attention mask", "small"])
+                                  "attention mask", "small", "large"])
 @pytest.mark.parametrize("qscheme", [torch.per_tensor_affine, torch.per_tensor_symmetric])
 def test_the_same_range_and_qparams_as_torchao(kind, qscheme):
     g = torch.Generator().manual_seed(0)
@@ -52,12 +54,14 @@ def test_histogram_is_the_fast_search():
     assert activation_observer("histogram") is HistogramSearchObserver
 
 
-@pytest.mark.parametrize("power", [-70, -140])  # -140: subnormal float32 values, a factor beyond float32's range
-def test_a_range_whose_error_underflows_is_searched_as_the_same_range_near_one(power):
+# -140: subnormal float32 values, a factor beyond float32's range; 47: values near 1.4e14
+@pytest.mark.parametrize("power", [-70, -140, 47])
+def test_a_range_whose_error_underflows_or_overflows_is_searched_as_the_same_range_near_one(power):
     """Values near 2^-70 or 2^-140 (an untrained MobileViT's branches hold both): torchao's float32 error is
-    0 at every step, so its search narrows the range bin by bin to about one bin; ours keeps what the
-    search keeps at unit scale (at 2^-70, the unit-scale result scaled back, bit for bit; at 2^-140 the
-    histogram of subnormal values is binned differently, so only the share kept is checked)."""
+    0 at every step; near 2^47 (an untrained timm mobileone_s0's activations), inf or nan. Either way its
+    search narrows the range bin by bin to about one bin; ours keeps what the search keeps at unit scale
+    (at 2^-70 and 2^47, the unit-scale result scaled back, bit for bit; at 2^-140 the histogram of
+    subnormal values is binned differently, so only the share kept is checked)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200_000, generator=g)
     tiny = (x.double() * 2.0 ** power).float()
@@ -69,7 +73,7 @@ def test_a_range_whose_error_underflows_is_searched_as_the_same_range_near_one(p
             for o, (lo, hi) in ((o, o._non_linear_param_search()) for o in (unit, ours, theirs))]
     assert kept[0] > 0.8 and kept[1] > 0.8  # measured 0.95 at unit scale, 0.95 at 2^-70, 0.84 at 2^-140
     assert kept[2] <= 2 / theirs.bins  # torchao's: collapsed to a bin or two
-    if power == -70:
+    if power in (-70, 47):
         for a, b in zip(ours._non_linear_param_search(), unit._non_linear_param_search()):
             assert torch.equal(a, (b.double() * 2.0 ** power).float())
     assert ours.min_val == theirs.min_val and ours.max_val == theirs.max_val  # the observer is left as it was

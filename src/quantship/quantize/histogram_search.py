@@ -17,14 +17,18 @@ costs about a second on these CPUs; a model holds hundreds (mobileone_s0 spent 3
   found by one vectorised comparison;
 - the quantization error at each step that moves an end is torchao's own ``_compute_quantization_error``.
 
-One exception, on purpose: a range whose ends are both under ``TINY`` (2^-20) in magnitude is searched
-scaled by a power of two that brings it near 1, and the result scaled back. Every step of the error is a
-product, quotient or sum of values scaled by that power, so the search is bit for bit torchao's wherever
-torchao's float32 arithmetic does not underflow; where it does (values around 1e-20 and below, which an
-untrained model's branches produce: Hugging Face MobileViT), torchao's error is 0 at every step, its
-search never stops early and narrows the range bin by bin to a single bin, about 1,300 error
-evaluations and 2.5 s per observer (582 s of MobileViT's convert). Scaled, the search stops where the
-error grows, as it does for a range near 1.
+One exception, on purpose: a range whose ends are both under ``TINY`` (2^-20) in magnitude, or one of
+whose ends is above ``HUGE`` (2^20), is searched scaled by a power of two that brings it near 1, and the
+result scaled back. Every step of the error is a product, quotient or sum of values scaled by that power
+(the error by its square), so the search is bit for bit torchao's wherever torchao's float32 arithmetic
+neither underflows nor overflows. Where it underflows (values around 1e-20 and below, which an untrained
+model's branches produce: Hugging Face MobileViT), torchao's error is 0 at every step; where it
+overflows (the cube of a distance above ~7e12 is inf in float32: an untrained timm mobileone_s0's
+activations reach 1e14, its BatchNorms at their initial statistics and its branches summed), the error
+is inf or nan (inf - inf) at every step. Either way ``norm > norm_min`` never holds, the search never stops early and
+narrows the range bin by bin to a single bin: about 1,000-1,300 error evaluations and 0.7-2.5 s per
+observer (582 s of MobileViT's convert; a constant quantized output for mobileone_s0, every activation
+clamped to one bin). Scaled, the search stops where the error grows, as it does for a range near 1.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torchao.quantization.pt2e import HistogramObserver
 _STEP = 1e-5  # torchao's quantile granularity
 _MAX_STEPS = 100_002  # alpha and beta meet after 1 / _STEP moves, one of them per step
 TINY = 2.0 ** -20  # a range inside +-TINY is searched scaled by a power of two (see above)
+HUGE = 2.0 ** 20  # so is a range with an end beyond +-HUGE
 
 
 def _bounds() -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +62,7 @@ def search_range(obs: HistogramObserver) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"the histogram holds {obs.histogram.size()[0]} bins, the observer {obs.bins}")
     low, high = obs.min_val.clone(), obs.max_val.clone()
     magnitude = max(abs(float(low)), abs(float(high)))
-    if 0.0 < magnitude < TINY:
+    if 0.0 < magnitude < TINY or HUGE < magnitude < math.inf:
         factor = 2.0 ** -math.frexp(magnitude)[1]  # magnitude * factor in [0.5, 1): exact, a power of two
         obs.min_val.copy_(low.double() * factor)  # in float64: the factor can pass float32's largest
         obs.max_val.copy_(high.double() * factor)
