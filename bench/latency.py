@@ -8,6 +8,7 @@ The same files (one symbolic-batch file per preset, FP32 and ORT's) are timed at
 
     python bench/latency.py [--models resnet18 mobilenet_v2] [--batches 1 8] [--runs 20]
     python bench/latency.py --smoke [--out FILE]   # every section once, tiny models (bench/_smoke.py)
+    python bench/latency.py --encoder-thread-time  # the encoder's forms, 1 ORT thread, thread CPU time (printed)
 """
 
 from __future__ import annotations
@@ -568,6 +569,41 @@ def _encoder_section(rows: list[Row], runs: int, warmup: int, shape: EncoderShap
             _encoder_table(rows), ""]
 
 
+THREAD_TIME_FILES = ("FP32", "quantship onnxruntime-cpu", "quantship quantize-onnx", "ORT quantize_dynamic",
+                     "quantship quantize-onnx --activations dynamic")
+
+
+def encoder_thread_time(batches: list[int], workdir: Path, calib_batches: int, shape: EncoderShape = ENCODER,
+                        rounds: int | None = None) -> str:
+    """The encoder's files with one ORT thread, each run timed by the thread's CPU time (steady on a shared
+    machine), interleaved; median per file, and the per-round ratio of ORT quantize_dynamic's time to
+    quantship's dynamic form's. ``rounds``: per batch (default 150 at batch 1, 30 above)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    lines = ["| batch | rounds | " + " | ".join(THREAD_TIME_FILES) + " | quantize_dynamic / dynamic form, per round |",
+             "|---" * (len(THREAD_TIME_FILES) + 3) + "|"]
+    for batch in batches:
+        files, _ = _encoder_files(batch, workdir, calib_batches, shape)
+        sessions = {k: ort.InferenceSession(str(files[k]), options, providers=["CPUExecutionProvider"])
+                    for k in THREAD_TIME_FILES}
+        feed = {sessions["FP32"].get_inputs()[0].name:
+                np.random.default_rng(0).integers(0, shape.vocab, (batch, shape.seq)).astype(np.int64)}
+        seconds = {k: [] for k in sessions}
+        n = rounds or (150 if batch == 1 else 30)
+        for _ in range(n + 1):  # the first round warms up and is dropped
+            for k, session in sessions.items():
+                start = time.thread_time()
+                session.run(None, feed)
+                seconds[k].append(time.thread_time() - start)
+        seconds = {k: np.array(v[1:]) for k, v in seconds.items()}
+        fp32 = float(np.median(seconds["FP32"]))
+        cells = [f"{fp32 * 1e3:.2f} ms"] + [f"{fp32 / float(np.median(seconds[k])):.2f}x" for k in THREAD_TIME_FILES[1:]]
+        ratio = np.median(seconds["ORT quantize_dynamic"] / seconds["quantship quantize-onnx --activations dynamic"])
+        lines.append(f"| {batch} | {n} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import _smoke
 
@@ -584,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=224, help="input size (torchvision models, and --u8u8)")
     parser.add_argument("--lm", action="store_true", help="add the language-model (weight-only) rows")
     parser.add_argument("--lm-only", action="store_true", help="only the language-model rows")
+    parser.add_argument("--encoder-thread-time", action="store_true",
+                        help="only the encoder's files, one ORT thread, thread CPU time (printed): 150 rounds at "
+                             "batch 1, 30 above")
     # smoke: one model at 32x32, a tiny encoder and a tiny untrained LM, one round each, all sections written
     args = _smoke.parse_args(parser, argv, models=["resnet18"], size=32, batches=[1, 2], encoder_batches=[1],
                              runs=1, warmup=0, calib_batches=1, lm=True)
@@ -596,6 +635,11 @@ def main(argv: list[str] | None = None) -> int:
                 for batch in args.batches:
                     rows = u8u8_case(model_name, batch, args.runs, args.warmup, Path(tmp), args.size)
                     print(u8u8_table(rows), flush=True)
+        return 0
+    if args.encoder_thread_time:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(encoder_thread_time(args.encoder_batches, Path(tmp), args.calib_batches, encoder,
+                                      rounds=1 if args.smoke else None), flush=True)
         return 0
     if args.lm_only:
         args.models, args.lm = [], True

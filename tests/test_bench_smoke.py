@@ -74,6 +74,9 @@ RUNS = {
         "| resnet18 | 1 | quantship tigris", "| resnet18 | 2 | ORT quantize_static s8 |", "## BERT-style encoder",
         "| 1 | quantship onnxruntime-cpu |", "| 1 | ORT quantize_dynamic |", "## Language model, weight-only",
         "| quantship W4A16 g128 MatMulNBits |", "| ORT MatMulNBitsQuantizer 4-bit block 32 symmetric |")}),
+    "latency_thread_time": Smoke(("--encoder-thread-time",), script="latency", stdout=(
+        "| batch | rounds | FP32 | quantship onnxruntime-cpu | quantship quantize-onnx | ORT quantize_dynamic | "
+        "quantship quantize-onnx --activations dynamic | quantize_dynamic / dynamic form, per round |", "| 1 | 1 | ")),
     "lm_perplexity": Smoke(("--out", "{tmp}/BENCHMARKS-LM.md"), files={"BENCHMARKS-LM.md": (
         "Smoke run", "Held-out: 4 files", "| FP32 (torch) |", "| W4A16 g128 (torch) |",
         "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |",
