@@ -23,6 +23,8 @@ Only the integer weights change.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,6 +65,17 @@ class RoundingLayer(Protocol):
     def integers_and_scale(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def write(self, integers: np.ndarray, scale: np.ndarray | None = None) -> None: ...
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def activate(layer: RoundingLayer, y: torch.Tensor) -> torch.Tensor:
