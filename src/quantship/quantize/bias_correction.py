@@ -159,13 +159,16 @@ class Incremental:
         self.waiting = {n: sum(1 for u in n.users if u in needed) for n in needed}
 
     @staticmethod
-    def _ancestors(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
-        seen, todo = set(), list(nodes)
+    def _ancestors(nodes: Iterable[torch.fx.Node], held: Iterable[torch.fx.Node] = ()) -> set[torch.fx.Node]:
+        """``nodes`` and what they read, not looking above a node in ``held`` (its value is at hand: what lies
+        above it was computed and may have been dropped, and must not be computed again)."""
+        seen, todo, held = set(), list(nodes), set(held)
         while todo:
             node = todo.pop()
             if node not in seen:
                 seen.add(node)
-                todo.extend(node.all_input_nodes)
+                if node not in held:
+                    todo.extend(node.all_input_nodes)
         return seen
 
     def _run(self, node: torch.fx.Node) -> list:
@@ -190,7 +193,7 @@ class Incremental:
 
     def outputs(self, level: Sequence[torch.fx.Node]) -> list[list[torch.Tensor]]:
         """Each of ``level``'s layers' outputs, per batch (their inputs kept for ``recompute``)."""
-        wanted = self._ancestors(level)
+        wanted = self._ancestors(level, self.values)
         for node in self.model.graph.nodes:  # graph order is a topological order
             if node in self.values or node not in wanted:
                 continue

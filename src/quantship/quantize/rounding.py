@@ -33,6 +33,7 @@ _PER_CHANNEL, _PER_TENSOR = qd.dequantize_per_channel.default, qd.dequantize_per
 _RELU = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default}
 MISMATCH_ALLOWED = 1e-3  # share of stored integers that may differ from the float weight rounded (ties, ulps)
 CHECK_TOLERANCE = 1e-4  # the torch reading vs the graph's own output, relative to its largest magnitude
+CONSTANT_DEPTH = 8  # ops between a float weight and its stored tensors (a transpose, a reshape) that are followed
 TORCH_THREADS = 1  # small layers: two threads cost more than they give on a shared machine (as the ONNX path)
 
 
@@ -99,6 +100,20 @@ def _stored(model: GraphModule, arg) -> torch.Tensor | None:
     return None
 
 
+def _constant(model: GraphModule, arg, depth: int = 0) -> torch.Tensor | None:
+    """The value of ``arg`` when it is computed from stored tensors alone (a transposed weight, say), else None."""
+    if not isinstance(arg, torch.fx.Node) or depth > CONSTANT_DEPTH:
+        return None
+    if arg.op == "get_attr":
+        return getattr(*attribute(model, arg.target))
+    if arg.op != "call_function":
+        return None
+    inputs = {n: _constant(model, n, depth + 1) for n in arg.all_input_nodes}
+    if any(v is None for v in inputs.values()):
+        return None
+    return arg.target(*torch.fx.map_arg(arg.args, inputs.get), **torch.fx.map_arg(arg.kwargs, inputs.get))
+
+
 def _layer(model: GraphModule, node: torch.fx.Node, floats: dict[str, torch.fx.Node], reference: GraphModule,
            readers: dict[int, int]) -> Pt2eLayer | str:
     """The layer of ``node``, or why it cannot be rewritten."""
@@ -125,9 +140,9 @@ def _layer(model: GraphModule, node: torch.fx.Node, floats: dict[str, torch.fx.N
     if not symmetric or qmin != -qmax:
         return f"its weight range [{qmin}, {qmax}] is not symmetric around a zero-point of 0"
     twin = floats.get(node.name)
-    weight = _stored(reference, twin.args[1]) if twin is not None and twin.target == node.target else None
-    if weight is None or weight.shape != integers.shape:
-        return "no stored float weight of the same shape at the same-named node of the float graph"
+    weight = _constant(reference, twin.args[1]) if twin is not None and twin.target == node.target else None
+    if not isinstance(weight, torch.Tensor) or weight.shape != integers.shape:
+        return "no float weight of the same shape, computed from stored tensors, at the same-named node of the float graph"
     users = list(node.users)
     layer = Pt2eLayer(model, node, dq, integers, scales, weight.detach().float().numpy().copy(),
                       axis % integers.ndim if axis is not None else None, int(qmax),
