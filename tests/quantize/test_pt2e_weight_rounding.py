@@ -189,3 +189,24 @@ def test_cli_flags_reach_the_file_and_refusals_write_nothing(tmp_path, capsys):
         assert not refused.exists()
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def _per_tensor_weights(model) -> list[tuple[torch.Tensor, float]]:
+    return [(getattr(model, n.args[0].target), float(n.args[1])) for n in model.graph.nodes
+            if n.op == "call_function" and n.target == torch.ops.quantized_decomposed.dequantize_per_tensor.default
+            and n.args[0].op == "get_attr"]
+
+
+def test_per_tensor_weights_get_one_scale_and_the_file_holds_it(tmp_path):
+    _, plain = _quantized(qscheme="per_tensor")
+    q, searched = _quantized(qscheme="per_tensor", seq_mse=True)
+    ours, theirs = _per_tensor_weights(searched), _per_tensor_weights(plain)
+    assert len(ours) == 3
+    moved = [a < b for (_, a), (_, b) in zip(ours, theirs)]
+    assert sum(moved) == q.algorithms["seq_mse"]["n_channels_changed"] > 0  # a per-tensor weight counts once
+    assert all(a <= b for (_, a), (_, b) in zip(ours, theirs))
+    path = export_qdq(searched, _batches(1)[0], tmp_path / "m.onnx", dynamic_batch=True)
+    stored = [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer]
+    for integers, scale in ours:
+        assert any(a.dtype == np.int8 and np.array_equal(a, integers.numpy()) for a in stored)
+        assert any(a.dtype == np.float32 and a.size == 1 and float(a) == np.float32(scale) for a in stored)
