@@ -54,7 +54,8 @@ SETTINGS = {  # name -> quantize_onnx_file options
 # the calibration data (never the evaluation data); nothing kept in float
 WORST_INT16 = {f"bias_correction+int16_worst{k}": ("bias_correction", k) for k in (1, 2, 4, 8)}
 SETTINGS.update({name: SETTINGS[base] for name, (base, _) in WORST_INT16.items()})
-PT2E_SETTINGS = ("plain", "equalize", "bias_correction", "equalize + bias_correction")  # what Quantizer has
+PT2E_SETTINGS = ("plain", "equalize", "bias_correction", "equalize + bias_correction", "seq_mse", "adaround",
+                 "seq_mse + adaround")  # what Quantizer has
 SLOW = ("adaround", "seq_mse + adaround")  # minutes per model on 2 cores: run only when --settings names them
 ON_REQUEST = (*SLOW, *WORST_INT16)  # int16: an SQNR report and a second file per setting; run when named
 

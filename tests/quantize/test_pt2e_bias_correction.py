@@ -14,6 +14,7 @@ import torch.nn as nn
 from quantship import Quantizer, export_qdq
 from quantship.cli.main import main
 from quantship.errors import SpecRefused
+from quantship.quantize import bias_correction
 
 STEP = 0.01  # every weight sits 0.45 of a grid step above a grid point: rounding to nearest moves each down
 
@@ -131,3 +132,22 @@ def test_quantize_cli_equalize_and_bias_correction_end_to_end(tmp_path):
                  "--out", str(out), "--equalize", "--bias-correction"]) == 0
     summary = {p.key: p.value for p in onnx.load(str(out)).metadata_props}["quantship.algorithms"]
     assert summary.startswith("equalize: pairs_changed ") and "; bias_correction: n_corrected 3" in summary
+
+
+def test_the_quantized_graph_is_evaluated_once_in_all(monkeypatch):
+    """Each node of the converted graph runs once over the batches (a layer twice: measured, then again with
+    its corrected bias); a value dropped after its readers ran is never computed again for a deeper depth."""
+    runs: dict[str, int] = {}
+    original = bias_correction.Incremental._run
+
+    def counted(self, node):
+        runs[node.name] = runs.get(node.name, 0) + 1
+        return original(self, node)
+
+    monkeypatch.setattr(bias_correction.Incremental, "_run", counted)
+    q, _ = _quantized(True)
+    assert q.algorithms["bias_correction"]["n_passes"] == 3
+    layers = {"conv2d", "conv2d_1", "linear"}
+    assert {name: n for name, n in runs.items() if name in layers} == dict.fromkeys(layers, 2)
+    assert {name: n for name, n in runs.items() if name not in layers and n != 1} == {}
+    assert "x" in runs  # the input was read (once)

@@ -16,7 +16,7 @@ from quantship.cli.usage import UsageError
 # every Quantizer keyword a config file may set (the signature of quantship.Quantizer)
 QUANTIZER_KEYS = ("backend", "method", "weight_bits", "act_bits", "qscheme", "symmetric", "group_size",
                   "qdq_placement", "skip_activations", "act_observer", "reduce_range", "max_accuracy_drop",
-                  "smooth_quant", "equalize", "bias_correction")
+                  "smooth_quant", "equalize", "bias_correction", "seq_mse", "adaround")
 CONFIG_KEYS = (*QUANTIZER_KEYS, "target")
 
 
@@ -41,6 +41,28 @@ def add_quantizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bias-correction", action="store_const", const=True, default=None,
                         help="after conversion, each quantized conv/linear bias moved so its per-channel output "
                              "mean on the calibration data matches the float model's")
+    parser.add_argument("--seq-mse", action="store_const", const=True, default=None,
+                        help="after conversion, each conv/linear weight's scale per output channel searched for the "
+                             "least layer output error (on the calibration data)")
+    parser.add_argument("--adaround", nargs="?", const="default", default=None, metavar="STEPS",
+                        help="after conversion, each conv/linear weight's rounding up or down learned (AdaRound, on "
+                             "the calibration data); STEPS per layer (default 300)")
+
+
+def adaround_steps(value: str | None) -> bool | int | None:
+    """``--adaround [STEPS]`` as ``Quantizer(adaround=...)`` / ``quantize_onnx_file(adaround=...)`` take it
+    (None: the flag was not given)."""
+    if value is None:
+        return None
+    if value == "default":
+        return True
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = -1
+    if steps < 1:
+        raise UsageError(f"--adaround {value}: give a number of steps per layer, >= 1 (or no value: the default)")
+    return steps
 
 
 def read_config(path: str | None) -> dict[str, Any]:
@@ -75,14 +97,18 @@ def quantizer_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[
     flags = {"skip_activations": args.exclude, "qdq_placement": args.placement, "act_observer": args.observer,
              "max_accuracy_drop": args.max_drop, "qscheme": getattr(args, "qscheme", None),
              "smooth_quant": getattr(args, "smooth_quant", None), "equalize": getattr(args, "equalize", None),
-             "bias_correction": getattr(args, "bias_correction", None)}
+             "bias_correction": getattr(args, "bias_correction", None), "seq_mse": getattr(args, "seq_mse", None),
+             "adaround": adaround_steps(getattr(args, "adaround", None))}
     options.update({k: v for k, v in flags.items() if v is not None})
     alpha = options.get("smooth_quant")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
         raise UsageError(f"--smooth-quant {alpha}: give the migration strength ALPHA in [0, 1] (0.5 when given alone)")
-    for key in ("equalize", "bias_correction"):
+    for key in ("equalize", "bias_correction", "seq_mse"):
         if key in options and not isinstance(options[key], bool):
             raise UsageError(f"{key} = {options[key]!r} in the config file: give true or false")
+    steps = options.get("adaround")
+    if steps is not None and not isinstance(steps, bool) and (not isinstance(steps, int) or steps < 1):
+        raise UsageError(f"adaround = {steps!r} in the config file: give true, false or a number of steps >= 1")
     if options.get("max_accuracy_drop") is not None and not getattr(args, "eval", None):
         raise UsageError("--max-drop (max_accuracy_drop) needs --eval labelled data to measure top-1 on")
     return options

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantship.cli import common
+from quantship.cli import common, options
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
 
@@ -121,18 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _adaround_steps(value: str | None) -> bool | int:
-    """``--adaround [STEPS]`` as ``quantize_onnx_file(adaround=...)`` takes it."""
-    if value is None:
-        return False
-    if value == "default":
-        return True
-    try:
-        steps = int(value)
-    except ValueError:
-        steps = -1
-    if steps < 1:
-        raise UsageError(f"--adaround {value}: give a number of steps per layer, >= 1 (or no value: the default)")
-    return steps
+    """``--adaround [STEPS]`` as ``quantize_onnx_file(adaround=...)`` takes it (False: not given)."""
+    steps = options.adaround_steps(value)
+    return False if steps is None else steps
 
 
 def check_memory(path: str, feeds=()) -> None:

@@ -15,6 +15,7 @@ from torch.fx import GraphModule
 from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec
 from quantship.progress import step
 from quantship.quantize import bias_correction as bias_correcting
+from quantship.quantize import rounding
 from quantship.quantize.annotator import WEIGHTED_OPS, AnnotationReport, QuantshipQuantizer
 from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
@@ -57,12 +58,16 @@ def quantize_pt2e(
     verbose: bool = False,
     strict: bool = False,
     bias_correction: bool = False,
+    seq_mse: bool = False,
+    adaround_iterations: int = 0,
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``.
 
     ``strict``: refuse a model with an op the annotator has no INT8 rule for (listed by module),
     instead of quantizing around it. ``bias_correction``: each conv / linear bias of the converted graph
     corrected against the calibrated float graph (``quantize.bias_correction``), recorded on the result.
+    ``seq_mse`` / ``adaround_iterations`` (> 0): each conv / linear weight's scale searched / rounding learned
+    against the same float graph (``quantize.rounding``), before bias correction; recorded the same way.
     """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -84,19 +89,30 @@ def quantize_pt2e(
 
     if (merged := merge_observers(prepared, n_samples=n)) is not None:
         log(f"pt2e: merged {merged.n_observers} observer(s) across ranks ({merged.n_floats} floats, {merged.seconds:.3f} s)")
-    reference = bias_correcting.float_reference(prepared) if bias_correction else None
+    rounds = seq_mse or adaround_iterations > 0
+    reference = bias_correcting.float_reference(prepared) if bias_correction or rounds else None
     log("pt2e: converting to a quantized graph")
     with step("quantize: convert (convert_pt2e)"), fold_what_can_match(prepared, qat=False):
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
     unshare(converted, model)
     check_converted(converted)
-    if reference is not None:
+    algorithms: dict[str, dict] = {}
+    if rounds:
+        with step("quantize: weight rounding"):
+            algorithms.update(rounding.round_weights(converted, reference, batches, seq_mse=seq_mse,
+                                                     adaround_iterations=adaround_iterations))
+        for name, record in algorithms.items():
+            log(f"pt2e: {name}: {record['n_layers']} layer(s) on {record['samples']} sample(s), output error "
+                f"x{record['error_ratio']:.3f} of nearest rounding, {len(record['skipped'])} skipped")
+    if bias_correction:
         with step("quantize: bias correction"):
             corrected = bias_correcting.correct(converted, reference, batches)
         log(f"pt2e: bias correction: {corrected.n_corrected} layer(s) corrected ({corrected.n_added} bias(es) added) "
             f"in {corrected.n_passes} pass(es) on {corrected.samples} sample(s), largest shift {corrected.max_shift:.3g}")
-        setattr(converted, ALGORITHMS_ATTRIBUTE, {"bias_correction": corrected.as_dict()})
+        algorithms["bias_correction"] = corrected.as_dict()
+    if algorithms:
+        setattr(converted, ALGORITHMS_ATTRIBUTE, algorithms)
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
     setattr(converted, REPORT_ATTRIBUTE, quantizer.report)
@@ -243,7 +259,8 @@ def check_converted(graph: GraphModule) -> dict[str, int]:
     return {"n_quantized_weights": n_quantized}
 
 
-def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False):
+def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False, seq_mse=False,
+             adaround_iterations=0):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
     return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict,
-                         bias_correction=bias_correction)
+                         bias_correction=bias_correction, seq_mse=seq_mse, adaround_iterations=adaround_iterations)

@@ -23,6 +23,7 @@ from quantship.quantize import smooth_quant as smoothing
 from quantship.quantize.calibration import collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 from quantship.quantize.pt2e import annotation_report
+from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
 _BACKEND_MODULES = {
@@ -57,21 +58,28 @@ class Quantizer:
         smooth_quant: float | None = None,
         equalize: bool = False,
         bias_correction: bool = False,
+        seq_mse: bool = False,
+        adaround: bool | int = False,
         **request: Any,
     ):
         """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ...).
         ``smooth_quant``: SmoothQuant's alpha in [0, 1] (``quantize.smooth_quant``); ``equalize``: cross-layer
         equalization of conv pairs before capture (``quantize.equalize``); ``bias_correction``: each quantized
-        conv / linear bias corrected for the shift of its output mean (``quantize.bias_correction``). pt2e
-        static only, each recorded in ``algorithms`` and the exported file's provenance."""
+        conv / linear bias corrected for the shift of its output mean (``quantize.bias_correction``);
+        ``seq_mse``: each conv / linear weight's scale per output channel searched for the least layer-output
+        error; ``adaround``: each weight's up/down rounding learned (True: the default steps per layer, an int:
+        that many) (``quantize.rounding``; rounding first, then bias correction). pt2e static only, each
+        recorded in ``algorithms`` and the exported file's provenance."""
         self.spec: QuantSpec = resolve_spec(backend, method, **request)
         if smooth_quant is not None:
             smoothing.check_alpha(smooth_quant)
-        for name, value in (("equalize", equalize), ("bias_correction", bias_correction)):
+        for name, value in (("equalize", equalize), ("bias_correction", bias_correction), ("seq_mse", seq_mse)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}={value!r} must be True or False")
+        self.adaround_iterations = adaround_iterations(adaround)
         asked = [n for n, on in (("smooth_quant", smooth_quant is not None), ("equalize", equalize),
-                                 ("bias_correction", bias_correction)) if on]
+                                 ("bias_correction", bias_correction), ("seq_mse", seq_mse),
+                                 ("adaround", self.adaround_iterations > 0)) if on]
         if asked and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
             raise SpecRefused(f"{asked[0]} needs backend='pt2e' static quantization (it works on the calibration "
                               f"data and the pt2e graph); backend={self.spec.backend!r} method={self.spec.method!r}")
@@ -79,6 +87,7 @@ class Quantizer:
         self.smoothing = None  # the quantize.smooth_quant.Smoothing of the last quantize(), when smooth_quant is set
         self.equalize = equalize
         self.bias_correction = bias_correction
+        self.seq_mse = seq_mse
         self.algorithms: dict[str, dict] = {}  # name -> what it changed, for the last quantize() (as in the file)
         self.verbose = verbose
         if max_accuracy_drop is not None and (self.spec.backend, self.spec.method) != ("pt2e", "static"):
@@ -173,15 +182,18 @@ class Quantizer:
         extra = {"strict": True} if self.strict else {}
         if self.bias_correction:
             extra["bias_correction"] = True
+        if self.seq_mse:
+            extra["seq_mse"] = True
+        if self.adaround_iterations:
+            extra["adaround_iterations"] = self.adaround_iterations
 
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
             if chosen.backend == "pt2e":
 
                 self.report = annotation_report(quantized)
-            corrected = getattr(quantized, ALGORITHMS_ATTRIBUTE, {}).get("bias_correction")
-            if corrected is not None:
-                self.algorithms["bias_correction"] = corrected
+            # the backend's own records (seq_mse, adaround, bias_correction), after the ones run before capture
+            self.algorithms.update(getattr(quantized, ALGORITHMS_ATTRIBUTE, None) or {})
             if self.algorithms:  # export_qdq writes them into the file's provenance
                 setattr(quantized, ALGORITHMS_ATTRIBUTE, dict(self.algorithms))
             return tag_model(quantized, chosen, self.preset)

@@ -5,13 +5,12 @@ Runs after the Q/DQ pairs are written and before bias correction (which then mea
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import onnx
 import onnx_ir as ir
-import torch
 
+from quantship.quantize.weight_rounding import torch_threads
 from quantship.quantize_onnx import adaround as adarounding
 from quantship.quantize_onnx import seq_mse as seq_searching
 from quantship.quantize_onnx import weight_layers
@@ -20,18 +19,6 @@ from quantship.quantize_onnx.data import Feed
 
 SAMPLES = weight_layers.SAMPLES  # calibration samples each layer is fitted on
 TORCH_THREADS = 1  # the layers are small: with two threads torch's barriers cost 100x on a busy machine (measured)
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` for the block, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
 
 
 def round_weights(model: ir.Model, float_model: onnx.ModelProto, weighted: Sequence[ir.Node], feeds: Sequence[Feed],

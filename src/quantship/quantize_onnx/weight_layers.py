@@ -30,7 +30,6 @@ from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
 from quantship.quantize_onnx.data import Feed
 
 SAMPLES = 64  # calibration samples each layer is fitted on (the leading batches)
-ERROR_ROWS = 8  # samples per torch run while measuring a layer's output error
 CHECK_TOLERANCE = 1e-3  # torch reading vs ONNX Runtime's, relative to the output's largest magnitude
 
 
@@ -62,6 +61,16 @@ class WeightLayer:
         shape = [1] * self.weight.ndim
         shape[self.axis] = -1
         return per_channel.reshape(shape)
+
+    # the surface ``quantize.weight_rounding`` reads (its RoundingLayer)
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return forward(self, x, w)
+
+    def integers_and_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return integers_and_scale(self)
+
+    def write(self, integers: np.ndarray, scale: np.ndarray | None = None) -> None:
+        write(self, integers, scale)
 
 
 def _attrs(node: ir.Node) -> dict:
@@ -112,23 +121,6 @@ def forward(layer: WeightLayer, x: torch.Tensor, w: torch.Tensor) -> torch.Tenso
         bias = _bias(node)
         return y if bias is None else y + float(attrs.get("beta", 1.0)) * bias
     return x @ w
-
-
-def channel_errors(layer: WeightLayer, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Sum of squared output errors per output channel (float64), over every sample and position."""
-    total = None
-    step = ERROR_ROWS
-    with torch.no_grad():
-        for start in range(0, len(x), step):
-            diff = activate(layer, forward(layer, x[start:start + step], w)) - activate(layer, target[start:start + step])
-            moved = diff.movedim(layer.out_axis, 0).reshape(diff.shape[layer.out_axis], -1)
-            part = moved.pow(2).sum(dim=1).double()  # float32 sums of one slice, float64 across slices
-            total = part if total is None else total + part
-    return total
-
-
-def activate(layer: WeightLayer, y: torch.Tensor) -> torch.Tensor:
-    return torch.relu(y) if layer.relu else y
 
 
 def _weight_dq(node: ir.Node) -> ir.Node | None:
