@@ -57,11 +57,7 @@ class Pt2eLayer:
         return -1 if self.node.target == torch.ops.aten.linear.default else 1
 
     def broadcast(self, per_channel: torch.Tensor) -> torch.Tensor:
-        if self.axis is None:
-            return per_channel.reshape(())
-        shape = [1] * self.weight.ndim
-        shape[self.axis] = -1
-        return per_channel.reshape(shape)
+        return rounding_math.along_axis(per_channel, self.weight.ndim, self.axis)
 
     def _value(self, arg):
         return torch.fx.map_arg(arg, lambda n: getattr(*attribute(self.model, n.target)) if n.op == "get_attr"

@@ -47,6 +47,16 @@ ZETA, GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch
 SEED = 0
 
 
+def along_axis(per_channel: torch.Tensor, ndim: int, axis: int | None) -> torch.Tensor:
+    """A per-channel (or scalar) tensor shaped to multiply a weight of ``ndim`` dims along ``axis``
+    (None: per tensor, a scalar)."""
+    if axis is None:
+        return per_channel.reshape(())
+    shape = [1] * ndim
+    shape[axis] = -1
+    return per_channel.reshape(shape)
+
+
 class RoundingLayer(Protocol):
     """What the math reads of a layer, whichever path it lives in."""
 

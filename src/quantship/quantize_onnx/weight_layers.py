@@ -25,6 +25,7 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
+from quantship.quantize import weight_rounding as rounding_math
 from quantship.quantize_onnx.bias_correction import assign_depths, reference_name, subgraph_session
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
 from quantship.quantize_onnx.data import Feed
@@ -56,11 +57,7 @@ class WeightLayer:
 
     def broadcast(self, per_channel: torch.Tensor) -> torch.Tensor:
         """A per-channel (or scalar) tensor shaped to multiply the weight."""
-        if self.axis is None:
-            return per_channel.reshape(())
-        shape = [1] * self.weight.ndim
-        shape[self.axis] = -1
-        return per_channel.reshape(shape)
+        return rounding_math.along_axis(per_channel, self.weight.ndim, self.axis)
 
     # the surface ``quantize.weight_rounding`` reads (its RoundingLayer)
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
