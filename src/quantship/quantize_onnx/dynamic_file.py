@@ -51,6 +51,7 @@ from quantship.quantize_onnx.quantizer import (
     fidelity_of_outputs,
     normalise,
     placement_for,
+    read_both,
     refuse_unusable,
 )
 
@@ -217,13 +218,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
         del final
         check_dynamic_held(staged, plan, placement.weight_bound, opset)
         check_target(read_file(staged), p)
-        try:
-            literal = _run(_session(staged), read_on)
-            fused = _run(_session(staged, optimized=True), read_on)
-        except Exception as exc:
-            raise ExportRefused(f"ONNX Runtime cannot run the dynamic file: {cause(exc)}") from exc
-        if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
-            raise ExportRefused("the dynamic file gives NaN or infinite outputs in ONNX Runtime")
+        literal, fused = read_both(staged, read_on, "dynamic")
         scales = output_scales(staged)  # None for every float output: no LSB is invented
         names = list(scales)
         check_outputs_kept(float_outputs, names, reference, literal)

@@ -134,6 +134,19 @@ def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
     return [np.concatenate([o[k] for o in outs]) if np.ndim(outs[0][k]) else outs[0][k] for k in range(len(outs[0]))]
 
 
+def read_both(path: Path, feeds: Sequence[Feed], what: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The written file's outputs over ``feeds``, read literally (ORT's optimizations off) and fused (its
+    defaults); refused when ONNX Runtime cannot run it, or a fused float output is not finite."""
+    try:
+        literal = _run(_session(path), feeds)
+        fused = _run(_session(path, optimized=True), feeds)
+    except Exception as exc:
+        raise ExportRefused(f"ONNX Runtime cannot run the {what} file: {cause(exc)}") from exc
+    if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
+        raise ExportRefused(f"the {what} file gives NaN or infinite outputs in ONNX Runtime")
+    return literal, fused
+
+
 def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Feed]:
     """The leading batches holding at least ``samples`` samples (all of them when fewer)."""
     chosen, n = [], 0
@@ -386,13 +399,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                            int16_tensors=widened)
         check_target(facts, p)
         del facts
-        try:
-            literal = _run(_session(staged), read_on)
-            fused = _run(_session(staged, optimized=True), read_on)
-        except Exception as exc:
-            raise ExportRefused(f"ONNX Runtime cannot run the quantized file: {cause(exc)}") from exc
-        if not all(np.isfinite(o).all() for o in fused if o.dtype.kind == "f"):
-            raise ExportRefused("the quantized file gives NaN or infinite outputs in ONNX Runtime")
+        literal, fused = read_both(staged, read_on, "quantized")
 
         scales = output_scales(staged)  # every graph output, by name, in order: each read in its own LSB
         names = list(scales)
