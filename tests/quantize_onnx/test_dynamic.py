@@ -118,9 +118,9 @@ def test_given_data_is_what_the_file_is_read_on(written, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--int16", "proj_q"], "--int16 act on calibrated static activations"),
-    (["--bias-correction"], "--bias-correction act on calibrated static activations"),
-    (["--smooth-quant", "0.5"], "--smooth-quant act on calibrated static activations"),
+    (["--int16", "proj_q"], "--int16 acts on calibrated static activations"),
+    (["--bias-correction"], "--bias-correction acts on calibrated static activations"),
+    (["--smooth-quant", "0.5"], "--smooth-quant acts on calibrated static activations"),
     (["--target", "tensorrt"], "target tensorrt needs static scales"),
     (["--target", "openvino"], "target openvino needs static scales"),
     (["--target", "tigris"], "target tigris needs static scales"),

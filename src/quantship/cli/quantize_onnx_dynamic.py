@@ -31,8 +31,9 @@ def refuse_combinations(args: argparse.Namespace) -> None:
                          "quantize_dynamic)")
     given = [flag for flag, key in STATIC_ONLY if getattr(args, key) not in (None, False, [])]
     if given:
-        raise UsageError(f"{' and '.join(given)} act on calibrated static activations; --activations dynamic "
-                         "has none: drop them, or use --activations static")
+        verb, them = ("acts", "it") if len(given) == 1 else ("act", "them")
+        raise UsageError(f"{' and '.join(given)} {verb} on calibrated static activations; --activations dynamic "
+                         f"has none: drop {them}, or use --activations static")
     refuse_target(args.target)
 
 
