@@ -34,7 +34,6 @@ _RELU = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default}
 MISMATCH_ALLOWED = 1e-3  # share of stored integers that may differ from the float weight rounded (ties, ulps)
 CHECK_TOLERANCE = 1e-4  # the torch reading vs the graph's own output, relative to its largest magnitude
 CONSTANT_DEPTH = 8  # ops between a float weight and its stored tensors (a transpose, a reshape) that are followed
-TORCH_THREADS = 1  # small layers: two threads cost more than they give on a shared machine (as the ONNX path)
 
 
 @dataclass
@@ -183,7 +182,7 @@ def round_weights(converted: GraphModule, reference: GraphModule, batches: Seque
                 layers.append(found)
     timings = {"seq_mse": 0.0, "adaround": 0.0}
     passes = 0
-    with rounding_math.torch_threads(TORCH_THREADS), torch.no_grad():
+    with rounding_math.torch_threads(rounding_math.TORCH_THREADS), torch.no_grad():
         passes = _sequential(converted, reference, layers, batches, records, timings, skipped) if layers else 0
     converted.recompile()
     reading = time.perf_counter() - start - timings["seq_mse"] - timings["adaround"]

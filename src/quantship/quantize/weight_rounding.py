@@ -45,6 +45,7 @@ WARM_UP = 0.2  # fraction of the steps without the regulariser
 BETA_START, BETA_END = 20.0, 2.0
 ZETA, GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch
 SEED = 0
+TORCH_THREADS = 1  # the layers are small: with two threads torch's barriers cost 100x on a busy machine (measured)
 
 
 def along_axis(per_channel: torch.Tensor, ndim: int, axis: int | None) -> torch.Tensor:

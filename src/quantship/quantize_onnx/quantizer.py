@@ -34,12 +34,12 @@ from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
+from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, rounding, selection, target_forms
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
-from quantship.quantize_onnx.adaround import iterations_of as adaround_iterations
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
