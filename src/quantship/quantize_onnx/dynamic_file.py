@@ -50,6 +50,7 @@ from quantship.quantize_onnx.quantizer import (
     check_outputs_kept,
     fidelity_of_outputs,
     normalise,
+    normalised_summary,
     placement_for,
     read_both,
     refuse_unusable,
@@ -209,7 +210,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     meta[VERSION_KEY], meta[TARGET_KEY], meta[ENGINE_KEY] = __version__, p.target, ENGINE
     meta[dynamic.ACTIVATIONS_KEY], meta[ACTIVATION_DTYPE_KEY] = "dynamic", RUN_TIME_DTYPE
     meta[dynamic.WEIGHTS_KEY] = json.dumps(weights)
-    meta[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
+    meta[NORMALISED_KEY] = normalised_summary(records)
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model

@@ -64,6 +64,11 @@ class PassRecord:
     max_abs_diff: float | None  # None: nothing changed, nothing to prove
 
 
+def normalised_summary(records: Sequence[PassRecord]) -> str:
+    """The file's ``NORMALISED_KEY`` value: each pass that changed something and how many times, or none."""
+    return ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
+
+
 @dataclass
 class OnnxQuantizeResult:
     """What ``quantize_onnx_file`` wrote and measured."""
@@ -387,7 +392,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     model.metadata_props[ALGORITHMS_KEY] = algorithms_summary(algorithms)
     if widened:
         model.metadata_props[sixteen.INT16_KEY] = ", ".join(widened)
-    model.metadata_props[NORMALISED_KEY] = ", ".join(f"{r.name}: {r.changes}" for r in records if r.changes) or "none"
+    model.metadata_props[NORMALISED_KEY] = normalised_summary(records)
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model
