@@ -34,6 +34,7 @@ from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import resolve_target
+from quantship.quantize.layer_error import sqnr_db as energy_sqnr_db
 from quantship.quantize_onnx import dynamic, selection
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
@@ -125,13 +126,9 @@ def seeded_feeds(model: onnx.ModelProto, n: int = SEEDED_FEEDS, seed: int = 0) -
 
 
 def sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
-    """10 log10(signal energy / error energy), in float64; inf when they agree exactly."""
+    """``out``'s SQNR against ``reference`` (``layer_error.sqnr_db`` of their energies, summed in float64)."""
     ref = reference.astype(np.float64)
-    noise = float(((out.astype(np.float64) - ref) ** 2).sum())
-    signal = float((ref ** 2).sum())
-    if noise == 0.0:
-        return float("inf")
-    return 10.0 * float(np.log10(signal / noise)) if signal > 0 else float("-inf")
+    return energy_sqnr_db(float((ref ** 2).sum()), float(((out.astype(np.float64) - ref) ** 2).sum()))
 
 
 def check_dynamic_held(path: Path, plan: dynamic.DynamicPlan, weight_bound: int, opset: int) -> None:
