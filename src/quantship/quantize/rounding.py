@@ -149,12 +149,6 @@ def _layer(model: GraphModule, node: torch.fx.Node, floats: dict[str, torch.fx.N
     return layer
 
 
-@dataclass
-class _Records:
-    searched: rounding_math.SeqMse | None
-    learned: rounding_math.AdaRound | None
-
-
 def round_weights(converted: GraphModule, reference: GraphModule, batches: Sequence[torch.Tensor], *,
                   seq_mse: bool, adaround_iterations: int) -> dict[str, dict]:
     """Rewrite the integer weights (and, with ``seq_mse``, the weight scales) of ``converted`` in place
@@ -162,9 +156,7 @@ def round_weights(converted: GraphModule, reference: GraphModule, batches: Seque
     start = time.perf_counter()
     batches = leading(batches, SAMPLES)
     samples = sum(len(b) for b in batches)
-    records = _Records(rounding_math.SeqMse(samples=samples) if seq_mse else None,
-                       rounding_math.AdaRound(iterations=adaround_iterations, samples=samples)
-                       if adaround_iterations else None)
+    rounder = rounding_math.Rounder(seq_mse, adaround_iterations, samples, start)
     skipped: dict[str, str] = {}
     readers: dict[int, int] = {}
     for node in converted.graph.nodes:
@@ -180,24 +172,14 @@ def round_weights(converted: GraphModule, reference: GraphModule, batches: Seque
                 skipped[node.name] = found
             else:
                 layers.append(found)
-    timings = {"seq_mse": 0.0, "adaround": 0.0}
-    passes = 0
     with rounding_math.torch_threads(rounding_math.TORCH_THREADS), torch.no_grad():
-        passes = _sequential(converted, reference, layers, batches, records, timings, skipped) if layers else 0
+        passes = _sequential(converted, reference, layers, batches, rounder, skipped) if layers else 0
     converted.recompile()
-    reading = time.perf_counter() - start - timings["seq_mse"] - timings["adaround"]
-    done: dict[str, dict] = {}
-    for name, report in (("seq_mse", records.searched), ("adaround", records.learned)):
-        if report is not None:
-            report.skipped, report.n_passes = dict(skipped), passes
-            report.seconds = timings[name] + reading  # the shared pass that reads the inputs counts in each
-            done[name] = report.as_dict()
-    return done
+    return rounder.records(skipped, passes)
 
 
 def _sequential(converted: GraphModule, reference: GraphModule, layers: list[Pt2eLayer],
-                batches: Sequence[torch.Tensor], records: _Records, timings: dict[str, float],
-                skipped: dict[str, str]) -> int:
+                batches: Sequence[torch.Tensor], rounder: rounding_math.Rounder, skipped: dict[str, str]) -> int:
     ids = {id(layer.node) for layer in layers}
     depths = layer_depths(converted.graph.nodes, lambda n: n.all_input_nodes, lambda n: [n], lambda n: id(n) in ids)
     twins = {n.name: n for n in reference.graph.nodes}
@@ -218,21 +200,8 @@ def _sequential(converted: GraphModule, reference: GraphModule, layers: list[Pt2
             if not gap <= CHECK_TOLERANCE * max(float(theirs.abs().max()), 1e-6):
                 skipped[layer.node.name] = f"its torch reading differs from the graph's output by {gap:.3g}"
                 continue
-            _step(layer, x, target, records, timings)
+            rounder.step(layer, x, target)
             quantized.values[layer.dq] = [layer.dequantized()] * len(batches)
         quantized.recompute([layer.node for layer in level])
         floats.recompute(float_nodes)
     return passes
-
-
-def _step(layer: Pt2eLayer, x: torch.Tensor, target: torch.Tensor, records: _Records,
-          timings: dict[str, float]) -> None:
-    if records.searched is not None:
-        t = time.perf_counter()
-        rounding_math.fit_scale(layer, x, target, records.searched)
-        timings["seq_mse"] += time.perf_counter() - t
-    if records.learned is not None:
-        t = time.perf_counter()
-        with torch.enable_grad():
-            rounding_math.learn(layer, x, target, records.learned.iterations, records.learned)
-        timings["adaround"] += time.perf_counter() - t

@@ -23,6 +23,7 @@ Only the integer weights change.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -249,3 +250,36 @@ def learn(layer: RoundingLayer, x: torch.Tensor, target: torch.Tensor, iteration
     else:
         report.n_kept_nearest += 1
         report.error_after += before
+
+
+class Rounder:
+    """The algorithms that are on, run on each layer in turn (seq-MSE, then AdaRound) and timed; both paths'
+    sequential passes call ``step`` per layer, then ``records``."""
+
+    def __init__(self, seq_mse: bool, adaround_iterations: int, samples: int, start: float):
+        self.searched = SeqMse(samples=samples) if seq_mse else None
+        self.learned = AdaRound(iterations=adaround_iterations, samples=samples) if adaround_iterations else None
+        self.timings = {"seq_mse": 0.0, "adaround": 0.0}
+        self.start = start  # time.perf_counter() when the pass began (its reading counts in each algorithm)
+
+    def step(self, layer: RoundingLayer, x: torch.Tensor, target: torch.Tensor) -> None:
+        if self.searched is not None:
+            t = time.perf_counter()
+            fit_scale(layer, x, target, self.searched)
+            self.timings["seq_mse"] += time.perf_counter() - t
+        if self.learned is not None:
+            t = time.perf_counter()
+            with torch.enable_grad():
+                learn(layer, x, target, self.learned.iterations, self.learned)
+            self.timings["adaround"] += time.perf_counter() - t
+
+    def records(self, skipped: dict[str, str], passes: int) -> dict[str, dict]:
+        """Each algorithm's record by name; the shared pass that reads the layers' inputs counts in each."""
+        reading = time.perf_counter() - self.start - self.timings["seq_mse"] - self.timings["adaround"]
+        done: dict[str, dict] = {}
+        for name, report in (("seq_mse", self.searched), ("adaround", self.learned)):
+            if report is not None:
+                report.skipped, report.n_passes = dict(skipped), passes
+                report.seconds = self.timings[name] + reading
+                done[name] = report.as_dict()
+        return done

@@ -29,29 +29,7 @@ def round_weights(model: ir.Model, float_model: onnx.ModelProto, weighted: Seque
     skipped: dict[str, str] = {}
     layers = weight_layers.collect(model, float_model, weighted, bound, skipped)
     samples = min(weight_layers.SAMPLES, sum(len(next(iter(f.values()))) for f in feeds))
-    searched = rounding_math.SeqMse(samples=samples) if seq_mse else None
-    learned = rounding_math.AdaRound(iterations=adaround_iterations, samples=samples) if adaround_iterations else None
-    timings = {"seq_mse": 0.0, "adaround": 0.0}
-
-    def step(layer: weight_layers.WeightLayer, x, target) -> None:
-        if searched is not None:
-            t = time.perf_counter()
-            rounding_math.fit_scale(layer, x, target, searched)
-            timings["seq_mse"] += time.perf_counter() - t
-        if learned is not None:
-            t = time.perf_counter()
-            rounding_math.learn(layer, x, target, adaround_iterations, learned)
-            timings["adaround"] += time.perf_counter() - t
-
+    rounder = rounding_math.Rounder(seq_mse, adaround_iterations, samples, start)
     with rounding_math.torch_threads(rounding_math.TORCH_THREADS):
-        passes = weight_layers.sequential(model, float_model, layers, feeds, step, skipped, info) if layers else 0
-    reading = time.perf_counter() - start - timings["seq_mse"] - timings["adaround"]
-    done: dict[str, dict] = {}
-    for name, report in (("seq_mse", searched), ("adaround", learned)):
-        if report is None:
-            continue
-        report.skipped, report.n_passes = dict(skipped), passes
-        # the shared pass that reads the layers' inputs is counted in each algorithm that ran
-        report.seconds = timings[name] + reading
-        done[name] = report.as_dict()
-    return done
+        passes = weight_layers.sequential(model, float_model, layers, feeds, rounder.step, skipped, info) if layers else 0
+    return rounder.records(skipped, passes)
