@@ -217,3 +217,19 @@ def encoder_block(width: int = 16, tokens: int = 6, classes: int = 3) -> onnx.Mo
               weight(width, 4 * width, name="w1"), weight(4 * width, name="b1"), weight(4 * width, width, name="w2"),
               weight(classes, width, name="wh"), weight(classes, name="bh")]
     return model(nodes, [value("x", ["n", tokens, width])], [value("y", ["n", classes])], inits)
+
+
+def stem_then_body(side: int = 96) -> onnx.ModelProto:
+    """A one-channel stem Conv over a large image (ONNX Runtime's integer kernel runs it several times
+    slower than its float NCHWc Conv: bench/conv_speed.py), then wider Convs that run faster on integers."""
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1"], ["c1"], name="body1", pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="body2", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+             helper.make_node("Conv", ["r2", "w3"], ["y"], name="head")]
+    inits = [weight(16, 1, 3, 3, name="w0"), weight(64, 16, 3, 3, name="w1"), weight(64, 64, 3, 3, name="w2"),
+             weight(8, 64, 1, 1, name="w3")]
+    half = side // 2
+    return model(nodes, [value("x", ["n", 1, side, side])], [value("y", ["n", 8, half, half])], inits)

@@ -70,8 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accuracy search: give the worst-SQNR nodes 16-bit activations (where the target runs "
                              "them) or keep them in float until the top-1 drop on --eval "
                              "is at most POINTS percentage points (exit 1, nothing written, if no step fits)")
+    parser.add_argument("--speed-search", action="store_true",
+                        help="onnxruntime-cpu: time the file in ONNX Runtime on this CPU (1 thread, batch 1 and 8) "
+                             "and keep float the Convs/MatMuls whose integer form made it slower (stem and small "
+                             "layers); the file records what was kept and the measured speed-ups")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
-                        help="--max-drop: at most N nodes kept in float by the search (default: every candidate)")
+                        help="--max-drop: at most N nodes kept in float by the search; --speed-search: at most N "
+                             "files timed after the first (default: every candidate)")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="static",
                         help="static (default): calibrated Q/DQ pairs; dynamic: int8 per-column weights and each "
                              "MatMul/Gemm's activation quantized at run time (the batch-1 transformer form; Convs "
@@ -97,8 +102,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
     if args.max_drop is not None and args.max_drop < 0:
         raise UsageError(f"--max-drop {args.max_drop:g}: give a budget in percentage points, >= 0")
-    if args.max_steps is not None and (args.max_drop is None or args.max_steps < 0):
-        raise UsageError("--max-steps N (N >= 0) bounds the accuracy search: give it with --max-drop")
+    if args.speed_search and args.max_drop is not None:
+        raise UsageError("--speed-search and --max-drop are two searches: run one (keep what the speed search kept "
+                         "float with --exclude in an accuracy search)")
+    if args.speed_search and (args.engine == "ort" or not _runs_on_ort_cpu(args.target)):
+        raise UsageError(f"--speed-search times the file in ONNX Runtime on this CPU: it serves --target "
+                         f"onnxruntime-cpu with quantship's engine, not --target {args.target}"
+                         f"{' --engine ort' if args.engine == 'ort' else ''}")
+    if args.max_steps is not None and ((args.max_drop is None and not args.speed_search) or args.max_steps < 0):
+        raise UsageError("--max-steps N (N >= 0) bounds a search: give it with --max-drop or --speed-search")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
     args.adaround = _adaround_steps(args.adaround)
@@ -118,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "ort":
             return _run_ort(args, out)
         return _run(args, out)
+
+
+def _runs_on_ort_cpu(target: str) -> bool:
+    from quantship.precision import ORT_CPU, preset  # late: --help answers before the presets load
+
+    return preset(target).target == ORT_CPU
 
 
 def _adaround_steps(value: str | None) -> bool | int:
@@ -180,8 +198,20 @@ def _run(args: argparse.Namespace, out) -> int:
     n = sum(len(next(iter(b.values()))) for b in batches)
     ui.say(f"quantizing with quantship: {placement.mode} placement, {placement.activation_dtype} activations, "
            f"{len(batches)} calibration batch(es), {n} sample(s)")
-    search, accuracy = None, {}
-    if args.max_drop is not None:
+    search, accuracy, speed = None, {}, None
+    if args.speed_search:
+        # late: --help answers before numpy, onnx and onnxruntime load
+        from quantship.quantize_onnx.speed import speed_search_onnx
+
+        result, speed = speed_search_onnx(args.float_model, out, batches, target=target, exclude=args.exclude,
+                                          max_steps=args.max_steps, wait=not args.no_wait, log=ui.say,
+                                          observer=args.observer, per_tensor=args.per_tensor, equalize=args.equalize,
+                                          bias_correction=args.bias_correction, seq_mse=args.seq_mse,
+                                          adaround=args.adaround, int16=args.int16, smooth_quant=args.smooth_quant,
+                                          shared_scale=args.shared_scale)
+        if labelled is not None:
+            accuracy = _top1_of(args, labelled, result.path)
+    elif args.max_drop is not None:
         # late: --help answers before numpy, onnx and onnxruntime load
         from quantship.quantize_onnx.search import OnnxBudgetMissed, search_onnx
 
@@ -213,6 +243,8 @@ def _run(args: argparse.Namespace, out) -> int:
         report["accuracy"] = {"float_file_ort": accuracy["float"].as_dict(), "int8_file_ort": accuracy["int8"].as_dict()}
     if search is not None:
         report["accuracy_search"] = search.as_dict()
+    if speed is not None:
+        report["speed_search"] = speed.as_dict()
     fused = result.fidelity["fused"]
     agreement = "" if fused["argmax_agreement"] is None else f"argmax agreement {fused['argmax_agreement']:.3f}, "
     passes = ", ".join(f"{p.name} {p.changes}" for p in result.normalised if p.changes) or "nothing to do"
@@ -238,6 +270,8 @@ def _run(args: argparse.Namespace, out) -> int:
         *([("top-1 float file (ORT)", accuracy["float"].describe()),
            ("top-1 INT8 file (ORT)", accuracy["int8"].describe())] if accuracy else []),
         *(_search_rows(search) if search is not None else []),
+        *([("speed search", f"{len(speed.steps)} file(s) timed; {speed.describe()}"),
+           ("kept float for speed", ", ".join(speed.chosen) or "nothing")] if speed is not None else []),
         *[(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs],
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])

@@ -44,12 +44,12 @@ from quantship.quantize_onnx.quantizer import (
     NORMALISED_KEY,
     READING_SAMPLES,
     PassRecord,
-    _first_feeds,
     _run,
     _session,
     census,
     check_outputs_kept,
     fidelity_of_outputs,
+    first_feeds,
     normalise,
     normalised_summary,
     placement_for,
@@ -181,7 +181,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     float_outputs = [o.name for o in proto.graph.output]
     given = inputs is not None
     feeds = as_feeds(inputs, model_inputs(proto)) if given else seeded_feeds(proto)
-    read_on = _first_feeds(feeds, READING_SAMPLES)
+    read_on = first_feeds(feeds, READING_SAMPLES)
     try:
         reference = _run(_session(proto, optimized=True), read_on)
     except Exception as exc:  # ORT's own exception types

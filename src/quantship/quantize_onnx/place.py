@@ -56,6 +56,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"n_tensors": len(self.tensors), "n_reads": len(self.readers), "n_weighted": len(self.weighted),
+                "weighted_nodes": [node_label(self.nodes[i], i) for i in self.weighted] if self.nodes else [],
                 "n_tables": len(self.tables),
                 "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles),
                 "kept_float": dict(self.kept_float), "float_islands": self.islands_by_rule(),

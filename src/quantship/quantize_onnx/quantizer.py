@@ -10,7 +10,7 @@ passed (``export.artifact``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,7 +152,7 @@ def read_both(path: Path, feeds: Sequence[Feed], what: str) -> tuple[list[np.nda
     return literal, fused
 
 
-def _first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Feed]:
+def first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Feed]:
     """The leading batches holding at least ``samples`` samples (all of them when fewer)."""
     chosen, n = [], 0
     for feed in feeds:
@@ -168,7 +168,7 @@ def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize
     """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order, each proven on
     the calibration data in ONNX Runtime (read literally): exact passes give the same bytes, float
     passes agree within FLOAT_TOLERANCE."""
-    proof = _first_feeds(feeds)
+    proof = first_feeds(feeds)
     before = _run(_session(ir.to_proto(model)), proof)
     records = []
     for p in normalize.PASSES if passes is None else passes:
@@ -298,7 +298,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
                        bias_correction: bool = False, smooth_quant: float | None = None, seq_mse: bool = False,
                        adaround: bool | int = False, int16: Iterable[str] = (),
-                       shared_scale: Iterable[str] = ()) -> OnnxQuantizeResult:
+                       shared_scale: Iterable[str] = (), metadata: Mapping[str, str] | None = None
+                       ) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -313,7 +314,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     per layer, or a number of steps). ``int16``: nodes (``exclude``'s grammar) whose activations are
     stored in 16 bits, weights still int8, where the target runs them (``int16``). ``shared_scale``: Concat
     nodes (``exclude``'s grammar) whose inputs and output get one scale whatever their ranges (the
-    ``CONCAT_TIE_RATIO`` rule and the output-Concat release set aside; bench/yolo_head.py). Refusals raise a
+    ``CONCAT_TIE_RATIO`` rule and the output-Concat release set aside; bench/yolo_head.py). ``metadata``: more
+    ``metadata_props`` entries for the file (e.g. what a search measured). Refusals raise a
     ``QuantshipError`` and write nothing.
     """
 
@@ -335,7 +337,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if wide:
         sixteen.refuse_unless_runs(p)
     feeds = feeds_for(p, feeds)
-    read_on = _first_feeds(feeds, READING_SAMPLES)
+    read_on = first_feeds(feeds, READING_SAMPLES)
     try:
         reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
@@ -373,11 +375,11 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                             f"stored weight here{widened_note}; there is nothing to run as an integer kernel")
     if seq_mse or learn_steps:
         algorithms.update(rounding.round_weights(
-            model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, rounding.SAMPLES),
+            model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, rounding.SAMPLES),
             info, placement.weight_bound, seq_mse=seq_mse, adaround_iterations=learn_steps))
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
-            model, normal, [layout.nodes[i] for i in layout.weighted], _first_feeds(feeds, bias_correcting.SAMPLES),
+            model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, bias_correcting.SAMPLES),
             info).as_dict()
     del normal
     counts["kernel_shape_written"] = write_kernel_shapes(model)
@@ -393,6 +395,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if widened:
         model.metadata_props[sixteen.INT16_KEY] = ", ".join(widened)
     model.metadata_props[NORMALISED_KEY] = normalised_summary(records)
+    for key, value in (metadata or {}).items():
+        model.metadata_props[key] = value
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model

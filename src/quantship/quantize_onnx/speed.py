@@ -1,0 +1,268 @@
+"""Speed search on an ONNX file: keep in float the weighted ops that make the file slower on this CPU,
+measured on the whole file in ONNX Runtime.
+
+Why measured: ONNX Runtime's integer kernels are not faster everywhere. A Conv with few input
+channels over a large image (a stem), or a small one whose Q/DQ pairs and layout changes cost more
+than its arithmetic saves, runs faster as its float NCHWc kernel (bench/conv_speed.py), and whether
+keeping it float pays depends on its neighbours: keeping MTCNN RNet's first Conv float alone made
+the file slower (its MaxPool leaves the NHWC integer path), keeping PP-OCR's classifier's first three
+float made it faster. The kernels also differ from CPU to CPU (VNNI, AMX, AVX2 alone). So the search
+times files, not rules.
+
+``speed_search_onnx`` quantizes with nothing more kept in float (step 0), then tries, each against
+the fastest file so far, timed side by side (``inspect.run.timing``: one thread, CPU time, median of
+interleaved rounds, at every batch it serves):
+
+1. ``prefix`` steps: the first k weighted ops (graph order) kept float, k = 1, 2, ... until
+   ``PATIENCE`` steps in a row were not faster (a stem is a run of small Convs);
+2. ``single`` steps: each remaining weighted op added to the float set on its own.
+
+A step is kept when its file is faster by at least ``MARGIN`` (geometric mean over the batches) and
+not slower at any batch by more than ``TOLERANCE``; ``max_steps`` bounds the steps after step 0. The
+chosen set is quantized again at ``out_path`` with every check of ``quantize_onnx_file``, and the file
+records what was kept, where it was measured and the speed-ups (``SPEED_KEY``). Keeping ops float never
+adds rounding, so the file is at least as faithful as step 0's; its readings say by how much.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from quantship.errors import ExportRefused, SpecRefused, one_line
+from quantship.export import artifact
+from quantship.inspect.read.loading import load_onnx
+from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
+from quantship.precision import ORT_CPU, Preset, resolve_target
+from quantship.progress import step as progress_step
+from quantship.quantize_onnx.data import as_feeds, model_inputs
+from quantship.quantize_onnx.quantizer import (
+    OnnxQuantizeResult,
+    feeds_for,
+    first_feeds,
+    placement_for,
+    prepare,
+    quantize_onnx_file,
+)
+
+SPEED_KEY = "quantship.speed_search"
+MARGIN = 0.03  # a step must be this much faster (geometric mean over batches) to be kept: above timing noise
+TOLERANCE = 0.01  # and no batch this much slower
+PATIENCE = 2  # prefix steps in a row that were not kept before the prefix phase ends
+BATCHES = (1, 8)
+SECONDS = 0.4  # CPU time per file and batch in each comparison (the final reading: twice that)
+# the options that change which kernels the file runs; the others (equalize, smooth_quant: already in the
+# normalised file; bias_correction, seq_mse, adaround: values only) are left to the written file
+STEP_SAMPLES = 16  # calibration samples of each step's file (the written file: all of them)
+STRUCTURAL = ("observer", "per_tensor", "int16", "shared_scale")
+
+
+@dataclass(frozen=True)
+class SpeedStep:
+    """One file tried: the nodes kept in float, its ms per batch and the ms of the file it was timed
+    against (the fastest so far) in the same rounds; kept or not."""
+
+    kind: str  # "start", "prefix" or "single"
+    excluded: tuple[str, ...]
+    ms: dict[int, float]
+    against: dict[int, float]
+    kept: bool
+    refused: str | None = None  # the quantizer gave no file for this set
+
+    @property
+    def gain(self) -> float:
+        """The speed-up over the file it was timed against: geometric mean over the batches."""
+        if not self.ms:
+            return 0.0
+        return math.exp(sum(math.log(self.against[b] / self.ms[b]) for b in self.ms) / len(self.ms))
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "excluded": list(self.excluded), "ms": {str(b): v for b, v in self.ms.items()},
+                "against_ms": {str(b): v for b, v in self.against.items()}, "gain": self.gain, "kept": self.kept,
+                "refused": self.refused}
+
+
+@dataclass
+class SpeedSearch:
+    """The whole search: where it ran, the candidates, every step, and the final side-by-side reading of
+    the float file, step 0's file and the chosen one."""
+
+    cpu: str
+    batches: tuple[int, ...]
+    candidates: list[str] = field(default_factory=list)
+    steps: list[SpeedStep] = field(default_factory=list)
+    final_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "fp32" / "start" / "chosen" -> b -> ms
+
+    @property
+    def chosen(self) -> tuple[str, ...]:
+        kept = [s for s in self.steps if s.kept]
+        return kept[-1].excluded if kept else ()
+
+    def speedup(self, which: str) -> dict[int, float]:
+        """FP32 ms / the file's ms, per batch, from the final reading."""
+        return {b: self.final_ms["fp32"][b] / self.final_ms[which][b] for b in self.batches}
+
+    def describe(self) -> str:
+        def ratios(which: str) -> str:
+            return " / ".join(f"{r:.2f}x" for r in self.speedup(which).values())
+
+        batches = " / ".join(f"b{b}" for b in self.batches)
+        return (f"{len(self.chosen)} weighted op(s) kept float for speed; vs FP32 at {batches} (1 thread, CPU time): "
+                f"{ratios('chosen')} (nothing kept float: {ratios('start')}); measured on {self.cpu}")
+
+    def as_dict(self) -> dict:
+        return {"cpu": self.cpu, "batches": list(self.batches), "candidates": list(self.candidates),
+                "steps": [s.as_dict() for s in self.steps], "chosen": list(self.chosen),
+                "final_ms": {k: {str(b): v for b, v in d.items()} for k, d in self.final_ms.items()},
+                "speedup_vs_fp32": {k: {str(b): r for b, r in self.speedup(k).items()} for k in ("start", "chosen")}
+                if self.final_ms else {}}
+
+
+def timing_feeds(float_path: Path, calibration: Any, batches: Iterable[int]) -> dict[int, dict[str, np.ndarray]]:
+    """One feed per batch size the file serves: the first calibration sample repeated (a fixed-batch
+    file: its own batch only)."""
+    inputs = model_inputs(load_onnx(float_path))
+    first = as_feeds(calibration, inputs)[0]
+    fixed = {i.dims[0] for i in inputs if i.dims and isinstance(i.dims[0], int) and i.dims[0] > 0}
+    sizes = sorted(fixed) if fixed else sorted(set(batches))
+    return {b: {name: np.ascontiguousarray(np.repeat(a[:1], b, axis=0)) for name, a in first.items()} for b in sizes}
+
+
+def _time(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
+          sessions: dict[Path, Any] | None = None) -> list[dict[int, float]]:
+    """Each file's median ms per batch, the files interleaved; ``sessions`` caches them by path."""
+    cache = {} if sessions is None else sessions
+    for path in paths:
+        if path not in cache:
+            cache[path] = single_thread_session(path)
+    per_file: list[dict[int, float]] = [{} for _ in paths]
+    for b, feed in feeds.items():
+        medians, _ = median_ms([cache[p] for p in paths], feed, seconds)
+        for k, ms in enumerate(medians):
+            per_file[k][b] = ms
+    return per_file
+
+
+def faster(candidate: dict[int, float], best: dict[int, float]) -> bool:
+    """Kept: faster by MARGIN in the geometric mean, and no batch slower by more than TOLERANCE."""
+    gains = [best[b] / candidate[b] for b in candidate]
+    mean = math.exp(sum(math.log(g) for g in gains) / len(gains))
+    return mean >= 1 + MARGIN and min(gains) >= 1 - TOLERANCE
+
+
+def normalised_file(src: Path, calibration: Any, target: str | Preset, path: Path, options: dict
+                    ) -> tuple[Path, list]:
+    """The float file as the quantizer plans it (every normalisation pass, each proven, with the
+    options that rewrite the float model: equalize, smooth_quant, int16's opset), saved once: each step
+    quantizes it, and finds nothing more to normalise (the steps differ in placement only). Also the
+    leading calibration batches (``STEP_SAMPLES``) the steps calibrate on."""
+    placement, p, _ = placement_for(target, per_tensor=bool(options.get("per_tensor")))
+    proto = load_onnx(src)
+    inputs = model_inputs(proto)
+    feeds = feeds_for(p, as_feeds(calibration, inputs))
+    ready = prepare(proto, inputs, feeds, p, placement,
+                    equalize=bool(options.get("equalize")), int16=bool(options.get("int16")),
+                    smooth_quant=options.get("smooth_quant"), shared_scale=options.get("shared_scale", ()))
+    onnx.save(ready.normal, str(path))
+    return path, first_feeds(feeds, STEP_SAMPLES)
+
+
+def refuse_unless_ort_cpu(target: str | Preset) -> None:
+    """The search times the file in ONNX Runtime on this CPU: it serves the ONNX Runtime CPU target only."""
+    p = resolve_target(target)
+    if p.target != ORT_CPU:
+        raise SpecRefused(f"the speed search times files in ONNX Runtime on this CPU, the runtime of --target "
+                          f"{ORT_CPU}; {p.target}'s runtime is not that: time its engine on its own hardware, and keep "
+                          "slow layers float with --exclude")
+
+
+def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+                      exclude: Iterable[str] = (), max_steps: int | None = None, batches: Iterable[int] = BATCHES,
+                      seconds: float = SECONDS, wait: bool = True, log: Callable[[str], None] = lambda _: None,
+                      **options: Any) -> tuple[OnnxQuantizeResult, SpeedSearch]:
+    """Quantize ``float_path`` for ``target`` (ONNX Runtime CPU) keeping float the weighted ops whose
+    integer form made the file slower on this CPU (see the module docstring); write ``out_path``.
+
+    ``exclude``: nodes kept float in every step. ``max_steps``: at most that many steps after step 0
+    (None: every candidate). ``batches``: the batch sizes timed (a fixed-batch file: its own).
+    ``options``: ``quantize_onnx_file``'s (observer, per_tensor, equalize, bias_correction, ...), in
+    every step. Returns the written file's ``OnnxQuantizeResult`` and the search.
+    """
+    refuse_unless_ort_cpu(target)
+    if max_steps is not None and max_steps < 0:
+        raise SpecRefused(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every candidate")
+    src = Path(float_path).expanduser()
+    final = Path(out_path).expanduser().resolve()
+    base = tuple(exclude)
+    calibration = list(calibration) if not isinstance(calibration, (np.ndarray, dict)) else calibration
+    feeds = timing_feeds(src, calibration, batches)
+    search = SpeedSearch(cpu_line(), tuple(feeds))
+    with artifact.workdir_beside(final) as scratch:
+        normal, step_feeds = normalised_file(src, calibration, target, scratch / "normalised.onnx", options)
+        structural = {k: v for k, v in options.items() if k in STRUCTURAL}
+
+        def quantized(excluded: tuple[str, ...]) -> OnnxQuantizeResult:
+            path = scratch / f"step{len(search.steps)}.onnx"
+            with progress_step(f"speed search: step {len(search.steps)} ({len(excluded) - len(base)} op(s) float)"):
+                return quantize_onnx_file(normal, path, step_feeds, target=target, exclude=excluded, wait=wait,
+                                          run_check=False, **structural)
+
+        first_file = quantized(base)
+        start_path = first_file.path
+        search.candidates = list(first_file.plan["weighted_nodes"])
+        sessions: dict[Path, Any] = {}
+        ms = _time([start_path], feeds, seconds, sessions)[0]
+        search.steps.append(SpeedStep("start", base, ms, ms, True))
+        best, best_path = base, start_path
+        log(f"speed search on {search.cpu}: step 0, {len(search.candidates)} weighted op(s) as integer kernels: "
+            + ", ".join(f"b{b} {v:.3g} ms" for b, v in ms.items()))
+
+        def attempt(kind: str, excluded: tuple[str, ...]) -> bool:
+            nonlocal best, best_path
+            try:
+                path = quantized(excluded).path
+            except ExportRefused as exc:  # e.g. nothing left to run as an integer kernel
+                search.steps.append(SpeedStep(kind, excluded, {}, {}, False, one_line(exc)))
+                return False
+            current, against = _time([path, best_path], feeds, seconds, sessions)
+            kept = faster(current, against)
+            sessions.pop(path if not kept else best_path, None)  # only the fastest file's session is kept
+            search.steps.append(SpeedStep(kind, excluded, current, against, kept))
+            log(f"speed search: step {len(search.steps) - 1} ({kind}), {len(excluded) - len(base)} op(s) float: "
+                f"{search.steps[-1].gain:.3f}x the fastest so far{' (kept)' if kept else ''}")
+            if kept:
+                best, best_path = excluded, path
+            return kept
+
+        budget = math.inf if max_steps is None else max_steps
+        misses = 0
+        for k in range(1, len(search.candidates)):
+            if budget <= 0 or misses >= PATIENCE:
+                break
+            budget -= 1
+            misses = 0 if attempt("prefix", (*base, *search.candidates[:k])) else misses + 1
+        for node in search.candidates:
+            if budget <= 0:
+                break
+            if node in best or len(best) - len(base) >= len(search.candidates) - 1:
+                continue
+            budget -= 1
+            attempt("single", (*best, node))
+        with progress_step("speed search: the final reading"):
+            if best_path == start_path:
+                fp32, first = _time([src, start_path], feeds, 2 * seconds)
+                chosen = first
+            else:
+                fp32, first, chosen = _time([src, start_path, best_path], feeds, 2 * seconds)
+        search.final_ms = {"fp32": fp32, "start": first, "chosen": chosen}
+        log(f"speed search: {search.describe()}")
+    result = quantize_onnx_file(src, final, calibration, target=target, exclude=best, wait=wait,
+                                metadata={SPEED_KEY: search.describe()}, **options)
+    return result, search
+
