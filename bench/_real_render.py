@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 
 from _real_records import MODELS, PRESETS, Row, latency_method_of, row_keys
 from _real_timing import DEFAULT_ROUNDS, STEADY, WALL
@@ -124,6 +125,21 @@ def _mark(row: Row) -> str:
     return WALL_MARK if latency_method_of(row) == WALL else ""
 
 
+def _fp32_spread(rows: list[Row], models: list[str]) -> str:
+    """The largest max / min of the FP32 file's time over one model's rows timed steadily, said in a clause."""
+    worst = None
+    for model in models:
+        for batch in ("b1", "b8"):
+            fp32 = [ms[0] for r in rows if r.model == model and latency_method_of(r) == STEADY and (ms := _ms(r, batch))]
+            if len(fp32) > 1 and (worst is None or max(fp32) / min(fp32) > worst[0]):
+                worst = (max(fp32) / min(fp32), model, batch, min(fp32))
+    if worst is None:
+        return ""
+    spread, model, batch, fastest = worst
+    return (f" (the FP32 file's own time, {STEADY}, still moves between the rows of one model: by up to "
+            f"{spread:.2f}x, {model} at batch {batch.removeprefix('b')}, {fastest * 1e3:.3g} us at the fastest)")
+
+
 def speed_summary(records: dict[str, Row], models: list[str]) -> list[str]:
     """Per model and batch, each INT8 file's speed-up over FP32 in ONNX Runtime (measured in its own row), and
     the quantship ONNX files' speed against ORT defaults' file where both rows were timed the same way."""
@@ -132,20 +148,25 @@ def speed_summary(records: dict[str, Row], models: list[str]) -> list[str]:
     columns = ([("onnx", "ort-defaults", "ORT defaults"), ("onnx", "ort-per-channel", "ORT per-channel"),
                 ("onnx", "nncf", "NNCF")] + [("onnx", t, f"quantship ONNX path, {_tool_label(t)}") for t in mine]
                + [("pt2e", "quantship:onnxruntime-cpu", "quantship PyTorch path, onnxruntime-cpu")])
-    head = (["model", "batch", "FP32 ms"] + [c[2] for c in columns]
+    head = (["model", "batch", "FP32 ms, median over rows"] + [c[2] for c in columns]
             + [f"quantship ONNX path, {_tool_label(t)} vs ORT defaults" for t in mine])
     lines = [f"## Summary: speed in ONNX Runtime ({STEADY})", "",
              "Each INT8 file's speed-up over FP32 (FP32 ms / INT8 ms, the two interleaved in the file's own row; "
-             "above 1 is faster than FP32); `vs ORT defaults`: ORT defaults' INT8 ms / quantship's INT8 ms (above 1: "
-             f"quantship faster), only where both rows were timed by the same method. `{WALL_MARK.strip()}`: "
-             f"measured by the older method ({WALL}), not comparable with an unmarked figure. `-`: no figure "
-             "(not run, not produced, or a static-batch file at the other batch).", "",
+             "above 1 is faster than FP32). `vs ORT defaults`: ORT defaults' INT8 ms / quantship's INT8 ms, each "
+             "first divided by the FP32 ms of its own row (the same FP32 file), i.e. quantship's speed-up over ORT "
+             "defaults' speed-up: above 1, quantship's file is faster; the division cancels what drifts between "
+             f"the two rows' runs{_fp32_spread(rows, models)}; only where both rows were timed by the same method. "
+             "FP32 ms: the median of the "
+             "FP32 file's time over the model's rows timed by the same method as the FP32 row. "
+             f"`{WALL_MARK.strip()}`: measured by the older method ({WALL}), not comparable with an unmarked "
+             "figure. `-`: no figure (not run, not produced, or a static-batch file at the other batch).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for model in models:
         for batch in ("b1", "b8"):
             fp32_row = records.get(f"{model}|onnx|fp32")
-            fp32 = _ms(fp32_row, batch)
-            cells = [model, batch.removeprefix("b"), f"{fp32[0]:.3g}{_mark(fp32_row)}" if fp32 else "-"]
+            fp32 = [ms[0] for r in rows if r.model == model and (ms := _ms(r, batch))
+                    and latency_method_of(r) == latency_method_of(fp32_row)] if _ms(fp32_row, batch) else []
+            cells = [model, batch.removeprefix("b"), f"{statistics.median(fp32):.3g}{_mark(fp32_row)}" if fp32 else "-"]
             for path, tool, _ in columns:
                 row = records.get(f"{model}|{path}|{tool}")
                 ms = _ms(row, batch)
@@ -160,7 +181,7 @@ def speed_summary(records: dict[str, Row], models: list[str]) -> list[str]:
                 elif latency_method_of(row) != latency_method_of(ort_row):
                     cells.append("- (timed by different methods)")
                 else:
-                    cells.append(f"{ort_ms[1] / ms[1]:.2f}x{_mark(row)}")
+                    cells.append(f"{(ms[0] / ms[1]) / (ort_ms[0] / ort_ms[1]):.2f}x{_mark(row)}")
             lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
