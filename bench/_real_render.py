@@ -99,7 +99,8 @@ def latency_sentence(rows: list[Row]) -> str:
     if retimed:
         text += (f" Latency of {len(retimed)} of {len(rows)} rows re-timed from the same files in a later run "
                  f"(`--keep` then `--retime`), {min(r.retimed_utc for r in retimed)} .. "
-                 f"{max(r.retimed_utc for r in retimed)}.")
+                 f"{max(r.retimed_utc for r in retimed)}, 1-min load average "
+                 f"{_span([r.retimed_load for r in retimed if r.retimed_load is not None])}.")
     return text
 
 
@@ -137,7 +138,8 @@ def _fp32_spread(rows: list[Row], models: list[str]) -> str:
         return ""
     spread, model, batch, fastest = worst
     return (f" (the FP32 file's own time, {STEADY}, still moves between the rows of one model: by up to "
-            f"{spread:.2f}x, {model} at batch {batch.removeprefix('b')}, {fastest * 1e3:.3g} us at the fastest)")
+            f"{spread:.2f}x, {model} at batch {batch.removeprefix('b')}, "
+            + (f"{fastest * 1e3:.3g} us" if fastest < 1 else f"{fastest:.3g} ms") + " at the fastest)")
 
 
 def speed_summary(records: dict[str, Row], models: list[str]) -> list[str]:

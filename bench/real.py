@@ -15,7 +15,7 @@ steady on a shared machine). A row that cannot be produced keeps its reason.
 Rows are cached in bench/real_results.json keyed by (model, path, tool) (bench/_real_records.py); REAL.md
 is rendered from every record (bench/_real_render.py).
 
-    python bench/real.py                          # every model, every row (27 min on 2 idle cores)
+    python bench/real.py                          # every model, every row (27 min on 2 idle cores, older timing)
     python bench/real.py --models ocr_cls,magika  # only these models' rows are re-measured
     python bench/real.py --rows quantship         # only rows whose key contains this substring
     python bench/real.py --smoke                  # tiny sizes, one repetition, into a temp dir
