@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 from _real_records import MODELS, ROOT, Row, head_commit, load_records, row_keys, save_records
-from _real_render import render
-from _real_timing import DEFAULT_ROUNDS, SMOKE_ROUNDS, STEADY, WALL, Rounds, latency
+from _real_render import _pct, render  # noqa: F401  (_pct: bench/algorithms.py and int16.py read real._pct)
+from _real_timing import DEFAULT_ROUNDS, SMOKE_ROUNDS, STEADY, WALL, Rounds, latency, wall_ms
 
 warnings.filterwarnings("ignore")
 RESULTS = ROOT / "bench" / "real_results.json"
@@ -295,6 +295,12 @@ def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.nda
 
 def counts(scores: dict) -> dict:
     return {name: [c.k, c.n] for name, c in scores.items()}
+
+
+def interleaved_ms(sessions: list, feed: np.ndarray, n: int) -> list[float]:
+    """Median ms of each session on ``feed``, ``n`` interleaved rounds by wall time (the older reading), as
+    bench/yolo_head.py times its files."""
+    return wall_ms(sessions, feed, n).median_ms
 
 
 def time_row(row: Row, task: Task, path: Path, method: str = STEADY, rounds: Rounds = DEFAULT_ROUNDS) -> None:
