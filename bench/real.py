@@ -9,31 +9,30 @@ runs it (a subprocess, one per preset), and quantship's PyTorch path (``Quantize
 default optimizations (what users run) and read literally (optimizations off; on a subset where
 that is slow), in torch for the PyTorch path, and in OpenVINO / TiGrIS's host runtime for the
 openvino / tigris presets' files. Latency: FP32 and INT8 files in ONNX Runtime at batch 1 and 8,
-interleaved in the same run, median. A row that cannot be produced keeps its reason.
+one thread each, timed by the thread's CPU time, interleaved in the same run, median (bench/_real_timing.py:
+steady on a shared machine). A row that cannot be produced keeps its reason.
 
-Rows are cached in bench/real_results.json keyed by (model, path, tool); REAL.md is rendered from
-every record.
+Rows are cached in bench/real_results.json keyed by (model, path, tool) (bench/_real_records.py); REAL.md
+is rendered from every record (bench/_real_render.py).
 
-    python bench/real.py                          # every model, every row (27 min on 2 idle cores)
+    python bench/real.py                          # every model, every row (27 min on 2 idle cores, older timing)
     python bench/real.py --models ocr_cls,magika  # only these models' rows are re-measured
     python bench/real.py --rows quantship         # only rows whose key contains this substring
     python bench/real.py --smoke                  # tiny sizes, one repetition, into a temp dir
     python bench/real.py --render                 # REAL.md from the records only
     python bench/real.py --keep DIR               # ... and keep every INT8 file in DIR
-    python bench/real.py --retime DIR             # latency only, again, from those files (an idle machine)
+    python bench/real.py --retime DIR             # latency only, again, from those files
+    python bench/real.py --wall-threads ...       # latency at default threads by wall time (the older method)
+    python bench/real.py --models mtcnn_pnet --results /tmp/r.json --out /tmp/REAL.md   # a scratch copy
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import functools
-import json
 import os
-import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,16 +40,17 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _real_records import MODELS, ROOT, Row, head_commit, load_records, row_keys, save_records
+from _real_render import _pct, render  # noqa: F401  (_pct: bench/algorithms.py and int16.py read real._pct)
+from _real_timing import DEFAULT_ROUNDS, SMOKE_ROUNDS, STEADY, WALL, Rounds, latency, wall_ms
 
 warnings.filterwarnings("ignore")
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "real_results.json"
 REAL_MD = ROOT / "REAL.md"
-PRESETS = ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")
 CONSUMER_OF = {"openvino": "openvino", "tigris": "tigris"}  # preset -> the runtime its file is also scored in
 
 
@@ -70,7 +70,7 @@ class Task:
     eval_batch: int = 64
     calib_batch: int = 8
     subset: int | None = None  # samples for the slow readings (ORT literal, torch INT8, TiGrIS); None: all
-    reps: tuple[int, int] = (20, 10)  # latency repetitions at batch 1 and 8
+    reps: tuple[int, int] = (20, 10)  # latency repetitions at batch 1 and 8 by the older method (--wall-threads)
     torch_model: Callable[[], object] | None = None
     transformer: bool = False  # NNCF's model_type=TRANSFORMER applies
     notes: str = ""
@@ -223,83 +223,6 @@ def make_task(name: str, smoke: bool, workdir: Path) -> Task:
     return {"ocr_cls": _ocr_cls, "magika": _magika, "ocr_det": _ocr_det, "nudenet": _nudenet}[name](smoke)
 
 
-MODELS = ("ocr_cls", "magika", "ocr_det", "nudenet", "mtcnn_pnet", "mtcnn_rnet", "mtcnn_onet")
-
-
-def row_keys(task_name: str) -> list[tuple[str, str]]:
-    """(path, tool) of every row of a model, in table order."""
-    keys = [("onnx", "fp32"), ("onnx", "ort-defaults"), ("onnx", "ort-per-channel"), ("onnx", "nncf")]
-    if task_name == "magika":
-        keys.append(("onnx", "nncf-transformer"))
-    keys += [("onnx", f"quantship:{p}") for p in PRESETS]
-    keys += [("pt2e", "fp32")] + [("pt2e", f"quantship:{p}") for p in PRESETS]
-    return keys
-
-
-# ---------------------------------------------------------------- records
-
-@dataclass
-class Row:
-    model: str
-    path: str  # "onnx" (a float ONNX file in) or "pt2e" (quantship's PyTorch path)
-    tool: str
-    status: str = "ok"  # "ok" or the reason the row could not be produced
-    scores: dict = field(default_factory=dict)  # reading -> metric -> [k, n]
-    size_bytes: int | None = None
-    float_size_bytes: int | None = None
-    latency_ms: dict = field(default_factory=dict)  # "b1"/"b8" -> [fp32 ms, int8 ms] or a reason string
-    seconds: float | None = None  # time to make the file
-    notes: str = ""
-    commit: str = ""
-    measured_utc: str = ""
-    load_avg: float | None = None
-    retimed_utc: str = ""  # latency_ms re-measured from the kept file (``--retime``), at this time
-    retimed_load: float | None = None  # 1-min load average when it was
-
-    @property
-    def key(self) -> str:
-        return f"{self.model}|{self.path}|{self.tool}"
-
-
-def head_commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "src", "bench/real.py")
-    return git("rev-parse", "--short=7", "HEAD") + ("+dirty" if dirty else "")
-
-
-def load_records(path: Path) -> tuple[dict[str, Row], dict[str, dict]]:
-    """(records by key, each model's task description) from the results file."""
-    if not path.exists():
-        return {}, {}
-    doc = json.loads(path.read_text())
-    names = {f.name for f in Row.__dataclass_fields__.values()}
-    rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in doc["records"]]
-    return {r.key: r for r in rows}, doc.get("tasks", {})
-
-
-def save_records(updates: list[Row], path: Path, tasks: dict[str, dict] | None = None
-                 ) -> tuple[dict[str, Row], dict[str, dict]]:
-    """Merge ``updates`` (and task descriptions) into the file under a lock (another run may have saved since).
-
-    The lock file lives in the temp folder (never unlinked: a waiting process must lock the same file)."""
-    import hashlib
-
-    tag = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    with open(Path(tempfile.gettempdir()) / f"quantship-real-{tag}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        records, known = load_records(path)
-        records.update({r.key: r for r in updates})
-        known.update(tasks or {})
-        doc = {"version": 1, "generator": "bench/real.py", "tasks": known,
-               "records": [asdict(r) for r in records.values()]}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, path)
-    return records, known
-
-
 # ---------------------------------------------------------------- running files
 
 class Refused(RuntimeError):
@@ -370,48 +293,28 @@ def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.nda
     return np.concatenate([np.asarray(o[0]) for o in outs])
 
 
-def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, int]) -> dict:
-    """Median ms of FP32 and INT8 in ONNX Runtime (default optimizations), interleaved, batch 1 and 8."""
-    from quantship.inspect.run.consumers import ort_session
-
-    fixed = static_batch(int8_path)
-    sessions = [ort_session(float_path, optimized=True), ort_session(int8_path, optimized=True)]
-    result = {}
-    for label, batch, n in (("b1", 1, reps[0]), ("b8", 8, reps[1])):
-        if fixed is not None and fixed != batch:
-            result[label] = f"the file has a static batch of {fixed}"
-            continue
-        if len(x) < batch:
-            result[label] = f"fewer than {batch} samples"
-            continue
-        result[label] = interleaved_ms(sessions, x[:batch], n)
-    return result
-
-
-def interleaved_ms(sessions: list, feed: np.ndarray, n: int) -> list[float]:
-    """Median ms of each session on ``feed`` (its first input), after one warm-up run each, the sessions
-    run in turn ``n`` times (so a change in the machine's load reaches all of them alike)."""
-    names = [s.get_inputs()[0].name for s in sessions]
-    for s, name in zip(sessions, names):
-        s.run(None, {name: feed})
-    times: list[list[float]] = [[] for _ in sessions]
-    for _ in range(n):
-        for i, (s, name) in enumerate(zip(sessions, names)):
-            start = time.perf_counter()
-            s.run(None, {name: feed})
-            times[i].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(t) for t in times]
-
-
 def counts(scores: dict) -> dict:
     return {name: [c.k, c.n] for name, c in scores.items()}
 
 
-class Runner:
-    """Scores files and models of one task; FP32 outputs are computed once."""
+def interleaved_ms(sessions: list, feed: np.ndarray, n: int) -> list[float]:
+    """Median ms of each session on ``feed``, ``n`` interleaved rounds by wall time (the older reading), as
+    bench/yolo_head.py times its files."""
+    return wall_ms(sessions, feed, n).median_ms
 
-    def __init__(self, task: Task, workdir: Path):
-        self.task, self.workdir = task, workdir
+
+def time_row(row: Row, task: Task, path: Path, method: str = STEADY, rounds: Rounds = DEFAULT_ROUNDS) -> None:
+    """The row's latency: the task's FP32 file and ``path`` interleaved at batch 1 and 8, by ``method``."""
+    row.latency_ms, row.latency_rounds = latency(task.float_path, path, task.eval_x, fixed_batch=static_batch(path),
+                                                 method=method, rounds=rounds, wall_reps=task.reps)
+    row.latency_method = method
+
+
+class Runner:
+    """Scores files and models of one task; FP32 outputs are computed once; latency by ``method``."""
+
+    def __init__(self, task: Task, workdir: Path, method: str = STEADY, rounds: Rounds = DEFAULT_ROUNDS):
+        self.task, self.workdir, self.method, self.rounds = task, workdir, method, rounds
 
     @functools.cached_property
     def reference(self) -> np.ndarray:
@@ -437,7 +340,7 @@ class Runner:
                 row.scores[consumer] = first_line(exc)
         row.size_bytes = path.stat().st_size
         row.float_size_bytes = t.float_path.stat().st_size
-        row.latency_ms = latency(t.float_path, path, t.eval_x, t.reps)
+        time_row(row, t, path, self.method, self.rounds)
 
 
 # ---------------------------------------------------------------- tools
@@ -545,7 +448,7 @@ def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path
         if path_kind == "onnx" and tool == "fp32":
             row.scores["ort"] = counts(t.score(runner.reference, None))
             row.size_bytes = row.float_size_bytes = t.float_path.stat().st_size
-            row.latency_ms = latency(t.float_path, t.float_path, t.eval_x, t.reps)
+            time_row(row, t, t.float_path, runner.method, runner.rounds)
             return row
         if path_kind == "pt2e":
             if "model" not in torch_cache:
@@ -588,191 +491,6 @@ def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path
     return row
 
 
-# ---------------------------------------------------------------- REAL.md
-
-def _pct(k: int, n: int) -> str:
-    from quantship.intervals import wilson_interval
-
-    if not n:
-        return "0/0"
-    lo, hi = wilson_interval(k, n)
-    return f"{k}/{n} {100 * k / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
-
-
-def _cell(row: Row, reading: str, metric: str) -> str:
-    value = row.scores.get(reading)
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return f"not run: {value}"
-    if metric not in value:
-        return "-"
-    return _pct(*value[metric])
-
-
-def _latency(row: Row, key: str) -> str:
-    value = row.latency_ms.get(key)
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    fp32, int8 = value
-    if row.tool == "fp32":
-        return f"{fp32:.3g}"
-    return f"{fp32:.3g} / {int8:.3g} ({fp32 / int8:.2f}x)"
-
-
-def _short_note(note: str) -> str:
-    """A long 'kept in float' list as its count and its first entries."""
-    head = "kept in float (no role): "
-    if note.startswith(head):
-        items = note.removeprefix(head).split("; ")
-        if len(items) > 3:
-            return f"{head}{len(items)} ops ({'; '.join(items[:3])}; ...)"
-    return note
-
-
-def _size(row: Row) -> str:
-    if not row.size_bytes:
-        return "-"
-    if row.float_size_bytes and row.size_bytes != row.float_size_bytes:
-        return f"{row.size_bytes / 1e6:.2f} MB ({row.size_bytes / row.float_size_bytes:.2f}x FP32)"
-    return f"{row.size_bytes / 1e6:.2f} MB"
-
-
-PENDING = "not measured yet: the run was stopped before this row (re-run `python bench/real.py --models MODEL`)"
-
-TOOL_NAMES = {
-    "fp32": "FP32", "ort-defaults": "ORT `quantize_static` (QDQ, defaults)",
-    "ort-per-channel": "ORT `quantize_static` (QDQ, per_channel=True)", "nncf": "NNCF `nncf.quantize` (defaults)",
-    "nncf-transformer": "NNCF (`model_type=TRANSFORMER`)",
-}
-
-
-def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False) -> str:
-    import onnxruntime as ort
-    import torch
-
-    from quantship.inspect.run.consumers import cpu_info
-
-    cpu, flags = cpu_info()
-    int8_flags = sorted(f for f in flags if f in {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",
-                                                   "avx512_bf16", "amx_bf16", "avxvnni"})
-    versions = []
-    for module in ("onnxruntime", "nncf", "openvino", "onnx2torch", "tigris"):
-        try:
-            from importlib.metadata import version
-
-            versions.append(f"{module} {version(module if module != 'tigris' else 'tigris-ml')}")
-        except Exception:  # not installed: say so
-            versions.append(f"{module} not installed")
-    rows = list(records.values())
-    commits = sorted({r.commit for r in rows if r.commit})
-    times = sorted(r.measured_utc for r in rows if r.measured_utc)
-    loads = [r.load_avg for r in rows if r.load_avg is not None]
-    retimed = [r for r in rows if r.retimed_utc]
-    retimed_loads = [r.retimed_load for r in retimed if r.retimed_load is not None]
-    lines = [
-        "# Real pretrained models: FP32, ONNX Runtime's quantizer, NNCF and quantship on real tasks", "",
-        "Generated by `python bench/real.py` from `bench/real_results.json` (one record per model x path x tool, "
-        "with the commit and UTC time it was measured at); do not edit by hand."
-        + (" **SMOKE RUN: tiny sizes, not figures.**" if smoke else ""), "",
-        f"- CPU: {cpu}; int8-relevant flags: {' '.join(int8_flags) or 'none found'}; {os.cpu_count()} cores "
-        f"(1-min load average when each row finished: {f'{min(loads):.1f}..{max(loads):.1f}' if loads else '-'}); "
-        "latencies are FP32 and INT8 interleaved in the same run, median"
-        + ("; under a load above the core count, as here, even the ratios move from row to row (compare each "
-           "FP32 column across rows of a model): read them as rough, and re-measure on an idle machine "
-           "(`--keep`, then `--retime`) before quoting one"
-           if loads and max(loads) > 1.5 * (os.cpu_count() or 1) else
-           "; nothing else ran on the machine, yet the FP32 columns of one model still move by up to 1.8x "
-           "between rows at batch 1 (20 short runs each): read a ratio within 0.8-1.25 as a tie"),
-        f"- Python {platform.python_version()}, torch {torch.__version__}, onnxruntime {ort.__version__}; "
-        + ", ".join(versions),
-        f"- commits: {', '.join(commits) or '-'}; measured {times[0] if times else '-'} .. {times[-1] if times else '-'}",
-        "- Every cell of a metric is `k/n percent [Wilson 95% interval]`. Readings: **ORT** = the file in ONNX "
-        "Runtime at its default optimizations (what `InferenceSession(path)` runs); **ORT literal** = optimizations "
-        "off (the arithmetic the Q/DQ pairs describe), on the subset named per model; **torch** = the quantized "
-        "model in PyTorch (PyTorch path), on the same subset; OpenVINO (CPU, f32 inference precision, as "
-        "quantship's consumers run it) for the openvino preset's file, TiGrIS's host runtime (its compiled plan, "
-        "subset) for the tigris preset's file. Second metric: agreement of the top-1 answer with FP32 (ORT) on "
-        "the same samples.",
-        "- Latency: ONNX Runtime, default optimizations, default threads; FP32 file / INT8 file in ms (speed-up), "
-        "batch 1 and batch 8 (a ratio above 1 is faster than FP32). Size: the INT8 file on disk, and its size "
-        "as a multiple of the FP32 file's."
-        + (f" Latency of {len(retimed)} of {len(rows)} rows re-timed from the same files in a later, quieter run "
-           f"(`--keep` then `--retime`), {min(r.retimed_utc for r in retimed)} .. "
-           f"{max(r.retimed_utc for r in retimed)}, 1-min load average "
-           f"{min(retimed_loads):.1f}..{max(retimed_loads):.1f}." if retimed and retimed_loads else ""),
-        "- Tools: ORT = `onnxruntime.quantization.quantize_static` after `quant_pre_process` as ORT documents "
-        "(where pre-processing fails, the file as shipped, noted), QDQ format, MinMax; NNCF = `nncf.quantize` on "
-        "the `onnx.ModelProto` (ONNX backend), `subset_size` = the calibration set; quantship ONNX path = the "
-        "command `quantship quantize-onnx FLOAT.onnx --calib CAL.npy --out INT8.onnx --target T` in a subprocess, "
-        "calibration array in the input's own dtype; quantship PyTorch path = `Quantizer.for_target(T).quantize` "
-        "+ `export_qdq(..., target=T)` on the PyTorch model (the wheel's for MTCNN; `onnx2torch` 1.5.15 after "
-        "lifting Constants to initializers and freezing constant Reshape/Resize arguments, "
-        "`quantship.examples.real.convert`, for the ONNX models). All tools get the same calibration data.",
-        "",
-    ]
-    order = {m: i for i, m in enumerate(MODELS)}
-    models = sorted({r.model for r in rows}, key=lambda m: order.get(m, 99))
-    never = [m for m in MODELS if m not in models]
-    if never:
-        lines += [f"- Not measured yet (the run was stopped before them): {', '.join(never)}", ""]
-    summary = [("onnx", "fp32"), ("onnx", "ort-defaults"), ("onnx", "ort-per-channel"), ("onnx", "nncf"),
-               ("onnx", "quantship:onnxruntime-cpu"), ("pt2e", "quantship:onnxruntime-cpu")]
-    lines += ["## Summary: the task metric of each file in ONNX Runtime (default optimizations)", "",
-              "| model | metric | FP32 | ORT defaults | ORT per-channel | NNCF | quantship ONNX path, onnxruntime-cpu "
-              "| quantship PyTorch path, onnxruntime-cpu |", "|---|---|---|---|---|---|---|---|"]
-    for model in models:
-        info = tasks.get(model, {})
-        metric = (info.get("metrics") or ["-"])[0]
-        cells = []
-        for key in summary:
-            r = records.get(f"{model}|{key[0]}|{key[1]}")
-            if r is None:
-                cells.append("not run")
-            elif r.status != "ok":
-                cells.append("not produced (reason below)")
-            else:
-                cells.append(_cell(r, "ort", metric))
-        lines.append(f"| {model} | {metric} | " + " | ".join(cells) + " |")
-    lines.append("")
-    for model in models:
-        info = tasks.get(model, {})
-        metrics = info.get("metrics") or sorted({m for r in rows if r.model == model for v in r.scores.values()
-                                                 if isinstance(v, dict) for m in v})
-        primary, secondary = metrics[0], (metrics[1] if len(metrics) > 1 else None)
-        lines += [f"## {info.get('title', model)}", "", f"Data: {info.get('data', '-')}.", ""]
-        if info.get("subset"):
-            lines += [f"Slow readings (ORT literal, torch, TiGrIS) on the first {info['subset']} samples.", ""]
-        head = (f"| path | tool / preset | {primary}, ORT | {primary}, ORT literal | {primary}, torch | "
-                f"{primary}, OpenVINO / TiGrIS | " + (f"{secondary}, ORT | " if secondary else "")
-                + "size | ms b1 FP32 / INT8 | ms b8 FP32 / INT8 | status, notes |")
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
-        keys = row_keys(model)
-        mine = sorted((r for r in rows if r.model == model),
-                      key=lambda r: keys.index((r.path, r.tool)) if (r.path, r.tool) in keys else 99)
-        measured = {(r.path, r.tool) for r in mine}
-        pending = [Row(model, p, t, status=PENDING) for p, t in keys if (p, t) not in measured]
-        for r in mine + pending:
-            consumer = next((c for c in ("openvino", "tigris") if c in r.scores), None)
-            status = "ok" if r.status == "ok" else f"**not produced**: {r.status}"
-            if r.notes:
-                status += f"; {_short_note(r.notes)}"
-            tool = TOOL_NAMES.get(r.tool, f"quantship `{r.tool.removeprefix('quantship:')}`")
-            if r.path == "pt2e" and r.tool == "fp32":
-                tool = "FP32 in PyTorch"
-            lines.append(
-                f"| {'ONNX' if r.path == 'onnx' else 'PyTorch (pt2e)'} | {tool} | {_cell(r, 'ort', primary)} | "
-                f"{_cell(r, 'ort-literal', primary)} | {_cell(r, 'torch', primary)} | "
-                f"{(consumer + ': ' + _cell(r, consumer, primary)) if consumer else '-'} | "
-                + (f"{'reference' if (r.path, r.tool) == ('onnx', 'fp32') else _cell(r, 'torch' if r.tool == 'fp32' else 'ort', secondary)} | "
-                   if secondary else "")
-                + f"{_size(r)} | {_latency(r, 'b1')} | {_latency(r, 'b8')} | {status} |")
-        lines.append("")
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -789,7 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retime", type=Path, default=None, metavar="DIR",
                         help="re-measure only the latency of the rows whose files --keep left in DIR (on an idle "
                              "machine), keeping every other figure")
+    parser.add_argument("--wall-threads", action="store_true",
+                        help="latency by the older method: ONNX Runtime's default threads, wall time, a fixed "
+                             "count (spreads 2-10x with a shared machine's load; default: 1 thread, CPU time)")
     args = parser.parse_args(argv)
+    method = WALL if args.wall_threads else STEADY
+    rounds = SMOKE_ROUNDS if args.smoke else DEFAULT_ROUNDS
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in MODELS]
     if unknown:
@@ -809,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out_md}")
         return 0
     if args.retime:
-        return retime(chosen, args.retime, results, out_md, args.rows, args.smoke)
+        return retime(chosen, args.retime, results, out_md, args.rows, args.smoke, method)
     commit = head_commit()
     started = time.perf_counter()
     results, out_md, home = results.resolve(), out_md.resolve(), os.getcwd()
@@ -834,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             meta = {name: {"title": task.title, "data": task.data, "metrics": list(task.metrics),
                            "subset": task.subset}}
-            runner, torch_cache = Runner(task, workdir), {}
+            runner, torch_cache = Runner(task, workdir, method, rounds), {}
             for path_kind, tool in keys:
                 t0 = time.perf_counter()
                 row = measure(task, runner, path_kind, tool, workdir, torch_cache)
@@ -856,9 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def retime(chosen: list[str], kept: Path, results: Path, out_md: Path, rows: str | None, smoke: bool = False) -> int:
-    """Latency again, FP32 and INT8 interleaved as in a full run, from the files a ``--keep`` run left:
-    what an idle machine measures, without quantizing anything again. Other figures stay as measured."""
+def retime(chosen: list[str], kept: Path, results: Path, out_md: Path, rows: str | None, smoke: bool = False,
+           method: str = STEADY) -> int:
+    """Latency again, by ``method``, FP32 and INT8 interleaved as in a full run, from the files a ``--keep`` run
+    left, without quantizing anything again. Other figures stay as measured."""
     records, _ = load_records(results)
     wanted = [w for w in (rows or "").split(",") if w]
     done = []
@@ -877,10 +601,11 @@ def retime(chosen: list[str], kept: Path, results: Path, out_md: Path, rows: str
                 if not path.exists():
                     print(f"   {row.key}: no kept file {path.name}; latency left as measured", flush=True)
                     continue
-                row.latency_ms = latency(task.float_path, path, task.eval_x, task.reps)
+                time_row(row, task, path, method, SMOKE_ROUNDS if smoke else DEFAULT_ROUNDS)
                 row.retimed_utc = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 row.retimed_load = round(os.getloadavg()[0], 1)
-                print(f"   {row.key}: {row.latency_ms} (load {row.retimed_load})", flush=True)
+                print(f"   {row.key}: {row.latency_ms} ({row.latency_method}, rounds {row.latency_rounds}, "
+                      f"load {row.retimed_load})", flush=True)
                 out_md.write_text(render(*save_records([row], results), smoke=smoke))
                 done.append(row)
     print(f"re-timed {len(done)} row(s); wrote {out_md}")
