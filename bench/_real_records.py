@@ -15,6 +15,7 @@ from _real_timing import WALL
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")
+SPEED_TOOL = "quantship-speed:onnxruntime-cpu"  # quantize-onnx --speed-search, the onnxruntime-cpu preset
 MODELS = ("ocr_cls", "magika", "ocr_det", "nudenet", "mtcnn_pnet", "mtcnn_rnet", "mtcnn_onet")
 
 
@@ -23,7 +24,7 @@ def row_keys(task_name: str) -> list[tuple[str, str]]:
     keys = [("onnx", "fp32"), ("onnx", "ort-defaults"), ("onnx", "ort-per-channel"), ("onnx", "nncf")]
     if task_name == "magika":
         keys.append(("onnx", "nncf-transformer"))
-    keys += [("onnx", f"quantship:{p}") for p in PRESETS]
+    keys += [("onnx", f"quantship:{p}") for p in PRESETS] + [("onnx", SPEED_TOOL)]
     keys += [("pt2e", "fp32")] + [("pt2e", f"quantship:{p}") for p in PRESETS]
     return keys
 

@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 
-from _real_records import MODELS, PRESETS, Row, latency_method_of, row_keys
+from _real_records import MODELS, PRESETS, SPEED_TOOL, Row, latency_method_of, row_keys
 from _real_timing import DEFAULT_ROUNDS, STEADY, WALL
 
 WALL_MARK = " (wall)"  # after a latency figure measured by the older method
@@ -194,6 +194,7 @@ TOOL_NAMES = {
     "fp32": "FP32", "ort-defaults": "ORT `quantize_static` (QDQ, defaults)",
     "ort-per-channel": "ORT `quantize_static` (QDQ, per_channel=True)", "nncf": "NNCF `nncf.quantize` (defaults)",
     "nncf-transformer": "NNCF (`model_type=TRANSFORMER`)",
+    SPEED_TOOL: "quantship `onnxruntime-cpu --speed-search`",
 }
 
 
@@ -252,10 +253,11 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
     if never:
         lines += [f"- Not measured yet (the run was stopped before them): {', '.join(never)}", ""]
     summary = [("onnx", "fp32"), ("onnx", "ort-defaults"), ("onnx", "ort-per-channel"), ("onnx", "nncf"),
-               ("onnx", "quantship:onnxruntime-cpu"), ("pt2e", "quantship:onnxruntime-cpu")]
+               ("onnx", "quantship:onnxruntime-cpu"), ("onnx", SPEED_TOOL), ("pt2e", "quantship:onnxruntime-cpu")]
     lines += ["## Summary: the task metric of each file in ONNX Runtime (default optimizations)", "",
               "| model | metric | FP32 | ORT defaults | ORT per-channel | NNCF | quantship ONNX path, onnxruntime-cpu "
-              "| quantship PyTorch path, onnxruntime-cpu |", "|---|---|---|---|---|---|---|---|"]
+              "| quantship ONNX path, onnxruntime-cpu `--speed-search` | quantship PyTorch path, onnxruntime-cpu |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for model in models:
         info = tasks.get(model, {})
         metric = (info.get("metrics") or ["-"])[0]

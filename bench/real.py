@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from _real_records import MODELS, ROOT, Row, head_commit, load_records, row_keys, save_records
+from _real_records import MODELS, ROOT, SPEED_TOOL, Row, head_commit, load_records, row_keys, save_records
 from _real_render import _pct, render  # noqa: F401  (_pct: bench/algorithms.py and int16.py read real._pct)
 from _real_timing import DEFAULT_ROUNDS, SMOKE_ROUNDS, STEADY, WALL, Rounds, latency, wall_ms
 
@@ -391,15 +391,15 @@ def nncf_quantize(task: Task, out: Path, transformer: bool) -> str:
     return ""
 
 
-def quantship_cli(task: Task, out: Path, preset: str) -> str:
-    """``quantship quantize-onnx FLOAT --calib CAL.npy --out OUT --target T``, as a user runs it.
+def quantship_cli(task: Task, out: Path, preset: str, extra: tuple[str, ...] = ()) -> str:
+    """``quantship quantize-onnx FLOAT --calib CAL.npy --out OUT --target T [extra]``, as a user runs it.
 
     Raises ``Refused`` with the command's one-line message when it writes nothing."""
     calib = out.with_name(f"{task.model}_calib.npy")
     np.save(calib, task.calib)  # the dtype the input declares (int32 for magika, float32 otherwise)
     exe = Path(sys.executable).parent / "quantship"
     command = [str(exe) if exe.exists() else (shutil.which("quantship") or "quantship"), "quantize-onnx",
-               str(task.float_path), "--calib", str(calib), "--out", str(out), "--target", preset]
+               str(task.float_path), "--calib", str(calib), "--out", str(out), "--target", preset, *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode == 1 and out.exists():  # written; its own check did not accept it (exit 1): scored, said
@@ -412,6 +412,21 @@ def quantship_cli(task: Task, out: Path, preset: str) -> str:
         message = re.sub(r"^quantship quantize-onnx: error: ", "", message)
         raise Refused(f"`quantize-onnx` refused (exit {done.returncode}): {message[:400]}")
     return ""
+
+
+# the speed search's steps after the first, bounded on the two large models for the bench's time (there each
+# step quantizes the file again and times it at batch 1 and 8: about a minute on the detector)
+SPEED_MAX_STEPS = {"ocr_det": 6, "nudenet": 12}
+
+
+def speed_note(path: Path, steps: int | None) -> str:
+    """What the speed search kept float, as the written file records it."""
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    said = props.get("quantship.speed_search", "no speed-search record in the file")
+    bound = f"--max-steps {steps} (the bench's time on this model); " if steps else ""
+    return f"{bound}{said.split('; measured on')[0]}"
 
 
 def pt2e_quantize(task: Task, model, out: Path, preset: str):
@@ -477,6 +492,11 @@ def measure(task: Task, runner: Runner, path_kind: str, tool: str, workdir: Path
             row.notes = ort_quantize(t, out, per_channel=tool == "ort-per-channel")
         elif tool.startswith("nncf"):
             row.notes = nncf_quantize(t, out, transformer=tool == "nncf-transformer")
+        elif tool == SPEED_TOOL:
+            preset = "onnxruntime-cpu"
+            steps = SPEED_MAX_STEPS.get(t.model)
+            row.notes = quantship_cli(t, out, preset, ("--speed-search",) + (("--max-steps", str(steps)) if steps else ()))
+            row.notes = "; ".join(n for n in (row.notes, speed_note(out, steps)) if n)
         else:
             preset = tool.removeprefix("quantship:")
             row.notes = quantship_cli(t, out, preset)

@@ -143,3 +143,10 @@ def test_the_real_pnet_at_12_px_gets_faster_with_its_first_convs_float(tmp_path)
     for b in (1, 8):
         assert search.final_ms["chosen"][b] < search.final_ms["start"][b], search.final_ms
     assert result.fidelity["fused"]["argmax_agreement"] == 1.0 and result.verdict.verdict == "accepted"
+
+
+def test_single_steps_try_the_shortest_reductions_first(stem_file, tmp_path):
+    """stem: 1 x 3 x 3 = 9 products per output; head 64 (1x1 over 64 channels); body1 16 x 9 = 144; body2 576."""
+    path, _ = stem_file
+    names = ["stem", "body1", "body2", "head"]
+    assert speed.by_reduction_length(path, names) == ["stem", "head", "body1", "body2"]

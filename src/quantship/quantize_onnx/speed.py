@@ -15,7 +15,10 @@ interleaved rounds, at every batch it serves):
 
 1. ``prefix`` steps: the first k weighted ops (graph order) kept float, k = 1, 2, ... until
    ``PATIENCE`` steps in a row were not faster (a stem is a run of small Convs);
-2. ``single`` steps: each remaining weighted op added to the float set on its own.
+2. ``single`` steps: each remaining weighted op added to the float set on its own, shortest reduction
+   first (input channels per group x kernel area for a Conv, the inner dimension for a MatMul / Gemm:
+   the fewer products each output sums, the less an integer kernel saves against its Q/DQ and layout
+   costs, so with ``max_steps`` the likeliest wins are tried first).
 
 A step is kept when its file is faster by at least ``MARGIN`` (geometric mean over the batches) and
 not slower at any batch by more than ``TOLERANCE``; ``max_steps`` bounds the steps after step 0. The
@@ -173,6 +176,28 @@ def normalised_file(src: Path, calibration: Any, target: str | Preset, path: Pat
     return path, first_feeds(feeds, STEP_SAMPLES)
 
 
+def by_reduction_length(path: Path, names: list[str]) -> list[str]:
+    """``names`` (weighted ops of the normalised file at ``path``) ordered by how many products each
+    output element sums, fewest first; graph order on ties."""
+    model = onnx.load(str(path))
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    length: dict[str, int] = {}
+    for i, node in enumerate(model.graph.node):
+        label = node.name or f"{node.op_type}#{i}"
+        shape = shapes.get(node.input[1]) if len(node.input) > 1 else None
+        if label not in names or not shape:
+            continue
+        if node.op_type in ("Conv", "ConvTranspose"):
+            length[label] = int(np.prod(shape[1:])) if node.op_type == "Conv" else int(shape[0] * np.prod(shape[2:]))
+        elif node.op_type == "Gemm":
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            length[label] = int(shape[1] if trans_b else shape[0])
+        else:
+            length[label] = int(shape[-2]) if len(shape) >= 2 else int(shape[0])
+    order = {n: k for k, n in enumerate(names)}
+    return sorted(names, key=lambda n: (length.get(n, 1 << 30), order[n]))
+
+
 def refuse_unless_ort_cpu(target: str | Preset) -> None:
     """The search times the file in ONNX Runtime on this CPU: it serves the ONNX Runtime CPU target only."""
     p = resolve_target(target)
@@ -247,7 +272,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
                 break
             budget -= 1
             misses = 0 if attempt("prefix", (*base, *search.candidates[:k])) else misses + 1
-        for node in search.candidates:
+        for node in by_reduction_length(normal, search.candidates):
             if budget <= 0:
                 break
             if node in best or len(best) - len(base) >= len(search.candidates) - 1:

@@ -20,7 +20,7 @@ import numpy as np
 from quantship.inspect.run.consumers import cpu_info
 
 INT8_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")  # what the int8 kernels use
-MIN_ROUNDS, MAX_ROUNDS = 10, 3000
+MIN_ROUNDS, MAX_ROUNDS = 5, 3000
 
 
 def single_thread_session(path: str | Path):
