@@ -7,7 +7,10 @@ bench exports the three facenet-pytorch 2.6.0 nets with their raw outputs (PNet 
 and width, RNet and ONet with a dynamic batch), quantizes each with ``quantize_onnx_file`` (the
 ``onnxruntime-cpu`` preset, calibration: 64 crops of REAL.md's calibration draw, seed 1, at each
 net's size; PNet's at 48 x 48), and runs facenet-pytorch's own ``detect_face`` with the nets replaced
-by ONNX Runtime sessions (default optimizations), FP32 and INT8 interleaved per image:
+by ONNX Runtime sessions (default optimizations), FP32 and INT8 interleaved per image; the INT8
+files three ways: as ``quantize-onnx`` writes them, with PNet's first two Convs kept float by hand
+(``--exclude``), and as ``quantize-onnx --speed-search`` writes them (each net's search timed at its
+calibration crops' size):
 
 - faces: the FP32 pipeline's boxes (after all three stages and their NMS) reproduced by the INT8
   pipeline at IoU >= 0.5, and the INT8 pipeline's boxes FP32 does not have;
@@ -64,20 +67,29 @@ def first_convs(path: Path, n: int) -> list[str]:
 
 
 def quantize_nets(paths: dict[str, Path], calib: dict[str, np.ndarray], workdir: Path,
-                  exclude: dict[str, list[str]] | None = None, tag: str = "int8") -> tuple[dict, dict]:
+                  exclude: dict[str, list[str]] | None = None, tag: str = "int8", speed: bool = False
+                  ) -> tuple[dict, dict, dict]:
     """Each net through ``quantize_onnx_file`` (``exclude``: node names per net kept float, as
-    ``quantize-onnx --exclude`` would)."""
+    ``quantize-onnx --exclude`` would), or with ``speed`` through ``speed_search_onnx`` (as
+    ``quantize-onnx --speed-search``: timed on the calibration crops' size, PNet's 48 x 48). Returns the
+    files, the seconds each took and, with ``speed``, what each search kept float."""
     from quantship.quantize_onnx import quantize_onnx_file
+    from quantship.quantize_onnx.speed import speed_search_onnx
 
-    out, seconds = {}, {}
+    out, seconds, kept = {}, {}, {}
     for net, path in paths.items():
         x = calib["onet" if net == "pnet" else net]
         start = time.perf_counter()
         out[net] = workdir / f"{net}_{tag}.onnx"
-        quantize_onnx_file(path, out[net], [x[i:i + 16] for i in range(0, len(x), 16)],
-                           target="onnxruntime-cpu", run_check=False, exclude=(exclude or {}).get(net, ()))
+        batches = [x[i:i + 16] for i in range(0, len(x), 16)]
+        if speed:
+            _, search = speed_search_onnx(path, out[net], batches, target="onnxruntime-cpu", run_check=False)
+            kept[net] = list(search.chosen)
+        else:
+            quantize_onnx_file(path, out[net], batches, target="onnxruntime-cpu", run_check=False,
+                               exclude=(exclude or {}).get(net, ()))
         seconds[net] = time.perf_counter() - start
-    return out, seconds
+    return out, seconds, kept
 
 
 class OrtNet:
@@ -220,23 +232,30 @@ def main(argv: list[str] | None = None) -> int:
     lines = [*_smoke.banner(args), *_smoke.cpu_lines("MTCNN end to end: FP32 against quantship INT8 files")]
     with tempfile.TemporaryDirectory(prefix="quantship-mtcnn-") as tmp:
         fp32 = export_nets(Path(tmp))
-        int8, seconds = quantize_nets(fp32, calib, Path(tmp))
+        int8, seconds, _ = quantize_nets(fp32, calib, Path(tmp))
         # PNet's first two Convs read 3 and 10 channels: ONNX Runtime's QLinearConv runs those slower than
         # its float Conv (bench/conv_speed.py); the same files with them kept float, as a user would
         excluded = first_convs(fp32["pnet"], 2)
-        pnet_ex, _ = quantize_nets({"pnet": fp32["pnet"]}, calib, Path(tmp), exclude={"pnet": excluded}, tag="int8_ex")
+        pnet_ex, _, _ = quantize_nets({"pnet": fp32["pnet"]}, calib, Path(tmp), exclude={"pnet": excluded},
+                                      tag="int8_ex")
         int8_ex = {**int8, **pnet_ex}  # RNet's and ONet's files are the plain ones
+        int8_speed, speed_seconds, kept = ({}, {}, {}) if args.smoke else quantize_nets(fp32, calib, Path(tmp),
+                                                                                         tag="int8_speed", speed=True)
         sizes = [pyramid_sizes(*im.shape[:2]) for im in images]
         largest = max(s[0] for s in sizes)
         lines += ["", f"{len(images)} images, longer side 240-480 px (grace_hopper cropped and jittered: 3 in 4; china "
                   f"and flower: 1 in 4); min face {MIN_FACE} px, thresholds {THRESHOLDS}, pyramid factor {FACTOR}: "
                   f"{min(map(len, sizes))}-{max(map(len, sizes))} PNet scales per image, the largest "
                   f"{largest[0]} x {largest[1]}. Quantize time (s): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + ".", ""]
+                  + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + "."
+                  + (" The speed search (s): " + ", ".join(f"{k} {v:.1f}" for k, v in speed_seconds.items())
+                     + "; kept float: " + "; ".join(f"{k} {', '.join(v) or 'nothing'}" for k, v in kept.items())
+                     + "." if kept else ""), ""]
         header = "| INT8 files | threads | faces FP32 finds | reproduced by INT8 (IoU >= 0.5) | INT8 only | " + \
             " | ".join(f"{n} ms FP32 / INT8" for n in (*NETS, "total")) + " |"
         lines += [header, "|---|---|---|---|---|" + "---|" * (len(NETS) + 1)]
-        variants = (("quantize-onnx", int8), (f"PNet's {', '.join(excluded)} float (--exclude)", int8_ex))
+        variants = (("quantize-onnx", int8), (f"PNet's {', '.join(excluded)} float (--exclude)", int8_ex),
+                    *((("quantize-onnx --speed-search", int8_speed),) if int8_speed else ()))
         for (label, files), t in ((v, t) for v in variants for t in threads):
             r = run(images, fp32, files, t, reps)
             f, ms = r["found"], r["ms"]

@@ -11,16 +11,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
 
-from quantship import export_onnx
 from quantship.errors import SpecRefused
-from quantship.examples import real
-from quantship.examples.real import mtcnn
 from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
 from quantship.quantize_onnx import speed
 from quantship.quantize_onnx.speed import SPEED_KEY, faster, speed_search_onnx
 from tests.quantize_onnx import graphs
+from tests.quantize_onnx.real_nets import mtcnn_file
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +127,7 @@ def test_the_real_pnet_at_12_px_gets_faster_with_its_first_convs_float(tmp_path)
     integer file (ORT's, NNCF's, ours) ran at about 0.7x FP32. The search keeps its first Convs float
     (prefix steps) and the written file is faster than step 0's at batch 1 and 8, its face probability
     still agreeing with FP32 on every calibration crop."""
-    try:
-        real.require(mtcnn.MODULE)
-    except real.MissingPackage as exc:
-        pytest.skip(str(exc))
-    crops = mtcnn.make_crops(16, seed=1).x["pnet"]
-    path = export_onnx(mtcnn.FaceProbability(mtcnn.load_net("pnet")), torch.from_numpy(crops[:1]),
-                       tmp_path / "pnet.onnx", input_names=["x"], output_names=["p"], dynamic_batch=True)
+    path, crops = mtcnn_file("pnet", tmp_path, dynamic_batch=True)
     result, search = speed_search_onnx(path, tmp_path / "pnet_int8.onnx", crops, target="onnxruntime-cpu",
                                        seconds=0.25)
     assert search.chosen and search.chosen[0] == search.candidates[0]

@@ -8,17 +8,14 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from quantship import export_onnx
-from quantship.examples import real
-from quantship.examples.real import mtcnn
 from quantship.inspect.run.consumers import tigris_executable
 from quantship.precision import resolve_target
 from quantship.quantize_onnx import target_forms
 from quantship.quantize_onnx.quantizer import quantize_onnx_file
 from tests.quantize_onnx import graphs
+from tests.quantize_onnx.real_nets import mtcnn_file
 
 X = graphs.images(6, (3, 8, 8), seed=5)
 
@@ -227,13 +224,7 @@ def test_mtcnn_onets_prelus_take_the_two_kernel_form_and_its_outputs_do_not_move
     """The real case: facenet-pytorch's ONet (every slope <= 1, 32-256 channels) exported by export_onnx;
     the PRelus on at least PRELU_MIN_VALUES values per sample become Mul + Max, ONNX Runtime's outputs on
     real crops identical bit for bit."""
-    try:
-        real.require(mtcnn.MODULE)
-    except real.MissingPackage as exc:
-        pytest.skip(str(exc))
-    crops = mtcnn.make_crops(16, seed=1).x["onet"]
-    path = export_onnx(mtcnn.FaceProbability(mtcnn.load_net("onet")), torch.from_numpy(crops[:1]),
-                       tmp_path / "onet.onnx", input_names=["x"], output_names=["p"])
+    path, crops = mtcnn_file("onet", tmp_path)
     m = ir.load(str(path))
     before = _run(m, crops)
     large = [p for p in m.graph if p.op_type == "PRelu"
