@@ -114,6 +114,8 @@ def ort_quantship_tools(rows: list[Row]) -> list[str]:
 
 
 def _tool_label(tool: str) -> str:
+    if tool == SPEED_TOOL:
+        return "onnxruntime-cpu `--speed-search`"
     return tool.removeprefix("quantship:") if tool.startswith("quantship:") else tool
 
 
