@@ -141,3 +141,12 @@ def test_single_steps_try_the_shortest_reductions_first(stem_file, tmp_path):
     path, _ = stem_file
     names = ["stem", "body1", "body2", "head"]
     assert speed.by_reduction_length(path, names) == ["stem", "head", "body1", "body2"]
+
+
+def test_the_callers_exclusions_stay_float_and_are_not_counted_as_the_searchs(stem_file, tmp_path):
+    path, x = stem_file
+    out = tmp_path / "q.onnx"
+    result, search = speed_search_onnx(path, out, x, target="onnxruntime-cpu", exclude=["head"], max_steps=0,
+                                       seconds=0.1)
+    assert search.chosen == ("head",) and search.added == () and "head" not in search.candidates
+    assert result.excluded == ["head"] and search.describe().startswith("0 weighted op(s) kept float for speed")

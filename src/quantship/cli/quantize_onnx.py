@@ -271,7 +271,7 @@ def _run(args: argparse.Namespace, out) -> int:
            ("top-1 INT8 file (ORT)", accuracy["int8"].describe())] if accuracy else []),
         *(_search_rows(search) if search is not None else []),
         *([("speed search", f"{len(speed.steps)} file(s) timed; {speed.describe()}"),
-           ("kept float for speed", ", ".join(speed.chosen) or "nothing")] if speed is not None else []),
+           ("kept float for speed", ", ".join(speed.added) or "nothing")] if speed is not None else []),
         *[(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs],
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])

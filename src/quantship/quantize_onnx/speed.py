@@ -100,14 +100,21 @@ class SpeedSearch:
 
     cpu: str
     batches: tuple[int, ...]
+    base: tuple[str, ...] = ()  # kept float by the caller in every step (``exclude``)
     candidates: list[str] = field(default_factory=list)
     steps: list[SpeedStep] = field(default_factory=list)
     final_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "fp32" / "start" / "chosen" -> b -> ms
 
     @property
     def chosen(self) -> tuple[str, ...]:
+        """Every node the written file keeps float: the caller's ``exclude`` and what the search added."""
         kept = [s for s in self.steps if s.kept]
-        return kept[-1].excluded if kept else ()
+        return kept[-1].excluded if kept else self.base
+
+    @property
+    def added(self) -> tuple[str, ...]:
+        """The nodes the search kept float for speed (not the caller's ``exclude``)."""
+        return tuple(n for n in self.chosen if n not in self.base)
 
     def speedup(self, which: str) -> dict[int, float]:
         """FP32 ms / the file's ms, per batch, from the final reading."""
@@ -118,12 +125,13 @@ class SpeedSearch:
             return " / ".join(f"{r:.2f}x" for r in self.speedup(which).values())
 
         batches = " / ".join(f"b{b}" for b in self.batches)
-        return (f"{len(self.chosen)} weighted op(s) kept float for speed; vs FP32 at {batches} (1 thread, CPU time): "
+        return (f"{len(self.added)} weighted op(s) kept float for speed; vs FP32 at {batches} (1 thread, CPU time): "
                 f"{ratios('chosen')} (nothing kept float: {ratios('start')}); measured on {self.cpu}")
 
     def as_dict(self) -> dict:
         return {"cpu": self.cpu, "batches": list(self.batches), "candidates": list(self.candidates),
-                "steps": [s.as_dict() for s in self.steps], "chosen": list(self.chosen),
+                "steps": [s.as_dict() for s in self.steps], "chosen": list(self.chosen), "base": list(self.base),
+                "added": list(self.added),
                 "final_ms": {k: {str(b): v for b, v in d.items()} for k, d in self.final_ms.items()},
                 "speedup_vs_fp32": {k: {str(b): r for b, r in self.speedup(k).items()} for k in ("start", "chosen")}
                 if self.final_ms else {}}
@@ -229,7 +237,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
     base = tuple(exclude)
     calibration = list(calibration) if not isinstance(calibration, (np.ndarray, dict)) else calibration
     feeds = timing_feeds(src, calibration, batches)
-    search = SpeedSearch(cpu_line(), tuple(feeds))
+    search = SpeedSearch(cpu_line(), tuple(feeds), base)
     with artifact.workdir_beside(final) as scratch:
         normal, step_feeds = normalised_file(src, calibration, target, scratch / "normalised.onnx", options)
         structural = {k: v for k, v in options.items() if k in STRUCTURAL}
