@@ -243,7 +243,9 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
         "(where pre-processing fails, the file as shipped, noted), QDQ format, MinMax; NNCF = `nncf.quantize` on "
         "the `onnx.ModelProto` (ONNX backend), `subset_size` = the calibration set; quantship ONNX path = the "
         "command `quantship quantize-onnx FLOAT.onnx --calib CAL.npy --out INT8.onnx --target T` in a subprocess, "
-        "calibration array in the input's own dtype; quantship PyTorch path = `Quantizer.for_target(T).quantize` "
+        "calibration array in the input's own dtype (`--speed-search` rows: the same command with `--target "
+        "onnxruntime-cpu --speed-search`, its steps bounded by `--max-steps` on the models bench/real.py's "
+        "SPEED_MAX_STEPS names, said in the row); quantship PyTorch path = `Quantizer.for_target(T).quantize` "
         "+ `export_qdq(..., target=T)` on the PyTorch model (the wheel's for MTCNN; `onnx2torch` 1.5.15 after "
         "lifting Constants to initializers and freezing constant Reshape/Resize arguments, "
         "`quantship.examples.real.convert`, for the ONNX models). All tools get the same calibration data.",
@@ -296,7 +298,9 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
             consumer = next((c for c in ("openvino", "tigris") if c in r.scores), None)
             status = "ok" if r.status == "ok" else f"**not produced**: {r.status}"
             if r.notes:
-                status += f"; {_short_note(r.notes)}"
+                note = r.notes.replace("; vs FP32 at", "; its own final reading at quantize time, vs FP32 at") \
+                    if r.tool == SPEED_TOOL else r.notes  # the search's reading, not the row's latency columns
+                status += f"; {_short_note(note)}"
             tool = TOOL_NAMES.get(r.tool, f"quantship `{r.tool.removeprefix('quantship:')}`")
             if r.path == "pt2e" and r.tool == "fp32":
                 tool = "FP32 in PyTorch"
