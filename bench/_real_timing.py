@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from quantship.inspect.run.timing import single_thread_session
+
 STEADY = "1 thread, CPU time"
 WALL = "default threads, wall time"
 
@@ -56,7 +58,10 @@ class Timing:
 
 
 def session(path: Path | str, threads: int | None = 1):
-    """A CPU session at ONNX Runtime's default optimizations; ``threads=None``: ORT's default thread counts."""
+    """A CPU session at ONNX Runtime's default optimizations: one thread (quantship's timing session, what
+    ``quantize-onnx --speed-search`` times with), or ``threads=None``: ORT's default thread counts."""
+    if threads == 1:
+        return single_thread_session(path)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads is not None:
