@@ -167,6 +167,7 @@ def quantize_onnx_file(float_path: str | Path, out: str | Path, batches: Sequenc
     import onnx_ir as ir  # onnxscript's IR loads only when ORT's path runs
 
     src = Path(float_path).expanduser().resolve()
+    artifact.refuse_unsafe_destination(out, (src,))
     model = load_onnx(src)
     refuse_quantized(model, float_path)
     declared = float_input(model, float_path)
@@ -176,7 +177,7 @@ def quantize_onnx_file(float_path: str | Path, out: str | Path, batches: Sequenc
     settings = ort_settings(p, per_tensor=per_tensor)
     facts: dict[str, Any] = {}
     try:
-        with artifact.atomic_destination(out, wait=wait) as staged:
+        with artifact.atomic_destination(out, wait=wait, inputs=(src,)) as staged:
             quantize_static_file(src, staged, batches, settings, declared.name)
             quantized = ir.load(staged)
             facts["written"] = write_kernel_shapes(quantized)  # TensorRT's parser needs it; nothing else changes

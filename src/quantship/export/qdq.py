@@ -355,6 +355,7 @@ def export_qdq(
     (``.readings.per_output``; the top-level figures are the worst output's). A None or non-tensor
     output is refused by name.
     """
+    artifact.refuse_unsafe_destination(path)  # before any work: never onto a source, a data file or a device
     target = resolve_target(target) if target is not None else None  # the one look-up: a Preset from here on
     spec = exportable_spec(model)
     if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)

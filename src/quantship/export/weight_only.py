@@ -349,6 +349,7 @@ def export_weight_only(
     """
     import torch
 
+    artifact.refuse_unsafe_destination(path)
     check_targets(target)
     nbits_form = target is not None  # check_targets let through ORT_CPU only: com.microsoft MatMulNBits
     weights = read_weights(model)

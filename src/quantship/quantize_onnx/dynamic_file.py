@@ -174,6 +174,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     p = refuse_target(target)
     placement, _, base_spec = placement_for(p, per_tensor=per_tensor)
     src = Path(float_path).expanduser()
+    artifact.refuse_unsafe_destination(out_path, (src,))
     if src.is_file():
         refuse_if_too_large(src)
     proto = load_onnx(src)
@@ -211,7 +212,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model
-    with artifact.atomic_destination(out_path, wait=wait) as staged:
+    with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
         del final
         check_dynamic_held(staged, plan, placement.weight_bound, opset)

@@ -325,6 +325,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if smooth_quant is not None:
         smoothing.check_alpha(smooth_quant)
     src = Path(float_path).expanduser()
+    artifact.refuse_unsafe_destination(out_path, (src,))
     if src.is_file():
         refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
     proto = load_onnx(src)
@@ -400,7 +401,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model
-    with artifact.atomic_destination(out_path, wait=wait) as staged:
+    with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
         del final
         facts = read_file(staged)

@@ -219,7 +219,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
         raise DataRefused(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every candidate")
     name, score = _scorer(labelled, metric, batch_size)
     src = Path(float_path).expanduser()
-    final = Path(out_path).expanduser().resolve()
+    final = artifact.refuse_unsafe_destination(out_path, (src,))
     base, base_wide = tuple(exclude), tuple(int16)
     sixteen_first = try_int16 and runs_int16(target)
     options = dict(target=target, observer=observer, per_tensor=per_tensor, equalize=equalize,
@@ -281,7 +281,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 f"{' and ' + str(list(best.int16)) + ' in 16-bit' if best.int16 else ''} and scores {best.describe()} (drop "
                 f"{result.drop(best):+.3g}) after {len(result.steps)} quantization(s) [{result.summary()}]{stopped}; nothing "
                 "written. Raise --max-drop, allow more steps, or give more calibration data", result)
-        with artifact.atomic_destination(final, wait=wait) as staged:
+        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
             os.replace(done.path, staged)
     done.path = final
     done.verdict.path = str(final)

@@ -233,7 +233,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
     if max_steps is not None and max_steps < 0:
         raise SpecRefused(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every candidate")
     src = Path(float_path).expanduser()
-    final = Path(out_path).expanduser().resolve()
+    final = artifact.refuse_unsafe_destination(out_path, (src,))
     base = tuple(exclude)
     calibration = list(calibration) if not isinstance(calibration, (np.ndarray, dict)) else calibration
     feeds = timing_feeds(src, calibration, batches)
