@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common, options
+from quantship.cli import fidelity as fidelity_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
 
@@ -76,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "layers); the file records what was kept and the measured speed-ups")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="--max-drop: at most N nodes kept in float by the search; --speed-search: at most N "
-                             "files timed after the first (default: every candidate)")
+                             "files timed after the first; otherwise at most N fidelity repair steps (default: "
+                             "every candidate)")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="static",
                         help="static (default): calibrated Q/DQ pairs; dynamic: int8 per-column weights and each "
                              "MatMul/Gemm's activation quantized at run time (the batch-1 transformer form; Convs "
@@ -84,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_calibration_arguments(parser, required=False,
                                      help=".npy/.npz array (N x C x H x W) or a folder of images (required unless "
                                           "--activations dynamic)")
+    fidelity_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -98,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.calib:
         raise UsageError("--calib DATA is required: static activations are calibrated on it (--activations dynamic "
                          "needs none)")
+    args.budget = fidelity_cli.budget(args)  # a bound out of range: one line, exit 2, before any work
+    if args.fidelity_data and args.no_fidelity:
+        raise UsageError("--fidelity-data is the data fidelity is judged on: drop it or --no-fidelity")
     if args.max_drop is not None and not args.eval:
         raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
     if args.max_drop is not None and args.max_drop < 0:
@@ -109,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--speed-search times the file in ONNX Runtime on this CPU: it serves --target "
                          f"onnxruntime-cpu with quantship's engine, not --target {args.target}"
                          f"{' --engine ort' if args.engine == 'ort' else ''}")
-    if args.max_steps is not None and ((args.max_drop is None and not args.speed_search) or args.max_steps < 0):
-        raise UsageError("--max-steps N (N >= 0) bounds a search: give it with --max-drop or --speed-search")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise UsageError("--max-steps N bounds a search or the fidelity repair: give N >= 0")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
     args.adaround = _adaround_steps(args.adaround)
@@ -177,12 +183,33 @@ def read_feeds(args: argparse.Namespace, inputs):
     return feeds(inputs, arrays, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib)
 
 
+def read_feeds_held_out(args: argparse.Namespace, inputs):
+    """Calibration batches, the batches fidelity is judged on (``--fidelity-data``, else held out of --calib:
+    ``fidelity.split_held_out``) and a line saying which."""
+    from pathlib import Path
+
+    from quantship.quantize_onnx.data import feeds, read_arrays  # late: --help answers before numpy loads
+
+    if args.fidelity_data:
+        held = read_arrays(args.fidelity_data, inputs, args.key)
+        return (read_feeds(args, inputs), feeds(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
+                                                source=args.fidelity_data), f"--fidelity-data {args.fidelity_data}")
+    if Path(args.calib).is_dir() or args.no_fidelity:
+        return read_feeds(args, inputs), None, "none held out"
+    arrays = read_arrays(args.calib, inputs, args.key)
+    calib, held, said = fidelity_cli.split_held_out(arrays, args.max_samples)
+    held_batches = None if held is None else feeds(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
+                                                   source=args.calib)
+    return feeds(inputs, calib, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib), \
+        held_batches, said
+
+
 def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
     from quantship.inspect.read.loading import file_size, load_onnx
     from quantship.precision import preset
     from quantship.quantize_onnx.data import model_inputs
-    from quantship.quantize_onnx.quantizer import placement_for, quantize_onnx_file, refuse_unusable
+    from quantship.quantize_onnx.quantizer import placement_for, refuse_unusable
 
     ui = common.Output(args)
     target = preset(args.target)
@@ -190,7 +217,7 @@ def _run(args: argparse.Namespace, out) -> int:
     model = load_onnx(args.float_model)  # validates: exists, is ONNX, has a graph (one-line errors)
     refuse_unusable(model, args.float_model)  # already quantized, external data: refused before any work
     inputs = model_inputs(model)
-    batches = read_feeds(args, inputs)
+    batches, held, held_said = read_feeds_held_out(args, inputs)
     del model
     check_memory(args.float_model, batches)
     labelled = _labelled(args, inputs)
@@ -198,7 +225,7 @@ def _run(args: argparse.Namespace, out) -> int:
     n = sum(len(next(iter(b.values()))) for b in batches)
     ui.say(f"quantizing with quantship: {placement.mode} placement, {placement.activation_dtype} activations, "
            f"{len(batches)} calibration batch(es), {n} sample(s)")
-    search, accuracy, speed = None, {}, None
+    search, accuracy, speed, repair = None, {}, None, None
     if args.speed_search:
         # late: --help answers before numpy, onnx and onnxruntime load
         from quantship.quantize_onnx.speed import speed_search_onnx
@@ -227,11 +254,20 @@ def _run(args: argparse.Namespace, out) -> int:
             return _budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
     else:
-        result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
-                                    observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
-                                    equalize=args.equalize, bias_correction=args.bias_correction,
-                                    seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16,
-                                    smooth_quant=args.smooth_quant, shared_scale=args.shared_scale)
+        from quantship.errors import FidelityMissed
+        from quantship.quantize_onnx.repair import quantize_onnx  # late: --help answers before onnx loads
+
+        ui.say(f"fidelity to FP32 judged on {held_said}" if not args.no_fidelity else "fidelity not judged")
+        try:
+            result, repair = quantize_onnx(
+                args.float_model, out, batches, target=target, budget=args.budget, fidelity_data=held,
+                repair=not args.no_repair, max_steps=args.max_steps, exclude=args.exclude, int16=args.int16,
+                observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait, equalize=args.equalize,
+                bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
+                smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say)
+        except FidelityMissed as missed:
+            return fidelity_cli.missed("quantize-onnx", ui, missed, {"version": 1, "input": args.float_model,
+                                                                     "engine": "quantship", "target": target.target})
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
@@ -245,10 +281,13 @@ def _run(args: argparse.Namespace, out) -> int:
         report["accuracy_search"] = search.as_dict()
     if speed is not None:
         report["speed_search"] = speed.as_dict()
+    if repair is not None:
+        report["repair"] = repair.as_dict()
     fused = result.fidelity["fused"]
     agreement = "" if fused["argmax_agreement"] is None else f"argmax agreement {fused['argmax_agreement']:.3f}, "
     passes = ", ".join(f"{p.name} {p.changes}" for p in result.normalised if p.changes) or "nothing to do"
     ui.report(report, [
+        *fidelity_cli.rows(result.fp32, repair),
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
         ("placement", f"{placement.mode}: {result.plan['n_tensors']} activation pairs, {result.plan['n_weighted']} "
@@ -275,6 +314,8 @@ def _run(args: argparse.Namespace, out) -> int:
         *[(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs],
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])
+    if result.fp32.status == "inconclusive":
+        return 1  # a constant float output tells nothing (a missed budget raised above, writing nothing)
     return exit_code(verdict)  # 1 for refused, failed or inconclusive, as every command that writes a file
 
 

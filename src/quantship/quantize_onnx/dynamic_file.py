@@ -26,6 +26,7 @@ from quantship.errors import ExportRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.metadata import ACTIVATION_DTYPE_KEY, TARGET_KEY, VERSION_KEY
 from quantship.export.postconditions import check_target
+from quantship.fidelity import sqnr_db as energy_sqnr_db
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.read.facts import read_file
@@ -34,7 +35,6 @@ from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import resolve_target
-from quantship.quantize.layer_error import sqnr_db as energy_sqnr_db
 from quantship.quantize_onnx import dynamic, selection
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
@@ -126,7 +126,7 @@ def seeded_feeds(model: onnx.ModelProto, n: int = SEEDED_FEEDS, seed: int = 0) -
 
 
 def sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
-    """``out``'s SQNR against ``reference`` (``layer_error.sqnr_db`` of their energies, summed in float64)."""
+    """``out``'s SQNR against ``reference`` (``fidelity.sqnr_db`` of their energies, summed in float64)."""
     ref = reference.astype(np.float64)
     return energy_sqnr_db(float((ref ** 2).sum()), float(((out.astype(np.float64) - ref) ** 2).sum()))
 
