@@ -11,7 +11,9 @@ inputs (held out from range calibration where there are any), as
   none for outputs where none of these means anything (e.g. a non-negative regression).
 
 A ``Budget`` (minimum SQNR, minimum agreement) turns the figures into a verdict: ``met``, ``missed``,
-or ``inconclusive`` when the float output is the same for every input (nothing to tell apart).
+or ``inconclusive`` when the float output is the same for every input (nothing to tell apart). An
+agreement misses only when the upper end of its Wilson 95% interval is under the minimum: on a handful
+of held-out samples one flipped near-tie proves nothing, on hundreds a collapse is certain.
 The default budget's evidence is in ``docs/fidelity.md``.
 
 A leaf: numpy and ``errors`` only, so the torch path, the ONNX path, ``inspect`` and the CLI share it.
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from quantship.errors import DataRefused
+from quantship.intervals import wilson_interval
 
 # The default budget: every good file of REAL.md's models passes it with a margin, and a collapse fails
 # it (docs/fidelity.md has each file's measured figures).
@@ -78,16 +81,26 @@ class OutputFidelity:
     rule: str
     n_values: int
     constant_reference: bool
+    n_decisions: int = 0  # what the agreement counts (samples for argmax, values otherwise)
+
+    @property
+    def agreement_upper(self) -> float | None:
+        """The upper end of the agreement's Wilson 95% interval."""
+        if self.agreement is None or not self.n_decisions:
+            return self.agreement
+        return wilson_interval(round(self.agreement * self.n_decisions), self.n_decisions)[1]
 
     def margin(self, budget: Budget) -> float:
-        """How far inside the budget (>= 0) or outside it (< 0): dB, or agreement points x 100, the worse."""
+        """How far inside the budget (>= 0) or outside it (< 0): dB, or agreement points x 100 (its interval's
+        upper end against the minimum), the worse."""
         margins = [self.sqnr_db - budget.min_sqnr_db]
         if self.agreement is not None:
-            margins.append(100.0 * (self.agreement - budget.min_agreement))
+            margins.append(100.0 * (self.agreement_upper - budget.min_agreement))
         return min(margins)
 
     def describe(self) -> str:
-        agree = f", {self.rule} agreement {self.agreement:.3f}" if self.agreement is not None else f" ({self.rule})"
+        agree = (f", {self.rule} agreement {self.agreement:.3f} of {self.n_decisions}" if self.agreement is not None
+                 else f" ({self.rule})")
         return f"{_db(self.sqnr_db)}{agree}"
 
 
@@ -186,18 +199,20 @@ def agreement_rule(reference: np.ndarray) -> str:
     return "none"
 
 
-def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> float | None:
+def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | None, int]:
+    """The fraction of decisions the INT8 output shares with the float one, and how many were counted."""
     if rule == "argmax":
-        return float((ref.argmax(-1) == out.argmax(-1)).mean())
-    if rule == "threshold 0.5":
-        return float(((ref > 0.5) == (out > 0.5)).mean())
-    if rule == "sign":
-        floor = SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))
-        counted = np.abs(ref) >= floor
-        if not counted.any():
-            return None
-        return float((np.sign(ref[counted]) == np.sign(out[counted])).mean())
-    return None
+        same = ref.argmax(-1) == out.argmax(-1)
+    elif rule == "threshold 0.5":
+        same = (ref > 0.5) == (out > 0.5)
+    elif rule == "sign":
+        counted = np.abs(ref) >= SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))
+        same = np.sign(ref[counted]) == np.sign(out[counted])
+    else:
+        return None, 0
+    if same.size == 0:
+        return None, 0
+    return float(same.mean()), int(same.size)
 
 
 def _constant(ref: np.ndarray) -> bool:
@@ -229,8 +244,9 @@ def measure(names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequ
         noise = float(np.sum((ref - out) ** 2)) if np.isfinite(out).all() else math.inf
         sqnr = sqnr_db(float(np.sum(ref * ref)), noise) if math.isfinite(noise) else -math.inf
         rule = agreement_rule(ref)
-        agree = _agreement(rule, ref, out) if np.isfinite(out).all() else 0.0
-        rows.append(OutputFidelity(name, sqnr, agree, rule if agree is not None else "none", int(ref.size), constant))
+        agree, counted = _agreement(rule, ref, np.nan_to_num(out, nan=-np.inf))
+        rows.append(OutputFidelity(name, sqnr, agree, rule if agree is not None else "none", int(ref.size), constant,
+                                   counted))
     return Fidelity(rows, data, runtime, budget, n_samples)
 
 
