@@ -28,7 +28,10 @@ RNG = np.random.default_rng(0)
 LOGITS = RNG.standard_normal((200, 10))
 
 
-def _judge(reference, output, budget=Budget()):
+DEFAULT = Budget()
+
+
+def _judge(reference, output, budget=DEFAULT):
     return measure(["out"], [reference], [output], budget=budget, data="test", runtime="numpy")
 
 
