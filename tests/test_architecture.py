@@ -1,7 +1,8 @@
 """The import direction of src/quantship, read with ``ast`` (no module is imported).
 
 Layers, lowest first (README, "Layout"): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
-``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision``;
+``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision`` and
+``fidelity``; ``repair_loop``, ``quantize`` and ``inspect``;
 ``quantize`` and ``inspect`` (neither imports the other); ``export``; ``quantize_onnx``; ``examples``;
 ``cli`` on top; nothing imports ``cli``. Inside ``inspect``, three jobs, lowest first: ``read`` (a file),
 ``run`` (it, in runtimes), ``judge`` (it, for a target); every module of ``inspect`` lives in one of them.
@@ -27,6 +28,8 @@ LAYERS: dict[str, int] = {
                      "quantship.interrupts", "quantship.locks", "quantship.calibration",
                      "quantship.report_json", "quantship.intervals"), 1),
     "quantship.precision": 2,
+    "quantship.fidelity": 2,  # the one judgement of outputs against FP32: numpy, errors and intervals only
+    "quantship.repair_loop": 3,  # the fidelity repair, once for both front-ends: fidelity and progress only
     "quantship.quantize": 3,
     "quantship.inspect": 3,
     "quantship.export": 4,

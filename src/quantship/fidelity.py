@@ -16,7 +16,9 @@ agreement misses only when the upper end of its Wilson 95% interval is under the
 of held-out samples one flipped near-tie proves nothing, on hundreds a collapse is certain.
 The default budget's evidence is in ``docs/fidelity.md``.
 
-A leaf: numpy and ``errors`` only, so the torch path, the ONNX path, ``inspect`` and the CLI share it.
+Below every path (``errors`` and ``intervals`` only), so the torch path, the ONNX path, ``inspect`` and the
+CLI share it; numpy is imported by the functions that measure, so a parser can read the defaults before it
+loads (``--help`` answers at once).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from quantship.errors import DataRefused
 from quantship.intervals import wilson_interval
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The default budget: every good file of REAL.md's models passes it with a margin, and a collapse fails
 # it (docs/fidelity.md has each file's measured figures).
@@ -182,6 +186,8 @@ def agreement_rule(reference: np.ndarray) -> str:
     frame posteriors); ``sign``: signed values (both signs present, e.g. binary logits, embeddings);
     ``none``: anything else (a non-negative regression, a constant), judged by SQNR alone.
     """
+    import numpy as np  # measuring only (module docstring)
+
     ref = np.asarray(reference, dtype=np.float64)
     if ref.size == 0 or not np.isfinite(ref).all():
         return "none"
@@ -201,6 +207,8 @@ def agreement_rule(reference: np.ndarray) -> str:
 
 def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | None, int]:
     """The fraction of decisions the INT8 output shares with the float one, and how many were counted."""
+    import numpy as np  # measuring only (module docstring)
+
     if rule == "argmax":
         same = ref.argmax(-1) == out.argmax(-1)
     elif rule == "threshold 0.5":
@@ -217,6 +225,8 @@ def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | Non
 
 def _constant(ref: np.ndarray) -> bool:
     """The float output is the same for every sample (one sample: the same value everywhere)."""
+    import numpy as np  # measuring only (module docstring)
+
     if ref.size == 0:
         return True
     per_sample = ref.reshape(ref.shape[0], -1) if ref.ndim >= 2 and ref.shape[0] > 1 else ref.reshape(1, -1)
@@ -231,6 +241,8 @@ def measure(names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequ
     ``reference[k]`` / ``outputs[k]``: output ``names[k]`` over every sample, concatenated on the batch
     axis. A shape mismatch is refused (``DataRefused``): the two are not the same model's outputs.
     """
+    import numpy as np  # measuring only (module docstring)
+
     rows = []
     n_samples = 0
     for name, ref, out in zip(names, reference, outputs, strict=True):

@@ -50,7 +50,7 @@ def output_path(out: str, inputs: tuple[str, ...] = ()):
 
     ``artifact.refuse_unsafe_destination``: not ending in .onnx, a device, pipe or socket, or one of ``inputs``.
     """
-    from quantship.export.artifact import refuse_unsafe_destination
+    from quantship.export.artifact import refuse_unsafe_destination  # late: --help answers before it loads
 
     return refuse_unsafe_destination(out, inputs, flag="--out")
 

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, repairs: bool = True) -> N
 
 def budget(args: argparse.Namespace):
     """The request's ``fidelity.Budget`` (None with --no-fidelity); a bound out of range is refused."""
-    from quantship.fidelity import budget_from
+    from quantship.fidelity import budget_from  # late: numpy loads with it, after --help
 
     return budget_from(args.min_sqnr, args.min_agreement, judged=not args.no_fidelity)
 
