@@ -114,3 +114,41 @@ def test_bad_budgets_are_refused_before_any_work(files, capsys, flags, says):
                  *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and not out.exists()
+
+
+NET_PY = '''
+import torch
+import torch.nn as nn
+
+from tests.quantize_onnx.test_fidelity_repair import Collapsing
+
+
+def build():
+    return Collapsing().eval()
+
+
+def good():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4)).eval()
+'''
+
+
+def test_the_pytorch_path_never_writes_a_collapsed_file(files, capsys):
+    """quantize (PyTorch path): the same budget, the same loop; without repair the collapse is refused."""
+    (files / "net.py").write_text(NET_PY)
+    out = files / "torch.onnx"
+    code = main(["quantize", f"{files / 'net.py'}:build", "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--no-repair", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out.exists()
+    assert report["verdict"] == "fidelity_missed" and report["repair"]["steps"][0]["status"] == "missed"
+
+
+def test_the_pytorch_path_judges_a_faithful_file_and_says_so(files, capsys):
+    (files / "net.py").write_text(NET_PY)
+    out = files / "good.onnx"
+    assert main(["quantize", f"{files / 'net.py'}:good", "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--json"]) == 0
+    fid = json.loads(capsys.readouterr().out)["fidelity_fp32"]
+    assert fid["status"] == "met" and fid["sqnr_db"] > 30.0 and "held out from calibration" in fid["data"]
+    assert json.loads(_props(out)[METADATA_KEY])["status"] == "met"

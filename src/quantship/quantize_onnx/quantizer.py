@@ -34,9 +34,9 @@ from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
-from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
+from quantship.inspect.run.consumers import fidelity_reading, ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
-from quantship.precision import ACT_OBSERVERS, ORT_CPU, Preset, resolve_spec, resolve_target
+from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
 from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, rounding, selection, target_forms
@@ -295,15 +295,6 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
     gap = float(np.abs(literal.astype(np.float64) - fused.astype(np.float64)).max())
     return {"literal": one(literal), "fused": one(fused), "fused_vs_literal_max_abs": gap,
             "n_values": int(reference.size), "reference_max_abs": float(np.abs(reference).max())}
-
-
-def fidelity_reading(p: Preset) -> tuple[bool, str]:
-    """How the INT8 file is read for fidelity: ONNX Runtime at its default optimizations for the target it
-    serves (what a user runs), read literally for the other targets (the arithmetic the Q/DQ pairs describe,
-    which their runtimes are checked against by ``check --run``)."""
-    if p.target == ORT_CPU:
-        return True, "ONNX Runtime (default optimizations)"
-    return False, "ONNX Runtime read literally (the target's runtime is checked against it by check --run)"
 
 
 def fidelity_to_float(path: Path, p: Preset, names: list[str], held: tuple[list[Feed], list[np.ndarray]] | None,

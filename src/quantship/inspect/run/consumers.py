@@ -23,6 +23,7 @@ import onnx
 
 from quantship.inspect.read.inputs import graph_inputs
 from quantship.inspect.read.lsb import lsb_error
+from quantship.precision import ORT_CPU, Preset
 
 Inputs = dict[str, np.ndarray]
 TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack of memory
@@ -251,3 +252,12 @@ def constant_reference(reference: list[list[np.ndarray]]) -> bool:
         if not np.all(rows == rows[:1]):
             return False
     return True
+
+
+def fidelity_reading(p: Preset) -> tuple[bool, str]:
+    """How an INT8 file is read when judged against FP32: ONNX Runtime at its default optimizations for the
+    target it serves (what a user runs: ``optimized=True``), read literally for the other targets (the
+    arithmetic the Q/DQ pairs describe, which their runtimes are checked against by ``check --run``)."""
+    if p.target == ORT_CPU:
+        return True, "ONNX Runtime (default optimizations)"
+    return False, "ONNX Runtime read literally (the target's runtime is checked against it by check --run)"
