@@ -2,8 +2,8 @@
 
 Layers, lowest first (README, "Layout"): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
 ``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision`` and
-``fidelity``; ``repair_loop``, ``quantize`` and ``inspect``;
-``quantize`` and ``inspect`` (neither imports the other); ``export``; ``quantize_onnx``; ``examples``;
+``fidelity``; ``targets`` (one module per runtime) and ``repair_loop``; ``quantize`` and ``inspect`` (neither
+imports the other); ``export``; ``quantize_onnx``; ``examples``;
 ``cli`` on top; nothing imports ``cli``. Inside ``inspect``, three jobs, lowest first: ``read`` (a file),
 ``run`` (it, in runtimes), ``judge`` (it, for a target); every module of ``inspect`` lives in one of them.
 A module imports only from lower layers or from its own package, with no cycle, counting the
@@ -29,14 +29,15 @@ LAYERS: dict[str, int] = {
                      "quantship.report_json", "quantship.intervals"), 1),
     "quantship.precision": 2,
     "quantship.fidelity": 2,  # the one judgement of outputs against FP32: numpy, errors and intervals only
+    "quantship.targets": 3,  # one module per runtime: precision only
     "quantship.repair_loop": 3,  # the fidelity repair, once for both front-ends: fidelity and progress only
-    "quantship.quantize": 3,
-    "quantship.inspect": 3,
-    "quantship.export": 4,
-    "quantship.quantize_onnx": 5,
-    "quantship.examples": 6,
-    "quantship.cli": 7,
-    "quantship.__main__": 8,
+    "quantship.quantize": 4,
+    "quantship.inspect": 4,
+    "quantship.export": 5,
+    "quantship.quantize_onnx": 6,
+    "quantship.examples": 7,
+    "quantship.cli": 8,
+    "quantship.__main__": 9,
 }
 # inside inspect: a job imports only from the jobs below it (and from its own)
 INSPECT = "quantship.inspect"

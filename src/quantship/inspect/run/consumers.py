@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +207,16 @@ def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) ->
                 out = session.run(nhwc)
                 results.append([channels_first(out[n], declared.get(n)) for n in names])
         return results
+
+
+Runner = Callable[[str | Path, list[Inputs], onnx.ModelProto], list[list[np.ndarray]]]
+
+# a target's ``runner`` names one of these (``quantship.targets``): how a file runs in its runtime here
+RUNNERS: dict[str, Runner] = {
+    "onnxruntime-fused": lambda path, feeds, model: run_onnxruntime(path, feeds, optimize=True),
+    "openvino-cpu": lambda path, feeds, model: run_openvino(path, feeds),
+    "tigris-cli": run_tigris,
+}
 
 
 def channels_first(out: np.ndarray, dims: tuple | None) -> np.ndarray:
