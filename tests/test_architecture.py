@@ -210,3 +210,74 @@ def test_function_level_imports_only_where_listed_and_each_with_its_reason():
     unexplained = [f"{m}:{line} imports {t}" for m, t, line, reason in late
                    if not reason and m.startswith("quantship.cli")]
     assert unexplained == []
+
+
+# A target is defined in one module of ``quantship.targets``; elsewhere its name is never compared (==, !=,
+# in, a dict key, a table of names, a match case): code reads the ``Target``'s fields instead. The CLI's
+# argument parsing (``add_arguments``) may name targets; these strings mean something else where listed.
+TARGET_NAMES = frozenset({"onnxruntime-cpu", "onnxruntime", "tensorrt", "openvino", "tigris"})
+TARGET_CONSTANTS = frozenset({"ORT_CPU"})
+NOT_A_TARGET_NAME: dict[tuple[str, str], str] = {
+    ("quantship.cli.main", "onnxruntime"): "the Python package an exception came from (a runtime's own error)",
+    ("quantship.cli.main", "openvino"): "the Python package an exception came from (a runtime's own error)",
+}
+
+
+def _target_names_in(node: ast.AST) -> list[str]:
+    """The target names a comparison operand, dict key or table literal spells (strings or ORT_CPU)."""
+    if isinstance(node, ast.Constant) and node.value in TARGET_NAMES:
+        return [node.value]
+    if isinstance(node, ast.Name) and node.id in TARGET_CONSTANTS or \
+            isinstance(node, ast.Attribute) and node.attr in TARGET_CONSTANTS:
+        return [ast.unparse(node)]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [name for element in node.elts for name in _target_names_in(element)]
+    return []
+
+
+def compared_target_names(source: str, parsing_allowed: bool = False) -> list[tuple[int, str]]:
+    """(line, name) of each target name compared in ``source`` (inside an ``add_arguments`` function
+    too, unless ``parsing_allowed``)."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if parsing_allowed and isinstance(node, ast.FunctionDef) and node.name.startswith("add_") \
+                and node.name.endswith(("arguments", "argument")):
+            return
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Dict):
+            operands = [key for key in node.keys if key is not None]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            operands = [node]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        else:
+            operands = []
+        found.extend((node.lineno, name) for operand in operands for name in _target_names_in(operand))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return sorted(set(found))
+
+
+def test_the_architecture_test_sees_a_compared_target_name():
+    assert compared_target_names("if t.target == 'tigris':\n    pass") == [(1, "tigris")]
+    assert compared_target_names("ok = name not in ('tensorrt', 'openvino')") == [(1, "openvino"), (1, "tensorrt")]
+    assert compared_target_names("RUNNERS = {ORT_CPU: run}") == [(1, "ORT_CPU")]
+    assert compared_target_names("x = p.target != precision.ORT_CPU") == [(1, "precision.ORT_CPU")]
+    assert compared_target_names("def f(target='tigris'):\n    return get(target)") == []  # a default, not a test
+    parse = "def add_arguments(p):\n    if d == 'tigris':\n        pass"
+    assert compared_target_names(parse, parsing_allowed=True) == [] and compared_target_names(parse) == [(2, "tigris")]
+
+
+def test_no_target_name_is_compared_outside_targets():
+    found = []
+    for module, path in MODULES.items():
+        if module == "quantship.targets" or module.startswith("quantship.targets."):
+            continue
+        hits = compared_target_names(path.read_text(), parsing_allowed=module.startswith("quantship.cli"))
+        found += [f"{module}:{line} compares {name!r}" for line, name in hits
+                  if (module, name) not in NOT_A_TARGET_NAME]
+    assert found == []

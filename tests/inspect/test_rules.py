@@ -7,8 +7,8 @@ import json
 import onnx
 import pytest
 
-from quantship.inspect.judge.check import check_file
 from quantship import targets
+from quantship.inspect.judge.check import check_file
 from quantship.inspect.judge.rules import RULES, TARGETS
 from quantship.precision import PRESETS, preset
 from tests.onnx_edits import strip_kernel_shape
