@@ -461,8 +461,8 @@ class Preset:
 
 # The target registry of earlier releases, now ``quantship.targets``: served on first use, so that this
 # module imports nothing of ours when it loads (tests/test_architecture.py reads this table).
-MOVED_TO_TARGETS = ("PRESETS", "TARGET_ALIASES", "target_names", "canonical_target", "preset",
-                    "resolve_target", "file_settings", "same_file_as")
+MOVED_TO_TARGETS = ("PRESETS", "TARGET_ALIASES", "target_names", "preset", "resolve_target", "file_settings",
+                    "same_file_as")
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,10 @@ def test_what_each_runtime_can_run():
            for t in targets.ALL}
     assert can == {"onnxruntime-cpu": (True, True, True, "MatMulNBits"), "tensorrt": (False, False, False, None),
                    "openvino": (False, True, False, None), "tigris": (False, False, False, None)}
+
+
+def test_a_target_pickles_as_itself():  # a quantized model carries its Target through torch.save
+    assert all(pickle.loads(pickle.dumps(t)) == t for t in targets.ALL)
 
 
 def test_targets_loads_no_array_or_graph_library():

@@ -1,6 +1,6 @@
 """ONNX Runtime's quantizer with a deployment preset's settings: the library behind ``quantize-onnx``.
 
-Settings come from ``precision.PRESETS`` (activation dtype, symmetric activations, weight
+Settings come from the target's preset (``quantship.targets``: activation dtype, symmetric activations, weight
 granularity and range), never from a second table. Inputs are checked before any work: a file
 that already holds Q/DQ or QOperator nodes is refused in milliseconds (ORT's quantizer would loop
 on it), and every calibration batch must fit the declared input. ORT writes its temporaries (and

@@ -116,8 +116,8 @@ class Quantizer:
 
     @classmethod
     def for_target(cls, target: str | Target, *, verbose: bool = False, **overrides: Any) -> Quantizer:
-        """The deployment preset for ``target`` (a name, an alias, or a resolved ``Preset``; see
-        ``precision.PRESETS``), with optional overrides."""
+        """The deployment preset for ``target`` (a name, an alias, or its ``Target``; see
+        ``quantship.targets``), with optional overrides."""
         p = targets.get(target)
         kwargs = {**p.spec_kwargs, **overrides}
         with warnings.catch_warnings():

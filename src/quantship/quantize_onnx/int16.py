@@ -8,7 +8,7 @@ the calibration data (at 16 bits rounding costs ~256x less than at 8, so clippin
 pays). QuantizeLinear/DequantizeLinear take 16-bit zero-points from opset 21: a file below is converted
 (``OPSET_PASS``, proven exact in ONNX Runtime with the other normalisation passes).
 
-Who runs such a file is the target rule table's fact (``inspect.judge.rules``: a target's
+Who runs such a file is the target's fact (``Target.runs_int16``, from its file rules'
 ``activation_dtypes``); a target that does not list the 16-bit type is refused up front, in one line.
 """
 

@@ -44,11 +44,6 @@ def get(target: str | Target) -> Target:
     raise TargetRefused(f"target={target!r} is unknown; valid targets: {list(names())}")
 
 
-def canonical_target(name: str) -> str:
-    """The target name for ``name`` (an alias resolves to its target); unknown names are refused."""
-    return get(name).name
-
-
 def file_settings(p: Preset) -> tuple:
     """What decides the file a preset writes: the resolved spec and every export option."""
     options = tuple(sorted((f.name, getattr(p, f.name)) for f in fields(Preset)

@@ -5,6 +5,11 @@ from __future__ import annotations
 from quantship.targets.target import READABLE, FileRules, FloatRule, Target
 
 
+# module-level predicates (no lambdas): a model carrying its Target pickles (torch.save, spawned ranks)
+def _conv_transpose(op_type: str, attributes: dict, weight_shape: tuple[int, ...]) -> bool:
+    return op_type == "ConvTranspose"
+
+
 def _depthwise_over_3x3(op_type: str, attributes: dict, weight_shape: tuple[int, ...]) -> bool:
     group = attributes.get("group", 1)
     return (op_type == "Conv" and group > 1 and len(weight_shape) == 4 and weight_shape[1] == 1
@@ -31,7 +36,7 @@ TARGET = Target(
     float_rules=(
         FloatRule("conv_transpose", "ONNX Runtime 1.32's CPU QDQ fusion leaves a per-channel ConvTranspose float "
                   "(census of the PP-OCRv4 detector): a Q/DQ pair would only add rounding",
-                  lambda op, attrs, shape: op == "ConvTranspose"),
+                  _conv_transpose),
         FloatRule("depthwise_over_3x3", "ONNX Runtime's u8s8 depthwise kernel is fast for 3x3 only; a 5x5 depthwise "
                   "Conv ran 4-6x slower as QLinearConv than as its float NCHWc Conv (PP-OCR, batch 8)",
                   _depthwise_over_3x3),
