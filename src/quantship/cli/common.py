@@ -8,10 +8,9 @@ import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from quantship import __version__
+from quantship import __version__, targets
 from quantship.intervals import wilson_interval
 from quantship.locks import destination_lock
-from quantship.precision import target_names
 from quantship.progress import END, START, listening
 from quantship.report_json import strict_json
 
@@ -24,8 +23,8 @@ def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None,
     """``--target``: every command accepts every name of the one target registry (and its aliases)."""
 
     required = default is None if required is None else required
-    parser.add_argument("--target", default=default, required=required, choices=target_names(),
-                        metavar="TARGET", help=f"{help}; one of {', '.join(target_names())}")
+    parser.add_argument("--target", default=default, required=required, choices=targets.names(),
+                        metavar="TARGET", help=f"{help}; one of {', '.join(targets.names())}")
 
 
 def positive_int(text: str) -> int:

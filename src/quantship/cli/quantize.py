@@ -16,20 +16,23 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantship import targets
 from quantship.cli import common, options, quantize_weight_only
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
 from quantship.errors import DataRefused, cause
-from quantship.precision import ORT_CPU, Preset, preset
 from quantship.progress import step
+from quantship.targets import Target
+
+DEFAULT_TARGET = "onnxruntime-cpu"  # without --target and without one in the --config file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_arguments(parser, hf=True)
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
     common.add_target_argument(parser, default=None, required=False,
-                               help="deployment preset (default: the --config file's target, else onnxruntime-cpu)")
+                               help=f"deployment preset (default: the --config file's target, else {DEFAULT_TARGET})")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
@@ -78,7 +81,7 @@ class _Run:
 
     args: argparse.Namespace
     ui: common.Output
-    target: Preset
+    target: Target
     overrides: dict[str, Any]
     model: Any = None
     batches: list = field(default_factory=list)
@@ -116,7 +119,7 @@ def _request(args: argparse.Namespace) -> _Run:
         raise UsageError("--calib is required for static W8A8 quantization")
     ui = common.Output(args)
     config = options.read_config(args.config)
-    target = preset(args.target or config.get("target") or ORT_CPU)
+    target = targets.get(args.target or config.get("target") or DEFAULT_TARGET)
     overrides = options.quantizer_options(args, config)  # option refusals come before any model or data work
     if args.backend != "pt2e":
         raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "

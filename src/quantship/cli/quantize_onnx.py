@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from quantship import targets
 from quantship.cli import common, options
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli.check import exit_code
@@ -139,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runs_on_ort_cpu(target: str) -> bool:
-    from quantship.precision import ORT_CPU, preset  # late: --help answers before the presets load
-
-    return preset(target).target == ORT_CPU
+    return targets.get(target).runtime_is_onnxruntime
 
 
 def _adaround_steps(value: str | None) -> bool | int:
@@ -207,12 +206,11 @@ def read_feeds_held_out(args: argparse.Namespace, inputs):
 def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
     from quantship.inspect.read.loading import file_size, load_onnx
-    from quantship.precision import preset
     from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import placement_for, refuse_unusable
 
     ui = common.Output(args)
-    target = preset(args.target)
+    target = targets.get(args.target)
     check_memory(args.float_model)  # before reading it: a file that cannot fit is refused with the figure
     model = load_onnx(args.float_model)  # validates: exists, is ONNX, has a graph (one-line errors)
     refuse_unusable(model, args.float_model)  # already quantized, external data: refused before any work
@@ -446,10 +444,9 @@ def _run_ort(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx and onnxruntime load
     from quantship.export.ort_quantize import float_input, ort_settings, quantize_onnx_file, refuse_quantized
     from quantship.inspect.read.loading import file_size, load_onnx
-    from quantship.precision import preset
 
     ui = common.Output(args)
-    target = preset(args.target)
+    target = targets.get(args.target)
     model = load_onnx(args.float_model)
     refuse_quantized(model, args.float_model)  # up front: ORT's quantizer loops on a quantized file
     fixed = float_input(model, args.float_model).dims[0]

@@ -34,11 +34,11 @@ from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.run.consumers import fidelity_reading, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.verify import MeasuredPath
-from quantship.precision import Preset
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import sensitivity_order
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
+from quantship.targets import Target
 
 REPAIR_KEY = "quantship.repair"
 ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
@@ -65,7 +65,7 @@ def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) 
     return [np.concatenate(p) for p in parts]
 
 
-def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Preset, budget: Budget | None,
+def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
                data: str) -> Fidelity:
     """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
     in the target's reading (``fidelity_reading``). A fixed-batch file reads whole multiples of its batch."""
@@ -97,7 +97,7 @@ class Judged:
     repair: Repair | None
 
 
-def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out: str | Path, *, target: Preset,
+def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out: str | Path, *, target: Target,
                            overrides: dict, held: Sequence[Any] | None, held_label: str, budget: Budget | None,
                            make_quantizer: Callable[..., Any], quantize_kwargs: dict | None = None,
                            export_kwargs: dict | None = None, repair: bool = True, max_steps: int | None = None,

@@ -21,20 +21,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quantship import __version__
+from quantship import __version__, targets
 from quantship.errors import ExportRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.metadata import ACTIVATION_DTYPE_KEY, TARGET_KEY, VERSION_KEY
 from quantship.export.postconditions import check_target
 from quantship.fidelity import sqnr_db as energy_sqnr_db
 from quantship.inspect.judge.check import check_file
-from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.inputs import graph_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.verify import readings_of_outputs
-from quantship.precision import resolve_target
 from quantship.quantize_onnx import dynamic, selection
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
@@ -91,8 +89,8 @@ class DynamicQuantizeResult:
 def refuse_target(target: Any):
     """The preset for ``target``, refused when its runtime has no run-time quantization kernel (its rules
     refuse scales computed while the model runs: ``static_scales``)."""
-    p = resolve_target(target)
-    if "static_scales" in rules_of(p).errors:
+    p = targets.get(target)
+    if not p.runs_dynamic_activations:
         raise SpecRefused(f"--activations dynamic: target {p.target} needs static scales stored in the file (no "
                           "run-time quantization kernel); use --activations static, or --target onnxruntime-cpu")
     return p

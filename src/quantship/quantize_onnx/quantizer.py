@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship import targets
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.kernel_shape import write_kernel_shapes
@@ -30,13 +31,12 @@ from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
 from quantship.fidelity import Budget, Fidelity
 from quantship.fidelity import measure as measure_fidelity
 from quantship.inspect.judge.check import check_file
-from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import fidelity_reading, ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
-from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
+from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, rounding, selection, target_forms
@@ -45,7 +45,9 @@ from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
-from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
+from quantship.quantize_onnx.roles import Placement
+from quantship.targets import Target
+from quantship.targets.target import wide_dtype
 
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
@@ -104,19 +106,17 @@ class OnnxQuantizeResult:
                 "int16": self.int16, "fidelity_fp32": self.fp32.as_dict() if self.fp32 is not None else None}
 
 
-def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
-    """The placement a preset asks for (``precision.PRESETS``) and what its target's rules demand
-    (``inspect.judge.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
+def placement_for(target: str | Target, *, per_tensor: bool = False) -> tuple[Placement, Target, Any]:
+    """The placement a target's preset asks for, and what its file rules demand (a target that refuses
+    a mixed graph gets ``full`` placement; one that runs it keeps its float rules)."""
 
-    p = resolve_target(target)
+    p = targets.get(target)
     spec = resolve_spec(**p.spec_kwargs)
-    rules = rules_of(p)
-    mode = "full" if "fully_quantized" in rules.errors else "integer"
-    placement = Placement(mode=mode, activation_dtype=p.activation_dtype, symmetric=spec.symmetric,
-                          weight_bound=63 if spec.reduce_range else 127,
+    mixed = p.runs_mixed_graphs
+    placement = Placement(mode="integer" if mixed else "full", activation_dtype=p.activation_dtype,
+                          symmetric=spec.symmetric, weight_bound=63 if spec.reduce_range else 127,
                           per_channel=spec.qscheme == "per_channel" and not per_tensor,
-                          float_rules=RUNTIME_FLOAT_RULES.get(p.target, ()) if mode == "integer" else (),
-                          float_output_ops=RUNTIME_FLOAT_OUTPUTS.get(p.target, ()) if mode == "integer" else ())
+                          float_rules=p.float_rules if mixed else (), float_output_ops=p.float_output_ops if mixed else ())
     return placement, p, spec
 
 
@@ -206,7 +206,7 @@ def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize
     return records
 
 
-def feeds_for(p: Preset, feeds: Sequence[Feed]) -> list[Feed]:
+def feeds_for(p: Target, feeds: Sequence[Feed]) -> list[Feed]:
     """The calibration feeds as ``p``'s file takes them: one sample each for a batch-1 target."""
     return target_forms.one_sample_feeds(feeds) if not p.dynamic_batch else list(feeds)
 
@@ -226,7 +226,7 @@ class Prepared:
     smoother: smoothing.Smoother | None = None  # what SmoothQuant did, when it ran
 
 
-def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
+def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Target, placement: Placement,
             exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False,
             smooth_quant: float | None = None, shared_scale: Iterable[str] = ()) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
@@ -297,7 +297,7 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
             "n_values": int(reference.size), "reference_max_abs": float(np.abs(reference).max())}
 
 
-def fidelity_to_float(path: Path, p: Preset, names: list[str], held: tuple[list[Feed], list[np.ndarray]] | None,
+def fidelity_to_float(path: Path, p: Target, names: list[str], held: tuple[list[Feed], list[np.ndarray]] | None,
                       read: tuple[list[Feed], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
                       budget: Budget | None) -> Fidelity:
     """Each output of the file at ``path`` against the float file's: on ``held`` (feeds, float outputs) when
@@ -316,7 +316,7 @@ def fidelity_to_float(path: Path, p: Preset, names: list[str], held: tuple[list[
     return measure_fidelity(names, reference, outputs, budget=budget, data=data, runtime=runtime)
 
 
-def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
                        bias_correction: bool = False, smooth_quant: float | None = None, seq_mse: bool = False,
@@ -396,7 +396,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     float_weights = sixteen.keep_float_weights(layout, chosen) if chosen else []
     chosen_values = sixteen.values_of(layout, chosen)
     counts = place.insert(model, layout, qparams, placement)
-    widened = sixteen.widen(model, chosen_values, observers, layout, sixteen.wide_dtype(placement.activation_dtype),
+    widened = sixteen.widen(model, chosen_values, observers, layout, wide_dtype(placement.activation_dtype),
                             placement.symmetric) if chosen else []  # as the file names them
     if chosen:
         counts["float_weights_of_int16_readers"] = len(float_weights)

@@ -19,17 +19,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from quantship import targets
 from quantship.errors import QuantshipError, one_line
 from quantship.export import artifact
 from quantship.export.metadata import add_file_metadata
 from quantship.fidelity import Budget
-from quantship.precision import Preset, resolve_target
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, placement_for, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
+from quantship.targets import Target
 
 REPAIR_KEY = "quantship.repair"
 ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
@@ -42,7 +43,7 @@ DEFAULT_BUDGET = Budget()  # quantship.fidelity's defaults
 SENSITIVITY_OPTIONS = ("observer", "per_tensor", "equalize", "bias_correction", "seq_mse", "adaround", "smooth_quant")
 
 
-def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                   budget: Budget | None = DEFAULT_BUDGET, fidelity_data: Any = None, repair: bool = True,
                   max_steps: int | None = None, exclude: Iterable[str] = (), int16: Iterable[str] = (),
                   wait: bool = True, log: Callable[[str], None] = lambda _: None,
@@ -63,7 +64,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
     if budget is None:
         return quantize_onnx_file(src, final, calibration, target=target, exclude=base, int16=base_wide, wait=wait,
                                   fidelity_data=fidelity_data, **options), None
-    p = resolve_target(target)
+    p = targets.get(target)
     placement, _, _ = placement_for(p, per_tensor=bool(options.get("per_tensor")))
     numbers = itertools.count()
     with artifact.workdir_beside(final) as scratch:

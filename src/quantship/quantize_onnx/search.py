@@ -34,11 +34,11 @@ from quantship.errors import DataRefused, ExportRefused, QuantshipError, SpecRef
 from quantship.export import artifact
 from quantship.inspect.run.consumers import ort_session
 from quantship.intervals import wilson_interval
-from quantship.precision import Preset
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
+from quantship.targets import Target
 
 Run = Callable[[Any], list[np.ndarray]]
 TOP1 = "top-1 (%)"
@@ -195,7 +195,7 @@ def _scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Ru
     return getattr(metric, "__name__", "metric"), score_metric
 
 
-def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                 max_drop: float, labelled: tuple[np.ndarray, np.ndarray] | None = None,
                 metric: Callable[[Run], float] | None = None, exclude: Iterable[str] = (),
                 observer: str | None = None, per_tensor: bool = False, max_steps: int | None = None,

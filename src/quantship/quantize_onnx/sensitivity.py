@@ -29,13 +29,13 @@ import onnx_ir as ir
 from quantship.errors import ExportRefused
 from quantship.fidelity import sqnr_db
 from quantship.inspect.read.loading import load_onnx
-from quantship.precision import Preset
 from quantship.quantize.layer_error import LayerError, LayerErrorReport
 from quantship.quantize_onnx import calibrate, place, selection
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.data import as_feeds, model_inputs
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable
 from quantship.quantize_onnx.roles import role_of
+from quantship.targets import Target
 
 MEASURE = "accumulated"  # each figure includes the error of every quantized node upstream (quantize.layer_error's)
 MEASURE_TEXT = "SQNR of the node's (dequantized) output vs float, error accumulated up to this node"
@@ -248,7 +248,7 @@ def _accumulate(float_model: onnx.ModelProto, quantized: onnx.ModelProto, pairs:
     return signal, noise, n
 
 
-def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset, exclude: Iterable[str] = (),
+def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Target, exclude: Iterable[str] = (),
               observer: str | None = None, per_tensor: bool = False, equalize: bool = False,
               bias_correction: bool = False, seq_mse: bool = False, adaround: bool | int = False,
               quantized_path: str | Path | None = None, smooth_quant: float | None = None) -> NodeSqnrReport:
