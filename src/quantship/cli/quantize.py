@@ -21,7 +21,7 @@ from quantship.cli import common, options, quantize_weight_only
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
-from quantship.errors import DataRefused, cause
+from quantship.errors import DataRefused, FidelityMissed, cause
 from quantship.progress import step
 from quantship.targets import Target
 
@@ -99,8 +99,6 @@ class _Run:
 
 def _static(args: argparse.Namespace, out) -> int:
     """Static W8A8: refuse bad options, read the model and data, quantize and export, then report."""
-    from quantship.errors import FidelityMissed
-
     run = _request(args)
     _read_model_and_data(run)
     sample, dynamic = _export_sample(run.batches, args.static_batch)
@@ -165,7 +163,7 @@ def _calibration_and_held_out(args: argparse.Namespace) -> tuple[list, list | No
     import numpy as np
     import torch
 
-    from quantship.cli.sources import read_calibration
+    from quantship.cli.sources import read_calibration  # numpy and Pillow: loaded when data is read
 
     def batches(x: np.ndarray) -> list:
         return [torch.from_numpy(x[i:i + args.batch_size]) for i in range(0, len(x), args.batch_size)]

@@ -30,7 +30,6 @@ from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
 from quantship.export.qdq import export_qdq
 from quantship.fidelity import METADATA_KEY, Budget, Fidelity, measure
-from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.run.consumers import fidelity_reading, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.verify import MeasuredPath
@@ -142,9 +141,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
         if budget is None:
             record, chosen = None, attempt("as asked", options, base, ())[1]
         else:
-            full = "fully_quantized" in rules_of(target).errors
-            refusal = (f"{target.target} runs a fully integer graph (no float node): no module can be kept float "
-                       "for it") if full else None
+            refusal = None if target.runs_mixed_graphs else (
+                f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")
             record, chosen = run_repair(attempt, budget=budget, options=options, base=base,
                                         algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
                                         enabled=repair, max_steps=max_steps, log=log)
