@@ -155,35 +155,35 @@ class NoteNet(nn.Module):
         """The normalised log constant-Q power, N x 1 x N_BINS x frames (no trainable weight)."""
         return (self.cqt(audio) - self.log_offset) * self.log_scale
 
-    def classify(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.head(torch.flatten(self.cnn(features).mean(dim=3), 1)))
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """One logit per note from the features (the CNN, the mean over frames, the head)."""
+        return self.head(torch.flatten(self.cnn(features).mean(dim=3), 1))
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
-        return self.classify(self.features(audio))
+        return torch.sigmoid(self.logits(self.features(audio)))
 
 
-def train(epochs: int = 10, seed: int = 0) -> NoteNet:
-    """Deterministic training of the CNN on ``N_TRAIN`` synthesized clips (the front-end stays fixed)."""
+def train(epochs: int = 10, n_train: int = N_TRAIN, seed: int = 0) -> NoteNet:
+    """Deterministic training of the CNN on ``n_train`` synthesized clips (the front-end stays fixed):
+    about 40 s of one core at the defaults."""
     torch.manual_seed(seed)
     model = NoteNet()
-    clips = synthesize(N_TRAIN, _SEEDS["train"])
+    clips = synthesize(n_train, _SEEDS["train"])
     with torch.no_grad():
         logs = model.cqt(clips.x)
         model.log_offset.fill_(float(logs.mean()))
         model.log_scale.fill_(1.0 / float(logs.std()))
         features = model.features(clips.x)
     params = [p for p in model.parameters() if p.requires_grad]
-    steps = epochs * ((N_TRAIN + 63) // 64)
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=steps)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=epochs * ((n_train + 63) // 64))
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
-        order = torch.randperm(N_TRAIN, generator=gen)
-        for start in range(0, N_TRAIN, 64):
+        order = torch.randperm(n_train, generator=gen)
+        for start in range(0, n_train, 64):
             batch = order[start:start + 64]
-            logits = model.head(torch.flatten(model.cnn(features[batch]).mean(dim=3), 1))
-            loss = F.binary_cross_entropy_with_logits(logits, clips.y[batch])
+            loss = F.binary_cross_entropy_with_logits(model.logits(features[batch]), clips.y[batch])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -249,12 +249,17 @@ def predict(model: nn.Module, audio: torch.Tensor, batch_size: int = 100) -> np.
 def run_file(path: str | Path, audio: np.ndarray | torch.Tensor, *, optimized: bool = True,
              batch_size: int = 100) -> np.ndarray:
     """An ONNX file's sigmoid outputs for ``audio`` in ONNX Runtime on the CPU: with its default graph
-    optimizations (what a deployment runs), or read literally (``optimized=False``)."""
+    optimizations (what a deployment runs), or read literally (``optimized=False``); in batches of
+    ``batch_size``, or of the file's batch size when it declares one."""
     session = ort_session(path, optimized=optimized)
-    name = session.get_inputs()[0].name
+    spec = session.get_inputs()[0]
+    if isinstance(spec.shape[0], int):  # a file written for one batch size: the last batch padded, then cut
+        batch_size = spec.shape[0]
     audio = np.asarray(audio, dtype=np.float32)
-    return np.concatenate([session.run(None, {name: audio[i:i + batch_size]})[0]
-                           for i in range(0, len(audio), batch_size)])
+    n = len(audio)
+    padded = np.concatenate([audio, np.zeros((-n % batch_size, *audio.shape[1:]), np.float32)])
+    return np.concatenate([session.run(None, {spec.name: padded[i:i + batch_size]})[0]
+                           for i in range(0, len(padded), batch_size)])[:n]
 
 
 def output_sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
