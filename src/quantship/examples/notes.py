@@ -4,9 +4,10 @@ Clips are synthesized here (16 kHz, 0.5 s): one to three harmonic notes out of `
 level anywhere in ``LEVEL_DB`` (a wide dynamic range), white noise below it. The labels are exact
 (the notes that were synthesized). The model's first layers are a fixed constant-Q transform written
 as ``Conv1d`` over the raw audio (one convolution per octave, cos/sin kernel pairs, the hop as the
-stride), then power (re^2 + im^2) and ``log(power + eps)``; a small trainable CNN reads that and
-gives one sigmoid per note. Per-tensor 8-bit activations keep the loud bins and lose the quiet ones
-after the transform, and the log turns that into a collapse of the task.
+stride), then power (re^2 + im^2) and ``log(1 + gain * power)`` (``log(power + eps)`` plus a constant);
+a small trainable CNN reads that and gives one sigmoid per note. Per-tensor 8-bit activations keep the
+loud bins and lose the quiet ones after the transform, and the log turns that into a collapse of the
+task. The task metric is the fraction of clips whose note set is exactly right (``score``).
 
 Like ``digits``, the training is deterministic (fixed seeds, one thread) and the trained weights are
 cached under ``cache_dir()``. ``write_files`` writes the float ONNX file, calibration clips and
@@ -44,7 +45,7 @@ LEVEL_DB = (-60.0, 0.0)  # clip level, dB re full scale
 NOTE_SPREAD_DB = 6.0  # each note up to this much below the clip's loudest
 SNR_DB = (20.0, 40.0)  # white noise below the clip level
 # log compression log(1 + LOG_GAIN * power) = log(LOG_GAIN) + log(power + 1 / LOG_GAIN): the log of the power
-# with a floor 120 dB under a full-scale sine's (librosa's amin), written without a tiny constant (the exporter's
+# with a floor 120 dB under a full-scale sine's (librosa's default amin: 100 dB), written without a tiny constant (the exporter's
 # optimizer, onnxscript's add_0 rule with abs_tol 1e-8, rewrites `x + 1e-10` as `x`, and log(0) is -inf)
 LOG_GAIN = 1e12
 N_TRAIN, N_HELD_OUT, N_CALIBRATION = 4000, 600, 64
