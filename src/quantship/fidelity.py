@@ -35,10 +35,12 @@ from quantship.intervals import wilson_interval
 if TYPE_CHECKING:
     import numpy as np
 
-# The default budget: every good file of REAL.md's models passes it with a margin, and a collapse fails
-# it (docs/fidelity.md has each file's measured figures).
-DEFAULT_MIN_SQNR_DB = 15.0
-DEFAULT_MIN_AGREEMENT = 0.85
+# The default budget, from measurements (docs/fidelity.md, bench/fidelity.py): every real model's default file
+# keeps at least 12.3 dB (the PP-OCR detector's tigris file, its recall inside FP32's interval) and agrees at
+# least 0.969 on held-out inputs; the collapses seen lose the task at 7.4 dB (a real audio model) and below
+# (the notes example: 4.7-5.9 dB, 29.5 points).
+DEFAULT_MIN_SQNR_DB = 10.0
+DEFAULT_MIN_AGREEMENT = 0.9
 METADATA_KEY = "quantship.fidelity"
 SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
 
