@@ -39,17 +39,21 @@ def budget(args: argparse.Namespace):
     return budget_from(args.min_sqnr, args.min_agreement, judged=not args.no_fidelity)
 
 
-def split_held_out(arrays: dict[str, Any], max_samples: int) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+def split_held_out(arrays: dict[str, Any], max_samples: int, multiple: int = 1
+                   ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """Calibration arrays and the arrays held out to judge fidelity on: the samples beyond ``max_samples``
-    when there are any, else the last fifth (none for fewer than 5 samples); and a line saying which."""
+    when there are any, else the last fifth (none for fewer than 5 samples); and a line saying which.
+    ``multiple``: a file with a fixed batch reads whole batches, so both parts keep whole batches of it."""
     n = len(next(iter(arrays.values())))
     if n > max_samples:
-        stop = min(n, max_samples + HELD_OUT_MAX)
-        return ({k: v[:max_samples] for k, v in arrays.items()}, {k: v[max_samples:stop] for k, v in arrays.items()},
-                f"{stop - max_samples} --calib sample(s) beyond --max-samples")
-    if n < 5:
-        return arrays, None, "none held out (fewer than 5 --calib samples)"
-    k = min(HELD_OUT_MAX, n // 5)
+        stop = max_samples + (min(n, max_samples + HELD_OUT_MAX) - max_samples) // multiple * multiple
+        if stop > max_samples:
+            return ({k: v[:max_samples] for k, v in arrays.items()},
+                    {k: v[max_samples:stop] for k, v in arrays.items()},
+                    f"{stop - max_samples} --calib sample(s) beyond --max-samples")
+    k = min(HELD_OUT_MAX, n // 5) // multiple * multiple
+    if n < 5 or not k or (n - k) < multiple:
+        return arrays, None, "none held out (too few --calib samples: judged in-sample)"
     return ({name: v[:n - k] for name, v in arrays.items()}, {name: v[n - k:] for name, v in arrays.items()},
             f"the last {k} of {n} --calib samples, held out from calibration")
 

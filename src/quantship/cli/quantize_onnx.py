@@ -196,7 +196,8 @@ def read_feeds_held_out(args: argparse.Namespace, inputs):
     if Path(args.calib).is_dir() or args.no_fidelity:
         return read_feeds(args, inputs), None, "none held out"
     arrays = read_arrays(args.calib, inputs, args.key)
-    calib, held, said = fidelity_cli.split_held_out(arrays, args.max_samples)
+    fixed = {i.dims[0] for i in inputs if i.dims and isinstance(i.dims[0], int)}
+    calib, held, said = fidelity_cli.split_held_out(arrays, args.max_samples, max(fixed) if len(fixed) == 1 else 1)
     held_batches = None if held is None else feeds(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
                                                    source=args.calib)
     return feeds(inputs, calib, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib), \

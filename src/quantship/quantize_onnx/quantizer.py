@@ -31,6 +31,7 @@ from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
 from quantship.fidelity import Budget, Fidelity
 from quantship.fidelity import measure as measure_fidelity
 from quantship.inspect.judge.check import check_file
+from quantship.inspect.judge.reference import SOURCE_KEY, source_record
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
@@ -427,6 +428,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if widened:
         model.metadata_props[sixteen.INT16_KEY] = ", ".join(widened)
     model.metadata_props[NORMALISED_KEY] = normalised_summary(records)
+    model.metadata_props[SOURCE_KEY] = source_record(src)  # check --run and compare find the reference
     for key, value in (metadata or {}).items():
         model.metadata_props[key] = value
     opset = int(model.opset_imports.get("", 0))
