@@ -148,6 +148,13 @@ def timing_feeds(float_path: Path, calibration: Any, batches: Iterable[int]) -> 
     return {b: {name: np.ascontiguousarray(np.repeat(a[:1], b, axis=0)) for name, a in first.items()} for b in sizes}
 
 
+def calibration_sample(float_path: Path, calibration: Any) -> tuple[dict[str, np.ndarray], int]:
+    """The first calibration batch's feeds (input name -> array) and its batch size: what the speed against
+    FP32 on every quantize feeds (``export.speed_gate``), at batch 1 and this batch."""
+    first = as_feeds(calibration, model_inputs(load_onnx(float_path)))[0]
+    return first, len(next(iter(first.values())))
+
+
 def _time(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
           sessions: dict[Path, Any] | None = None) -> list[dict[int, float]]:
     """Each file's median ms per batch, the files interleaved; ``sessions`` caches them by path."""
