@@ -55,11 +55,23 @@ def gate(staged: str | Path, float_path: str | Path, sample: Mapping[str, np.nda
     """Time the ``staged`` INT8 file against ``float_path`` (``measure_speed``), record the reading in its
     metadata and return it; with ``require_faster`` raise ``SpeedMissed`` when it is slower at any batch or
     could not be measured (the caller then moves nothing into place)."""
+    return settle(staged, _measured(staged, float_path, sample, batches, budget), require_faster=require_faster,
+                  hint=hint)
+
+
+def _measured(path: str | Path, float_path: str | Path, sample: Mapping[str, np.ndarray], batches: Iterable[int],
+              budget: float) -> SpeedReading:
     with progress_step("speed: the INT8 file against FP32 on this CPU (1 thread)"):
         try:
-            reading = measure_speed(staged, float_path, sample, batches, budget=budget)
+            return measure_speed(path, float_path, sample, batches, budget=budget)
         except Exception as exc:  # any failure to time: a reading that cannot be made is reported, it never costs the file
-            reading = unmeasured(one_line(exc))
+            return unmeasured(one_line(exc))
+
+
+def settle(staged: str | Path, reading: SpeedReading, *, require_faster: bool = False,
+           hint: Callable[[list[str]], str] = onnx_hint) -> SpeedReading:
+    """``reading`` (``unmeasured`` when there was nothing to time against) with its hint, refused with
+    ``require_faster`` when slower or not measured, else recorded in ``staged``'s metadata."""
     if reading.slower:
         reading = replace(reading, hint=hint(reading.keep_float_names()))
     if require_faster and reading.not_measured is not None:
@@ -68,4 +80,20 @@ def gate(staged: str | Path, float_path: str | Path, sample: Mapping[str, np.nda
     if require_faster and reading.slower:
         raise SpeedMissed(f"--require-faster: {reading.warning()}; nothing written", reading)
     add_file_metadata(staged, {SPEED_KEY: reading.metadata()})
+    return reading
+
+
+def time_written(path: str | Path, float_path: str | Path, sample: Mapping[str, np.ndarray], batches: Iterable[int],
+                 *, require_faster: bool = False, hint: Callable[[list[str]], str] = onnx_hint,
+                 budget: float = BUDGET_SECONDS) -> SpeedReading:
+    """A file already in place (the searches write their own): timed as ``gate`` does, its metadata left as
+    written; with ``require_faster`` a slower (or untimed) file is removed, one unlink, and ``SpeedMissed``
+    raised: the path then holds nothing."""
+    reading = _measured(path, float_path, sample, batches, budget)
+    if reading.slower:
+        reading = replace(reading, hint=hint(reading.keep_float_names()))
+    if require_faster and (reading.slower or reading.not_measured is not None):
+        Path(path).unlink(missing_ok=True)
+        why = reading.warning() if reading.slower else f"the speed could not be measured ({reading.not_measured})"
+        raise SpeedMissed(f"--require-faster: {why}; the file was removed", reading)
     return reading
