@@ -66,6 +66,15 @@ class FidelityMissed(QuantshipError):
         self.record = record or {}
 
 
+class SpeedMissed(QuantshipError):
+    """``require_faster``: the INT8 file ran slower than its float reference on this CPU (or its speed could not
+    be measured); nothing was written. ``.reading`` holds the measurement. The CLI exits 1: a verdict."""
+
+    def __init__(self, message: str, reading: object = None):
+        super().__init__(message)
+        self.reading = reading
+
+
 def one_line(exc: BaseException, limit: int = _MAX_LINE) -> str:
     """The first non-empty line of an exception's message, without terminal colour codes.
 

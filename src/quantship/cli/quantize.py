@@ -19,9 +19,10 @@ from typing import Any
 from quantship import targets
 from quantship.cli import common, options, quantize_weight_only
 from quantship.cli import fidelity as fidelity_cli
+from quantship.cli import speed as speed_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
-from quantship.errors import DataRefused, FidelityMissed, cause
+from quantship.errors import DataRefused, FidelityMissed, SpeedMissed, cause
 from quantship.progress import step
 from quantship.targets import Target
 
@@ -58,12 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="at most N fidelity repair steps (default: every step)")
     fidelity_cli.add_arguments(parser)
+    speed_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     quantize_weight_only.check_request(args)  # before the --out lock and any import
+    speed_cli.refuse(args, not_timed=f"--method {args.method}" if args.method != "static" else None)
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
             import torch  # noqa: F401
@@ -108,6 +111,9 @@ def _static(args: argparse.Namespace, out) -> int:
     except FidelityMissed as missed:
         return fidelity_cli.missed("quantize", run.ui, missed, {"version": 1, "model": args.model,
                                                                 "target": run.target.target})
+    except SpeedMissed as slower:
+        return speed_cli.missed("quantize", run.ui, slower, {"version": 1, "model": args.model,
+                                                             "target": run.target.target})
     return _report(run)
 
 
@@ -131,6 +137,7 @@ def _request(args: argparse.Namespace) -> _Run:
     if args.fidelity_data and args.no_fidelity:
         raise UsageError("--fidelity-data is the data fidelity is judged on: drop it or --no-fidelity")
     args.budget = fidelity_cli.budget(args)  # a bound out of range: one line, exit 2, before any work
+    speed_cli.refuse(args, target)
     return _Run(args, ui, target, overrides)
 
 
@@ -219,7 +226,8 @@ def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
             quantize_kwargs={"max_calibration_samples": args.max_samples,
                              "labelled_data": run.labelled_batches if searching else None},
             export_kwargs={"opset_version": args.opset, "dynamic_batch": dynamic},
-            repair=not args.no_repair, max_steps=args.max_steps, log=ui.say)
+            repair=not args.no_repair, max_steps=args.max_steps, log=ui.say, speed=not args.no_speed,
+            require_faster=args.require_faster)
         run.quantizer, run.qmodel, run.path = run.judged.quantizer, run.judged.qmodel, run.judged.path
         run.served = _file_batch(run.path)
         run.error = _output_error(run.qmodel, run.path, sample if run.served is None else sample[:run.served])
@@ -257,11 +265,14 @@ def _report(run: _Run) -> int:
         "verdict": verdict.verdict, "check": verdict.as_dict(),
         "fidelity_fp32": run.judged.fidelity.as_dict(),
         "repair": run.judged.repair.as_dict() if run.judged.repair is not None else None,
+        "speed": run.judged.speed.as_dict() if run.judged.speed is not None else None,
     }
     result["float_ops"] = left_float = _left_float(run.quantizer, facts)
     del facts
     rows_eval = _accuracy_rows(run, result)
+    speed_cli.warn("quantize", run.judged.speed)
     rows = [
+        *speed_cli.rows(run.judged.speed),
         *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights),

@@ -23,6 +23,7 @@ import argparse
 from quantship import targets
 from quantship.cli import common, options
 from quantship.cli import fidelity as fidelity_cli
+from quantship.cli import speed as speed_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
 
@@ -88,11 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      help=".npy/.npz array (N x C x H x W) or a folder of images (required unless "
                                           "--activations dynamic)")
     fidelity_cli.add_arguments(parser)
+    speed_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    speed_cli.refuse(args, targets.get(args.target), not_timed="--engine ort" if args.engine == "ort" else
+                     "--activations dynamic" if args.activations == "dynamic" else None)
     if args.activations == "dynamic":
         from quantship.cli.quantize_onnx_dynamic import refuse_combinations  # late: it loads onnx
 
@@ -253,7 +257,7 @@ def _run(args: argparse.Namespace, out) -> int:
             return _budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
     else:
-        from quantship.errors import FidelityMissed
+        from quantship.errors import FidelityMissed, SpeedMissed
         from quantship.quantize_onnx.repair import quantize_onnx  # late: --help answers before onnx loads
 
         ui.say(f"fidelity to FP32 judged on {held_said}" if not args.no_fidelity else "fidelity not judged")
@@ -263,12 +267,27 @@ def _run(args: argparse.Namespace, out) -> int:
                 repair=not args.no_repair, max_steps=args.max_steps, exclude=args.exclude, int16=args.int16,
                 observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait, equalize=args.equalize,
                 bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
-                smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say)
+                smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say,
+                speed=not args.no_speed, require_faster=args.require_faster)
+        except SpeedMissed as slower:
+            return speed_cli.missed("quantize-onnx", ui, slower, {"version": 1, "input": args.float_model,
+                                                                  "engine": "quantship", "target": target.target})
         except FidelityMissed as missed:
             return fidelity_cli.missed("quantize-onnx", ui, missed, {"version": 1, "input": args.float_model,
                                                                      "engine": "quantship", "target": target.target})
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
+    if result.speed is None and not args.no_speed and target.runtime_is_onnxruntime:
+        # late: --help answers before onnxruntime loads; the searches write their own file: timed in place
+        from quantship.errors import SpeedMissed
+        from quantship.quantize_onnx.speed import time_written_file
+
+        try:
+            result.speed = time_written_file(result.path, args.float_model, batches, require_faster=args.require_faster)
+        except SpeedMissed as slower:
+            return speed_cli.missed("quantize-onnx", ui, slower, {"version": 1, "input": args.float_model,
+                                                                  "engine": "quantship", "target": target.target})
+    speed_cli.warn("quantize-onnx", result.speed)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
     size = file_size(result.path)
     report = {"version": 1, "input": args.float_model, "target": target.target, "engine": "quantship",
@@ -286,6 +305,7 @@ def _run(args: argparse.Namespace, out) -> int:
     agreement = "" if fused["argmax_agreement"] is None else f"argmax agreement {fused['argmax_agreement']:.3f}, "
     passes = ", ".join(f"{p.name} {p.changes}" for p in result.normalised if p.changes) or "nothing to do"
     ui.report(report, [
+        *speed_cli.rows(result.speed),
         *fidelity_cli.rows(result.fp32, repair),
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
@@ -300,7 +320,7 @@ def _run(args: argparse.Namespace, out) -> int:
                          f"{stats.n_uint8} uint8"),
         *([("16-bit activations", f"{len(result.int16)} tensor(s): {', '.join(result.int16)}")] if result.int16 else []),
         ("ORT runs", f"{census['n_integer']} integer kernels ({_kernels(census['integer'])}), {census['n_float']} "
-                     f"float Conv/MatMul/Gemm ({_kernels(census['float'])})"),
+                     f"float compute kernels ({_kernels(census['float'])})"),
         ("vs FP32 (calibration data)", f"{agreement}max abs error {fused['max_abs_error']:.4g}"
          + _other_outputs(result.fidelity)),
         ("ORT readings", f"{result.readings}" if result.readings.literal_lsb is not None else

@@ -23,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from quantship.errors import QuantshipError, one_line
-from quantship.export import artifact
+from quantship.export import artifact, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
+from quantship.export.onnx_float import export_onnx
 from quantship.export.qdq import export_qdq
 from quantship.fidelity import METADATA_KEY, Budget, Fidelity, measure
 from quantship.inspect.run.consumers import fidelity_reading, ort_session
 from quantship.inspect.run.outputs import output_arrays
+from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.verify import MeasuredPath
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import sensitivity_order
@@ -94,19 +97,47 @@ class Judged:
     path: Any  # the MeasuredPath export_qdq returned, moved to the destination
     fidelity: Fidelity
     repair: Repair | None
+    speed: SpeedReading | None = None  # against the float model's ONNX export on this CPU (None: not timed)
+
+
+def time_against_float(model: Any, sample: Any, staged: Path, scratch: Path, batches: Sequence[Any], *,
+                       opset_version: int = 18, require_faster: bool = False) -> SpeedReading:
+    """The ``staged`` INT8 file timed against the float model exported to ONNX (``export_onnx``, into
+    ``scratch``, with the INT8 file's input names and batch form) at batch 1 and the first calibration
+    batch's size (``speed_gate.gate``: metadata, ``require_faster``)."""
+    int8 = onnx.load(str(staged), load_external_data=False)
+    stored = {t.name for t in int8.graph.initializer}
+    names = [i.name for i in int8.graph.input if i.name not in stored]
+    first = int8.graph.input[0].type.tensor_type.shape.dim
+    fixed = bool(first) and first[0].HasField("dim_value")
+    rows = as_arrays(list(batches)[0])
+    try:
+        with progress_step("speed: exporting the float model to ONNX as the reference"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reference's export warnings are not the user's file's
+            reference = export_onnx(model, sample, scratch / "float_reference.onnx", opset_version=opset_version,
+                                    dynamic_batch=not fixed, input_names=names)
+    except Exception as exc:  # the reading is reported, it never costs the file (unless require_faster)
+        return speed_gate.settle(staged, unmeasured(f"the float model's ONNX export failed: {one_line(exc)}"),
+                                 require_faster=require_faster, hint=speed_gate.torch_hint)
+    return speed_gate.gate(staged, reference, dict(zip(names, rows)), (1, len(rows[0])),
+                           require_faster=require_faster, hint=speed_gate.torch_hint)
 
 
 def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out: str | Path, *, target: Target,
                            overrides: dict, held: Sequence[Any] | None, held_label: str, budget: Budget | None,
                            make_quantizer: Callable[..., Any], quantize_kwargs: dict | None = None,
                            export_kwargs: dict | None = None, repair: bool = True, max_steps: int | None = None,
-                           log: Callable[[str], None] = lambda _: None) -> Judged:
+                           log: Callable[[str], None] = lambda _: None, speed: bool = True,
+                           require_faster: bool = False) -> Judged:
     """Quantize ``model`` for ``target`` (``make_quantizer(target, **options)``, then ``.quantize(model, batches,
     **quantize_kwargs)``), export it (``export_qdq(..., **export_kwargs)``) and hold the file to the float model
     on ``held`` (``held_label`` says what they are; None: the first calibration batch, said in-sample) by
     ``budget`` (None: measured, not judged), repairing it when missed (module docstring). Raises
-    ``FidelityMissed`` (nothing written) when no file keeps the budget."""
+    ``FidelityMissed`` (nothing written) when no file keeps the budget. ``speed``: the chosen file timed
+    against the float model on this CPU before it is moved into place (``time_against_float``; ONNX Runtime
+    targets); ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower."""
     final = artifact.refuse_unsafe_destination(out)
+    speed_gate.refuse_unmeasurable(target, speed=speed, require_faster=require_faster)
     held_batches = list(held) if held else list(batches)[:1]
     data = held_label if held else "calibration sample(s) (in-sample: none held out)"
     numbers = itertools.count()
@@ -149,6 +180,10 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             if len(record.steps) > 1:
                 add_file_metadata(chosen[2], {REPAIR_KEY: json.dumps(record.as_dict(), sort_keys=True, default=str)})
         qmodel, quantizer, path, fidelity = chosen
+        reading = None
+        if speed and target.runtime_is_onnxruntime:
+            reading = time_against_float(model, sample, path, scratch, batches, require_faster=require_faster,
+                                         opset_version=(export_kwargs or {}).get("opset_version", 18))
         with artifact.atomic_destination(final) as staged:
             os.replace(path, staged)
-    return Judged(qmodel, quantizer, MeasuredPath.of(final, path.readings), fidelity, record)
+    return Judged(qmodel, quantizer, MeasuredPath.of(final, path.readings), fidelity, record, reading)

@@ -56,8 +56,10 @@ NORMALISED_KEY = "quantship.normalised"
 PROOF_SAMPLES = 16  # calibration samples each normalisation pass is proven on
 READING_SAMPLES = 64  # calibration samples the written file is read on (both readings, fidelity, check --run)
 INTEGER_KERNELS = ("QLinearConv", "QLinearMatMul", "QGemm", "MatMulIntegerToFloat", "ConvInteger", "MatMulInteger",
-                   "QLinearConvTranspose", "DynamicQuantizeMatMul")
-FLOAT_KERNELS = ("Conv", "FusedConv", "ConvTranspose", "MatMul", "FusedMatMul", "Gemm", "FusedGemm")
+                   "QLinearConvTranspose", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
+# every float compute kernel, recurrent layers included (a file whose float LSTMs do the work says so)
+FLOAT_KERNELS = ("Conv", "FusedConv", "ConvTranspose", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "LSTM", "GRU",
+                 "RNN")
 
 
 @dataclass(frozen=True)
@@ -89,13 +91,14 @@ class OnnxQuantizeResult:
     readings: Any  # inspect.run.verify.Readings (literal and fused, against the float file)
     fidelity: dict  # agreement and error against the float file, both readings: the first output's, and
     # with several outputs each one's under ``per_output`` (by graph output name)
-    census: dict  # what ONNX Runtime's optimized graph runs: integer vs float Conv/MatMul/Gemm kernels
+    census: dict  # what ONNX Runtime's optimized graph runs: integer vs float compute kernels
     verdict: Any  # inspect.judge.check.CheckReport (check --run)
     spec: Any  # precision.QuantSpec recorded in the file
     excluded: list[str] = field(default_factory=list)
     algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, seq_mse, adaround, ...)
     int16: list[str] = field(default_factory=list)  # activation tensors stored in 16 bits (``int16``)
     fp32: Any = None  # quantship.fidelity.Fidelity: each output against the float file, judged by the budget
+    speed: Any = None  # inspect.run.speed.SpeedReading: against the float file on this CPU (None: not timed)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -104,7 +107,8 @@ class OnnxQuantizeResult:
                 "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
                 "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms,
-                "int16": self.int16, "fidelity_fp32": self.fp32.as_dict() if self.fp32 is not None else None}
+                "int16": self.int16, "fidelity_fp32": self.fp32.as_dict() if self.fp32 is not None else None,
+                "speed": self.speed.as_dict() if self.speed is not None else None}
 
 
 def placement_for(target: str | Target, *, per_tensor: bool = False) -> tuple[Placement, Target, Any]:
@@ -257,7 +261,8 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def census(path: Path) -> dict:
-    """What ONNX Runtime's optimized graph of ``path`` runs: integer and float Conv/MatMul/Gemm kernels."""
+    """What ONNX Runtime's optimized graph of ``path`` runs: integer and float compute kernels
+    (Conv/MatMul/Gemm, and the recurrent LSTM/GRU/RNN)."""
 
     ops = ort_optimized_ops(path)
     integer = {k: v for k, v in sorted(ops.items()) if k in INTEGER_KERNELS}

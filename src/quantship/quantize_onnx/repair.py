@@ -21,13 +21,14 @@ from typing import Any
 
 from quantship import targets
 from quantship.errors import QuantshipError, one_line
-from quantship.export import artifact
+from quantship.export import artifact, speed_gate
 from quantship.export.metadata import add_file_metadata
 from quantship.fidelity import Budget
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, placement_for, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
+from quantship.quantize_onnx.speed import calibration_sample
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
@@ -46,8 +47,8 @@ SENSITIVITY_OPTIONS = ("observer", "per_tensor", "equalize", "bias_correction", 
 def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                   budget: Budget | None = DEFAULT_BUDGET, fidelity_data: Any = None, repair: bool = True,
                   max_steps: int | None = None, exclude: Iterable[str] = (), int16: Iterable[str] = (),
-                  wait: bool = True, log: Callable[[str], None] = lambda _: None,
-                  **options: Any) -> tuple[OnnxQuantizeResult, Repair | None]:
+                  wait: bool = True, log: Callable[[str], None] = lambda _: None, speed: bool = True,
+                  require_faster: bool = False, **options: Any) -> tuple[OnnxQuantizeResult, Repair | None]:
     """Quantize ``float_path`` for ``target``, judge its fidelity to the float file by ``budget``, repair it
     when missed (see the module docstring) and write ``out_path``; returns the file's result and the repair.
 
@@ -55,16 +56,21 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
     judged on calibration samples, said so. ``budget=None``: measured, not judged (one pass, no repair).
     ``repair=False``: judge only. ``max_steps``: at most that many repair steps after step 0. ``options``:
     ``quantize_onnx_file``'s. Raises ``FidelityMissed`` (nothing written) when no file keeps the budget.
+    ``speed``: the chosen file timed against the float file on this CPU before it is moved into place
+    (``export.speed_gate``; ONNX Runtime targets), in ``result.speed`` and the file's metadata;
+    ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower.
     """
     src = Path(float_path).expanduser()
     final = artifact.refuse_unsafe_destination(out_path, (src,))
     if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 0):
         raise QuantshipError(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every step")
     base, base_wide = tuple(exclude), tuple(int16)
-    if budget is None:
+    p = targets.get(target)
+    speed_gate.refuse_unmeasurable(p, speed=speed, require_faster=require_faster)
+    timed = speed and p.runtime_is_onnxruntime
+    if budget is None and not timed:
         return quantize_onnx_file(src, final, calibration, target=target, exclude=base, int16=base_wide, wait=wait,
                                   fidelity_data=fidelity_data, **options), None
-    p = targets.get(target)
     placement, _, _ = placement_for(p, per_tensor=bool(options.get("per_tensor")))
     numbers = itertools.count()
     with artifact.workdir_beside(final) as scratch:
@@ -86,6 +92,10 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                                    **{k: v for k, v in opts.items() if k in SENSITIVITY_OPTIONS})
             return [r.node for r in report.by_own_loss()]
 
+        if budget is None:  # measured, not judged: one file, timed below
+            done = quantize_onnx_file(src, scratch / "step0.onnx", calibration, target=p, exclude=base, int16=base_wide,
+                                      wait=wait, fidelity_data=fidelity_data, **options)
+            return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), None
         refusal = (None if placement.mode != "full" else
                    f"{p.target} runs a fully integer graph (no float node, no 16-bit activations): no node can be "
                    "kept float for it")
@@ -94,8 +104,18 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                                   sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
         if len(record.steps) > 1:
             add_file_metadata(done.path, {REPAIR_KEY: json.dumps(record.as_dict(), sort_keys=True, default=str)})
-        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
-            os.replace(done.path, staged)
+        return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
+
+
+def _speed_and_move(done: OnnxQuantizeResult, src: Path, final: Path, calibration: Any, timed: bool,
+                    require_faster: bool, wait: bool) -> OnnxQuantizeResult:
+    """The chosen file, still in the scratch folder: timed against ``src`` (``timed``; ``SpeedMissed`` with
+    ``require_faster`` when slower, nothing moved), then moved into place at ``final``."""
+    if timed:
+        sample, batch = calibration_sample(src, calibration)
+        done.speed = speed_gate.gate(done.path, src, sample, (1, batch), require_faster=require_faster)
+    with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
+        os.replace(done.path, staged)
     done.path = final
     done.verdict.path = str(final)
-    return done, record
+    return done

@@ -42,7 +42,7 @@ import onnx
 
 from quantship import targets
 from quantship.errors import ExportRefused, SpecRefused, one_line
-from quantship.export import artifact
+from quantship.export import artifact, speed_gate
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
 from quantship.progress import step as progress_step
@@ -146,6 +146,22 @@ def timing_feeds(float_path: Path, calibration: Any, batches: Iterable[int]) -> 
     fixed = {i.dims[0] for i in inputs if i.dims and isinstance(i.dims[0], int) and i.dims[0] > 0}
     sizes = sorted(fixed) if fixed else sorted(set(batches))
     return {b: {name: np.ascontiguousarray(np.repeat(a[:1], b, axis=0)) for name, a in first.items()} for b in sizes}
+
+
+def calibration_sample(float_path: Path, calibration: Any) -> tuple[dict[str, np.ndarray], int]:
+    """The first calibration batch's feeds (input name -> array) and its batch size: what the speed against
+    FP32 on every quantize feeds (``export.speed_gate``), at batch 1 and this batch."""
+    first = as_feeds(calibration, model_inputs(load_onnx(float_path)))[0]
+    return first, len(next(iter(first.values())))
+
+
+def time_written_file(path: str | Path, float_path: str | Path, calibration: Any, *,
+                      require_faster: bool = False) -> Any:
+    """A quantized file already written at ``path`` (by a search) timed against ``float_path`` at batch 1 and
+    the calibration batch (``speed_gate.time_written``: removed, ``SpeedMissed``, when ``require_faster`` and
+    slower). Returns the ``inspect.run.speed.SpeedReading``."""
+    sample, batch = calibration_sample(Path(float_path), calibration)
+    return speed_gate.time_written(path, float_path, sample, (1, batch), require_faster=require_faster)
 
 
 def _time(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,

@@ -23,11 +23,15 @@ INT8_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int
 MIN_ROUNDS, MAX_ROUNDS = 5, 3000
 
 
-def single_thread_session(path: str | Path):
-    """A CPU session at ONNX Runtime's default optimizations, one intra-op and one inter-op thread."""
+def single_thread_session(path: str | Path, profile_prefix: str | Path | None = None):
+    """A CPU session at ONNX Runtime's default optimizations, one intra-op and one inter-op thread;
+    ``profile_prefix``: ONNX Runtime's profiler on, its trace written under that prefix."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile_prefix)
     options.log_severity_level = 3
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
@@ -35,18 +39,24 @@ def single_thread_session(path: str | Path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def int8_flags() -> tuple[str, ...]:
+    """The int8-relevant flags (``INT8_FLAGS``) this CPU has, in that order."""
+    _, flags = cpu_info()
+    return tuple(f for f in INT8_FLAGS if f in flags)
+
+
 def cpu_line() -> str:
     """This CPU's name and the int8-relevant flags it has (the figures hold for this CPU only)."""
-    name, flags = cpu_info()
-    return f"{name} ({', '.join(f for f in INT8_FLAGS if f in flags) or 'no avx2'})"
+    name, _ = cpu_info()
+    return f"{name} ({', '.join(int8_flags()) or 'no avx2'})"
 
 
 def median_ms(sessions: Sequence[Any], feed: Mapping[str, np.ndarray], seconds: float = 0.5,
-              rounds: int | None = None) -> tuple[list[float], int]:
+              rounds: int | None = None, min_rounds: int = MIN_ROUNDS) -> tuple[list[float], int]:
     """The median ms of each session (``single_thread_session``) on ``feed`` (input name -> array),
     interleaved round by round (in turn reversed, so that no session always follows the same one and
     inherits its cache); ``rounds`` (else enough for about ``seconds`` of CPU time per session,
-    within MIN_ROUNDS..MAX_ROUNDS). Returns the medians, in the order given, and the rounds run."""
+    within ``min_rounds``..MAX_ROUNDS: a lower bound keeps a large file within a budget). Returns the medians, in the order given, and the rounds run."""
     for s in sessions:  # warm-up: allocations, the first run's kernel choices
         s.run(None, dict(feed))
     if rounds is None:
@@ -54,7 +64,7 @@ def median_ms(sessions: Sequence[Any], feed: Mapping[str, np.ndarray], seconds: 
         for s in sessions:
             s.run(None, dict(feed))
         probe = max((time.thread_time() - start) / len(sessions), 1e-6)
-        rounds = int(min(MAX_ROUNDS, max(MIN_ROUNDS, seconds / probe)))
+        rounds = int(min(MAX_ROUNDS, max(min_rounds, seconds / probe)))
     times: list[list[float]] = [[] for _ in sessions]
     order = list(enumerate(sessions))
     for r in range(rounds):

@@ -1,0 +1,65 @@
+"""The PyTorch path's speed against FP32 (``export.judged.time_against_float``): the float model exported to
+ONNX as the reference, the reading in the report and the file, ``--require-faster`` refusing a slower file
+before it is moved into place. The slower case is a 1 -> 4 -> 8 channel CNN at 12 px (about 0.5-0.65x FP32 as
+INT8 in ONNX Runtime, FIELD-NOTES): no assertion compares timings closely."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from quantship.cli.main import main
+from quantship.export.speed_gate import SPEED_KEY
+
+MODEL = """
+import torch.nn as nn
+
+
+def small():
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 3, padding=1)).eval()
+"""
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("torch_speed")
+    (folder / "small.py").write_text(MODEL)
+    np.save(folder / "cal.npy", np.random.default_rng(0).random((16, 1, 12, 12)).astype(np.float32))
+    return f"{folder / 'small.py'}:small", folder / "cal.npy"
+
+
+def test_quantize_times_the_file_against_the_float_export_and_warns_first(small, tmp_path, capsys):
+    model, calib = small
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", model, "--calib", str(calib), "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0].startswith("quantship quantize: warning: the INT8 file runs slower than FP32")
+    speed = json.loads(captured.out)["speed"]
+    assert speed["batches"] == [1, 8] and speed["slower"] and speed["not_measured"] is None
+    assert {n["module"] for n in speed["slowest_nodes"] if n["op_type"] == "QLinearConv"} == {"0", "2"}
+    assert "--exclude" in speed["hint"]
+    recorded = json.loads({p.key: p.value for p in onnx.load(str(out)).metadata_props}[SPEED_KEY])
+    assert recorded["speedup"].keys() == {"1", "8"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx"]  # the float reference stayed in scratch
+
+
+def test_require_faster_exits_1_and_writes_nothing(small, tmp_path, capsys):
+    model, calib = small
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", model, "--calib", str(calib), "--out", str(out), "--require-faster", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("quantship quantize: --require-faster: the INT8 file runs slower")
+    assert json.loads(captured.out)["verdict"] == "slower_than_fp32" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra", [["--no-speed"], ["--target", "tensorrt"], ["--method", "int8_weight_only"]])
+def test_require_faster_without_a_reading_is_refused(small, tmp_path, capsys, extra):
+    model, calib = small
+    code = main(["quantize", model, "--calib", str(calib), "--out", str(tmp_path / "q.onnx"), "--require-faster",
+                 *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--require-faster" in err[0], err
+    assert list(tmp_path.iterdir()) == []
