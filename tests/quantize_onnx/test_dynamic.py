@@ -15,9 +15,10 @@ import pytest
 from onnx import numpy_helper
 
 from quantship.cli.main import main
+from quantship.inspect.read.feeds import generated
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.quantize_onnx.dynamic import ACTIVATIONS_KEY, WEIGHTS_KEY
-from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file, seeded_feeds
+from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file
 from tests.quantize_onnx import graphs
 
 WEIGHTED = ("proj_q", "proj_k", "proj_v", "proj_o", "ffn_in", "ffn_out", "head")
@@ -170,6 +171,6 @@ def test_an_embedding_table_is_stored_int8_and_its_gathered_rows_dequantized(tmp
     got = ort_session(result.path, optimized=True).run(None, {"ids": ids})[0]
     assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max() and result.census["n_integer"] == 1
     assert result.inputs == "given"
-    seeded = seeded_feeds(onnx.load(str(float_path)))  # without data: ids drawn below the table's row count
+    seeded = generated(onnx.load(str(float_path))).batches  # without data: ids drawn below the table's row count
     drawn = np.concatenate([f["ids"] for f in seeded])
     assert drawn.dtype == np.int64 and 0 <= drawn.min() and drawn.max() < 1000 and len(np.unique(drawn)) > 1
