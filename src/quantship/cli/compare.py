@@ -31,8 +31,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         common.emit_json(args.command, report.as_dict())
         return code
-    source = f"from {args.inputs}" if args.inputs else report.inputs
-    print(f"{report.n_samples} input(s) {source} in {report.n_batches} batch(es), errors in the INT8 file's output LSB")
+    source = f"from {args.inputs}" if args.inputs else "generated"
+    print(f"{report.n_samples} {source} input(s) in {report.n_batches} batch(es), errors in the INT8 file's output LSB")
+    if not args.inputs:
+        print(f"  inputs {report.inputs}: no --inputs given")
     for row in report.rows:
         print(f"  {row}")
     if report.inconclusive:

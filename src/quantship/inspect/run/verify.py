@@ -282,7 +282,10 @@ def _feeds_for(path: str | Path, sample: Any, n_batches: int) -> tuple[list[str]
     else:
         batches = sample
     feeds = as_feeds(batches, inputs, "sample batch")
-    _check_batch(path, int(next(iter(feeds[0].values())).shape[0]))
+    first = batches[0] if isinstance(batches, list) and batches else None
+    first = next(iter(first.values()), None) if isinstance(first, Mapping) else first
+    if getattr(first, "shape", ()):  # refused before the loader re-cuts a batch at the file's batch size
+        _check_batch(path, int(first.shape[0]))
     return names, feeds
 
 
