@@ -44,7 +44,7 @@ def test_every_weight_matmul_runs_as_a_fused_integer_kernel_and_nothing_else_is_
     assert ops["MatMul"] + ops["FusedMatMul"] == 2  # q @ k^T and p @ v stay float
     assert result.census["n_integer"] == len(WEIGHTED) and result.n_matmul_gemm == len(WEIGHTED) + 2
     assert set(result.plan.kept_float) == {"scores", "context"}
-    assert result.verdict.verdict == "accepted" and result.inputs == "seeded random"
+    assert result.verdict.verdict == "accepted" and result.inputs == "generated"
 
 
 def test_the_file_is_close_to_the_float_file_in_both_readings(written):
@@ -105,7 +105,7 @@ def test_the_command_writes_it_without_calibration_data(written, tmp_path, capsy
     assert main(["quantize-onnx", str(float_path), "--out", str(out), "--activations", "dynamic", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["activations"] == "dynamic" and report["census"]["n_integer"] == len(WEIGHTED)
-    assert report["verdict"] == "accepted" and report["inputs"] == "seeded random" and out.is_file()
+    assert report["verdict"] == "accepted" and report["inputs"] == "generated" and out.is_file()
 
 
 def test_given_data_is_what_the_file_is_read_on(written, tmp_path, capsys):

@@ -74,7 +74,7 @@ class DynamicQuantizeResult:
     census: dict  # what ONNX Runtime's optimized graph runs
     n_matmul_gemm: int  # MatMul/Gemm nodes in the (normalised) float file
     verdict: Any  # inspect.judge.check.CheckReport
-    inputs: str  # "given" or "seeded random": what the readings ran on
+    inputs: str  # "given" or "generated" (feeds.generated): what the readings ran on
     excluded: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -156,7 +156,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     try:
         reference = _run(_session(proto, optimized=True), read_on)
     except Exception as exc:  # ORT's own exception types
-        where = "the given inputs" if given else "seeded random inputs (batch 1, every dynamic dim 1)"
+        where = "the given inputs" if given else "generated inputs (batch 1, every dynamic dim 1)"
         raise ExportRefused(f"the float file does not run in ONNX Runtime on {where}: {cause(exc)}"
                             + ("" if given else "; give --calib DATA with real inputs")) from exc
     model = ir.from_proto(proto)
@@ -200,6 +200,6 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
         verdict.path = str(Path(out_path).expanduser().resolve())
     skipped = sorted(selection.node_label(nodes[i], i) for i in excluded)
     return DynamicQuantizeResult(Path(out_path).expanduser().resolve(), p.target, records, plan, weights, readings,
-                                 fidelity, sqnr, kernels, n_matmul_gemm, verdict, "given" if given else "seeded random",
+                                 fidelity, sqnr, kernels, n_matmul_gemm, verdict, "given" if given else "generated",
                                  skipped)
 
