@@ -113,3 +113,18 @@ def test_bad_data_is_one_line_exit_2(bert, name, arrays, message):
         done = quantship(*argv, cwd=bert["dir"])
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and message in lines[0], (argv, done.stderr)
+
+
+def test_a_run_that_cannot_run_here_says_not_run_in_the_table_and_the_json(bert):
+    """TensorRT cannot run here: the check row says "not run" and why, never "accepted", in both forms."""
+    table = quantship("quantize-onnx", "distilbert.onnx", "--calib", "cal.npz", "--target", "tensorrt",
+                      "--out", "trt.onnx", cwd=bert["dir"])
+    as_json = quantship("quantize-onnx", "distilbert.onnx", "--calib", "cal.npz", "--target", "tensorrt",
+                        "--out", "trt_json.onnx", "--json", cwd=bert["dir"])
+    assert table.returncode == as_json.returncode == 0, table.stderr + as_json.stderr
+    report = json.loads(as_json.stdout)
+    (run,) = report["check"]["runs"]
+    assert report["verdict"] == report["check"]["verdict"] == "not run" and not run["ran"]
+    assert "cannot run on this machine" in run["detail"]
+    row = " ".join(line.strip("│ ") for line in table.stdout.splitlines() if "│" in line)
+    assert "check tensorrt --run" in row and "not run (TensorRT" in row and "accepted" not in row
