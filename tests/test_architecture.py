@@ -1,8 +1,9 @@
 """The import direction of src/quantship, read with ``ast`` (no module is imported).
 
 Layers, lowest first (README, "Layout"): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
-``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision``;
-``quantize`` and ``inspect`` (neither imports the other); ``export``; ``quantize_onnx``; ``examples``;
+``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision`` and
+``fidelity``; ``targets`` (one module per runtime) and ``repair_loop``; ``quantize`` and ``inspect`` (neither
+imports the other); ``export``; ``quantize_onnx``; ``examples``;
 ``cli`` on top; nothing imports ``cli``. Inside ``inspect``, three jobs, lowest first: ``read`` (a file),
 ``run`` (it, in runtimes), ``judge`` (it, for a target); every module of ``inspect`` lives in one of them.
 A module imports only from lower layers or from its own package, with no cycle, counting the
@@ -27,13 +28,16 @@ LAYERS: dict[str, int] = {
                      "quantship.interrupts", "quantship.locks", "quantship.calibration",
                      "quantship.report_json", "quantship.intervals"), 1),
     "quantship.precision": 2,
-    "quantship.quantize": 3,
-    "quantship.inspect": 3,
-    "quantship.export": 4,
-    "quantship.quantize_onnx": 5,
-    "quantship.examples": 6,
-    "quantship.cli": 7,
-    "quantship.__main__": 8,
+    "quantship.fidelity": 2,  # the one judgement of outputs against FP32: numpy, errors and intervals only
+    "quantship.targets": 3,  # one module per runtime: precision only
+    "quantship.repair_loop": 3,  # the fidelity repair, once for both front-ends: fidelity and progress only
+    "quantship.quantize": 4,
+    "quantship.inspect": 4,
+    "quantship.export": 5,
+    "quantship.quantize_onnx": 6,
+    "quantship.examples": 7,
+    "quantship.cli": 8,
+    "quantship.__main__": 9,
 }
 # inside inspect: a job imports only from the jobs below it (and from its own)
 INSPECT = "quantship.inspect"
@@ -206,3 +210,74 @@ def test_function_level_imports_only_where_listed_and_each_with_its_reason():
     unexplained = [f"{m}:{line} imports {t}" for m, t, line, reason in late
                    if not reason and m.startswith("quantship.cli")]
     assert unexplained == []
+
+
+# A target is defined in one module of ``quantship.targets``; elsewhere its name is never compared (==, !=,
+# in, a dict key, a table of names, a match case): code reads the ``Target``'s fields instead. The CLI's
+# argument parsing (``add_arguments``) may name targets; these strings mean something else where listed.
+TARGET_NAMES = frozenset({"onnxruntime-cpu", "onnxruntime", "tensorrt", "openvino", "tigris"})
+TARGET_CONSTANTS = frozenset({"ORT_CPU"})
+NOT_A_TARGET_NAME: dict[tuple[str, str], str] = {
+    ("quantship.cli.main", "onnxruntime"): "the Python package an exception came from (a runtime's own error)",
+    ("quantship.cli.main", "openvino"): "the Python package an exception came from (a runtime's own error)",
+}
+
+
+def _target_names_in(node: ast.AST) -> list[str]:
+    """The target names a comparison operand, dict key or table literal spells (strings or ORT_CPU)."""
+    if isinstance(node, ast.Constant) and node.value in TARGET_NAMES:
+        return [node.value]
+    if isinstance(node, ast.Name) and node.id in TARGET_CONSTANTS or \
+            isinstance(node, ast.Attribute) and node.attr in TARGET_CONSTANTS:
+        return [ast.unparse(node)]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [name for element in node.elts for name in _target_names_in(element)]
+    return []
+
+
+def compared_target_names(source: str, parsing_allowed: bool = False) -> list[tuple[int, str]]:
+    """(line, name) of each target name compared in ``source`` (inside an ``add_arguments`` function
+    too, unless ``parsing_allowed``)."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if parsing_allowed and isinstance(node, ast.FunctionDef) and node.name.startswith("add_") \
+                and node.name.endswith(("arguments", "argument")):
+            return
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Dict):
+            operands = [key for key in node.keys if key is not None]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            operands = [node]
+        elif isinstance(node, ast.MatchValue):
+            operands = [node.value]
+        else:
+            operands = []
+        found.extend((node.lineno, name) for operand in operands for name in _target_names_in(operand))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return sorted(set(found))
+
+
+def test_the_architecture_test_sees_a_compared_target_name():
+    assert compared_target_names("if t.target == 'tigris':\n    pass") == [(1, "tigris")]
+    assert compared_target_names("ok = name not in ('tensorrt', 'openvino')") == [(1, "openvino"), (1, "tensorrt")]
+    assert compared_target_names("RUNNERS = {ORT_CPU: run}") == [(1, "ORT_CPU")]
+    assert compared_target_names("x = p.target != precision.ORT_CPU") == [(1, "precision.ORT_CPU")]
+    assert compared_target_names("def f(target='tigris'):\n    return get(target)") == []  # a default, not a test
+    parse = "def add_arguments(p):\n    if d == 'tigris':\n        pass"
+    assert compared_target_names(parse, parsing_allowed=True) == [] and compared_target_names(parse) == [(2, "tigris")]
+
+
+def test_no_target_name_is_compared_outside_targets():
+    found = []
+    for module, path in MODULES.items():
+        if module == "quantship.targets" or module.startswith("quantship.targets."):
+            continue
+        hits = compared_target_names(path.read_text(), parsing_allowed=module.startswith("quantship.cli"))
+        found += [f"{module}:{line} compares {name!r}" for line, name in hits
+                  if (module, name) not in NOT_A_TARGET_NAME]
+    assert found == []

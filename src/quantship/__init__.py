@@ -18,7 +18,7 @@ _PUBLIC: dict[str, str] = {
     "resolve_spec": "quantship.precision",
     "precision_table": "quantship.precision",
     "SUPPORT_MATRIX": "quantship.precision",
-    "PRESETS": "quantship.precision",
+    "PRESETS": "quantship.targets",
     "Quantizer": "quantship.quantize",
     "QuantizeCallback": "quantship.quantize.callback",
     "state_dict_size": "quantship.quantize.sizes",
@@ -32,7 +32,7 @@ _PUBLIC: dict[str, str] = {
     "compare_logits": "quantship.inspect",
     "quant_spec_of_file": "quantship.inspect",
     "quant_target": "quantship.precision",
-    "target_names": "quantship.precision",
+    "target_names": "quantship.targets",
     # the error vocabulary (quantship.errors): every one a ValueError
     "QuantshipError": "quantship.errors",
     "SpecRefused": "quantship.errors",

@@ -57,6 +57,15 @@ class FileRefused(QuantshipError):
     """A file that cannot be read as what it claims to be (not ONNX, truncated, malformed fields)."""
 
 
+class FidelityMissed(QuantshipError):
+    """No file kept the fidelity budget against the float model; nothing was written. ``.record`` holds
+    every step measured (a dict, as the JSON report gives it). The CLI exits 1: a verdict, not bad input."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record or {}
+
+
 def one_line(exc: BaseException, limit: int = _MAX_LINE) -> str:
     """The first non-empty line of an exception's message, without terminal colour codes.
 

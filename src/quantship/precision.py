@@ -4,17 +4,18 @@ Every request is checked against ``SUPPORT_MATRIX`` before any work happens. A r
 backend can honour is refused with a ``ValueError`` naming the argument, the value, the backend,
 and the backends that can honour it. Nothing is ever replaced by a nearby precision.
 
-This module imports only ``quantship.errors`` from quantship (see STYLE.md: imports flow one way).
+This module imports only ``quantship.errors`` and ``quantship.lazy`` from quantship (see STYLE.md: imports flow one way).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from quantship.errors import SpecRefused, TargetRefused
+from quantship.errors import SpecRefused
+from quantship.lazy import load_public
 
 FLOAT_BITS = 16  # "stays floating point" in a label: W8A16 is INT8 weight-only
 SPEC_ATTRIBUTE = "_quantship_spec"  # where a produced model carries its QuantSpec
@@ -400,7 +401,7 @@ def tag_model(model: Any, spec: QuantSpec, target: Preset | None = None) -> Any:
     """Attach ``spec`` (and the resolved deployment preset it was made for) to a produced model, so
     the precision and the target travel with it to ``export_qdq``."""
     if target is not None and not isinstance(target, Preset):
-        raise TypeError(f"tag_model(target={target!r}): give the resolved Preset (precision.resolve_target)")
+        raise TypeError(f"tag_model(target={target!r}): give the resolved Target (quantship.targets.get)")
     setattr(model, SPEC_ATTRIBUTE, spec)
     setattr(model, TARGET_ATTRIBUTE, target)
     return model
@@ -429,17 +430,16 @@ def quant_spec(model: Any) -> QuantSpec | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Deployment presets: one table, each a spec plus export options, read by Quantizer.for_target
-# and export_qdq(target=...). The rules a target applies to a *file* live in inspect/judge/rules.py.
+# Deployment presets: what a target quantizes with and how its file is written. Each target's own
+# preset lives in its module of ``quantship.targets`` (a ``Target`` is a ``Preset``).
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A deployment preset, resolved: the request to quantize with, and how to write the file.
+    """A deployment preset: the request to quantize with, and how to write the file.
 
-    ``target`` is the one name of the runtime everywhere inside quantship: its rule table in
-    ``inspect/judge/rules.py`` and its consumer carry the same name. Other spellings
-    (``TARGET_ALIASES``) are resolved at the edge, by ``resolve_target``.
+    ``target`` is the one name of the runtime everywhere inside quantship. Other spellings
+    (``targets.ALIASES``) are resolved at the edge, by ``targets.get``.
     """
 
     target: str
@@ -454,64 +454,16 @@ class Preset:
         earlier releases; one name per runtime)."""
         return self.target
 
-
-ORT_CPU = "onnxruntime-cpu"  # the one internal name of ONNX Runtime (CPU): its preset, rule table and consumer
-
-PRESETS: tuple[Preset, ...] = (
-    Preset(ORT_CPU, {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8",
-           "uint8 affine activations let ONNX Runtime fuse every Conv/Gemm/Add into integer kernels; "
-           "7-bit weights keep its u8s8 kernels from saturating on x86 CPUs without VNNI", dynamic_batch=True),
-    Preset("tensorrt", {"backend": "pt2e", "symmetric": True}, "int8",
-           "TensorRT accepts only int8 with zero-point 0", dynamic_batch=True),
-    Preset("openvino", {"backend": "pt2e", "symmetric": False, "reduce_range": True}, "uint8",
-           "uint8 activation files compile on CPU without a precision hint", dynamic_batch=True),
-    Preset("tigris", {"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"}, "int8",
-           "per-tensor int8 activations, fully quantized: one dtype for the whole plan", dynamic_batch=False),
-)
+    def as_dict(self) -> dict[str, Any]:
+        """The preset's own fields (a ``Target`` adds its runtime's; they are not part of the preset)."""
+        return {f.name: getattr(self, f.name) for f in fields(Preset)}
 
 
-# Other spellings of a target, accepted by every command and public function that takes one, and
-# resolved there (``resolve_target``); nothing inside quantship compares against an alias.
-TARGET_ALIASES: Mapping[str, str] = {"onnxruntime": ORT_CPU}
+# The target registry of earlier releases, now ``quantship.targets``: served on first use, so that this
+# module imports nothing of ours when it loads (tests/test_architecture.py reads this table).
+MOVED_TO_TARGETS = ("PRESETS", "TARGET_ALIASES", "target_names", "preset", "resolve_target", "file_settings",
+                    "same_file_as")
 
 
-def target_names() -> tuple[str, ...]:
-    """Every accepted target name: the presets, then their aliases (the one registry the CLI reads)."""
-    return (*(p.target for p in PRESETS), *TARGET_ALIASES)
-
-
-def canonical_target(name: str) -> str:
-    """The preset name for ``name`` (an alias resolves to its preset); unknown names are refused."""
-    if isinstance(name, str):
-        if any(p.target == name for p in PRESETS):
-            return name
-        if name in TARGET_ALIASES:
-            return TARGET_ALIASES[name]
-    raise TargetRefused(f"target={name!r} is unknown; valid targets: {list(target_names())}")
-
-
-def preset(target: str) -> Preset:
-    """The preset for a deployment target (or one of its aliases); unknown targets are refused."""
-    name = canonical_target(target)
-    return next(p for p in PRESETS if p.target == name)
-
-
-def resolve_target(target: str | Preset) -> Preset:
-    """The edge's one look-up: a target name or alias becomes its ``Preset``; a ``Preset`` passes as is.
-
-    Public functions that take ``target=`` call it once at their entry and pass the object on.
-    """
-    return target if isinstance(target, Preset) else preset(target)
-
-
-def file_settings(p: Preset) -> tuple:
-    """What decides the file a preset writes: the resolved spec and every export option."""
-    options = tuple(sorted((k, v) for k, v in asdict(p).items() if k not in ("target", "spec_kwargs", "why")))
-    return (resolve_spec(**p.spec_kwargs), options)
-
-
-def same_file_as(target: str | Preset) -> list[str]:
-    """The other presets that write exactly the same file as ``target`` (same spec, same options)."""
-    p = resolve_target(target)
-    mine = file_settings(p)
-    return [other.target for other in PRESETS if other.target != p.target and file_settings(other) == mine]
+def __getattr__(name: str) -> Any:
+    return load_public(__name__, dict.fromkeys(MOVED_TO_TARGETS, "quantship.targets"), name)

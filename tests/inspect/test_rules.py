@@ -7,9 +7,9 @@ import json
 import onnx
 import pytest
 
+from quantship import targets
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.judge.rules import RULES, TARGETS
-from quantship.inspect.judge.rules import target as rule_table
 from quantship.precision import PRESETS, preset
 from tests.onnx_edits import strip_kernel_shape
 
@@ -17,12 +17,13 @@ ALL_TARGETS = ["onnxruntime", "tensorrt", "openvino", "tigris"]  # as users name
 
 
 def test_rule_tables_are_consistent():
-    # one name per runtime: each rule table carries its preset's name, and an alias reads the same table
+    # one name per runtime: one Target holds its preset and its file rules, and an alias reads the same one
     assert list(TARGETS) == [p.target for p in PRESETS] == ["onnxruntime-cpu", "tensorrt", "openvino", "tigris"]
-    assert all(rule_table(name) is TARGETS[preset(name).target] for name in ALL_TARGETS)
+    assert all(targets.get(name) is preset(name) is TARGETS[preset(name).target] for name in ALL_TARGETS)
     for tgt in TARGETS.values():
-        assert set(tgt.errors) <= set(RULES) and set(tgt.warnings) <= set(RULES)
-        assert not set(tgt.errors) & set(tgt.warnings)
+        rules = tgt.file_rules
+        assert set(rules.errors) <= set(RULES) and set(rules.warnings) <= set(RULES)
+        assert not set(rules.errors) & set(rules.warnings)
     with pytest.raises(ValueError, match="valid targets"):
         check_file("whatever.onnx", "coreml")
 

@@ -35,15 +35,15 @@ def run(args: argparse.Namespace) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     from rich.console import Console
 
+    from quantship import targets
     from quantship.inspect.judge.check import check_file
-    from quantship.inspect.judge.rules import target as rule_target
 
     if args.n < 1:
         raise UsageError(f"--n {args.n}: a run needs at least one input batch")
     if args.inputs and not args.run:
         raise UsageError("--inputs feeds the consumer's run: add --run")
     real = inputs.read(args, args.file, limit=args.n * 64)
-    target = rule_target(args.target)  # the one look-up: an alias resolves here
+    target = targets.get(args.target)  # the one look-up: an alias resolves here
     report = check_file(args.file, target, run=args.run, n_inputs=args.n, inputs=real)
     if args.json:
         common.emit_json(args.command, report.as_dict())

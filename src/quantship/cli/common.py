@@ -8,11 +8,9 @@ import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from quantship import __version__
-from quantship.errors import ExportRefused
+from quantship import __version__, targets
 from quantship.intervals import wilson_interval
 from quantship.locks import destination_lock
-from quantship.precision import target_names
 from quantship.progress import END, START, listening
 from quantship.report_json import strict_json
 
@@ -25,8 +23,8 @@ def add_target_argument(parser: argparse.ArgumentParser, *, default: str | None,
     """``--target``: every command accepts every name of the one target registry (and its aliases)."""
 
     required = default is None if required is None else required
-    parser.add_argument("--target", default=default, required=required, choices=target_names(),
-                        metavar="TARGET", help=f"{help}; one of {', '.join(target_names())}")
+    parser.add_argument("--target", default=default, required=required, choices=targets.names(),
+                        metavar="TARGET", help=f"{help}; one of {', '.join(targets.names())}")
 
 
 def positive_int(text: str) -> int:
@@ -46,17 +44,28 @@ def add_writer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fail at once if another process is writing --out (default: wait for it)")
 
 
-def output_path(out: str):
-    """The resolved ``--out`` path, refused before any work when it cannot be a file we write."""
-    from pathlib import Path
+def output_path(out: str, inputs: tuple[str, ...] = ()):
+    """The resolved ``--out`` path, refused before any work when writing it would destroy a user's file.
+
+    ``artifact.refuse_unsafe_destination``: not ending in .onnx, a device, pipe or socket, or one of ``inputs``.
+    """
+    from quantship.export.artifact import refuse_unsafe_destination  # late: --help answers before it loads
+
+    return refuse_unsafe_destination(out, inputs, flag="--out")
 
 
-    path = Path(out).expanduser().resolve()
-    if path.is_dir():
-        raise ExportRefused(f"--out {out} is a directory: give the path of the .onnx file to write")
-    if not path.parent.is_dir():
-        raise ExportRefused(f"--out {out}: the directory {path.parent} does not exist; create it first")
-    return path
+def input_files(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every path the command line names other than ``--out`` (``file.py:factory`` counts as ``file.py``)."""
+    named = []
+    for name, value in vars(args).items():
+        if name == "out" or name.startswith("_"):
+            continue
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and text:
+                named.append(text)
+                if ":" in text:
+                    named.append(text.rsplit(":", 1)[0])
+    return tuple(named)
 
 
 @contextlib.contextmanager
@@ -66,7 +75,7 @@ def writing(args: argparse.Namespace) -> Iterator[Path]:
     A command holds it to its end: its report reads the file this run wrote.
     """
 
-    out = output_path(args.out)
+    out = output_path(args.out, input_files(args))
     with destination_lock(out, wait=not args.no_wait):
         yield out
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from quantship import targets
 from quantship.cli import common
 from quantship.cli.check import exit_code
-from quantship.precision import preset
 
 BATCH = 40  # divides the 360 held-out images; the graph is captured at this batch size
 
@@ -73,14 +73,13 @@ def run(args: argparse.Namespace) -> int:
     from quantship.examples import digits
     from quantship.export import export_onnx, export_qdq
     from quantship.inspect.judge.check import check_file
-    from quantship.inspect.judge.rules import TARGETS
     from quantship.inspect.read.loading import file_size
     from quantship.inspect.read.stats import qdq_stats
     from quantship.inspect.run.verify import compare_logits, verify_qdq
 
     started = time.perf_counter()
     ui = common.Output(args)
-    target = preset(args.target)
+    target = targets.get(args.target)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -107,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     fp32_ms, int8_ms, speedup = _latency_ratio(fp32_path, int8_path, split.x_test[:BATCH].numpy(), args.runs)
     # every target's rules; the preset's own target is also run (where installed) on the held-out images,
     # the same code as `quantship check --run --inputs`, and the demo's exit code follows that verdict
-    verdicts = {name: check_file(int8_path, rules, run=name == target.target, inputs=split.x_test.numpy())
-                for name, rules in TARGETS.items()}
+    verdicts = {each.name: check_file(int8_path, each, run=each is target, inputs=split.x_test.numpy())
+                for each in targets.ALL}
     elapsed = time.perf_counter() - started
 
     result = {

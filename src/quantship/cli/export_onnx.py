@@ -33,6 +33,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    common.output_path(args.out, common.input_files(args))  # before any import or the model's code runs
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import torch
 

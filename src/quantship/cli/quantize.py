@@ -1,10 +1,13 @@
 """``quantship quantize``: a PyTorch model to a checked QDQ ONNX file for a deployment target.
 
-The summary's verdict is ``quantship check FILE --target T --run``'s, on the calibration inputs:
-the target's rules, then its consumer run on the file wherever it is installed here (ONNX Runtime,
-OpenVINO, TiGrIS). Exit code 0: accepted; 1: failed or inconclusive (the file is written);
-2: bad input, or a refusal (the export refuses a file the target's rules would not accept, and
-writes nothing).
+The file is first held to the float model (``export.judged``: its fidelity to FP32 on inputs held out
+from calibration, repaired by the same loop as quantize-onnx when it misses the budget; nothing is
+written, exit 1, when no step keeps it). The summary's verdict is ``quantship check FILE --target T
+--run``'s, on the calibration inputs: the target's rules, then its consumer run on the file wherever
+it is installed here (ONNX Runtime, OpenVINO, TiGrIS). Exit code 0: accepted; 1: failed or
+inconclusive (the file is written), or no file kept the fidelity budget (nothing written); 2: bad
+input, or a refusal (the export refuses a file the target's rules would not accept, and writes
+nothing).
 """
 
 from __future__ import annotations
@@ -13,19 +16,23 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantship import targets
 from quantship.cli import common, options, quantize_weight_only
+from quantship.cli import fidelity as fidelity_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
-from quantship.errors import DataRefused, cause
-from quantship.precision import ORT_CPU, Preset, preset
+from quantship.errors import DataRefused, FidelityMissed, cause
 from quantship.progress import step
+from quantship.targets import Target
+
+DEFAULT_TARGET = "onnxruntime-cpu"  # without --target and without one in the --config file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_model_arguments(parser, hf=True)
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
     common.add_target_argument(parser, default=None, required=False,
-                               help="deployment preset (default: the --config file's target, else onnxruntime-cpu)")
+                               help=f"deployment preset (default: the --config file's target, else {DEFAULT_TARGET})")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file must declare (17 or 18)")
@@ -48,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # weight-only needs no calibration; the static path still insists below
         if action.dest == "calib":
             action.required = False
+    parser.add_argument("--max-steps", type=int, default=None, metavar="N",
+                        help="at most N fidelity repair steps (default: every step)")
+    fidelity_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -71,7 +81,7 @@ class _Run:
 
     args: argparse.Namespace
     ui: common.Output
-    target: Preset
+    target: Target
     overrides: dict[str, Any]
     model: Any = None
     batches: list = field(default_factory=list)
@@ -82,6 +92,9 @@ class _Run:
     path: Any = None  # the written file (a MeasuredPath: it carries the export's ORT readings)
     served: int | None = None  # the file's static batch, None when it serves any batch
     error: Any = None  # ORT vs torch INT8 on the first output
+    held: list | None = None  # inputs held out from calibration, fidelity to FP32 is judged on
+    held_label: str = ""
+    judged: Any = None  # export.judged.Judged: the file's fidelity to FP32 and the repair
 
 
 def _static(args: argparse.Namespace, out) -> int:
@@ -90,7 +103,11 @@ def _static(args: argparse.Namespace, out) -> int:
     _read_model_and_data(run)
     sample, dynamic = _export_sample(run.batches, args.static_batch)
     _read_labelled(run)
-    _quantize_and_export(run, out, sample, dynamic)
+    try:
+        _quantize_and_export(run, out, sample, dynamic)
+    except FidelityMissed as missed:
+        return fidelity_cli.missed("quantize", run.ui, missed, {"version": 1, "model": args.model,
+                                                                "target": run.target.target})
     return _report(run)
 
 
@@ -100,7 +117,7 @@ def _request(args: argparse.Namespace) -> _Run:
         raise UsageError("--calib is required for static W8A8 quantization")
     ui = common.Output(args)
     config = options.read_config(args.config)
-    target = preset(args.target or config.get("target") or ORT_CPU)
+    target = targets.get(args.target or config.get("target") or DEFAULT_TARGET)
     overrides = options.quantizer_options(args, config)  # option refusals come before any model or data work
     if args.backend != "pt2e":
         raise UsageError(f"--backend {args.backend}: only pt2e produces a QDQ ONNX file; FX and torchao "
@@ -109,6 +126,11 @@ def _request(args: argparse.Namespace) -> _Run:
         raise UsageError(f"--opset {args.opset}: quantship writes opset 17 or 18")
     if args.static_batch is not None and args.static_batch < 1:
         raise UsageError(f"--static-batch {args.static_batch} must be at least 1")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise UsageError("--max-steps N bounds the fidelity repair: give N >= 0")
+    if args.fidelity_data and args.no_fidelity:
+        raise UsageError("--fidelity-data is the data fidelity is judged on: drop it or --no-fidelity")
+    args.budget = fidelity_cli.budget(args)  # a bound out of range: one line, exit 2, before any work
     return _Run(args, ui, target, overrides)
 
 
@@ -124,7 +146,7 @@ def _read_model_and_data(run: _Run) -> None:
     with step(f"quantize: loading {args.model}"):
         run.model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     with step(f"quantize: reading {args.calib}"):
-        run.batches = [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)]
+        run.batches, run.held, run.held_label = _calibration_and_held_out(args)
     with torch.no_grad():
         try:
             run.model(run.batches[0])
@@ -133,6 +155,30 @@ def _read_model_and_data(run: _Run) -> None:
                               f"{list(run.batches[0].shape)}: {cause(exc)}") from None
     run.ui.say(f"calibration: {sum(len(b) for b in run.batches)} sample(s) in {len(run.batches)} batch(es) of up "
                f"to {args.batch_size} from {args.calib}")
+
+
+def _calibration_and_held_out(args: argparse.Namespace) -> tuple[list, list | None, str]:
+    """Calibration batches (torch), the batches fidelity is judged on (``--fidelity-data``, else held out of
+    --calib: ``fidelity.split_held_out``) and a line saying which."""
+    import numpy as np
+    import torch
+
+    from quantship.cli.sources import read_calibration  # numpy and Pillow: loaded when data is read
+
+    def batches(x: np.ndarray) -> list:
+        return [torch.from_numpy(x[i:i + args.batch_size]) for i in range(0, len(x), args.batch_size)]
+
+    if args.fidelity_data:
+        held = read_calibration(args.fidelity_data, key=args.key, prep=common.preprocessing(args),
+                                batch_size=args.batch_size, max_samples=fidelity_cli.HELD_OUT_MAX, keep_last=True)
+        return ([torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)],
+                [torch.from_numpy(b) for b in held], f"sample(s) of --fidelity-data {args.fidelity_data}")
+    if args.no_fidelity:
+        return [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)], None, ""
+    read = read_calibration(args.calib, key=args.key, prep=common.preprocessing(args), batch_size=args.batch_size,
+                            max_samples=args.max_samples + fidelity_cli.HELD_OUT_MAX, keep_last=True)
+    calib, held, said = fidelity_cli.split_held_out({"x": np.concatenate(read)}, args.max_samples)
+    return batches(calib["x"]), (batches(held["x"]) if held is not None else None), f"sample(s): {said}"
 
 
 def _read_labelled(run: _Run) -> None:
@@ -156,20 +202,25 @@ def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
     import warnings
 
     from quantship import Quantizer
-    from quantship.export import export_qdq
+    from quantship.export.judged import quantize_export_judged
     from quantship.inspect.run.verify import FusedKernelDrift
 
     args, ui = run.args, run.ui
+    searching = run.overrides.get("max_accuracy_drop") is not None  # the labelled search decides instead
+    if not args.no_fidelity:
+        ui.say(f"fidelity to FP32 judged on {run.held_label or 'calibration samples (none held out)'}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", FusedKernelDrift)  # measured on the file: the user hears it
-        run.quantizer = quantizer = Quantizer.for_target(run.target, verbose=ui.verbose, **run.overrides)
-        budget = quantizer.max_accuracy_drop is not None
-        run.qmodel = quantizer.quantize(run.model, run.batches, max_calibration_samples=args.max_samples,
-                                        labelled_data=run.labelled_batches if budget else None)
-        ui.say(f"export: writing {args.out} for {run.target.target}")
-        run.path = export_qdq(run.qmodel, sample, out, target=run.target, opset_version=args.opset,
-                              dynamic_batch=dynamic)
+        run.judged = quantize_export_judged(
+            run.model, run.batches, sample, out, target=run.target, overrides=run.overrides, held=run.held,
+            held_label=run.held_label, budget=None if searching else args.budget,
+            make_quantizer=lambda target, **kw: Quantizer.for_target(target, verbose=ui.verbose, **kw),
+            quantize_kwargs={"max_calibration_samples": args.max_samples,
+                             "labelled_data": run.labelled_batches if searching else None},
+            export_kwargs={"opset_version": args.opset, "dynamic_batch": dynamic},
+            repair=not args.no_repair, max_steps=args.max_steps, log=ui.say)
+        run.quantizer, run.qmodel, run.path = run.judged.quantizer, run.judged.qmodel, run.judged.path
         run.served = _file_batch(run.path)
         run.error = _output_error(run.qmodel, run.path, sample if run.served is None else sample[:run.served])
     for warning in caught:
@@ -204,11 +255,14 @@ def _report(run: _Run) -> int:
         "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(),
         "ort_readings": readings.as_dict() if readings else None,
         "verdict": verdict.verdict, "check": verdict.as_dict(),
+        "fidelity_fp32": run.judged.fidelity.as_dict(),
+        "repair": run.judged.repair.as_dict() if run.judged.repair is not None else None,
     }
     result["float_ops"] = left_float = _left_float(run.quantizer, facts)
     del facts
     rows_eval = _accuracy_rows(run, result)
     rows = [
+        *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
@@ -229,6 +283,8 @@ def _report(run: _Run) -> int:
     rows += [(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs]
     rows.append((f"check {target.target} --run", common.verdict_line(verdict)))
     run.ui.report(result, rows)
+    if run.judged.fidelity.status == "inconclusive":
+        return 1  # a constant float output tells nothing (a missed budget wrote nothing, above)
     return exit_code(verdict)
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 
+from quantship import targets
 from quantship.cli import common, options
+from quantship.cli import fidelity as fidelity_cli
 from quantship.cli.check import exit_code
 from quantship.cli.usage import UsageError
 
@@ -76,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "layers); the file records what was kept and the measured speed-ups")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="--max-drop: at most N nodes kept in float by the search; --speed-search: at most N "
-                             "files timed after the first (default: every candidate)")
+                             "files timed after the first; otherwise at most N fidelity repair steps (default: "
+                             "every candidate)")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="static",
                         help="static (default): calibrated Q/DQ pairs; dynamic: int8 per-column weights and each "
                              "MatMul/Gemm's activation quantized at run time (the batch-1 transformer form; Convs "
@@ -85,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      help=".npy (one input), .npz keyed by the file's input names, or a folder of "
                                           "images; each input in its declared dtype (required unless --activations "
                                           "dynamic)")
+    fidelity_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
     common.add_output_arguments(parser)
 
@@ -99,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.calib:
         raise UsageError("--calib DATA is required: static activations are calibrated on it (--activations dynamic "
                          "needs none)")
+    args.budget = fidelity_cli.budget(args)  # a bound out of range: one line, exit 2, before any work
+    if args.fidelity_data and args.no_fidelity:
+        raise UsageError("--fidelity-data is the data fidelity is judged on: drop it or --no-fidelity")
     if args.max_drop is not None and not args.eval:
         raise UsageError("--max-drop needs --eval labelled data to measure top-1 on")
     if args.max_drop is not None and args.max_drop < 0:
@@ -110,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--speed-search times the file in ONNX Runtime on this CPU: it serves --target "
                          f"onnxruntime-cpu with quantship's engine, not --target {args.target}"
                          f"{' --engine ort' if args.engine == 'ort' else ''}")
-    if args.max_steps is not None and ((args.max_drop is None and not args.speed_search) or args.max_steps < 0):
-        raise UsageError("--max-steps N (N >= 0) bounds a search: give it with --max-drop or --speed-search")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise UsageError("--max-steps N bounds a search or the fidelity repair: give N >= 0")
     if args.engine == "ort" and args.eval:
         raise UsageError("--eval and --max-drop run with quantship's engine, not --engine ort")
     args.adaround = _adaround_steps(args.adaround)
@@ -134,9 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runs_on_ort_cpu(target: str) -> bool:
-    from quantship.precision import ORT_CPU, preset  # late: --help answers before the presets load
-
-    return preset(target).target == ORT_CPU
+    return targets.get(target).runtime_is_onnxruntime
 
 
 def _adaround_steps(value: str | None) -> bool | int:
@@ -166,20 +171,42 @@ def read_feeds(args: argparse.Namespace, inputs):
     return cut(inputs, arrays, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib)
 
 
+def read_feeds_held_out(args: argparse.Namespace, inputs):
+    """Calibration batches, the batches fidelity is judged on (``--fidelity-data``, else held out of --calib:
+    ``fidelity.split_held_out``) and a line saying which."""
+    from pathlib import Path
+
+    # late: --help answers before numpy loads; the one loader (``inspect.read.feeds``)
+    from quantship.inspect.read.feeds import cut, read_data
+
+    if args.fidelity_data:
+        held = read_data(args.fidelity_data, inputs, key=args.key, preprocessing=common.preprocessing(args),
+                         what="--fidelity-data")
+        return (read_feeds(args, inputs), cut(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
+                                              source=args.fidelity_data), f"--fidelity-data {args.fidelity_data}")
+    if Path(args.calib).is_dir() or args.no_fidelity:
+        return read_feeds(args, inputs), None, "none held out"
+    arrays = read_data(args.calib, inputs, key=args.key, what="--calib")
+    calib, held, said = fidelity_cli.split_held_out(arrays, args.max_samples)
+    held_batches = None if held is None else cut(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
+                                                 source=args.calib)
+    return cut(inputs, calib, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib), \
+        held_batches, said
+
+
 def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
     from quantship.inspect.read.feeds import model_inputs
     from quantship.inspect.read.loading import file_size, load_onnx
-    from quantship.precision import preset
-    from quantship.quantize_onnx.quantizer import placement_for, quantize_onnx_file, refuse_unusable
+    from quantship.quantize_onnx.quantizer import placement_for, refuse_unusable
 
     ui = common.Output(args)
-    target = preset(args.target)
+    target = targets.get(args.target)
     check_memory(args.float_model)  # before reading it: a file that cannot fit is refused with the figure
     model = load_onnx(args.float_model)  # validates: exists, is ONNX, has a graph (one-line errors)
     refuse_unusable(model, args.float_model)  # already quantized, external data: refused before any work
     inputs = model_inputs(model)
-    batches = read_feeds(args, inputs)
+    batches, held, held_said = read_feeds_held_out(args, inputs)
     del model
     check_memory(args.float_model, batches)
     labelled = _labelled(args, inputs)
@@ -187,7 +214,7 @@ def _run(args: argparse.Namespace, out) -> int:
     n = sum(len(next(iter(b.values()))) for b in batches)
     ui.say(f"quantizing with quantship: {placement.mode} placement, {placement.activation_dtype} activations, "
            f"{len(batches)} calibration batch(es), {n} sample(s)")
-    search, accuracy, speed = None, {}, None
+    search, accuracy, speed, repair = None, {}, None, None
     if args.speed_search:
         # late: --help answers before numpy, onnx and onnxruntime load
         from quantship.quantize_onnx.speed import speed_search_onnx
@@ -216,11 +243,20 @@ def _run(args: argparse.Namespace, out) -> int:
             return _budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
     else:
-        result = quantize_onnx_file(args.float_model, out, batches, target=target, exclude=args.exclude,
-                                    observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait,
-                                    equalize=args.equalize, bias_correction=args.bias_correction,
-                                    seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16,
-                                    smooth_quant=args.smooth_quant, shared_scale=args.shared_scale)
+        from quantship.errors import FidelityMissed
+        from quantship.quantize_onnx.repair import quantize_onnx  # late: --help answers before onnx loads
+
+        ui.say(f"fidelity to FP32 judged on {held_said}" if not args.no_fidelity else "fidelity not judged")
+        try:
+            result, repair = quantize_onnx(
+                args.float_model, out, batches, target=target, budget=args.budget, fidelity_data=held,
+                repair=not args.no_repair, max_steps=args.max_steps, exclude=args.exclude, int16=args.int16,
+                observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait, equalize=args.equalize,
+                bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
+                smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say)
+        except FidelityMissed as missed:
+            return fidelity_cli.missed("quantize-onnx", ui, missed, {"version": 1, "input": args.float_model,
+                                                                     "engine": "quantship", "target": target.target})
         if labelled is not None:
             accuracy = _top1_of(args, labelled, result.path)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
@@ -234,10 +270,13 @@ def _run(args: argparse.Namespace, out) -> int:
         report["accuracy_search"] = search.as_dict()
     if speed is not None:
         report["speed_search"] = speed.as_dict()
+    if repair is not None:
+        report["repair"] = repair.as_dict()
     fused = result.fidelity["fused"]
     agreement = "" if fused["argmax_agreement"] is None else f"argmax agreement {fused['argmax_agreement']:.3f}, "
     passes = ", ".join(f"{p.name} {p.changes}" for p in result.normalised if p.changes) or "nothing to do"
     ui.report(report, [
+        *fidelity_cli.rows(result.fp32, repair),
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
         ("placement", f"{placement.mode}: {result.plan['n_tensors']} activation pairs, {result.plan['n_weighted']} "
@@ -264,6 +303,8 @@ def _run(args: argparse.Namespace, out) -> int:
         *[(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs],
         (f"check {target.target} --run", common.verdict_line(verdict)),
     ])
+    if result.fp32.status == "inconclusive":
+        return 1  # a constant float output tells nothing (a missed budget raised above, writing nothing)
     return exit_code(verdict)  # 1 for refused, failed or inconclusive, as every command that writes a file
 
 
@@ -394,10 +435,9 @@ def _run_ort(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx and onnxruntime load
     from quantship.export.ort_quantize import float_input, ort_settings, quantize_onnx_file, refuse_quantized
     from quantship.inspect.read.loading import file_size, load_onnx
-    from quantship.precision import preset
 
     ui = common.Output(args)
-    target = preset(args.target)
+    target = targets.get(args.target)
     model = load_onnx(args.float_model)
     refuse_quantized(model, args.float_model)  # up front: ORT's quantizer loops on a quantized file
     fixed = float_input(model, args.float_model).dims[0]

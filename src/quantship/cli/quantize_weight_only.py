@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
+from quantship import targets
 from quantship.cli import common
 from quantship.cli.usage import UsageError
-from quantship.precision import ORT_CPU, preset
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
@@ -109,10 +109,11 @@ def run(args: argparse.Namespace) -> int:
 
     ui = common.Output(args)
 
-    if args.target is not None and preset(args.target).target != ORT_CPU:
+    chosen = targets.get(args.target or "onnxruntime-cpu")  # the runtime with a weight-only operator
+    if chosen.weight_only_form is None:
         raise UsageError(f"--target {args.target}: a weight-only file is written for onnxruntime-cpu; choose its form "
                          "with --weight-format matmulnbits (default) or standard (int8/int4 + DequantizeLinear, opset 21)")
-    target = preset(ORT_CPU) if args.weight_format == "matmulnbits" else None
+    target = chosen if args.weight_format == "matmulnbits" else None
     if args.qscheme:
         raise UsageError("--qscheme is for pt2e; weight-only granularity is per channel, or per group with --group-size")
     model = load_model(args.model, args.weights)

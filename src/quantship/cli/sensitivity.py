@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
+from quantship import targets
 from quantship.cli import common, options
 from quantship.cli.usage import UsageError
-from quantship.precision import preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if overrides.get("equalize"):
         raise UsageError("--equalize: this report compares each layer's output with the unequalized model's, "
                          "which equalization rescales per channel on purpose; run it without --equalize")
-    target = preset(args.target)
+    target = targets.get(args.target)
     model = load_model(args.model, args.weights, trust_pickle=args.trust_pickle)
     batches = [torch.from_numpy(b) for b in common.read_calibration(args)]
     with warnings.catch_warnings():
@@ -137,7 +137,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     if refused:
         raise UsageError(f"{', '.join(refused)}: not for an ONNX file (quantize-onnx takes --exclude and --observer; "
                          "the accuracy search is quantize-onnx --eval --max-drop)")
-    target = preset(args.target)
+    target = targets.get(args.target)
     check_memory(args.model)
     model = load_onnx(args.model)
     refuse_unusable(model, args.model)

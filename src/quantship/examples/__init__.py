@@ -1,1 +1,1 @@
-"""Built-in examples: small models and the reference task (scikit-learn digits)."""
+"""Built-in examples: small models, the reference task (scikit-learn digits), and tasks that stress quantization."""

@@ -20,9 +20,10 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,51 @@ EXTERNAL_DATA_THRESHOLD = 1_500_000_000
 WORKDIR_PREFIX = HIDDEN_PREFIX  # .quantship-<name>-<pid>-<token>.tmp, beside the destination
 _WORKDIR = re.compile(r"^\.quantship-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<state>tmp|new)$")
 _STALE_AFTER_S = 60.0  # a .new directory (created, not yet locked and renamed) is kept this long
+
+
+ONNX_SUFFIX = ".onnx"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when ``a`` and ``b`` are one file on disk (one path, a symlink or a hard link of the other)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def refuse_unsafe_destination(path: str | Path, inputs: Iterable[str | Path] = (), *, flag: str = "the path") -> Path:
+    """``path`` resolved, refused (``ExportRefused``) where writing it would destroy a file the user has.
+
+    Refused: a name that does not end in ``.onnx`` (a slip of ``--out`` onto the calibration data or the
+    model's source would replace it), an existing path that is not a regular file (a device, a pipe, a
+    socket, a directory), and any of ``inputs`` (the same file, through a symlink or a hard link too).
+    Called before any work, and again by ``atomic_destination`` just before a file is written.
+    """
+    given = str(path)
+    final = Path(path).expanduser().resolve()
+    if final.is_dir():
+        raise ExportRefused(f"{flag} {given} is a directory: give the path of the .onnx file to write")
+    if os.path.lexists(final):
+        mode = os.stat(final).st_mode if final.exists() else 0
+        if not stat.S_ISREG(mode):
+            kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                    else "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a broken symbolic link" if not final.exists() else "not a regular file")
+            raise ExportRefused(f"{flag} {given} is {kind}: quantship replaces only regular files; give the path "
+                                f"of a new .onnx file")
+    if Path(given).suffix.lower() != ONNX_SUFFIX or final.suffix.lower() != ONNX_SUFFIX:
+        raise ExportRefused(f"{flag} {given} does not end in {ONNX_SUFFIX}: quantship writes ONNX files only under an "
+                            f"{ONNX_SUFFIX} name, so that no data file or source file is replaced; give a path "
+                            f"ending in {ONNX_SUFFIX}")
+    if os.path.lexists(final):
+        for source in inputs:
+            if _same_file(final, Path(source).expanduser()):
+                raise ExportRefused(f"{flag} {given} is the input {source}: writing it would replace the file being "
+                                    f"read; give another path")
+    if not final.parent.is_dir():
+        raise ExportRefused(f"{flag} {given}: the directory {final.parent} does not exist; create it first")
+    return final
 
 
 def external_data_name(path: Path) -> str:
@@ -193,22 +239,23 @@ def _commit(staged: Path, final: Path, guard: InterruptGuard) -> None:
 
 
 @contextlib.contextmanager
-def atomic_destination(path: str | Path, *, wait: bool = True) -> Iterator[Path]:
+def atomic_destination(path: str | Path, *, wait: bool = True,
+                       inputs: Iterable[str | Path] = ()) -> Iterator[Path]:
     """Yield a temporary path for the artifact; on clean exit move it (and its data files) to ``path``.
 
     The body may write other scratch files beside the yielded path: they are removed with the
     temporary directory. Only the graph and the external-data files it refers to are moved.
+    ``path`` is refused as ``refuse_unsafe_destination`` says (``inputs``: the files the artifact is
+    made from), before the body runs and again just before the commit.
     """
-    final = Path(path).expanduser().resolve()
-    if final.is_dir():
-        raise ExportRefused(f"{final} is a directory: give the path of the .onnx file to write")
-    if not final.parent.is_dir():
-        raise ExportRefused(f"{final.parent} does not exist: create the directory first")
+    inputs = tuple(inputs)
+    final = refuse_unsafe_destination(path, inputs)
     with InterruptGuard() as guard, destination_lock(final, wait=wait), workdir_beside(final) as workdir:
         _remove_orphan_data(final)
         staged = workdir / final.name
         yield staged
         if not staged.is_file():
             raise ExportRefused(f"the exporter wrote nothing at {staged}")
+        refuse_unsafe_destination(final, inputs)  # the path may have changed under a long run
         with guard.defer():
             _commit(staged, final, guard)

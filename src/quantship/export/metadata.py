@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx_ir as ir
 
 from quantship import __version__
@@ -46,3 +48,18 @@ def strip_source_metadata(model: ir.Model) -> int:
             if node.metadata_props.pop(key, None) is not None:
                 dropped += 1
     return dropped
+
+
+def add_file_metadata(path: str | Path, entries: dict[str, str]) -> None:
+    """Set ``entries`` in the ``metadata_props`` of the file at ``path`` (a staged file: what was measured
+    on it after it was written); the graph and its tensors are written back unchanged."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    props = {p.key: p for p in model.metadata_props}
+    for key, value in entries.items():
+        if key in props:
+            props[key].value = value
+        else:
+            model.metadata_props.add(key=key, value=value)
+    onnx.save_model(model, str(path))

@@ -98,6 +98,7 @@ def export_onnx(
     ``quantize_mode='dynamic'`` needs no data; ``'static'`` needs ``calibration_data`` (tensors or
     ``(x, y)`` batches) and writes QDQ. The file appears at ``output_path`` only if every step succeeded.
     """
+    artifact.refuse_unsafe_destination(output_path)  # before any work: never onto a source, a data file or a device
     _refuse_pt2e(model)
     if quant_spec(model) is not None or any(type(p).__module__.startswith("torchao") for p in getattr(model, "parameters", list)()):
         raise ValueError("export_onnx writes float models and this one is quantized: use quantship.export_qdq(model, sample, path)")

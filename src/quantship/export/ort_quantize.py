@@ -1,6 +1,6 @@
 """ONNX Runtime's quantizer with a deployment preset's settings: the library behind ``quantize-onnx``.
 
-Settings come from ``precision.PRESETS`` (activation dtype, symmetric activations, weight
+Settings come from the target's preset (``quantship.targets``: activation dtype, symmetric activations, weight
 granularity and range), never from a second table. Inputs are checked before any work: a file
 that already holds Q/DQ or QOperator nodes is refused in milliseconds (ORT's quantizer would loop
 on it), and every calibration batch must fit the declared input. ORT writes its temporaries (and
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quantship import targets
 from quantship.errors import DataRefused, ExportRefused, FileRefused, cause
 from quantship.export import artifact
 from quantship.export.kernel_shape import write_kernel_shapes
@@ -25,7 +26,8 @@ from quantship.inspect.judge.check import check_file
 from quantship.inspect.read.inputs import DeclaredInput, declared_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.stats import qdq_stats
-from quantship.precision import Preset, resolve_spec, resolve_target
+from quantship.precision import resolve_spec
+from quantship.targets import Target
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 QOPERATOR_OPS = frozenset({"ConvInteger", "MatMulInteger", "QGemm", "QAttention", "DynamicQuantizeMatMul",
@@ -47,9 +49,9 @@ class OrtSettings:
                 f"{', 7-bit range' if self.reduce_range else ''}")
 
 
-def ort_settings(target: str | Preset, *, per_tensor: bool = False) -> OrtSettings:
+def ort_settings(target: str | Target, *, per_tensor: bool = False) -> OrtSettings:
     """The ORT quantizer settings that write what the preset asks for."""
-    p = resolve_target(target)
+    p = targets.get(target)
     spec = resolve_spec(**p.spec_kwargs)
     return OrtSettings("QUInt8" if p.activation_dtype == "uint8" else "QInt8", spec.symmetric,
                        spec.qscheme == "per_channel" and not per_tensor, spec.reduce_range)
@@ -167,16 +169,17 @@ def quantize_onnx_file(float_path: str | Path, out: str | Path, batches: Sequenc
     import onnx_ir as ir  # onnxscript's IR loads only when ORT's path runs
 
     src = Path(float_path).expanduser().resolve()
+    artifact.refuse_unsafe_destination(out, (src,))
     model = load_onnx(src)
     refuse_quantized(model, float_path)
     declared = float_input(model, float_path)
     check_batches(batches, declared, float_path)
     del model
-    p = resolve_target(target)
+    p = targets.get(target)
     settings = ort_settings(p, per_tensor=per_tensor)
     facts: dict[str, Any] = {}
     try:
-        with artifact.atomic_destination(out, wait=wait) as staged:
+        with artifact.atomic_destination(out, wait=wait, inputs=(src,)) as staged:
             quantize_static_file(src, staged, batches, settings, declared.name)
             quantized = ir.load(staged)
             facts["written"] = write_kernel_shapes(quantized)  # TensorRT's parser needs it; nothing else changes

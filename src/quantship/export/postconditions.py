@@ -13,7 +13,8 @@ from quantship.errors import ExportRefused
 from quantship.inspect.judge import check as deployability
 from quantship.inspect.read.facts import FileFacts, read_file
 from quantship.inspect.read.stats import QDQStats, qdq_stats, quant_spec_of_file
-from quantship.precision import Preset, QuantSpec
+from quantship.precision import QuantSpec
+from quantship.targets import Target
 
 WIDE_DTYPES = ("int16", "uint16")
 
@@ -74,7 +75,7 @@ def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype
     return stats
 
 
-def check_target(path: Path | FileFacts, target: Preset) -> None:
+def check_target(path: Path | FileFacts, target: Target) -> None:
     """Refuse a file that the preset's own deployment target would not accept (static rules)."""
 
     facts = read_written(path)

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship import targets
 from quantship.errors import one_line
 from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
@@ -46,9 +47,10 @@ from quantship.inspect.run.verify import (
     run_session,
     warn_if_drift,
 )
-from quantship.precision import ALGORITHMS_ATTRIBUTE, ORT_CPU, Preset, QuantSpec, quant_preset, resolve_target
+from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, quant_preset
 from quantship.progress import step
 from quantship.ranks import rank_zero_writes
+from quantship.targets import Target
 
 
 @dataclass
@@ -58,7 +60,7 @@ class ExportContext:
     spec: QuantSpec
     opset_version: int
     activation_dtype: str
-    target: Preset | None
+    target: Target | None
     inputs: list[np.ndarray]
     produced: onnx.ModelProto
     checked: onnx.ModelProto | None = None  # the last graph an ensures() ran, while nothing changed it since
@@ -177,7 +179,7 @@ class ReluRequantizePass(ExactPass):
 
     def rewrite(self, model: ir.Model) -> int:
         target = self.ctx.target
-        if self.ctx.activation_dtype != "uint8" or (target is not None and target.target != ORT_CPU):
+        if self.ctx.activation_dtype != "uint8" or (target is not None and not target.requantize_before_relu):
             return 0
         return requantize_before_relu(model)
 
@@ -217,7 +219,7 @@ def _check_opset(opset_version: int) -> None:
                          f"(per-axis QuantizeLinear/DequantizeLinear and the exporter's translation need it)")
 
 
-def resolve_dynamic_batch(dynamic_batch: bool | None, target: Preset | None) -> bool:
+def resolve_dynamic_batch(dynamic_batch: bool | None, target: Target | None) -> bool:
     """``dynamic_batch`` as given, else the target preset's choice, else False (the sample's batch)."""
     if dynamic_batch is not None:
         if not isinstance(dynamic_batch, bool):
@@ -263,7 +265,7 @@ def produce(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
     return proto
 
 
-def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: Preset | None) -> Any:
+def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: Target | None) -> Any:
     # a target whose preset is static (tigris) gets a batch-1 file whenever the graph can run batch 1
     if dynamic_batch is not None or target is None or target.dynamic_batch:
         return sample
@@ -326,7 +328,7 @@ def export_qdq(
     dynamic_batch: bool | None = None,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
-    target: str | Preset | None = None,
+    target: str | Target | None = None,
 ) -> Path:
     """Export a pt2e-quantized model to QDQ ONNX at ``path``, keeping its scales, zero-points and axes.
 
@@ -355,7 +357,8 @@ def export_qdq(
     (``.readings.per_output``; the top-level figures are the worst output's). A None or non-tensor
     output is refused by name.
     """
-    target = resolve_target(target) if target is not None else None  # the one look-up: a Preset from here on
+    artifact.refuse_unsafe_destination(path)  # before any work: never onto a source, a data file or a device
+    target = targets.get(target) if target is not None else None  # the one look-up: a Target from here on
     spec = exportable_spec(model)
     if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)
         return weight_only.export_weight_only(model, sample, path, spec, opset_version=opset_version, target=target,

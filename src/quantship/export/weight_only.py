@@ -28,14 +28,16 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship import targets
 from quantship.export import artifact, capture
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
 from quantship.export.metadata import strip_source_metadata, write_metadata
-from quantship.precision import ORT_CPU, Preset, QuantSpec
+from quantship.precision import QuantSpec
+from quantship.targets import Target
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 WEIGHT_ONLY_OPSET = 21  # block-wise DequantizeLinear and int4 tensors
-WEIGHT_ONLY_TARGETS = (None, ORT_CPU)  # None: the standard DequantizeLinear form
+NBITS_FORM = "MatMulNBits"  # a Target's weight_only_form this exporter writes (com.microsoft)
 WEIGHT_ONLY_RTOL = 2e-3  # max |ONNX - torch| / max |torch| on the sample
 MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
@@ -323,11 +325,12 @@ def _check_close(outputs: list[np.ndarray], reference: list[np.ndarray], what: s
     return worst
 
 
-def check_targets(target: Preset | None) -> None:
-    name = target.target if target is not None else None
-    if name not in WEIGHT_ONLY_TARGETS:
-        raise ValueError(f"export_qdq: target={name!r} for a weight-only model; valid: None (standard "
-                         "DequantizeLinear form) or 'onnxruntime-cpu' (com.microsoft MatMulNBits)")
+def check_targets(target: Target | None) -> None:
+    """None writes the standard DequantizeLinear form; a target must have a weight-only form of its own."""
+    if target is not None and target.weight_only_form != NBITS_FORM:
+        valid = " or ".join(repr(t.name) for t in targets.ALL if t.weight_only_form == NBITS_FORM)
+        raise ValueError(f"export_qdq: target={target.name!r} for a weight-only model; valid: None (standard "
+                         f"DequantizeLinear form) or {valid} (com.microsoft {NBITS_FORM})")
 
 
 def export_weight_only(
@@ -337,7 +340,7 @@ def export_weight_only(
     spec: QuantSpec,
     *,
     opset_version: int = WEIGHT_ONLY_OPSET,
-    target: Preset | None = None,
+    target: Target | None = None,
     dynamic_batch: bool = False,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
@@ -349,8 +352,9 @@ def export_weight_only(
     """
     import torch
 
+    artifact.refuse_unsafe_destination(path)
     check_targets(target)
-    nbits_form = target is not None  # check_targets let through ORT_CPU only: com.microsoft MatMulNBits
+    nbits_form = target is not None  # check_targets let through a target whose form is MatMulNBits only
     weights = read_weights(model)
     if nbits_form:
         for w in weights:

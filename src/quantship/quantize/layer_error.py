@@ -23,21 +23,13 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
+from quantship.fidelity import sqnr_db
 from quantship.quantize.annotator import BATCH_NORM_OPS, BINARY_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
 from quantship.quantize.capture import capture
 
 qd = torch.ops.quantized_decomposed
 _QUANTIZE = {qd.quantize_per_tensor.default, qd.quantize_per_tensor.tensor}
 _DEQUANTIZE = {qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor}
-
-
-def sqnr_db(signal_energy: float, noise_energy: float) -> float:
-    """Signal-to-quantization-noise ratio in dB (inf when the two agree exactly)."""
-    if noise_energy == 0:
-        return math.inf
-    if signal_energy == 0:
-        return -math.inf
-    return 10.0 * math.log10(signal_energy / noise_energy)
 
 
 @dataclass(frozen=True)

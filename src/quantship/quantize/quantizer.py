@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from quantship import targets
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import ALGORITHMS_ATTRIBUTE, Preset, QuantSpec, resolve_spec, resolve_target, tag_model
+from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, resolve_spec, tag_model
 from quantship.quantize import accuracy
 from quantship.quantize import equalize as equalizing
 from quantship.quantize import smooth_quant as smoothing
@@ -24,6 +25,7 @@ from quantship.quantize.calibration import collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 from quantship.quantize.pt2e import annotation_report
 from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
+from quantship.targets import Target
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
 _BACKEND_MODULES = {
@@ -103,7 +105,7 @@ class Quantizer:
                               f"{self.spec.backend!r} does not use it: use backend='pt2e' or strict=False")
         self.strict = strict
         self.report = None  # pt2e: what the annotator did on the last quantize() (ops left float, by module)
-        self.preset: Preset | None = None  # set by for_target: the model carries it to export_qdq
+        self.preset: Target | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
                 "symmetric=False: activations are affine, so the exported file will carry non-zero "
@@ -113,10 +115,10 @@ class Quantizer:
             )
 
     @classmethod
-    def for_target(cls, target: str | Preset, *, verbose: bool = False, **overrides: Any) -> Quantizer:
-        """The deployment preset for ``target`` (a name, an alias, or a resolved ``Preset``; see
-        ``precision.PRESETS``), with optional overrides."""
-        p = resolve_target(target)
+    def for_target(cls, target: str | Target, *, verbose: bool = False, **overrides: Any) -> Quantizer:
+        """The deployment preset for ``target`` (a name, an alias, or its ``Target``; see
+        ``quantship.targets``), with optional overrides."""
+        p = targets.get(target)
         kwargs = {**p.spec_kwargs, **overrides}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from quantship.quantize.layer_error import sqnr_db
+from quantship.fidelity import sqnr_db
 from quantship.quantize.quantizer import Quantizer
 
 

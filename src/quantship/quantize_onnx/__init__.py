@@ -10,10 +10,14 @@ scales searched, weight rounding learned, on the calibration data; ``weight_laye
 sequential pass, ``rounding`` the pass that runs them), ``quantizer`` (the facade),
 ``sensitivity`` (per-node SQNR of the written file), ``search`` (the accuracy search), ``memory``
 (the working-set estimate a file is refused on), ``dynamic`` and ``dynamic_file`` (the dynamic-activation
-form, ``quantize_dynamic_file``: int8 weights, activations quantized at run time; data-free).
+form, ``quantize_dynamic_file``: int8 weights, activations quantized at run time; data-free),
+``repair`` (``quantize_onnx``, the default verb: the file judged for fidelity to FP32 and repaired when it
+misses the budget, written only when it keeps it).
 """
 
 from quantship.quantize_onnx.dynamic_file import DynamicQuantizeResult, quantize_dynamic_file
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
+from quantship.quantize_onnx.repair import Repair, quantize_onnx
 
-__all__ = ["DynamicQuantizeResult", "OnnxQuantizeResult", "quantize_dynamic_file", "quantize_onnx_file"]
+__all__ = ["DynamicQuantizeResult", "OnnxQuantizeResult", "Repair", "quantize_dynamic_file", "quantize_onnx",
+           "quantize_onnx_file"]

@@ -21,20 +21,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quantship import __version__
+from quantship import __version__, targets
 from quantship.errors import ExportRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.metadata import ACTIVATION_DTYPE_KEY, TARGET_KEY, VERSION_KEY
 from quantship.export.postconditions import check_target
+from quantship.fidelity import sqnr_db as energy_sqnr_db
 from quantship.inspect.judge.check import check_file
-from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.feeds import as_feeds, generated, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.verify import readings_of_outputs
-from quantship.precision import resolve_target
-from quantship.quantize.layer_error import sqnr_db as energy_sqnr_db
 from quantship.quantize_onnx import dynamic, selection
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.quantizer import (
@@ -89,15 +87,15 @@ class DynamicQuantizeResult:
 def refuse_target(target: Any):
     """The preset for ``target``, refused when its runtime has no run-time quantization kernel (its rules
     refuse scales computed while the model runs: ``static_scales``)."""
-    p = resolve_target(target)
-    if "static_scales" in rules_of(p).errors:
+    p = targets.get(target)
+    if not p.runs_dynamic_activations:
         raise SpecRefused(f"--activations dynamic: target {p.target} needs static scales stored in the file (no "
                           "run-time quantization kernel); use --activations static, or --target onnxruntime-cpu")
     return p
 
 
 def sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
-    """``out``'s SQNR against ``reference`` (``layer_error.sqnr_db`` of their energies, summed in float64)."""
+    """``out``'s SQNR against ``reference`` (``fidelity.sqnr_db`` of their energies, summed in float64)."""
     ref = reference.astype(np.float64)
     return energy_sqnr_db(float((ref ** 2).sum()), float(((out.astype(np.float64) - ref) ** 2).sum()))
 
@@ -145,6 +143,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     p = refuse_target(target)
     placement, _, base_spec = placement_for(p, per_tensor=per_tensor)
     src = Path(float_path).expanduser()
+    artifact.refuse_unsafe_destination(out_path, (src,))
     if src.is_file():
         refuse_if_too_large(src)
     proto = load_onnx(src)
@@ -182,7 +181,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model
-    with artifact.atomic_destination(out_path, wait=wait) as staged:
+    with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
         del final
         check_dynamic_held(staged, plan, placement.weight_bound, opset)

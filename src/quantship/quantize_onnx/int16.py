@@ -8,7 +8,7 @@ the calibration data (at 16 bits rounding costs ~256x less than at 8, so clippin
 pays). QuantizeLinear/DequantizeLinear take 16-bit zero-points from opset 21: a file below is converted
 (``OPSET_PASS``, proven exact in ONNX Runtime with the other normalisation passes).
 
-Who runs such a file is the target rule table's fact (``inspect.judge.rules``: a target's
+Who runs such a file is the target's fact (``Target.runs_int16``, from its file rules'
 ``activation_dtypes``); a target that does not list the 16-bit type is refused up front, in one line.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
+from quantship import targets
 from quantship.errors import SpecRefused
-from quantship.inspect.judge.rules import target as rules_of
-from quantship.precision import Preset, resolve_target
 from quantship.quantize_onnx import normalize, place, selection
 from quantship.quantize_onnx.calibrate import TensorObserver
+from quantship.targets import Target
 
 INT16_OPSET = 21  # QuantizeLinear / DequantizeLinear accept int16 / uint16 zero-points from opset 21
 INT16_KEY = "quantship.int16"  # provenance: the activation tensors stored in 16 bits
@@ -36,26 +36,18 @@ GRID = {"int16": (-32768, 32767), "uint16": (0, 65535)}
 REQUANTIZING_READERS = ("MatMul", "Gemm")
 
 
-def wide_dtype(activation_dtype: str) -> str:
-    """The 16-bit form of a preset's activation type: uint16 beside uint8 (asymmetric), int16 beside int8."""
-    return "uint16" if activation_dtype == "uint8" else "int16"
+def runs_int16(target: str | Target) -> bool:
+    """Whether the target's file rules accept 16-bit activations of its preset's kind."""
+    return targets.get(target).runs_int16
 
 
-def runs_int16(target: str | Preset) -> bool:
-    """Whether the target's rule table accepts 16-bit activations of its preset's kind."""
-    p = resolve_target(target)
-    return wide_dtype(p.activation_dtype) in rules_of(p).activation_dtypes
-
-
-def refuse_unless_runs(target: str | Preset) -> None:
-    p = resolve_target(target)
-    rules = rules_of(p)
-    dtype = wide_dtype(p.activation_dtype)
-    if dtype not in rules.activation_dtypes:
-        way_out = ("drop --int16 (it needs one integer type throughout)" if "fully_quantized" in rules.errors
-                   else "drop --int16, or keep those nodes in float with --exclude")
-        raise SpecRefused(f"--int16: {rules.consumer} (target {p.target}) does not run {dtype} activations (it "
-                          f"accepts {', '.join(rules.activation_dtypes)}); {way_out}")
+def refuse_unless_runs(target: str | Target) -> None:
+    p = targets.get(target)
+    if not p.runs_int16:
+        way_out = ("drop --int16, or keep those nodes in float with --exclude" if p.runs_mixed_graphs
+                   else "drop --int16 (it needs one integer type throughout)")
+        raise SpecRefused(f"--int16: {p.consumer} (target {p.name}) does not run {p.wide_activation_dtype} activations "
+                          f"(it accepts {', '.join(p.file_rules.activation_dtypes)}); {way_out}")
 
 
 def upgrade_for_int16(model: ir.Model) -> int:

@@ -19,22 +19,25 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship import targets
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.export.metadata import ALGORITHMS_KEY, algorithms_summary, write_metadata
+from quantship.export.metadata import ALGORITHMS_KEY, add_file_metadata, algorithms_summary, write_metadata
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
+from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
+from quantship.fidelity import Budget, Fidelity
+from quantship.fidelity import measure as measure_fidelity
 from quantship.inspect.judge.check import check_file
-from quantship.inspect.judge.rules import target as rules_of
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.feeds import Feed, as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
-from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
+from quantship.inspect.run.consumers import fidelity_reading, ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
-from quantship.precision import ACT_OBSERVERS, Preset, resolve_spec, resolve_target
+from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
 from quantship.quantize_onnx import bias_correction as bias_correcting
 from quantship.quantize_onnx import calibrate, normalize, place, rounding, selection, target_forms
@@ -42,7 +45,9 @@ from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.memory import refuse_if_too_large
-from quantship.quantize_onnx.roles import RUNTIME_FLOAT_OUTPUTS, RUNTIME_FLOAT_RULES, Placement
+from quantship.quantize_onnx.roles import Placement
+from quantship.targets import Target
+from quantship.targets.target import wide_dtype
 
 ENGINE_KEY = "quantship.engine"
 ENGINE = "quantize_onnx"
@@ -89,6 +94,7 @@ class OnnxQuantizeResult:
     excluded: list[str] = field(default_factory=list)
     algorithms: dict = field(default_factory=dict)  # name -> what it changed (equalize, seq_mse, adaround, ...)
     int16: list[str] = field(default_factory=list)  # activation tensors stored in 16 bits (``int16``)
+    fp32: Any = None  # quantship.fidelity.Fidelity: each output against the float file, judged by the budget
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -97,22 +103,20 @@ class OnnxQuantizeResult:
                 "readings": self.readings.as_dict() if self.readings else None, "fidelity": self.fidelity,
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
                 "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms,
-                "int16": self.int16}
+                "int16": self.int16, "fidelity_fp32": self.fp32.as_dict() if self.fp32 is not None else None}
 
 
-def placement_for(target: str | Preset, *, per_tensor: bool = False) -> tuple[Placement, Preset, Any]:
-    """The placement a preset asks for (``precision.PRESETS``) and what its target's rules demand
-    (``inspect.judge.rules``: a target that refuses a mixed graph gets ``full`` placement)."""
+def placement_for(target: str | Target, *, per_tensor: bool = False) -> tuple[Placement, Target, Any]:
+    """The placement a target's preset asks for, and what its file rules demand (a target that refuses
+    a mixed graph gets ``full`` placement; one that runs it keeps its float rules)."""
 
-    p = resolve_target(target)
+    p = targets.get(target)
     spec = resolve_spec(**p.spec_kwargs)
-    rules = rules_of(p)
-    mode = "full" if "fully_quantized" in rules.errors else "integer"
-    placement = Placement(mode=mode, activation_dtype=p.activation_dtype, symmetric=spec.symmetric,
-                          weight_bound=63 if spec.reduce_range else 127,
+    mixed = p.runs_mixed_graphs
+    placement = Placement(mode="integer" if mixed else "full", activation_dtype=p.activation_dtype,
+                          symmetric=spec.symmetric, weight_bound=63 if spec.reduce_range else 127,
                           per_channel=spec.qscheme == "per_channel" and not per_tensor,
-                          float_rules=RUNTIME_FLOAT_RULES.get(p.target, ()) if mode == "integer" else (),
-                          float_output_ops=RUNTIME_FLOAT_OUTPUTS.get(p.target, ()) if mode == "integer" else ())
+                          float_rules=p.float_rules if mixed else (), float_output_ops=p.float_output_ops if mixed else ())
     return placement, p, spec
 
 
@@ -202,7 +206,7 @@ def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize
     return records
 
 
-def feeds_for(p: Preset, feeds: Sequence[Feed]) -> list[Feed]:
+def feeds_for(p: Target, feeds: Sequence[Feed]) -> list[Feed]:
     """The calibration feeds as ``p``'s file takes them: one sample each for a batch-1 target."""
     return target_forms.one_sample_feeds(feeds) if not p.dynamic_batch else list(feeds)
 
@@ -222,7 +226,7 @@ class Prepared:
     smoother: smoothing.Smoother | None = None  # what SmoothQuant did, when it ran
 
 
-def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Preset, placement: Placement,
+def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Target, placement: Placement,
             exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False,
             smooth_quant: float | None = None, shared_scale: Iterable[str] = ()) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
@@ -293,13 +297,32 @@ def _fidelity(reference: np.ndarray, literal: np.ndarray, fused: np.ndarray) -> 
             "n_values": int(reference.size), "reference_max_abs": float(np.abs(reference).max())}
 
 
-def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+def fidelity_to_float(path: Path, p: Target, names: list[str], held: tuple[list[Feed], list[np.ndarray]] | None,
+                      read: tuple[list[Feed], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
+                      budget: Budget | None) -> Fidelity:
+    """Each output of the file at ``path`` against the float file's: on ``held`` (feeds, float outputs) when
+    given, else on the calibration samples already read (``read``: feeds, float, literal, fused outputs)."""
+    fused_reading, runtime = fidelity_reading(p)
+    if held is not None:
+        feeds, reference = held
+        outputs = _run(_session(path, optimized=fused_reading), feeds)
+        n = sum(len(next(iter(f.values()))) for f in feeds)
+        data = f"{n} sample(s) held out from calibration"
+    else:
+        feeds, reference, literal, fused = read
+        outputs = fused if fused_reading else literal
+        n = sum(len(next(iter(f.values()))) for f in feeds)
+        data = f"{n} calibration sample(s) (in-sample: none held out)"
+    return measure_fidelity(names, reference, outputs, budget=budget, data=data, runtime=runtime)
+
+
+def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,
                        bias_correction: bool = False, smooth_quant: float | None = None, seq_mse: bool = False,
                        adaround: bool | int = False, int16: Iterable[str] = (),
-                       shared_scale: Iterable[str] = (), metadata: Mapping[str, str] | None = None
-                       ) -> OnnxQuantizeResult:
+                       shared_scale: Iterable[str] = (), metadata: Mapping[str, str] | None = None,
+                       fidelity_data: Any = None, budget: Budget | None = None) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -317,6 +340,12 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     ``CONCAT_TIE_RATIO`` rule and the output-Concat release set aside; bench/yolo_head.py). ``metadata``: more
     ``metadata_props`` entries for the file (e.g. what a search measured). Refusals raise a
     ``QuantshipError`` and write nothing.
+
+    Fidelity to the float file (``quantship.fidelity``) is measured on every file, each output, in the
+    target's reading (``fidelity_reading``), on ``fidelity_data`` (the calibration grammar; samples held
+    out from calibration) or else on the calibration samples the file is read on (said so); it is judged
+    by ``budget`` when given (``result.fp32.status``) and stored in the file's metadata. This single pass
+    never refuses a file for it: ``quantize_onnx.repair.quantize_onnx`` does, after trying to repair it.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -325,6 +354,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if smooth_quant is not None:
         smoothing.check_alpha(smooth_quant)
     src = Path(float_path).expanduser()
+    artifact.refuse_unsafe_destination(out_path, (src,))
     if src.is_file():
         refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
     proto = load_onnx(src)
@@ -338,8 +368,10 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         sixteen.refuse_unless_runs(p)
     feeds = feeds_for(p, feeds)
     read_on = first_feeds(feeds, READING_SAMPLES)
+    held_out = feeds_for(p, as_feeds(fidelity_data, inputs)) if fidelity_data is not None else None
     try:
         reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
+        held_reference = _run(_session(proto, optimized=True), held_out) if held_out is not None else None
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
 
@@ -364,7 +396,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     float_weights = sixteen.keep_float_weights(layout, chosen) if chosen else []
     chosen_values = sixteen.values_of(layout, chosen)
     counts = place.insert(model, layout, qparams, placement)
-    widened = sixteen.widen(model, chosen_values, observers, layout, sixteen.wide_dtype(placement.activation_dtype),
+    widened = sixteen.widen(model, chosen_values, observers, layout, wide_dtype(placement.activation_dtype),
                             placement.symmetric) if chosen else []  # as the file names them
     if chosen:
         counts["float_weights_of_int16_readers"] = len(float_weights)
@@ -400,7 +432,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     opset = int(model.opset_imports.get("", 0))
     final = ir.to_proto(model)
     del model
-    with artifact.atomic_destination(out_path, wait=wait) as staged:
+    with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
         del final
         facts = read_file(staged)
@@ -415,11 +447,15 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         check_outputs_kept(float_outputs, names, reference, literal)
         readings = readings_of_outputs(names, scales, literal, fused, reference, against="the FP32 file")
         fidelity = fidelity_of_outputs(names, reference, literal, fused)
+        fp32 = fidelity_to_float(staged, p, names, (held_out, held_reference) if held_out is not None else None,
+                                 (read_on, reference, literal, fused), budget)
+        add_file_metadata(staged, {FIDELITY_KEY: fp32.metadata()})
         kernels = census(staged)
         verdict = check_file(staged, p, run=run_check, inputs=read_on)
         verdict.path = str(Path(out_path).expanduser().resolve())
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
         plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
-        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened)
+        census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened,
+        fp32=fp32)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantship.inspect.read.view import TABLE_READERS
-from quantship.precision import ORT_CPU
+from quantship.targets import FloatRule
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 SHARED_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice", "Gather",
@@ -69,46 +69,19 @@ class Placement:
     symmetric: bool
     weight_bound: int  # 127, or 63 with reduce_range
     per_channel: bool
-    float_rules: tuple[str, ...] = ()  # ids in FLOAT_RULES: weighted ops the runtime runs faster in float
+    float_rules: tuple[FloatRule, ...] = ()  # the target's: weighted ops its runtime runs faster in float
     float_output_ops: tuple[str, ...] = ()  # weighted ops whose integer kernel can write a float result
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "activation_dtype": self.activation_dtype, "symmetric": self.symmetric,
                 "weight_bound": self.weight_bound, "per_channel": self.per_channel,
-                "float_rules": list(self.float_rules), "float_output_ops": list(self.float_output_ops)}
-
-
-def _depthwise_large(op_type: str, attributes: dict, weight_shape: tuple[int, ...]) -> bool:
-    group = attributes.get("group", 1)
-    return (op_type == "Conv" and group > 1 and len(weight_shape) == 4 and weight_shape[1] == 1
-            and weight_shape[2] * weight_shape[3] > 9)
-
-
-# Weighted ops a runtime runs faster (or only) in float, measured on its optimized graph. A rule's
-# ops stay float in an ``integer`` placement for that runtime, and the plan says why (the census
-# then lists them as float kernels on purpose).
-FLOAT_RULES: dict[str, tuple[str, object]] = {
-    "conv_transpose": ("ONNX Runtime 1.32's CPU QDQ fusion leaves a per-channel ConvTranspose float (census of "
-                       "the PP-OCRv4 detector): a Q/DQ pair would only add rounding",
-                       lambda op, attrs, shape: op == "ConvTranspose"),
-    "depthwise_over_3x3": ("ONNX Runtime's u8s8 depthwise kernel is fast for 3x3 only; a 5x5 depthwise Conv ran "
-                           "4-6x slower as QLinearConv than as its float NCHWc Conv (PP-OCR, batch 8)",
-                           _depthwise_large),
-}
-RUNTIME_FLOAT_RULES: dict[str, tuple[str, ...]] = {ORT_CPU: ("conv_transpose", "depthwise_over_3x3")}
-# ONNX Runtime fuses DequantizeLinear -> MatMul with a float result into MatMulIntegerToFloat: a MatMul
-# whose readers are float ops keeps its result float (one rounding fewer), and still runs on integers
-RUNTIME_FLOAT_OUTPUTS: dict[str, tuple[str, ...]] = {ORT_CPU: ("MatMul",)}
+                "float_rules": [rule.id for rule in self.float_rules], "float_output_ops": list(self.float_output_ops)}
 
 
 def runs_faster_in_float(placement: Placement, op_type: str, attributes: dict,
                          weight_shape: tuple[int, ...]) -> str | None:
     """The reason a weighted op stays float for the placement's runtime (None: quantize it)."""
-    for rule in placement.float_rules:
-        why, applies = FLOAT_RULES[rule]
-        if applies(op_type, attributes, weight_shape):
-            return why
-    return None
+    return next((rule.why for rule in placement.float_rules if rule.applies(op_type, attributes, weight_shape)), None)
 
 
 def role_of(op_type: str, domain: str = "") -> str:

@@ -34,11 +34,11 @@ from quantship.errors import DataRefused, ExportRefused, QuantshipError, SpecRef
 from quantship.export import artifact
 from quantship.inspect.run.consumers import ort_session
 from quantship.intervals import wilson_interval
-from quantship.precision import Preset
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
+from quantship.targets import Target
 
 Run = Callable[[Any], list[np.ndarray]]
 TOP1 = "top-1 (%)"
@@ -195,7 +195,7 @@ def _scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Ru
     return getattr(metric, "__name__", "metric"), score_metric
 
 
-def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                 max_drop: float, labelled: tuple[np.ndarray, np.ndarray] | None = None,
                 metric: Callable[[Run], float] | None = None, exclude: Iterable[str] = (),
                 observer: str | None = None, per_tensor: bool = False, max_steps: int | None = None,
@@ -219,7 +219,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
         raise DataRefused(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every candidate")
     name, score = _scorer(labelled, metric, batch_size)
     src = Path(float_path).expanduser()
-    final = Path(out_path).expanduser().resolve()
+    final = artifact.refuse_unsafe_destination(out_path, (src,))
     base, base_wide = tuple(exclude), tuple(int16)
     sixteen_first = try_int16 and runs_int16(target)
     options = dict(target=target, observer=observer, per_tensor=per_tensor, equalize=equalize,
@@ -281,7 +281,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 f"{' and ' + str(list(best.int16)) + ' in 16-bit' if best.int16 else ''} and scores {best.describe()} (drop "
                 f"{result.drop(best):+.3g}) after {len(result.steps)} quantization(s) [{result.summary()}]{stopped}; nothing "
                 "written. Raise --max-drop, allow more steps, or give more calibration data", result)
-        with artifact.atomic_destination(final, wait=wait) as staged:
+        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
             os.replace(done.path, staged)
     done.path = final
     done.verdict.path = str(final)

@@ -15,6 +15,7 @@ up to this node** (everything upstream is quantized too), not this node's error 
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,20 +27,22 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused
+from quantship.fidelity import sqnr_db
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
-from quantship.precision import Preset
-from quantship.quantize.layer_error import LayerError, LayerErrorReport, sqnr_db
+from quantship.quantize.layer_error import LayerError, LayerErrorReport
 from quantship.quantize_onnx import calibrate, place, selection
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable
 from quantship.quantize_onnx.roles import role_of
+from quantship.targets import Target
 
 MEASURE = "accumulated"  # each figure includes the error of every quantized node upstream (quantize.layer_error's)
 MEASURE_TEXT = "SQNR of the node's (dequantized) output vs float, error accumulated up to this node"
 # roles whose rows are candidates to keep in float: ops that add a rounding of their own (data movement
 # with a shared scale adds none: its figure is its input's)
 OWN_ROUNDING = ("weighted", "matmul", "integer_capable", "concat")
+UPSTREAM_CAP_DB = 60.0  # a float input (inf) counts as this: a node's own loss is then 60 dB less its SQNR
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,12 @@ class NodeSqnr:
     role: str
     tensor: str
     sqnr_db: float
+    upstream_db: float = math.inf  # the worst SQNR among the measured tensors it reads (inf: only float inputs)
+
+    @property
+    def own_loss_db(self) -> float:
+        """What this node itself loses: its inputs' SQNR (capped at ``UPSTREAM_CAP_DB``) less its output's."""
+        return min(self.upstream_db, UPSTREAM_CAP_DB) - self.sqnr_db
 
 
 @dataclass
@@ -73,6 +82,12 @@ class NodeSqnrReport:
 
     def worst(self, k: int = 3) -> list[NodeSqnr]:
         return self.candidates()[:k]
+
+    def by_own_loss(self) -> list[NodeSqnr]:
+        """Candidates that lose signal themselves, the largest loss first (a node that only carries an
+        upstream loss does not rank): where keeping a node float gives back the most."""
+        rows = [r for r in self.rows if r.role in OWN_ROUNDING and r.own_loss_db > 0]
+        return sorted(rows, key=lambda r: (-r.own_loss_db, r.order))
 
     def suggest_exclude(self, k: int = 3) -> list[str]:
         """Node names for ``quantize-onnx --exclude``: the ``k`` worst candidates."""
@@ -123,6 +138,24 @@ class _Row:
     op: str
     role: str
     tensor: str  # in the normalised float model
+    upstream: tuple[int, ...] = ()  # rows whose measured tensor this node reads (through unplanned ops)
+
+
+def _upstream(node: ir.Node, measured: dict[str, int]) -> tuple[int, ...]:
+    """The rows whose measured tensor reaches ``node``'s inputs through nodes that are not rows."""
+    found, seen, todo = set(), set(), [v for v in node.inputs if v is not None]
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value.name in measured:
+            found.add(measured[value.name])
+            continue
+        producer = value.producer()
+        if producer is not None:
+            todo.extend(v for v in producer.inputs if v is not None)
+    return tuple(sorted(found))
 
 
 def planned_rows(model: ir.Model, layout: place.Plan) -> list[_Row]:
@@ -132,7 +165,7 @@ def planned_rows(model: ir.Model, layout: place.Plan) -> list[_Row]:
     index = {id(n): i for i, n in enumerate(nodes)}
     planned = {*layout.integer_nodes, *layout.weighted}
     folded: set[int] = set()
-    rows = []
+    rows, sources = [], []
     for i in sorted(planned):
         if i in folded:
             continue
@@ -152,7 +185,10 @@ def planned_rows(model: ir.Model, layout: place.Plan) -> list[_Row]:
         if role == "fused_activation":
             continue  # its producer's row holds it
         rows.append(_Row(len(rows), selection.node_label(node, i), node.op_type, role, out.name))
-    return rows
+        sources.append(node)
+    measured = {r.tensor: r.order for r in rows}
+    return [_Row(r.order, r.node, r.op, r.role, r.tensor,
+                 tuple(u for u in _upstream(node, measured) if u != r.order)) for r, node in zip(rows, sources)]
 
 
 def _quantized_names(quantized: onnx.ModelProto, tensors: Iterable[str]) -> dict[str, str]:
@@ -212,7 +248,7 @@ def _accumulate(float_model: onnx.ModelProto, quantized: onnx.ModelProto, pairs:
     return signal, noise, n
 
 
-def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset, exclude: Iterable[str] = (),
+def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Target, exclude: Iterable[str] = (),
               observer: str | None = None, per_tensor: bool = False, equalize: bool = False,
               bias_correction: bool = False, seq_mse: bool = False, adaround: bool | int = False,
               quantized_path: str | Path | None = None, smooth_quant: float | None = None) -> NodeSqnrReport:
@@ -249,7 +285,11 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Preset,
     pairs = [(r.tensor, names[r.tensor]) for r in measured] + list(zip(outputs, [o.name for o in quantized.graph.output]))
     rows_per_run = max(1, MEMORY_BUDGET // (2 * _exposed_bytes([f for f, _ in pairs], info)))
     signal, noise, n = _accumulate(normal, quantized, pairs, feeds, rows_per_run)
-    result = [NodeSqnr(k, r.node, r.op, r.role, r.tensor, sqnr_db(signal[k], noise[k])) for k, r in enumerate(measured)]
+    own = [sqnr_db(signal[k], noise[k]) for k in range(len(measured))]
+    position = {r.order: k for k, r in enumerate(measured)}
+    result = [NodeSqnr(k, r.node, r.op, r.role, r.tensor, own[k],
+                       min((own[position[u]] for u in r.upstream if u in position), default=math.inf))
+              for k, r in enumerate(measured)]
     each = {name: sqnr_db(signal[len(measured) + k], noise[len(measured) + k]) for k, name in enumerate(outputs)}
     return NodeSqnrReport(result, min(each.values()), n, p.target, excluded=skipped,
                           unmatched=[r.tensor for r in rows if r.tensor not in names], per_output_sqnr_db=each)

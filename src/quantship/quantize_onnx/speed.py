@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quantship import targets
 from quantship.errors import ExportRefused, SpecRefused, one_line
 from quantship.export import artifact
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
-from quantship.precision import ORT_CPU, Preset, resolve_target
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.quantizer import (
     OnnxQuantizeResult,
@@ -55,6 +55,7 @@ from quantship.quantize_onnx.quantizer import (
     prepare,
     quantize_onnx_file,
 )
+from quantship.targets import Target
 
 SPEED_KEY = "quantship.speed_search"
 MARGIN = 0.03  # a step must be this much faster (geometric mean over batches) to be kept: above timing noise
@@ -169,7 +170,7 @@ def faster(candidate: dict[int, float], best: dict[int, float]) -> bool:
     return mean >= 1 + MARGIN and min(gains) >= 1 - TOLERANCE
 
 
-def normalised_file(src: Path, calibration: Any, target: str | Preset, path: Path, options: dict
+def normalised_file(src: Path, calibration: Any, target: str | Target, path: Path, options: dict
                     ) -> tuple[Path, list]:
     """The float file as the quantizer plans it (every normalisation pass, each proven, with the
     options that rewrite the float model: equalize, smooth_quant, int16's opset), saved once: each step
@@ -208,16 +209,16 @@ def by_reduction_length(path: Path, names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (length.get(n, 1 << 30), order[n]))
 
 
-def refuse_unless_ort_cpu(target: str | Preset) -> None:
+def refuse_unless_ort_cpu(target: str | Target) -> None:
     """The search times the file in ONNX Runtime on this CPU: it serves the ONNX Runtime CPU target only."""
-    p = resolve_target(target)
-    if p.target != ORT_CPU:
+    p = targets.get(target)
+    if not p.runtime_is_onnxruntime:
         raise SpecRefused(f"the speed search times files in ONNX Runtime on this CPU, the runtime of --target "
-                          f"{ORT_CPU}; {p.target}'s runtime is not that: time its engine on its own hardware, and keep "
+                          f"onnxruntime-cpu; {p.name}'s runtime is not that: time its engine on its own hardware, and keep "
                           "slow layers float with --exclude")
 
 
-def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Preset,
+def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                       exclude: Iterable[str] = (), max_steps: int | None = None, batches: Iterable[int] = BATCHES,
                       seconds: float = SECONDS, wait: bool = True, log: Callable[[str], None] = lambda _: None,
                       **options: Any) -> tuple[OnnxQuantizeResult, SpeedSearch]:
@@ -233,7 +234,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
     if max_steps is not None and max_steps < 0:
         raise SpecRefused(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every candidate")
     src = Path(float_path).expanduser()
-    final = Path(out_path).expanduser().resolve()
+    final = artifact.refuse_unsafe_destination(out_path, (src,))
     base = tuple(exclude)
     calibration = list(calibration) if not isinstance(calibration, (np.ndarray, dict)) else calibration
     feeds = timing_feeds(src, calibration, batches)

@@ -1,7 +1,7 @@
 """Rewrites a target needs before quantization: what its runtime cannot read, put in a form it can.
 
 They run after ``normalize.PASSES``, through the same proof (``quantizer.normalise``), and only for
-the targets that need them (``passes_for``):
+the targets that need them (``passes_for``, reading the ``Target``'s fields):
 
 - ``static_shapes``, for a preset whose file serves one batch (``Preset.dynamic_batch`` False:
   TiGrIS plans a fixed memory layout and refuses a symbolic dim). Every dynamic dim of a graph input
@@ -37,7 +37,6 @@ import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
 
-from quantship.precision import ORT_CPU, Preset
 from quantship.quantize_onnx.normalize import (
     DEFAULT_DOMAINS,
     Pass,
@@ -48,15 +47,12 @@ from quantship.quantize_onnx.normalize import (
     fresh_initializer,
     replace_model,
 )
+from quantship.targets import Target
 
 Feed = dict[str, np.ndarray]
-TARGETS_WITHOUT_HARD_SIGMOID = ("tigris",)  # from each runtime's operator list
-TARGETS_WITHOUT_BATCH_NORM = ("tigris",)  # TiGrIS folds Conv -> BatchNormalization and has no kernel for one alone
-TARGETS_WITH_SLOW_PRELU = (ORT_CPU,)  # measured: PRelu 14x slower than Max(x, x*a), 4x than Relu+Min*a+Add
 # below this many values per sample the four ops cost more than PRelu's slowness: MTCNN PNet's 1,000
 # (10 x 10 x 10) ran 0.69x -> 0.58x FP32 written out, RNet's 13,552 0.80x -> 1.01x (batch 1, one thread)
 PRELU_MIN_VALUES = 4096
-TARGETS_WITH_SLOW_HARD_SWISH = (ORT_CPU,)  # measured: written-out hard swish slower than one HardSwish
 HARD_SWISH_OPSET = 14
 MAX_FOLDS = 8  # rounds of shape inference + constant folding (a shape chain folds in one or two)
 _HARD_SWISH = (1.0 / 6.0, 0.5)
@@ -348,21 +344,21 @@ def batch_norm_written_out(model: ir.Model) -> int:
     return n
 
 
-def passes_for(preset: Preset, sample: Feed | None, run_outputs) -> tuple[Pass, ...]:
-    """The rewrites ``preset``'s target needs, in order (none for a runtime that reads the file as is)."""
+def passes_for(target: Target, sample: Feed | None, run_outputs) -> tuple[Pass, ...]:
+    """The rewrites ``target`` needs, in order (none for a runtime that reads the file as is)."""
     passes = []
-    if not preset.dynamic_batch and sample is not None:
+    if not target.dynamic_batch and sample is not None:
         passes.append(static_shapes(sample, run_outputs))
-    if preset.target in TARGETS_WITHOUT_BATCH_NORM:
+    if not target.runs_lone_batch_norm:
         passes.append(Pass("batch_norm_written_out", batch_norm_written_out, "float",
-                           f"{preset.target} runs BatchNormalization only folded into a Conv: per-channel Mul/Add"))
-    if preset.target in TARGETS_WITH_SLOW_HARD_SWISH:
+                           f"{target.name} runs BatchNormalization only folded into a Conv: per-channel Mul/Add"))
+    if target.hard_swish_faster_as_one_op:
         passes.append(Pass("hard_swish_one_op", hard_swish_one_op, "float",
-                           f"{preset.target} runs a hard swish faster as one HardSwish than written out"))
-    if preset.target in TARGETS_WITH_SLOW_PRELU:
+                           f"{target.name} runs a hard swish faster as one HardSwish than written out"))
+    if target.prelu_slower_than_written_out:
         passes.append(Pass("prelu_written_out", prelu_written_out, "exact",
-                           f"{preset.target}'s PRelu kernel is slower than Max(x, x * slope) or Relu(x) + Min(x, 0) * slope"))
-    if preset.target in TARGETS_WITHOUT_HARD_SIGMOID:
+                           f"{target.name}'s PRelu kernel is slower than Max(x, x * slope) or Relu(x) + Min(x, 0) * slope"))
+    if not target.has_hard_sigmoid:
         passes.append(Pass("hard_sigmoid_written_out", hard_sigmoid_written_out, "float",
-                           f"{preset.target} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
+                           f"{target.name} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
     return tuple(passes)

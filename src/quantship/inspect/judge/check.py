@@ -1,6 +1,6 @@
 """``check_file``: will a target accept this file, and if not, why and how to fix it.
 
-Static findings come from the rule tables in ``rules``; with ``run=True`` the consumer itself
+Static findings come from the rules in ``rules`` a target's ``FileRules`` name; with ``run=True`` the consumer itself
 is run where it can run here (``runs``) and its result joins the report.
 """
 
@@ -10,15 +10,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantship import targets
 from quantship.inspect.judge import runs as consumer_runs
-from quantship.inspect.judge.rules import RULES, Target
-from quantship.inspect.judge.rules import target as get_target
+from quantship.inspect.judge.rules import RULES
 from quantship.inspect.read.facts import FileFacts, facts_of
 from quantship.inspect.read.graph import FileReport, report_of
 from quantship.inspect.read.quantization import QuantFacts
-from quantship.precision import Preset
 from quantship.progress import step
 from quantship.report_json import strict_json
+from quantship.targets import Target
 
 REPORT_VERSION = 1  # "verdict" and each run's "status" were added as new keys (readers of v1 keep working)
 ACCEPTED, REFUSED, FAILED, INCONCLUSIVE = "accepted", "refused", "failed", "inconclusive"
@@ -123,20 +123,20 @@ def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Fin
     who = tgt.consumer if severity == "error" or rule_id == "weight_range_7bit" else \
         "portable runtimes (TensorRT, OpenVINO, TiGrIS)"
     message = rule.message.format(consumer=who, n=len(offending), what=what,
-                                  low=tgt.opset[0], high=tgt.opset[1])
+                                  low=tgt.file_rules.opset[0], high=tgt.file_rules.opset[1])
     if severity == "warning":
         message = f"{tgt.consumer} runs this file, but: {message}"
     return Finding(rule_id, severity, message, list(offending), rule.fix)
 
 
 def findings_for(facts: QuantFacts, tgt: Target) -> list[Finding]:
-    """Apply the rule table ``tgt`` to ``facts`` (errors first, in table order)."""
-    found = [_finding(r, "error", facts, tgt) for r in tgt.errors]
-    found += [_finding(r, "warning", facts, tgt) for r in tgt.warnings]
+    """Apply ``tgt``'s file rules to ``facts`` (errors first, in table order)."""
+    found = [_finding(r, "error", facts, tgt) for r in tgt.file_rules.errors]
+    found += [_finding(r, "warning", facts, tgt) for r in tgt.file_rules.warnings]
     return [f for f in found if f is not None]
 
 
-def check_file(path: str | Path | FileFacts, target: str | Preset | Target, run: bool = False, n_inputs: int = 20,
+def check_file(path: str | Path | FileFacts, target: str | Target, run: bool = False, n_inputs: int = 20,
                inputs: Any = None) -> CheckReport:
     """Check ``path`` (or one read of it, ``FileFacts``) against ``target``'s rules; with ``run`` also
     run the consumer on it.
@@ -144,9 +144,9 @@ def check_file(path: str | Path | FileFacts, target: str | Preset | Target, run:
     ``inputs``: real data for the run, read by the one loader (``feeds.for_run``: a path, an array, a
     dict by input name, or a list of batches; cut at the file's batch size, at most ``n_inputs``
     batches); default ``n_inputs`` batches generated for each input's dtype and range. ``target``: a
-    name or alias, a resolved ``Preset``, or a rule table.
+    name or alias, or its ``Target``.
     """
-    tgt = get_target(target)  # refuse an unknown target before reading anything; resolve aliases
+    tgt = targets.get(target)  # refuse an unknown target before reading anything; resolve aliases
     facts = facts_of(path)
     report = CheckReport(facts.path, tgt.name, facts.quant.format, findings_for(facts.quant, tgt),
                          report=report_of(facts))

@@ -11,21 +11,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantship import targets
 from quantship.errors import one_line
-from quantship.inspect.judge.rules import Target
-from quantship.inspect.judge.rules import target as get_target
 from quantship.inspect.read.feeds import for_run
 from quantship.inspect.read.inputs import declared_inputs, graph_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import (
+    RUNNERS,
     constant_reference,
     lsb_between,
     run_onnxruntime,
-    run_openvino,
-    run_tigris,
 )
-from quantship.precision import ORT_CPU, Preset
+from quantship.targets import Target
 
 REPORT_VERSION = 1
 
@@ -67,7 +65,7 @@ class CompareReport:
         return json.dumps(self.as_dict(), indent=2)
 
 
-def compare_files(float_path: str | Path, int8_path: str | Path, target: str | Preset | Target = "tigris",
+def compare_files(float_path: str | Path, int8_path: str | Path, target: str | Target = "tigris",
                   n_inputs: int = 20, seed: int = 0, inputs: Any = None, *, key: str | None = None) -> CompareReport:
     """Run the three-way check; outputs are matched by position, the INT8 file's scales give the LSB.
 
@@ -76,8 +74,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str | P
     generated for each input's dtype and range, which overstates what quantization costs a model
     calibrated on real data.
     """
-    tgt = get_target(target)  # a name or alias is resolved here; a Preset or rule table passes
-    target = tgt.name
+    tgt = targets.get(target)  # a name or alias is resolved here; a Target passes
     if n_inputs < 1:
         raise ValueError(f"n_inputs={n_inputs}: compare needs at least one input")
     float_model, int8_model = load_onnx(float_path), load_onnx(int8_path)
@@ -96,24 +93,19 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str | P
     reference = run_onnxruntime(float_path, float_feeds, optimize=False)
     int8_ort = run_onnxruntime(int8_path, feeds, optimize=False)
     n_samples = sum(int(next(iter(feed.values())).shape[0]) if next(iter(feed.values())).ndim else 1 for feed in feeds)
-    report = CompareReport(str(float_path), str(int8_path), target, n_batches=len(feeds), n_samples=n_samples,
+    report = CompareReport(str(float_path), str(int8_path), tgt.name, n_batches=len(feeds), n_samples=n_samples,
                            inputs=fed.describe())
     if constant_reference(reference):
         report.inconclusive = ("the float file's output is the same for every input, so these rows prove "
                                "nothing; pass real inputs (--inputs) or a trained model")
     report.rows.append(CompareRow("ONNX Runtime int8 vs float", *lsb_between(reference, int8_ort, scales)))
-    label = f"{tgt.consumer} vs ONNX Runtime int8"
+    label = ("ONNX Runtime optimized vs literal int8" if tgt.runtime_is_onnxruntime
+             else f"{tgt.consumer} vs ONNX Runtime int8")
+    if tgt.runner is None:
+        report.rows.append(CompareRow(label, None, None, f"{tgt.consumer} cannot run on this machine"))
+        return report
     try:
-        if target == "openvino":
-            candidate = run_openvino(int8_path, feeds)
-        elif target == "tigris":
-            candidate = run_tigris(int8_path, feeds, int8_model)
-        elif target == ORT_CPU:
-            candidate = run_onnxruntime(int8_path, feeds, optimize=True)
-            label = "ONNX Runtime optimized vs literal int8"
-        else:
-            report.rows.append(CompareRow(label, None, None, f"{tgt.consumer} cannot run on this machine"))
-            return report
+        candidate = RUNNERS[tgt.runner](int8_path, feeds, int8_model)
     except Exception as exc:  # the target refusing the file is a result, not a crash
         report.rows.append(CompareRow(label, None, None, one_line(exc, 200)))
         return report

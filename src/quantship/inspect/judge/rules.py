@@ -1,9 +1,9 @@
-"""Deployability rules as data: one table of rules, one table per target saying which apply.
+"""Deployability rules as data: one table of rules; each target says which apply.
 
 A rule reads ``QuantFacts`` and returns the offending nodes/tensors (empty when the file passes).
-A target lists the rules that make it refuse a file ("error") and those that only deserve a
-remark ("warning"), plus its opset range and the integer types it accepts. Nothing else in
-quantship restates these facts (SPEC §5; presets in ``quantship.precision`` point here by name).
+A target's ``FileRules`` (``quantship.targets``) list the rules that make it refuse a file ("error")
+and those that only deserve a remark ("warning"), plus its opset range and the integer types it
+accepts. Nothing else in quantship restates these facts (SPEC §5).
 """
 
 from __future__ import annotations
@@ -11,27 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from quantship import targets
 from quantship.inspect.read.quantization import QuantFacts
-from quantship.precision import ORT_CPU, Preset, resolve_target
+from quantship.targets import FileRules, Target
 
 PER_CHANNEL_MIN_OPSET = 13  # `axis` on Q/DQ arrived in opset 13
-
-
-@dataclass(frozen=True)
-class Target:
-    """A consumer of QDQ files and what it needs from one."""
-
-    name: str
-    consumer: str  # how the runtime calls itself
-    opset: tuple[int, int]  # inclusive range of the default-domain opset it loads
-    activation_dtypes: tuple[str, ...]
-    weight_dtypes: tuple[str, ...]
-    errors: tuple[str, ...]  # rule ids that make the target refuse the file
-    warnings: tuple[str, ...] = ()  # rule ids it tolerates but a user should hear about
-    source: str = ""  # where the facts come from
-    lsb_tolerance: float | None = None  # a run this close to ONNX Runtime is accepted (None: not judged)
-    domains: tuple[str, ...] = ()  # operator domains it runs besides the default ONNX one
-    local_functions: bool = False  # runs ops a file defines as model-local functions (any domain)
 
 
 @dataclass(frozen=True)
@@ -48,22 +32,22 @@ class Rule:
 def _opset_offenders(facts: QuantFacts, target: Target) -> list[str]:
     if facts.opset is None:
         return []
-    low, high = target.opset
+    low, high = target.file_rules.opset
     found = [f"opset {facts.opset}"] if not low <= facts.opset <= high else []
     if facts.opset < PER_CHANNEL_MIN_OPSET:
         found += [q.node for q in facts.qdq if q.per_channel]
     return found
 
 
-def _dtype_offenders(role: str, allowed_of: Callable[[Target], tuple[str, ...]]):
+def _dtype_offenders(role: str, allowed_of: Callable[[FileRules], tuple[str, ...]]):
     def offenders(facts: QuantFacts, target: Target) -> list[str]:
-        return [f"{q.node} ({q.dtype})" for q in facts.of_role(role) if q.dtype not in allowed_of(target)]
+        return [f"{q.node} ({q.dtype})" for q in facts.of_role(role) if q.dtype not in allowed_of(target.file_rules)]
     return offenders
 
 
 def _domain_offenders(facts: QuantFacts, target: Target) -> list[str]:
     return [node for node, domain, local in facts.foreign_operators
-            if domain not in target.domains and not (local and target.local_functions)]
+            if domain not in target.file_rules.domains and not (local and target.file_rules.local_functions)]
 
 
 RULES: dict[str, Rule] = {r.id: r for r in (
@@ -153,40 +137,5 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          lambda f, t: list(f.convs_without_kernel_shape)),
 )}
 
-_READABLE = ("valid_parameters", "op_domains")  # every target refuses a file that breaks these
-_ALL_QDQ = (*_READABLE, "opset_declared", "opset_range", "quantized", "qdq_format", "static_scales")
-
-TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target(ORT_CPU, "ONNX Runtime", (10, 26), ("int8", "uint8", "int16", "uint16"),
-           ("int8", "uint8", "int16", "uint16", "int4", "uint4"),
-           errors=(*_READABLE, "opset_declared", "opset_range", "int32_bias"),
-           warnings=("quantized", "qdq_format", "static_scales", "fully_quantized", "weight_range_7bit"),
-           source="runs QOperator, dynamic and mixed files; QDQ is what other runtimes share",
-           domains=("com.microsoft", "com.microsoft.nchwc", "ai.onnx.ml"), local_functions=True),
-    Target("tensorrt", "TensorRT", (9, 25), ("int8",), ("int8",),
-           errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
-                   "weight_dtype", "int32_bias", "zero_point_zero", "conv_kernel_shape"),
-           source="TensorRT ONNX opset guide (opsets 9-25); explicit quantization: int8, zero-point 0"),
-    Target("openvino", "OpenVINO", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
-           errors=(*_ALL_QDQ, "int32_bias"), warnings=("fully_quantized", "weight_range_7bit", "activation_dtype"),
-           source="runs partially quantized QDQ graphs (float parts stay float); OpenVINO 2026.4 compiles and runs "
-                  "uint16 activation pairs, but not as their Q/DQ arithmetic (outputs up to 0.11 from ONNX Runtime's "
-                  "literal reading on the PP-OCR classifier, where int8 agrees to 2e-6): a remark, not int8/uint8",
-           lsb_tolerance=2.0,
-           local_functions=True),
-    Target("tigris", "TiGrIS", (10, 26), ("int8", "uint8"), ("int8", "uint8"),
-           errors=(*_ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
-                   "weight_dtype", "int32_bias", "tigris_kernels"),
-           source="TiGrIS quantization guide: QDQ, static, fully quantized; uint8 restated as int8; kernel "
-                  "forms measured with tigris analyze 0.12.1",
-           lsb_tolerance=4.0),
-)}
-
-
-def target(name: str | Preset | Target) -> Target:
-    """The rule table of a deployment target, named as every target is (``precision.target_names()``:
-    an alias is resolved here, at the edge), or its resolved ``Preset``; a ``Target`` is returned as
-    is. Unknown names are refused with the list. A rule table carries its preset's name."""
-    if isinstance(name, Target):
-        return name
-    return TARGETS[resolve_target(name).target]
+# the targets by name, as ``quantship.inspect.TARGETS`` offered them (each one's rules: ``.file_rules``)
+TARGETS: dict[str, Target] = {t.name: t for t in targets.ALL}

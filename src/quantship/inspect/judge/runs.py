@@ -1,34 +1,29 @@
 """The verdict on running a target's consumer: passed, failed, inconclusive or not run.
 
-``run_consumer`` runs the consumer of a target (``rules``) where it can run here (``run.consumers``),
+``run_consumer`` runs a target's runner (``run.consumers.RUNNERS``) where it can run here,
 measures it against ONNX Runtime reading the file literally, in output LSB, and judges the result
 by the target's tolerance; ``check_file(run=True)`` joins its ``RunResult`` to the report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
+from quantship import targets
 from quantship.errors import cause
-from quantship.inspect.judge.rules import Target
-from quantship.inspect.judge.rules import target as get_target
 from quantship.inspect.read.feeds import for_run
 from quantship.inspect.read.output_units import OutputUnit, output_units
 from quantship.inspect.run.consumers import (
-    Inputs,
+    RUNNERS,
     constant_reference,
     lsb_between,
     run_onnxruntime,
-    run_openvino,
-    run_tigris,
 )
-from quantship.precision import ORT_CPU, Preset
+from quantship.targets import Target
 
 # RunResult.status values
 PASSED, FAILED, INCONCLUSIVE, NOT_RUN = "passed", "failed", "inconclusive", "not run"
@@ -119,7 +114,7 @@ def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, toleranc
                      inputs, ort_fused_lsb=ort_fused_lsb)
 
 
-def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int = 20, seed: int = 0,
+def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, seed: int = 0,
                  inputs: Any = None) -> RunResult:
     """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
 
@@ -128,15 +123,9 @@ def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int 
     None: data generated for each input's dtype and range. The reference is ONNX Runtime reading the
     file literally.
     """
-    tgt = get_target(target)  # a name or alias is resolved here; a Preset or rule table passes
-    target = tgt.name
+    tgt = targets.get(target)  # a name or alias is resolved here; a Target passes
     model = onnx.load(str(path), load_external_data=False)
-    runners: dict[str, Callable[[list[Inputs]], list[list[np.ndarray]]]] = {
-        ORT_CPU: lambda feeds: run_onnxruntime(path, feeds, optimize=True),
-        "openvino": lambda feeds: run_openvino(path, feeds),
-        "tigris": lambda feeds: run_tigris(path, feeds, model),
-    }
-    if target not in runners:
+    if tgt.runner is None:
         return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked "
                          "statically only", status=NOT_RUN)
     fed = for_run(model, inputs, n=max(1, n_inputs), seed=seed, path=path)
@@ -148,7 +137,7 @@ def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int 
         return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
                          status=FAILED, inputs=kind, inputs_detail=how)
     try:
-        outputs = runners[target](feeds)
+        outputs = RUNNERS[tgt.runner](path, feeds, model)
     except ModuleNotFoundError as exc:
         return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind,
                          inputs_detail=how)
@@ -162,14 +151,15 @@ def run_consumer(path: str | Path, target: str | Preset | Target, n_inputs: int 
         each = {name: lsb_between([[r[k]] for r in reference], [[c[k]] for c in outputs], [scales[k]])[0]
                 for k, name in enumerate(units)}
     fused = None
-    if target != ORT_CPU and max_lsb is not None:
+    if not tgt.runtime_is_onnxruntime and max_lsb is not None:
         try:
             fused = lsb_between(reference, run_onnxruntime(path, feeds, optimize=True), scales)[0]
         except Exception:  # ONNX Runtime's fused session refuses what its literal one ran: no widening
             fused = None
-    notes = ["ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"] if target == ORT_CPU else []
+    notes = (["ONNX Runtime's default optimizations vs the literal QDQ graph (ORT_DISABLE_ALL)"]
+             if tgt.runtime_is_onnxruntime else [])
     notes += units_note(units)
-    result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.lsb_tolerance, n, constant_reference(reference), kind,
+    result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.file_rules.lsb_tolerance, n, constant_reference(reference), kind,
                    detail="; ".join(notes), ort_fused_lsb=fused)
     return RunResult(**{**result.as_dict(), "per_output": each or None, "inputs_detail": how})
 

@@ -16,12 +16,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from quantship.inspect.read.lsb import lsb_error
+from quantship.targets import Target
 
 Inputs = dict[str, np.ndarray]
 TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack of memory
@@ -174,6 +176,16 @@ def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) ->
         return results
 
 
+Runner = Callable[[str | Path, list[Inputs], onnx.ModelProto], list[list[np.ndarray]]]
+
+# a target's ``runner`` names one of these (``quantship.targets``): how a file runs in its runtime here
+RUNNERS: dict[str, Runner] = {
+    "onnxruntime-fused": lambda path, feeds, model: run_onnxruntime(path, feeds, optimize=True),
+    "openvino-cpu": lambda path, feeds, model: run_openvino(path, feeds),
+    "tigris-cli": run_tigris,
+}
+
+
 def channels_first(out: np.ndarray, dims: tuple | None) -> np.ndarray:
     """A TiGrIS output (channels last) in the file's own layout: its channel axis moved back to 1 for a
     4-D output, and for any other rank where that gives the shape the file declares (YOLO's [1, 22, 2100])."""
@@ -217,3 +229,12 @@ def constant_reference(reference: list[list[np.ndarray]]) -> bool:
         if not np.all(rows == rows[:1]):
             return False
     return True
+
+
+def fidelity_reading(p: Target) -> tuple[bool, str]:
+    """How an INT8 file is read when judged against FP32: ONNX Runtime at its default optimizations for the
+    target it serves (what a user runs: ``optimized=True``), read literally for the other targets (the
+    arithmetic the Q/DQ pairs describe, which their runtimes are checked against by ``check --run``)."""
+    if p.runtime_is_onnxruntime:
+        return True, "ONNX Runtime (default optimizations)"
+    return False, "ONNX Runtime read literally (the target's runtime is checked against it by check --run)"

@@ -1,0 +1,154 @@
+"""The PyTorch path held to the float model: quantize for a target, export, judge the file's fidelity to
+FP32 (``quantship.fidelity``) on inputs held out from calibration, repair it with the same loop as the ONNX
+path (``repair_loop``), and write it only when it keeps the budget.
+
+Each step is a whole file: ``Quantizer.for_target`` with the step's options and modules kept float
+(``skip_activations``), ``export_qdq`` into a scratch folder beside the destination, then the file run in
+the target's reading (``fidelity_reading``) against the float model run in torch on the same inputs. The
+algorithm steps are ``ALGORITHM_STEPS``; the modules are ranked by the per-layer SQNR report of the best
+step's model (``quantize.accuracy.sensitivity_order``); the PyTorch path has no 16-bit activations, so
+that form is not tried. Only the chosen file is moved to the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quantship.errors import QuantshipError, one_line
+from quantship.export import artifact
+from quantship.export.capture import as_arrays
+from quantship.export.metadata import add_file_metadata
+from quantship.export.qdq import export_qdq
+from quantship.fidelity import METADATA_KEY, Budget, Fidelity, measure
+from quantship.inspect.run.consumers import fidelity_reading, ort_session
+from quantship.inspect.run.outputs import output_arrays
+from quantship.inspect.run.verify import MeasuredPath
+from quantship.progress import step as progress_step
+from quantship.quantize.accuracy import sensitivity_order
+from quantship.repair_loop import Repair
+from quantship.repair_loop import repair as run_repair
+from quantship.targets import Target
+
+REPAIR_KEY = "quantship.repair"
+ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
+    ("bias correction", {"bias_correction": True}),
+    ("equalization", {"equalize": True}),
+    ("percentile observer", {"act_observer": "percentile"}),
+    ("mse observer", {"act_observer": "mse"}),
+)
+
+
+def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) -> list[np.ndarray]:
+    """Every output of an ORT ``session`` over ``batches`` (torch tensors or tuples of them, the model's
+    inputs in order), concatenated along the batch; a fixed-batch file is fed ``fixed_batch`` rows at a time."""
+    names = [i.name for i in session.get_inputs()]
+    parts: list[list[np.ndarray]] = []
+    for batch in batches:
+        arrays = as_arrays(batch)
+        step = fixed_batch or len(arrays[0])
+        for start in range(0, len(arrays[0]), step):
+            got = session.run(None, {n: a[start:start + step] for n, a in zip(names, arrays)})
+            parts = parts or [[] for _ in got]
+            for part, out in zip(parts, got):
+                part.append(out)
+    return [np.concatenate(p) for p in parts]
+
+
+def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
+               data: str) -> Fidelity:
+    """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
+    in the target's reading (``fidelity_reading``). A fixed-batch file reads whole multiples of its batch."""
+    fused, runtime = fidelity_reading(target)
+    session = ort_session(path, optimized=fused)
+    first = session.get_inputs()[0].shape[0]
+    fixed = first if isinstance(first, int) and first > 0 else None
+    batches = [b if isinstance(b, (tuple, list)) else (b,) for b in held]
+    if fixed:
+        batches = [tuple(x[:len(x) - len(x) % fixed] for x in b) for b in batches]
+        batches = [b for b in batches if len(b[0])]
+    if not batches:
+        raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} held-out sample(s)")
+    names, reference = output_arrays(float_model, batches)
+    outputs = file_outputs(session, batches, fixed)
+    n = sum(len(b[0]) for b in batches)
+    return measure(names or [o.name for o in session.get_outputs()], reference, outputs, budget=budget,
+                   data=f"{n} {data}", runtime=runtime)
+
+
+@dataclass
+class Judged:
+    """What ``quantize_export_judged`` made: the model, the quantizer, the file, its fidelity, the repair."""
+
+    qmodel: Any
+    quantizer: Any
+    path: Any  # the MeasuredPath export_qdq returned, moved to the destination
+    fidelity: Fidelity
+    repair: Repair | None
+
+
+def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out: str | Path, *, target: Target,
+                           overrides: dict, held: Sequence[Any] | None, held_label: str, budget: Budget | None,
+                           make_quantizer: Callable[..., Any], quantize_kwargs: dict | None = None,
+                           export_kwargs: dict | None = None, repair: bool = True, max_steps: int | None = None,
+                           log: Callable[[str], None] = lambda _: None) -> Judged:
+    """Quantize ``model`` for ``target`` (``make_quantizer(target, **options)``, then ``.quantize(model, batches,
+    **quantize_kwargs)``), export it (``export_qdq(..., **export_kwargs)``) and hold the file to the float model
+    on ``held`` (``held_label`` says what they are; None: the first calibration batch, said in-sample) by
+    ``budget`` (None: measured, not judged), repairing it when missed (module docstring). Raises
+    ``FidelityMissed`` (nothing written) when no file keeps the budget."""
+    final = artifact.refuse_unsafe_destination(out)
+    held_batches = list(held) if held else list(batches)[:1]
+    data = held_label if held else "calibration sample(s) (in-sample: none held out)"
+    numbers = itertools.count()
+    base = tuple(overrides.get("skip_activations") or ())
+    options = {k: v for k, v in overrides.items() if k != "skip_activations"}
+    with artifact.workdir_beside(final) as scratch:
+        def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
+            k = next(numbers)
+            asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None}.items()
+                     if v is not None}
+            try:
+                quantizer = make_quantizer(target, **asked)
+                qmodel = quantizer.quantize(model, batches, **(quantize_kwargs or {}))
+                with warnings.catch_warnings() if k else contextlib.nullcontext():
+                    if k:
+                        warnings.simplefilter("ignore")  # a repair step's warnings are not the user's file's
+                    path = export_qdq(qmodel, sample, scratch / f"step{k}.onnx", target=target,
+                                      **(export_kwargs or {}))
+            except QuantshipError as exc:
+                if not k:
+                    raise  # the file as asked cannot be made: the caller's refusal, not a repair's
+                log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
+                return None
+            fidelity = judge_file(path, model, held_batches, target, budget, data)
+            add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
+            return fidelity, (qmodel, quantizer, path, fidelity)
+
+        def order(made: tuple, opts: dict) -> list[str]:
+            with progress_step("fidelity repair: per-layer SQNR"):
+                return sensitivity_order(model, made[0], list(batches)[:4])
+
+        if budget is None:
+            record, chosen = None, attempt("as asked", options, base, ())[1]
+        else:
+            refusal = None if target.runs_mixed_graphs else (
+                f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")
+            record, chosen = run_repair(attempt, budget=budget, options=options, base=base,
+                                        algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
+                                        enabled=repair, max_steps=max_steps, log=log)
+            if len(record.steps) > 1:
+                add_file_metadata(chosen[2], {REPAIR_KEY: json.dumps(record.as_dict(), sort_keys=True, default=str)})
+        qmodel, quantizer, path, fidelity = chosen
+        with artifact.atomic_destination(final) as staged:
+            os.replace(path, staged)
+    return Judged(qmodel, quantizer, MeasuredPath.of(final, path.readings), fidelity, record)

@@ -1,0 +1,272 @@
+"""Fidelity to FP32: does the INT8 file still do the float model's job, measured on its outputs.
+
+A runtime that reproduces a file proves nothing about the model the file came from (a file with
+scrambled weights reads the same literally and fused). This module holds the one judgement every
+path uses: each output of the INT8 file against the same output of the float model, on the same
+inputs (held out from range calibration where there are any), as
+
+- SQNR in dB: ``10 log10(sum ref^2 / sum (ref - int8)^2)`` over every value of the output;
+- an agreement that fits what the output is (``agreement_rule``): argmax over classes for class
+  scores, decisions at 0.5 for probabilities that are not a distribution, signs for signed values;
+  none for outputs where none of these means anything (e.g. a non-negative regression).
+
+A ``Budget`` (minimum SQNR, minimum agreement) turns the figures into a verdict: ``met``, ``missed``,
+or ``inconclusive`` when the float output is the same for every input (nothing to tell apart). An
+agreement misses only when the upper end of its Wilson 95% interval is under the minimum: on a handful
+of held-out samples one flipped near-tie proves nothing, on hundreds a collapse is certain.
+The default budget's evidence is in ``docs/fidelity.md``.
+
+Below every path (``errors`` and ``intervals`` only), so the torch path, the ONNX path, ``inspect`` and the
+CLI share it; numpy is imported by the functions that measure, so a parser can read the defaults before it
+loads (``--help`` answers at once).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from quantship.errors import DataRefused
+from quantship.intervals import wilson_interval
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# The default budget, from measurements (docs/fidelity.md, bench/fidelity.py): every real model's default file
+# keeps at least 12.3 dB (the PP-OCR detector's tigris file, its recall inside FP32's interval) and agrees at
+# least 0.969 on held-out inputs; the collapses seen lose the task at 7.4 dB (a real audio model) and below
+# (the notes example: 4.7-5.9 dB, 29.5 points).
+DEFAULT_MIN_SQNR_DB = 10.0
+DEFAULT_MIN_AGREEMENT = 0.9
+METADATA_KEY = "quantship.fidelity"
+SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
+
+MET, MISSED, INCONCLUSIVE, NOT_JUDGED = "met", "missed", "inconclusive", "not judged"
+
+
+def sqnr_db(signal_energy: float, noise_energy: float) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when the two agree exactly)."""
+    if noise_energy == 0:
+        return math.inf
+    if signal_energy == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal_energy / noise_energy)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The least fidelity a file must keep: output SQNR in dB and agreement in [0, 1], each output."""
+
+    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB
+    min_agreement: float = DEFAULT_MIN_AGREEMENT
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_sqnr_db, bool) or not isinstance(self.min_sqnr_db, (int, float)) \
+                or not 0.0 <= self.min_sqnr_db < 200.0:
+            raise DataRefused(f"minimum SQNR {self.min_sqnr_db!r} dB: give a number of dB in [0, 200) (default "
+                              f"{DEFAULT_MIN_SQNR_DB:g})")
+        if isinstance(self.min_agreement, bool) or not isinstance(self.min_agreement, (int, float)) \
+                or not 0.0 <= self.min_agreement <= 1.0:
+            raise DataRefused(f"minimum agreement {self.min_agreement!r}: give a fraction in [0, 1] (default "
+                              f"{DEFAULT_MIN_AGREEMENT:g})")
+
+    def describe(self) -> str:
+        return f"SQNR >= {self.min_sqnr_db:g} dB and agreement >= {self.min_agreement:g}, every output"
+
+
+@dataclass(frozen=True)
+class OutputFidelity:
+    """One output: its SQNR, its agreement under ``rule`` (None where no rule applies)."""
+
+    name: str
+    sqnr_db: float
+    agreement: float | None
+    rule: str
+    n_values: int
+    constant_reference: bool
+    n_decisions: int = 0  # what the agreement counts (samples for argmax, values otherwise)
+
+    @property
+    def agreement_upper(self) -> float | None:
+        """The upper end of the agreement's Wilson 95% interval."""
+        if self.agreement is None or not self.n_decisions:
+            return self.agreement
+        return wilson_interval(round(self.agreement * self.n_decisions), self.n_decisions)[1]
+
+    def margin(self, budget: Budget) -> float:
+        """How far inside the budget (>= 0) or outside it (< 0): dB, or agreement points x 100 (its interval's
+        upper end against the minimum), the worse."""
+        margins = [self.sqnr_db - budget.min_sqnr_db]
+        if self.agreement is not None:
+            margins.append(100.0 * (self.agreement_upper - budget.min_agreement))
+        return min(margins)
+
+    def describe(self) -> str:
+        agree = (f", {self.rule} agreement {self.agreement:.3f} of {self.n_decisions}" if self.agreement is not None
+                 else f" ({self.rule})")
+        return f"{_db(self.sqnr_db)}{agree}"
+
+
+@dataclass
+class Fidelity:
+    """Every output's fidelity to the float model, the data and runtime it was measured on, the verdict."""
+
+    outputs: list[OutputFidelity]
+    data: str  # which inputs: "24 samples held out from calibration", ...
+    runtime: str  # "ONNX Runtime (default optimizations)", ...
+    budget: Budget | None
+    n_samples: int
+    extra: dict = field(default_factory=dict)  # e.g. the repair's steps
+
+    @property
+    def worst(self) -> OutputFidelity:
+        if self.budget is None:
+            return min(self.outputs, key=lambda o: o.sqnr_db)
+        return min(self.outputs, key=lambda o: o.margin(self.budget))
+
+    @property
+    def sqnr_db(self) -> float:
+        return min(o.sqnr_db for o in self.outputs)
+
+    @property
+    def inconclusive(self) -> bool:
+        return all(o.constant_reference for o in self.outputs)
+
+    @property
+    def margin(self) -> float:
+        return min(o.margin(self.budget) for o in self.outputs) if self.budget is not None else math.inf
+
+    @property
+    def status(self) -> str:
+        if self.budget is None:
+            return NOT_JUDGED
+        if self.inconclusive:
+            return INCONCLUSIVE
+        return MET if self.margin >= 0 else MISSED
+
+    @property
+    def met(self) -> bool:
+        return self.status == MET
+
+    def describe(self) -> str:
+        """One line: the worst output's figures, where they were measured, the verdict."""
+        w = self.worst
+        where = f"{w.name}: " if len(self.outputs) > 1 else ""
+        verdict = {MET: f"within the budget ({self.budget.describe()})" if self.budget else "",
+                   MISSED: f"MISSED the budget ({self.budget.describe()})" if self.budget else "",
+                   INCONCLUSIVE: "inconclusive: the float output is the same for every input (give real inputs)",
+                   NOT_JUDGED: "not judged (no budget)"}[self.status]
+        return f"{where}{w.describe()}; {self.runtime}, {self.data}; {verdict}"
+
+    def as_dict(self) -> dict:
+        return {"status": self.status, "sqnr_db": _finite(self.sqnr_db), "data": self.data, "runtime": self.runtime,
+                "n_samples": self.n_samples,
+                "budget": asdict(self.budget) if self.budget is not None else None,
+                "outputs": [{**asdict(o), "sqnr_db": _finite(o.sqnr_db)} for o in self.outputs], **self.extra}
+
+    def metadata(self) -> str:
+        """The record stored in the file's ``metadata_props`` (``METADATA_KEY``)."""
+        return json.dumps(self.as_dict(), sort_keys=True, allow_nan=False, default=str)
+
+
+def _finite(value: float) -> float | str:
+    return value if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+
+
+def _db(value: float) -> str:
+    return "SQNR inf dB (identical)" if value == math.inf else f"SQNR {value:.1f} dB"
+
+
+def agreement_rule(reference: np.ndarray) -> str:
+    """Which agreement fits this output, from the float output alone.
+
+    ``argmax``: class scores (N x C, C >= 2) or rows that are distributions (values in [0, 1] summing to
+    1 over the last axis); ``threshold 0.5``: probabilities that are not a distribution (sigmoid maps,
+    frame posteriors); ``sign``: signed values (both signs present, e.g. binary logits, embeddings);
+    ``none``: anything else (a non-negative regression, a constant), judged by SQNR alone.
+    """
+    import numpy as np  # measuring only (module docstring)
+
+    ref = np.asarray(reference, dtype=np.float64)
+    if ref.size == 0 or not np.isfinite(ref).all():
+        return "none"
+    in_unit = ref.min() >= 0.0 and ref.max() <= 1.0
+    if ref.ndim >= 2 and ref.shape[-1] >= 2:
+        if in_unit and np.allclose(ref.sum(axis=-1), 1.0, atol=1e-3):
+            return "argmax"
+        if ref.ndim == 2 and not in_unit:
+            return "argmax"
+    if in_unit and ref.max() > ref.min():
+        return "threshold 0.5"
+    negative, positive = (ref < 0).mean(), (ref > 0).mean()
+    if negative >= 0.01 and positive >= 0.01:
+        return "sign"
+    return "none"
+
+
+def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | None, int]:
+    """The fraction of decisions the INT8 output shares with the float one, and how many were counted."""
+    import numpy as np  # measuring only (module docstring)
+
+    if rule == "argmax":
+        same = ref.argmax(-1) == out.argmax(-1)
+    elif rule == "threshold 0.5":
+        same = (ref > 0.5) == (out > 0.5)
+    elif rule == "sign":
+        counted = np.abs(ref) >= SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))
+        same = np.sign(ref[counted]) == np.sign(out[counted])
+    else:
+        return None, 0
+    if same.size == 0:
+        return None, 0
+    return float(same.mean()), int(same.size)
+
+
+def _constant(ref: np.ndarray) -> bool:
+    """The float output is the same for every sample (one sample: the same value everywhere)."""
+    import numpy as np  # measuring only (module docstring)
+
+    if ref.size == 0:
+        return True
+    per_sample = ref.reshape(ref.shape[0], -1) if ref.ndim >= 2 and ref.shape[0] > 1 else ref.reshape(1, -1)
+    spread = np.ptp(per_sample, axis=0).max() if per_sample.shape[0] > 1 else np.ptp(per_sample)
+    return bool(spread <= 1e-9 * max(1e-30, float(np.abs(ref).max())))
+
+
+def measure(names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *,
+            budget: Budget | None, data: str, runtime: str) -> Fidelity:
+    """Each output of the INT8 file (``outputs``) against the float model's (``reference``), in order.
+
+    ``reference[k]`` / ``outputs[k]``: output ``names[k]`` over every sample, concatenated on the batch
+    axis. A shape mismatch is refused (``DataRefused``): the two are not the same model's outputs.
+    """
+    import numpy as np  # measuring only (module docstring)
+
+    rows = []
+    n_samples = 0
+    for name, ref, out in zip(names, reference, outputs, strict=True):
+        ref = np.asarray(ref, dtype=np.float64)
+        out = np.asarray(out, dtype=np.float64)
+        if ref.shape != out.shape:
+            raise DataRefused(f"output {name!r}: the INT8 file gives {list(out.shape)} and the float model "
+                              f"{list(ref.shape)} on the same inputs; they are not the same model's outputs")
+        n_samples = max(n_samples, ref.shape[0] if ref.ndim else 1)
+        constant = _constant(ref)
+        noise = float(np.sum((ref - out) ** 2)) if np.isfinite(out).all() else math.inf
+        sqnr = sqnr_db(float(np.sum(ref * ref)), noise) if math.isfinite(noise) else -math.inf
+        rule = agreement_rule(ref)
+        agree, counted = _agreement(rule, ref, np.nan_to_num(out, nan=-np.inf))
+        rows.append(OutputFidelity(name, sqnr, agree, rule if agree is not None else "none", int(ref.size), constant,
+                                   counted))
+    return Fidelity(rows, data, runtime, budget, n_samples)
+
+
+def budget_from(min_sqnr_db: float | None, min_agreement: float | None, *, judged: bool = True) -> Budget | None:
+    """The budget of a request: the defaults where a bound is not given; None when fidelity is not judged."""
+    if not judged:
+        return None
+    return Budget(DEFAULT_MIN_SQNR_DB if min_sqnr_db is None else min_sqnr_db,
+                  DEFAULT_MIN_AGREEMENT if min_agreement is None else min_agreement)

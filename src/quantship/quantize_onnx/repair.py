@@ -1,0 +1,101 @@
+"""``quantize_onnx``: quantize a float ONNX file, judge the file's fidelity to FP32, repair it when it
+misses the budget, and write it only when it keeps the budget: the ONNX front-end of ``repair_loop``.
+
+Each step is a whole file from ``quantize_onnx_file``, its fidelity measured there (``quantship.fidelity``:
+each output's SQNR and agreement against the float file, on samples held out from calibration where
+given). The algorithm steps are ``ALGORITHM_STEPS``; the nodes are ranked by the per-node SQNR report's
+own loss (``sensitivity.NodeSqnrReport.by_own_loss``: a node's inputs' SQNR less its output's, so a node
+that only carries an upstream loss does not rank); 16-bit first where the target runs it. The chosen file
+is moved to ``out_path`` with the repair's record in its metadata (``REPAIR_KEY``); when none keeps the
+budget, ``FidelityMissed`` names every step and nothing is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from quantship import targets
+from quantship.errors import QuantshipError, one_line
+from quantship.export import artifact
+from quantship.export.metadata import add_file_metadata
+from quantship.fidelity import Budget
+from quantship.progress import step as progress_step
+from quantship.quantize_onnx.int16 import runs_int16
+from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, placement_for, quantize_onnx_file
+from quantship.quantize_onnx.sensitivity import node_sqnr
+from quantship.repair_loop import Repair
+from quantship.repair_loop import repair as run_repair
+from quantship.targets import Target
+
+REPAIR_KEY = "quantship.repair"
+ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
+    ("bias correction", {"bias_correction": True}),
+    ("equalization", {"equalize": True}),
+    ("percentile observer", {"observer": "percentile"}),
+    ("mse observer", {"observer": "mse"}),
+)
+DEFAULT_BUDGET = Budget()  # quantship.fidelity's defaults
+SENSITIVITY_OPTIONS = ("observer", "per_tensor", "equalize", "bias_correction", "seq_mse", "adaround", "smooth_quant")
+
+
+def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
+                  budget: Budget | None = DEFAULT_BUDGET, fidelity_data: Any = None, repair: bool = True,
+                  max_steps: int | None = None, exclude: Iterable[str] = (), int16: Iterable[str] = (),
+                  wait: bool = True, log: Callable[[str], None] = lambda _: None,
+                  **options: Any) -> tuple[OnnxQuantizeResult, Repair | None]:
+    """Quantize ``float_path`` for ``target``, judge its fidelity to the float file by ``budget``, repair it
+    when missed (see the module docstring) and write ``out_path``; returns the file's result and the repair.
+
+    ``fidelity_data``: samples held out from calibration (the calibration grammar); without it the file is
+    judged on calibration samples, said so. ``budget=None``: measured, not judged (one pass, no repair).
+    ``repair=False``: judge only. ``max_steps``: at most that many repair steps after step 0. ``options``:
+    ``quantize_onnx_file``'s. Raises ``FidelityMissed`` (nothing written) when no file keeps the budget.
+    """
+    src = Path(float_path).expanduser()
+    final = artifact.refuse_unsafe_destination(out_path, (src,))
+    if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 0):
+        raise QuantshipError(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every step")
+    base, base_wide = tuple(exclude), tuple(int16)
+    if budget is None:
+        return quantize_onnx_file(src, final, calibration, target=target, exclude=base, int16=base_wide, wait=wait,
+                                  fidelity_data=fidelity_data, **options), None
+    p = targets.get(target)
+    placement, _, _ = placement_for(p, per_tensor=bool(options.get("per_tensor")))
+    numbers = itertools.count()
+    with artifact.workdir_beside(final) as scratch:
+        def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
+            k = next(numbers)
+            try:
+                done = quantize_onnx_file(src, scratch / f"step{k}.onnx", calibration, target=p, exclude=excluded,
+                                          int16=wide, fidelity_data=fidelity_data, budget=budget, wait=wait, **opts)
+            except QuantshipError as exc:
+                if not k:
+                    raise  # the file as asked cannot be made: the caller's refusal, not a repair's
+                log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
+                return None
+            return done.fp32, done
+
+        def order(done: OnnxQuantizeResult, opts: dict) -> list[str]:
+            with progress_step("fidelity repair: per-node SQNR (own loss)"):
+                report = node_sqnr(src, calibration, target=p, exclude=base, quantized_path=done.path,
+                                   **{k: v for k, v in opts.items() if k in SENSITIVITY_OPTIONS})
+            return [r.node for r in report.by_own_loss()]
+
+        refusal = (None if placement.mode != "full" else
+                   f"{p.target} runs a fully integer graph (no float node, no 16-bit activations): no node can be "
+                   "kept float for it")
+        record, done = run_repair(attempt, budget=budget, options=dict(options), base=base, base_wide=base_wide,
+                                  algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
+                                  sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
+        if len(record.steps) > 1:
+            add_file_metadata(done.path, {REPAIR_KEY: json.dumps(record.as_dict(), sort_keys=True, default=str)})
+        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
+            os.replace(done.path, staged)
+    done.path = final
+    done.verdict.path = str(final)
+    return done, record

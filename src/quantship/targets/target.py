@@ -1,0 +1,88 @@
+"""A deployment target as one record: its preset, the files it accepts, what quantship writes for it,
+and how a file runs there. Data only: the rules, passes and runners that read it live in their rooms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from quantship.precision import Preset
+
+# rule-id groups several targets share (the rules themselves: ``inspect.judge.rules``)
+READABLE = ("valid_parameters", "op_domains")  # every target refuses a file that breaks these
+ALL_QDQ = (*READABLE, "opset_declared", "opset_range", "quantized", "qdq_format", "static_scales")
+
+
+@dataclass(frozen=True)
+class FileRules:
+    """What the runtime loads; ``inspect.judge.rules`` holds the rules these ids name."""
+
+    opset: tuple[int, int]  # inclusive range of the default-domain opset it loads
+    activation_dtypes: tuple[str, ...]
+    weight_dtypes: tuple[str, ...]
+    errors: tuple[str, ...]  # rule ids that make the target refuse the file
+    warnings: tuple[str, ...] = ()  # rule ids it tolerates but a user should hear about
+    source: str = ""  # where the facts come from
+    lsb_tolerance: float | None = None  # a run this close to ONNX Runtime is accepted (None: not judged)
+    domains: tuple[str, ...] = ()  # operator domains it runs besides the default ONNX one
+    local_functions: bool = False  # runs ops a file defines as model-local functions (any domain)
+
+
+@dataclass(frozen=True)
+class FloatRule:
+    """A weighted op the runtime runs faster (or only) in float: it stays float in an integer placement."""
+
+    id: str
+    why: str
+    applies: Callable[[str, dict, tuple[int, ...]], bool]  # (op type, attributes, weight shape)
+
+
+def wide_dtype(activation_dtype: str) -> str:
+    """The 16-bit form of an activation type: uint16 beside uint8 (asymmetric), int16 beside int8."""
+    return "uint16" if activation_dtype == "uint8" else "int16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target(Preset):
+    """A runtime, resolved: its ``Preset`` (what to quantize with, how to write the file) and the rest.
+
+    Every function that takes ``target=`` turns a name into this object once (``targets.get``) and
+    reads its fields from there on; nothing else in quantship compares a target's name.
+    """
+
+    consumer: str  # how the runtime calls itself
+    file_rules: FileRules
+    runner: str | None = None  # the ``inspect.run`` runner that runs a file here (None: not on this machine)
+    runtime_is_onnxruntime: bool = False  # ONNX Runtime on this CPU: quantship's own timing and reference
+    float_rules: tuple[FloatRule, ...] = ()  # weighted ops kept float in an integer placement
+    float_output_ops: tuple[str, ...] = ()  # weighted ops whose integer kernel can write a float result
+    requantize_before_relu: bool = False  # a Q/DQ pair before a Relu it cannot fold lets Conv/Gemm fuse
+    has_hard_sigmoid: bool = True
+    runs_lone_batch_norm: bool = True  # False: BatchNormalization runs only folded into a Conv
+    prelu_slower_than_written_out: bool = False
+    hard_swish_faster_as_one_op: bool = False
+    weight_only_form: str | None = None  # its own weight-only operator ("MatMulNBits"); None: none
+
+    @property
+    def name(self) -> str:
+        return self.target
+
+    @property
+    def wide_activation_dtype(self) -> str:
+        """The 16-bit form of the preset's activation type: uint16 beside uint8, int16 beside int8."""
+        return wide_dtype(self.activation_dtype)
+
+    @property
+    def runs_int16(self) -> bool:
+        """It accepts 16-bit activations of its preset's kind."""
+        return self.wide_activation_dtype in self.file_rules.activation_dtypes
+
+    @property
+    def runs_mixed_graphs(self) -> bool:
+        """It runs float activations between integer ones (else every activation needs a Q/DQ pair)."""
+        return "fully_quantized" not in self.file_rules.errors
+
+    @property
+    def runs_dynamic_activations(self) -> bool:
+        """It has a run-time quantization kernel (else scales must be stored in the file)."""
+        return "static_scales" not in self.file_rules.errors

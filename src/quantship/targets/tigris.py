@@ -1,0 +1,24 @@
+"""TiGrIS: a fixed-memory plan for microcontrollers; fully quantized, static batch 1, its own kernel set."""
+
+from __future__ import annotations
+
+from quantship.targets.target import ALL_QDQ, FileRules, Target
+
+TARGET = Target(
+    target="tigris",
+    spec_kwargs={"backend": "pt2e", "symmetric": True, "qscheme": "per_channel"},
+    activation_dtype="int8",
+    why="per-tensor int8 activations, fully quantized: one dtype for the whole plan",
+    dynamic_batch=False,
+    consumer="TiGrIS",
+    file_rules=FileRules(
+        (10, 26), ("int8", "uint8"), ("int8", "uint8"),
+        errors=(*ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
+                "weight_dtype", "int32_bias", "tigris_kernels"),
+        source="TiGrIS quantization guide: QDQ, static, fully quantized; uint8 restated as int8; kernel "
+               "forms measured with tigris analyze 0.12.1",
+        lsb_tolerance=4.0),
+    runner="tigris-cli",
+    has_hard_sigmoid=False,  # its operator contract has HardSwish and Clip, not HardSigmoid
+    runs_lone_batch_norm=False,  # it folds Conv -> BatchNormalization and has no kernel for one alone
+)

@@ -1,0 +1,154 @@
+"""Fidelity to FP32 judged on every quantize-onnx file, repaired by default, never shipped collapsed.
+
+The model is built to collapse: a fixed filter bank whose channels span 60 dB of gain, then power and
+log (a front-end like a constant-Q transform), then a small head. One per-tensor 8-bit scale for the bank's
+output keeps the loud channels and rounds the quiet ones to zero, which the log turns into a collapse
+(measured: output SQNR about -5 dB against FP32). The measurement must find that and the repair must
+fix it or refuse, by measurement alone: nothing here names a node.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from quantship.cli.main import main
+from quantship.errors import FidelityMissed
+from quantship.export import export_onnx
+from quantship.fidelity import DEFAULT_MIN_SQNR_DB, METADATA_KEY, Budget
+from quantship.quantize_onnx import quantize_onnx, quantize_onnx_file
+from quantship.quantize_onnx.repair import REPAIR_KEY
+
+
+class Collapsing(nn.Module):
+    def __init__(self, span_decades: float = 3.0):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.front = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+        with torch.no_grad():
+            gains = torch.logspace(0, -span_decades, 8).view(8, 1, 1, 1)
+            self.front.weight.copy_(torch.randn(8, 3, 3, 3, generator=g) * gains)
+            self.front.bias.zero_()
+            self.head.weight.copy_(torch.randn(4, 8, 1, 1, generator=g))
+
+    def forward(self, x):
+        y = self.front(x)
+        return self.head(torch.log(y * y + 1e-12)).mean((2, 3))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("collapse")
+    export_onnx(Collapsing().eval(), torch.randn(2, 3, 16, 16), d / "float.onnx", opset_version=18)
+    np.save(d / "cal.npy", np.random.default_rng(0).standard_normal((40, 3, 16, 16)).astype(np.float32))
+    return d
+
+
+def _props(path) -> dict:
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+
+
+def test_the_plain_file_collapses_and_is_measured_so(files):
+    cal = np.load(files / "cal.npy")
+    plain = quantize_onnx_file(files / "float.onnx", files / "plain.onnx", cal[:32], target="onnxruntime-cpu",
+                               fidelity_data=cal[32:], budget=Budget())
+    assert plain.fp32.status == "missed" and plain.fp32.sqnr_db < 0.0  # measured -4.7 dB
+    stored = json.loads(_props(plain.path)[METADATA_KEY])
+    assert stored["status"] == "missed" and stored["data"] == "8 sample(s) held out from calibration"
+
+
+def test_the_default_command_repairs_it(files, capsys):
+    out = files / "repaired.onnx"
+    code = main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    fid = report["fidelity_fp32"]
+    assert fid["status"] == "met" and fid["sqnr_db"] >= DEFAULT_MIN_SQNR_DB
+    steps = report["repair"]["steps"]
+    assert steps[0]["status"] == "missed" and steps[report["repair"]["chosen"]]["status"] == "met"
+    assert fid["data"].startswith("8 sample(s) held out")  # the last fifth of --calib, not calibrated on
+    props = _props(out)
+    assert json.loads(props[METADATA_KEY])["status"] == "met"
+    assert json.loads(props[REPAIR_KEY])["chosen"] == report["repair"]["chosen"]
+
+
+def test_without_repair_nothing_is_written_and_the_exit_is_1(files, capsys):
+    out = files / "refused.onnx"
+    code = main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--no-repair"])
+    captured = capsys.readouterr()
+    assert code == 1 and not out.exists()
+    assert "no file kept the fidelity budget" in captured.err and "step 0 as asked" in captured.err
+    assert not [p for p in files.iterdir() if p.name.startswith(".quantship-")]
+
+
+def test_the_api_refuses_when_no_step_keeps_the_budget(files):
+    cal = np.load(files / "cal.npy")
+    with pytest.raises(FidelityMissed) as missed:
+        quantize_onnx(files / "float.onnx", files / "api.onnx", cal[:32], target="onnxruntime-cpu",
+                      fidelity_data=cal[32:], max_steps=0)
+    assert missed.value.record["steps"][0]["status"] == "missed" and "max-steps 0" in missed.value.record["stopped"]
+    assert not (files / "api.onnx").exists()
+
+
+def test_no_fidelity_says_it_was_not_judged(files, capsys):
+    out = files / "unjudged.onnx"
+    assert main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--no-fidelity", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fidelity_fp32"]["status"] == "not judged"
+
+
+@pytest.mark.parametrize("flags, says", [(["--min-sqnr", "-3"], "dB"), (["--min-agreement", "1.5"], "fraction"),
+                                         (["--no-fidelity", "--fidelity-data", "cal.npy"], "--fidelity-data")])
+def test_bad_budgets_are_refused_before_any_work(files, capsys, flags, says):
+    out = files / "bad.onnx"
+    flags = [str(files / f) if f.endswith(".npy") else f for f in flags]
+    assert main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),
+                 *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and not out.exists()
+
+
+NET_PY = '''
+import torch
+import torch.nn as nn
+
+from tests.quantize_onnx.test_fidelity_repair import Collapsing
+
+
+def build():
+    return Collapsing().eval()
+
+
+def good():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4)).eval()
+'''
+
+
+def test_the_pytorch_path_never_writes_a_collapsed_file(files, capsys):
+    """quantize (PyTorch path): the same budget, the same loop; without repair the collapse is refused."""
+    (files / "net.py").write_text(NET_PY)
+    out = files / "torch.onnx"
+    code = main(["quantize", f"{files / 'net.py'}:build", "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--no-repair", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and not out.exists()
+    assert report["verdict"] == "fidelity_missed" and report["repair"]["steps"][0]["status"] == "missed"
+
+
+def test_the_pytorch_path_judges_a_faithful_file_and_says_so(files, capsys):
+    (files / "net.py").write_text(NET_PY)
+    out = files / "good.onnx"
+    assert main(["quantize", f"{files / 'net.py'}:good", "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--json"]) == 0
+    fid = json.loads(capsys.readouterr().out)["fidelity_fp32"]
+    assert fid["status"] == "met" and fid["sqnr_db"] > 30.0 and "held out from calibration" in fid["data"]
+    assert json.loads(_props(out)[METADATA_KEY])["status"] == "met"
