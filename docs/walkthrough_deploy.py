@@ -34,7 +34,7 @@ def main(out_dir: Path) -> None:
         stats = qdq_stats(int8)
         print(f"file: {int8.name}, {stats.n_uint8} uint8 Q/DQ, {stats.n_nonzero_zero_point} non-zero zero-points")
         report = check_file(int8, p, run=True)
-        print(f"check {p.target}: {'accepted' if report.ok else 'REFUSED'}")
+        print(f"check {p.target}: {report.verdict if report.ok else 'REFUSED'}")  # "not run" where it cannot run here
         for finding in report.findings:
             print(f"  [{finding.severity}] {finding.rule}: {finding.message}")
         for consumer_run in report.runs:

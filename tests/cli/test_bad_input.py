@@ -128,6 +128,8 @@ CASES = [
     ("truncated .npy", ["quantize", "BUILD", "--calib", "TRUNC", "--out", "OUT/q.onnx"], "empty or truncated"),
     ("zero samples", ["quantize", "BUILD", "--calib", "ZERO", "--out", "OUT/q.onnx"], "is empty"),
     ("factory raises", ["quantize", "BOOM", "--calib", "CAL", "--out", "OUT/q.onnx"], "raised RuntimeError: factory exploded"),
+    ("sensitivity of a PyTorch model without data", ["sensitivity", "BUILD", "--out-dir", "OUT/report"],
+     "--calib DATA is required for a PyTorch model"),
     ("batch -5", ["quantize", "BUILD", "--calib", "CAL", "--out", "OUT/q.onnx", "--batch-size", "-5"], "positive integer"),
     ("model vs data mismatch", ["quantize", "BUILD", "--calib", "WRONG", "--out", "OUT/q.onnx"], "cannot run on a calibration batch"),
     ("quantize --out dir", ["quantize", "BUILD", "--calib", "CAL", "--out", "OUT/EXISTING_DIR"], "is a directory"),

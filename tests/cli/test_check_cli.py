@@ -121,7 +121,7 @@ def test_check_run_on_real_inputs_npy_npz_and_image_folder(small_files, tmp_path
 @pytest.mark.parametrize("argv, message", [
     (["--inputs", "X"], "add --run"),
     (["--run", "--inputs", "missing.npy"], "does not exist"),
-    (["--run", "--inputs", "WRONG"], "do not fit"),
+    (["--run", "--inputs", "WRONG"], "dimension 2 is 16, not 32"),
     (["--run", "--n", "0"], "must be a positive integer"),
 ])
 def test_check_inputs_bad_input_exit_2(small_files, tmp_path, capsys, monkeypatch, argv, message):

@@ -170,7 +170,9 @@ def test_check_report_verdict_precedence_and_summary():
     assert report(runs=[_run("failed", 3.0), _run("inconclusive")]).verdict == "failed"
     not_run = _run("not run")
     not_run = type(not_run)(**{**not_run.as_dict(), "ran": False})
-    assert report(runs=[not_run]).verdict == "accepted"  # a consumer absent here leaves the static verdict
+    absent = report(runs=[not_run])  # a consumer absent here: never "accepted", the reason in the summary
+    assert absent.verdict == "not run" and absent.ok and absent.as_dict()["verdict"] == "not run"
+    assert absent.summary().startswith("not run (OpenVINO: ") and "the rules accept the file" in absent.summary()
     assert report(runs=[failed.runs[0]]).as_dict()["verdict"] == "failed"
 
 

@@ -73,6 +73,23 @@ def test_agreement_on_the_held_out_split(task):
     assert error.max_lsb <= 2.0 + 1e-4 and error.n_values == 3600
 
 
+def test_the_probe_may_be_a_tensor_an_array_a_list_of_batches_or_nothing(task):
+    """A list of batches ended in AttributeError, a numpy array in a torch-internal RuntimeError (issue 38):
+    every form is read by the one loader, and gives the tensor's figures."""
+    split, _, quantized, path = task
+    probe = split.x_test[:2 * BATCH]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FusedKernelDrift)
+        tensor = verify_qdq(quantized, path, probe, n_batches=2)
+        array = verify_qdq(quantized, path, probe.numpy(), n_batches=2)
+        batches = verify_qdq(quantized, path, [probe[:BATCH], probe[BATCH:].numpy()])
+        keyed = verify_qdq(quantized, path, [{"x": probe[:BATCH]}, {"x": probe[BATCH:]}])
+        generated = verify_qdq(quantized, path)
+    assert float(tensor) == float(array) == float(batches) == float(keyed)
+    assert tensor.readings.literal_lsb == batches.readings.literal_lsb
+    assert generated.readings.n_values > 0 and generated.readings.literal_lsb is not None
+
+
 def test_unequal_batches_are_refused(task):
     split, _, quantized, path = task
     with pytest.raises(ValueError, match="divisors of 360"):

@@ -71,7 +71,7 @@ def files(tmp_path_factory):
     onnx.save_model(onnx.load(str(float_path)), str(d / "external.onnx"), save_as_external_data=True,
                     location="external.data", size_threshold=0)
     graphs.save(graphs.integer_ids(), d / "ids.onnx")
-    np.save(d / "ids_float.npy", np.zeros((6, 5), np.float32))
+    np.save(d / "ids_float.npy", np.full((6, 5), 2.5, np.float32))  # fractions: no exact int cast
     np.save(d / "rank3.npy", np.zeros((4, 3, 8), np.float32))
     room = available_bytes()
     if room is not None:  # as large as all the memory available now: MODEL_COPIES of it cannot fit
@@ -83,7 +83,7 @@ CASES = [
     ("already quantized", "quantize-onnx", "int8.onnx", "cal.npy", "already quantized"),
     ("external data", "quantize-onnx", "external.onnx", "cal.npy", "external data"),
     ("larger than memory", "quantize-onnx", "huge.onnx", "cal.npy", "MemAvailable"),
-    ("float data for an int32 input", "quantize-onnx", "ids.onnx", "ids_float.npy", "int32"),
+    ("fractions for an int32 input", "quantize-onnx", "ids.onnx", "ids_float.npy", "with a fraction"),
     ("wrong rank", "quantize-onnx", "float.onnx", "rank3.npy", "rank 4"),
     ("sensitivity on a quantized file", "sensitivity", "int8.onnx", "cal.npy", "already quantized"),
     ("sensitivity, larger than memory", "sensitivity", "huge.onnx", "cal.npy", "MemAvailable"),

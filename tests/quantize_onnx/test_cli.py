@@ -19,7 +19,7 @@ def files(tmp_path_factory):
     ids_path = graphs.save(graphs.integer_ids(), d / "ids.onnx")
     np.save(d / "cal.npy", graphs.images(5))  # fewer samples than the default --batch-size 8
     np.save(d / "ids.npy", np.random.default_rng(0).integers(0, 257, (6, 5)).astype(np.int32))
-    np.save(d / "ids_float.npy", np.zeros((6, 5), np.float32))
+    np.save(d / "ids_float.npy", np.full((6, 5), 2.5, np.float32))  # fractions: no exact int cast
     np.save(d / "rank3.npy", np.zeros((4, 3, 8), np.float32))
     np.savez(d / "named.npz", ids=np.load(d / "ids.npy"))
     assert main(["quantize-onnx", str(float_path), "--calib", str(d / "cal.npy"), "--out", str(d / "int8.onnx"),
@@ -66,7 +66,7 @@ def test_engine_ort_still_runs_onnx_runtime_s_quantizer(files, tmp_path):
 BAD = [
     ("already quantized", ["quantize-onnx", "INT8", "--calib", "CAL", "--out", "OUT"], "already quantized"),
     ("external data", ["quantize-onnx", "EXTERNAL", "--calib", "CAL", "--out", "OUT"], "external data"),
-    ("float data for an int32 input", ["quantize-onnx", "IDS", "--calib", "IDS_FLOAT", "--out", "OUT"], "int32"),
+    ("fractions for an int32 input", ["quantize-onnx", "IDS", "--calib", "IDS_FLOAT", "--out", "OUT"], "with a fraction"),
     ("wrong rank", ["quantize-onnx", "FLOAT", "--calib", "RANK3", "--out", "OUT"], "rank 4"),
     ("unknown exclude", ["quantize-onnx", "FLOAT", "--calib", "CAL", "--out", "OUT", "--exclude", "conv9"],
      "matches no node"),

@@ -18,12 +18,12 @@ from onnx import TensorProto, helper
 from quantship.cli.main import main
 from quantship.examples.detection import Batched, detections, export_float, tiny_ssd
 from quantship.inspect.read.facts import read_file
+from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.islands import Op, detection_postprocess
 from quantship.inspect.read.quantization import op_record
 from quantship.inspect.run.consumers import ort_session
 from quantship.inspect.run.detections import match_detections
 from quantship.quantize_onnx import quantize_onnx_file
-from quantship.quantize_onnx.data import as_feeds, model_inputs
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare
 
 SIZE = 64

@@ -15,9 +15,10 @@ import pytest
 from onnx import numpy_helper
 
 from quantship.cli.main import main
+from quantship.inspect.read.feeds import generated
 from quantship.inspect.run.consumers import ort_optimized_ops, ort_session
 from quantship.quantize_onnx.dynamic import ACTIVATIONS_KEY, WEIGHTS_KEY
-from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file, seeded_feeds
+from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file
 from tests.quantize_onnx import graphs
 
 WEIGHTED = ("proj_q", "proj_k", "proj_v", "proj_o", "ffn_in", "ffn_out", "head")
@@ -43,7 +44,7 @@ def test_every_weight_matmul_runs_as_a_fused_integer_kernel_and_nothing_else_is_
     assert ops["MatMul"] + ops["FusedMatMul"] == 2  # q @ k^T and p @ v stay float
     assert result.census["n_integer"] == len(WEIGHTED) and result.n_matmul_gemm == len(WEIGHTED) + 2
     assert set(result.plan.kept_float) == {"scores", "context"}
-    assert result.verdict.verdict == "accepted" and result.inputs == "seeded random"
+    assert result.verdict.verdict == "accepted" and result.inputs == "generated"
 
 
 def test_the_file_is_close_to_the_float_file_in_both_readings(written):
@@ -104,7 +105,7 @@ def test_the_command_writes_it_without_calibration_data(written, tmp_path, capsy
     assert main(["quantize-onnx", str(float_path), "--out", str(out), "--activations", "dynamic", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["activations"] == "dynamic" and report["census"]["n_integer"] == len(WEIGHTED)
-    assert report["verdict"] == "accepted" and report["inputs"] == "seeded random" and out.is_file()
+    assert report["verdict"] == "accepted" and report["inputs"] == "generated" and out.is_file()
 
 
 def test_given_data_is_what_the_file_is_read_on(written, tmp_path, capsys):
@@ -170,6 +171,6 @@ def test_an_embedding_table_is_stored_int8_and_its_gathered_rows_dequantized(tmp
     got = ort_session(result.path, optimized=True).run(None, {"ids": ids})[0]
     assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max() and result.census["n_integer"] == 1
     assert result.inputs == "given"
-    seeded = seeded_feeds(onnx.load(str(float_path)))  # without data: ids drawn below the table's row count
+    seeded = generated(onnx.load(str(float_path))).batches  # without data: ids drawn below the table's row count
     drawn = np.concatenate([f["ids"] for f in seeded])
     assert drawn.dtype == np.int64 and 0 <= drawn.min() and drawn.max() < 1000 and len(np.unique(drawn)) > 1

@@ -1,9 +1,10 @@
 """``quantship check FILE --target X [--run [--inputs DATA]] [--json]``: will the target accept the file?
 
-The verdict: ``accepted``; ``refused`` (the target's rules refuse the file; the findings say why
+The verdict: ``accepted``; ``not run`` (the rules accept the file, but the consumer asked for with
+``--run`` cannot run here: the run line says why); ``refused`` (the target's rules refuse the file; the findings say why
 and how to fix it); ``failed`` (the consumer ran the file beyond its tolerance, or could not
 load/compile/run it); ``inconclusive`` (the run cannot tell, e.g. the reference output is the
-same for every input: pass real inputs). Exit code 0: accepted; 1: refused, failed or
+same for every input: pass real inputs). Exit code 0: accepted or not run; 1: refused, failed or
 inconclusive; 2: the file cannot be read or the arguments are wrong (one line on stderr).
 """
 
@@ -25,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def exit_code(report) -> int:
-    """0 when the target accepts the file, 1 for any other verdict (refused, failed, inconclusive)."""
+    """0 when nothing speaks against the file (accepted, or not run: the verdict says which), 1 for refused,
+    failed or inconclusive."""
     return 0 if report.ok else 1
 
 
@@ -40,14 +42,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--n {args.n}: a run needs at least one input batch")
     if args.inputs and not args.run:
         raise UsageError("--inputs feeds the consumer's run: add --run")
-    real = inputs.read(args, limit=args.n * 64)
+    real = inputs.read(args, args.file, limit=args.n * 64)
     target = targets.get(args.target)  # the one look-up: an alias resolves here
     report = check_file(args.file, target, run=args.run, n_inputs=args.n, inputs=real)
     if args.json:
         common.emit_json(args.command, report.as_dict())
         return exit_code(report)
     console = Console(highlight=False, soft_wrap=True)  # one line per finding: greppable
-    colour = {"accepted": "green", "inconclusive": "yellow"}.get(report.verdict, "red")
+    colour = {"accepted": "green", "inconclusive": "yellow", "not run": "yellow"}.get(report.verdict, "red")
     console.print(f"{report.path}: {report.format} file, {target.consumer}: "
                   f"[{colour}]{report.summary()}[/]")
     for finding in report.findings:

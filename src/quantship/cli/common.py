@@ -94,7 +94,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, hf: bool = False) ->
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, required: bool = True, help: str | None = None) -> None:
     """``--calib`` and how it is read; ``required=False``: the command checks it itself (a mode that needs none)."""
     parser.add_argument("--calib", required=required, metavar="DATA",
-                        help=help or ".npy/.npz array (N x C x H x W) or a folder of images")
+                        help=help or ".npy/.npz array (N x C x H x W) or a folder of images; an ONNX model: .npy "
+                                     "(one input), .npz keyed by the file's input names, or images")
     parser.add_argument("--key", help="array name inside a .npz file")
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="calibration batch size: how the data is fed, not the batch the file serves")
@@ -112,8 +113,8 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def preprocessing(args: argparse.Namespace):
     """How image folders become model input (``--resize/--crop/--mean/--std``)."""
-    # cli.sources imports numpy: loaded when data is read, so --help answers at once
-    from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+    # the loader imports numpy and onnx: loaded when data is read, so --help answers at once
+    from quantship.inspect.read.feeds import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
     return Preprocessing(resize=args.resize, crop=args.crop, mean=tuple(args.mean or IMAGENET_MEAN),
                          std=tuple(args.std or IMAGENET_STD))

@@ -86,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "MatMul/Gemm's activation quantized at run time (the batch-1 transformer form; Convs "
                              "stay float; data-free: --calib optional, the file is then read on seeded inputs)")
     common.add_calibration_arguments(parser, required=False,
-                                     help=".npy/.npz array (N x C x H x W) or a folder of images (required unless "
-                                          "--activations dynamic)")
+                                     help=".npy (one input), .npz keyed by the file's input names, or a folder of "
+                                          "images; each input in its declared dtype (required unless --activations "
+                                          "dynamic)")
     fidelity_cli.add_arguments(parser)
     speed_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
@@ -165,25 +166,13 @@ def check_memory(path: str, feeds=()) -> None:
 
 
 def read_feeds(args: argparse.Namespace, inputs):
-    """Checked calibration batches for the file's inputs (``.npy``/``.npz`` or an image folder)."""
-    from pathlib import Path
-
+    """Checked calibration batches for the file's inputs (``feeds.read_data``: the one loader)."""
     # late: `quantize-onnx --help` answers before onnx and numpy load
-    from quantship.errors import DataRefused
-    from quantship.quantize_onnx.data import feeds, read_arrays
+    from quantship.inspect.read.feeds import cut, read_data
 
-    source = Path(args.calib)
-    if source.is_dir():
-        from quantship.cli.sources import load_images  # late: Pillow and torchvision's transforms
-
-        if len(inputs) != 1 or inputs[0].dtype.kind != "f" or len(inputs[0].dims) != 4:
-            raise DataRefused(f"--calib {args.calib} is an image folder, but the file's inputs are "
-                              f"{[f'{i.name}: {i.describe()}' for i in inputs]}; image folders feed one N x C x H x W "
-                              "float input: give a .npz keyed by input name")
-        arrays = {inputs[0].name: load_images(args.calib, common.preprocessing(args), args.max_samples)}
-    else:
-        arrays = read_arrays(args.calib, inputs, args.key)
-    return feeds(inputs, arrays, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib)
+    arrays = read_data(args.calib, inputs, key=args.key, preprocessing=common.preprocessing(args),
+                       limit=args.max_samples, what="--calib")
+    return cut(inputs, arrays, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib)
 
 
 def read_feeds_held_out(args: argparse.Namespace, inputs):
@@ -191,27 +180,29 @@ def read_feeds_held_out(args: argparse.Namespace, inputs):
     ``fidelity.split_held_out``) and a line saying which."""
     from pathlib import Path
 
-    from quantship.quantize_onnx.data import feeds, read_arrays  # late: --help answers before numpy loads
+    # late: --help answers before numpy loads; the one loader (``inspect.read.feeds``)
+    from quantship.inspect.read.feeds import cut, read_data
 
     if args.fidelity_data:
-        held = read_arrays(args.fidelity_data, inputs, args.key)
-        return (read_feeds(args, inputs), feeds(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
-                                                source=args.fidelity_data), f"--fidelity-data {args.fidelity_data}")
+        held = read_data(args.fidelity_data, inputs, key=args.key, preprocessing=common.preprocessing(args),
+                         what="--fidelity-data")
+        return (read_feeds(args, inputs), cut(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
+                                              source=args.fidelity_data), f"--fidelity-data {args.fidelity_data}")
     if Path(args.calib).is_dir() or args.no_fidelity:
         return read_feeds(args, inputs), None, "none held out"
-    arrays = read_arrays(args.calib, inputs, args.key)
+    arrays = read_data(args.calib, inputs, key=args.key, what="--calib")
     fixed = {i.dims[0] for i in inputs if i.dims and isinstance(i.dims[0], int)}
     calib, held, said = fidelity_cli.split_held_out(arrays, args.max_samples, max(fixed) if len(fixed) == 1 else 1)
-    held_batches = None if held is None else feeds(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
-                                                   source=args.calib)
-    return feeds(inputs, calib, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib), \
+    held_batches = None if held is None else cut(inputs, held, batch_size=args.batch_size, max_samples=1 << 30,
+                                                 source=args.calib)
+    return cut(inputs, calib, batch_size=args.batch_size, max_samples=args.max_samples, source=args.calib), \
         held_batches, said
 
 
 def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
+    from quantship.inspect.read.feeds import model_inputs
     from quantship.inspect.read.loading import file_size, load_onnx
-    from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import placement_for, refuse_unusable
 
     ui = common.Output(args)
@@ -342,8 +333,8 @@ def _run_dynamic(args: argparse.Namespace, out) -> int:
     """``--activations dynamic``: the data is read here (optional), the rest is ``quantize_onnx_dynamic``'s."""
     # late: --help answers before onnx, onnxruntime and numpy load
     from quantship.cli import quantize_onnx_dynamic as dynamic
+    from quantship.inspect.read.feeds import model_inputs
     from quantship.inspect.read.loading import load_onnx
-    from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import refuse_unusable
 
     check_memory(args.float_model)

@@ -2,7 +2,7 @@
 
 Int8 per-column weights stored in the file, each MatMul/Gemm's activation quantized at run time, nothing
 else quantized: the form ONNX Runtime serves a transformer fastest in at batch 1. Data-free: ``--calib``
-is optional and only chooses what the file is read on (else seeded random inputs). Options that shape
+is optional and only chooses what the file is read on (else generated inputs). Options that shape
 static activations (calibration algorithms, 16-bit activations, observers) and targets without a run-time
 quantization kernel are refused in one line before anything is read.
 """
@@ -38,12 +38,12 @@ def refuse_combinations(args: argparse.Namespace) -> None:
 
 
 def quantize(args: argparse.Namespace, out, batches):
-    """Write the dynamic file (``batches``: the --calib feeds it is read on, or None: seeded inputs)."""
+    """Write the dynamic file (``batches``: the --calib feeds it is read on, or None: generated inputs)."""
     from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file  # late: loads onnxruntime
 
     common.Output(args).say("quantizing with quantship: dynamic activations (quantized at run time), int8 "
                             f"{'per-tensor' if args.per_tensor else 'per-column'} weights; read on "
-                            + ("the --calib data" if batches else "seeded random inputs (no --calib)"))
+                            + ("the --calib data" if batches else "inputs generated per input dtype and range (no --calib)"))
     return quantize_dynamic_file(args.float_model, out, batches, target=args.target, exclude=args.exclude,
                                  per_tensor=args.per_tensor, wait=not args.no_wait)
 

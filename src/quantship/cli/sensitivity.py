@@ -22,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=3, help="how many of the worst layers to suggest excluding")
     common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset to quantize with")
     options.add_quantizer_arguments(parser)
-    common.add_calibration_arguments(parser)
+    common.add_calibration_arguments(parser, required=False,
+                                     help="a PyTorch model: .npy/.npz array (N x C x H x W) or a folder of images "
+                                          "(required); an ONNX model: .npy (one input), .npz keyed by the file's input "
+                                          "names, or images (default: seeded data generated per input)")
     common.add_output_arguments(parser)
 
 
@@ -75,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out-dir {args.out_dir} is a file; give a folder")
     if args.model.lower().endswith(".onnx"):
         return _run_onnx(args, ui, out_dir)
+    if not args.calib:
+        raise UsageError("--calib DATA is required for a PyTorch model (an ONNX model can do without: its data is "
+                         "then generated from the file's declared inputs)")
     config = options.read_config(args.config)
     overrides = options.quantizer_options(args, config)
     overrides.pop("max_accuracy_drop", None)
@@ -120,8 +126,8 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     # imported when the command runs (onnx, onnxruntime, torch behind these), so --help answers at once
     from quantship import __version__
     from quantship.cli.quantize_onnx import check_memory, read_feeds
+    from quantship.inspect.read.feeds import generated, model_inputs
     from quantship.inspect.read.loading import load_onnx
-    from quantship.quantize_onnx.data import model_inputs
     from quantship.quantize_onnx.quantizer import refuse_unusable
     from quantship.quantize_onnx.sensitivity import node_sqnr
 
@@ -135,11 +141,16 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     check_memory(args.model)
     model = load_onnx(args.model)
     refuse_unusable(model, args.model)
-    inputs = model_inputs(model)
+    inputs = model_inputs(model, args.model)
+    if args.calib:
+        batches, data = read_feeds(args, inputs), f"--calib {args.calib}"
+    else:
+        fed = generated(model, inputs=inputs)
+        batches, data = fed.batches, f"data {fed.describe()}: no --calib given"
     del model
-    batches = read_feeds(args, inputs)
     check_memory(args.model, batches)
-    ui.say(f"sensitivity: quantizing {args.model} for {target.target}, then every quantized node's output vs float")
+    ui.say(f"sensitivity: quantizing {args.model} for {target.target} on {data}, then every quantized node's "
+           "output vs float")
     report = node_sqnr(args.model, batches, target=target, exclude=args.exclude or (), observer=args.observer,
                        smooth_quant=args.smooth_quant)
     suggested = report.suggest_exclude(args.k)
@@ -147,7 +158,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     png = report.plot(out_dir / "sensitivity.png", worst=args.k)
     worst = set(suggested)
     rows = [(r.order, r.node, r.op, r.tensor, f"{r.sqnr_db:.1f}", r.node in worst) for r in report.rows]
-    summary = (f"{args.model}, {target.target} preset, {report.n_samples} calibration sample(s), read in ONNX "
+    summary = (f"{args.model}, {target.target} preset, {report.n_samples} calibration sample(s) ({data}), read in ONNX "
                f"Runtime; each figure is the error accumulated up to that node (not the node's alone); model "
                f"output SQNR {report.output_sqnr_db:.1f} dB")
     html_path = out_dir / "sensitivity.html"
@@ -155,12 +166,13 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
                                      summary, command=f"quantship quantize-onnx {args.model}",
                                      headers=ONNX_HEADERS), encoding="utf-8")
     result = {"version": __version__, "command": "sensitivity", "model": args.model, "target": target.target,
-              "engine": "quantize_onnx", "report": report.as_dict(), "suggested_exclude": suggested,
+              "engine": "quantize_onnx", "data": data, "report": report.as_dict(), "suggested_exclude": suggested,
               "png": str(png), "html": str(html_path)}
     if ui.json:
         ui.report(result, [])
         return 0
     print(report.to_markdown(worst=args.k))
-    print(f"\nsuggested: quantship quantize-onnx {args.model} --exclude {' '.join(suggested)}")
+    print(f"\ncalibration: {data}")
+    print(f"suggested: quantship quantize-onnx {args.model} --exclude {' '.join(suggested)}")
     print(f"wrote {png} and {html_path}")
     return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,14 @@ from quantship import calibration
 from quantship.cli.usage import UsageError
 from quantship.errors import DataRefused, cause, one_line
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+# the one loader's image folders (its preprocessing, its reader), re-exported for the PyTorch path
+from quantship.inspect.read.feeds import (  # noqa: F401
+    IMAGE_SUFFIXES,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Preprocessing,
+    load_images,
+)
 
 
 def load_model(spec: str, weights: str | None = None, *, trust_pickle: bool = False):
@@ -152,19 +156,6 @@ def load_weights(model, spec: str, weights: str, *, trust_pickle: bool = False):
     return model
 
 
-@dataclass(frozen=True)
-class Preprocessing:
-    """How a folder of images becomes model input."""
-
-    resize: int = 256
-    crop: int = 224
-    mean: tuple[float, ...] = IMAGENET_MEAN
-    std: tuple[float, ...] = IMAGENET_STD
-
-    def describe(self) -> str:
-        return f"resize {self.resize}, centre crop {self.crop}, normalise mean {self.mean} std {self.std}"
-
-
 def load_array(path: str, key: str | None = None) -> np.ndarray:
     """An N x C x H x W float32 array from ``.npy``/``.npz`` or a folder of images."""
     p = Path(path)
@@ -215,34 +206,6 @@ def check_images(array: np.ndarray, source: str) -> np.ndarray:
         raise DataRefused(f"calibration data {source} holds {int((~finite).sum())} NaN or infinite value(s), "
                           f"the first at index {where}; clean the data (or fix --mean/--std) first")
     return array
-
-
-def load_images(folder: str, prep: Preprocessing, limit: int) -> np.ndarray:
-    """Up to ``limit`` images from a folder, preprocessed as ``prep`` states."""
-    from PIL import Image
-
-    files = sorted(f for f in Path(folder).rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise UsageError(f"folder {folder} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    mean = np.array(prep.mean, dtype=np.float32).reshape(3, 1, 1)
-    std = np.array(prep.std, dtype=np.float32).reshape(3, 1, 1)
-    out = []
-    for f in files[:limit]:
-        try:
-            img = Image.open(f).convert("RGB")
-        except OSError as exc:
-            raise UsageError(f"cannot read image {f}: {exc}") from None
-        w, h = img.size
-        scale = prep.resize / min(w, h)
-        img = img.resize((max(prep.crop, round(w * scale)), max(prep.crop, round(h * scale))), Image.BILINEAR)
-        w, h = img.size
-        left, top = (w - prep.crop) // 2, (h - prep.crop) // 2
-        img = img.crop((left, top, left + prep.crop, top + prep.crop))
-        arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1) / 255.0
-        out.append((arr - mean) / std)
-    # numpy keeps the HWC layout of each image through the transpose and the stack: a channels-last
-    # array (and a different exported graph); the model input is N x C x H x W in C order
-    return np.ascontiguousarray(np.stack(out))
 
 
 def calibration_batches(array: np.ndarray, batch_size: int, max_samples: int, *,

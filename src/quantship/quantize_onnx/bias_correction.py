@@ -30,10 +30,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quantship.inspect.read.feeds import Feed
 from quantship.quantize import bias_correction as shared
 from quantship.quantize.bias_correction import BiasCorrection, ChannelMeans, corrected_bias, layer_depths
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo, exposing_session
-from quantship.quantize_onnx.data import Feed
 from quantship.quantize_onnx.normalize import fresh_initializer
 
 SAMPLES = shared.SAMPLES  # calibration samples the shift is measured on (one figure for both paths)

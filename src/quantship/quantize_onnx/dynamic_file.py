@@ -6,7 +6,7 @@ planned, one DequantizeLinear per int8 table read, stored weights within their b
 Runtime readings (literal: the DynamicQuantizeLinear/MatMulInteger arithmetic as written; fused: the
 kernels a user's session runs), the census of what ONNX Runtime runs and ``check --run``. A dynamic file
 has no static output scale, so its error is read against the float file as max abs error and SQNR, never
-in LSB. The readings run on the given inputs, or on seeded random ones (``seeded_feeds``).
+in LSB. The readings run on the given inputs, or on generated ones (``feeds.generated``: each input's dtype and range).
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from quantship.export.postconditions import check_target
 from quantship.fidelity import sqnr_db as energy_sqnr_db
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.read.facts import read_file
-from quantship.inspect.read.inputs import graph_inputs
+from quantship.inspect.read.feeds import as_feeds, generated, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.quantize_onnx import dynamic, selection
-from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.quantizer import (
     ENGINE,
@@ -55,7 +54,6 @@ from quantship.quantize_onnx.quantizer import (
     refuse_unusable,
 )
 
-SEEDED_FEEDS = 8  # seeded random feeds (batch 1 each) the file is read on when no inputs are given
 RUN_TIME_DTYPE = "uint8"  # what DynamicQuantizeLinear writes
 
 
@@ -74,7 +72,7 @@ class DynamicQuantizeResult:
     census: dict  # what ONNX Runtime's optimized graph runs
     n_matmul_gemm: int  # MatMul/Gemm nodes in the (normalised) float file
     verdict: Any  # inspect.judge.check.CheckReport
-    inputs: str  # "given" or "seeded random": what the readings ran on
+    inputs: str  # "given" or "generated" (feeds.generated): what the readings ran on
     excluded: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -94,33 +92,6 @@ def refuse_target(target: Any):
         raise SpecRefused(f"--activations dynamic: target {p.target} needs static scales stored in the file (no "
                           "run-time quantization kernel); use --activations static, or --target onnxruntime-cpu")
     return p
-
-
-def seeded_feeds(model: onnx.ModelProto, n: int = SEEDED_FEEDS, seed: int = 0) -> list[Feed]:
-    """``n`` seeded feeds of batch 1 (every dynamic dim 1): standard normal for a float input; for an integer
-    input, ids below the row count of the smallest stored table a Gather reads with it (0 if none does)."""
-    rng = np.random.default_rng(seed)
-    stored = {t.name: t for t in model.graph.initializer}
-    rows: dict[str, int] = {}
-    for node in model.graph.node:
-        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in stored:
-            table = stored[node.input[0]]
-            if table.dims:
-                rows[node.input[1]] = min(rows.get(node.input[1], table.dims[0]), table.dims[0])
-    specs = model_inputs(model)
-    feeds = []
-    for _ in range(n):
-        feed = {}
-        for spec in specs:
-            shape = [d or 1 for d in spec.dims]
-            if spec.dtype.kind == "f":
-                feed[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-            elif spec.dtype.kind in "iu":
-                feed[spec.name] = rng.integers(0, max(rows.get(spec.name, 1), 1), shape).astype(spec.dtype)
-            else:
-                feed[spec.name] = np.zeros(shape, spec.dtype)
-        feeds.append(feed)
-    return feeds
 
 
 def sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
@@ -166,7 +137,7 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     """Write ``float_path`` in the dynamic-activation form at ``out_path`` and verify it.
 
     ``inputs``: optional data the file is read on (``quantize_onnx_file``'s calibration grammar); without
-    it, ``seeded_feeds``. ``exclude``: nodes kept float (``--exclude``'s grammar). ``per_tensor``: one weight
+    it, ``feeds.generated``. ``exclude``: nodes kept float (``--exclude``'s grammar). ``per_tensor``: one weight
     scale per tensor instead of one per output column. Refusals raise a ``QuantshipError``, writing nothing.
     """
     p = refuse_target(target)
@@ -179,12 +150,12 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
     refuse_unusable(proto, float_path)
     float_outputs = [o.name for o in proto.graph.output]
     given = inputs is not None
-    feeds = as_feeds(inputs, model_inputs(proto)) if given else seeded_feeds(proto)
+    feeds = as_feeds(inputs, model_inputs(proto)) if given else generated(proto).batches
     read_on = first_feeds(feeds, READING_SAMPLES)
     try:
         reference = _run(_session(proto, optimized=True), read_on)
     except Exception as exc:  # ORT's own exception types
-        where = "the given inputs" if given else "seeded random inputs (batch 1, every dynamic dim 1)"
+        where = "the given inputs" if given else "generated inputs (batch 1, every dynamic dim 1)"
         raise ExportRefused(f"the float file does not run in ONNX Runtime on {where}: {cause(exc)}"
                             + ("" if given else "; give --calib DATA with real inputs")) from exc
     model = ir.from_proto(proto)
@@ -224,12 +195,10 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
         sqnr = {name: {"literal": sqnr_db(reference[k], literal[k]), "fused": sqnr_db(reference[k], fused[k])}
                 for k, name in enumerate(names) if reference[k].dtype.kind == "f"}
         kernels = census(staged)
-        single = len(graph_inputs(onnx.load(str(staged), load_external_data=False))) == 1
-        run_inputs = np.concatenate([next(iter(f.values())) for f in read_on]) if single else None
-        verdict = check_file(staged, p, run=run_check and run_inputs is not None, inputs=run_inputs)
+        verdict = check_file(staged, p, run=run_check, inputs=read_on)
         verdict.path = str(Path(out_path).expanduser().resolve())
     skipped = sorted(selection.node_label(nodes[i], i) for i in excluded)
     return DynamicQuantizeResult(Path(out_path).expanduser().resolve(), p.target, records, plan, weights, readings,
-                                 fidelity, sqnr, kernels, n_matmul_gemm, verdict, "given" if given else "seeded random",
+                                 fidelity, sqnr, kernels, n_matmul_gemm, verdict, "given" if given else "generated",
                                  skipped)
 

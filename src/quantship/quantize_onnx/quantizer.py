@@ -33,6 +33,7 @@ from quantship.fidelity import measure as measure_fidelity
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.judge.reference import SOURCE_KEY, source_record
 from quantship.inspect.read.facts import read_file
+from quantship.inspect.read.feeds import Feed, as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import fidelity_reading, ort_optimized_ops, ort_session
@@ -44,7 +45,6 @@ from quantship.quantize_onnx import calibrate, normalize, place, rounding, selec
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
-from quantship.quantize_onnx.data import Feed, as_feeds, model_inputs
 from quantship.quantize_onnx.memory import refuse_if_too_large
 from quantship.quantize_onnx.roles import Placement
 from quantship.targets import Target
@@ -458,9 +458,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                                  (read_on, reference, literal, fused), budget)
         add_file_metadata(staged, {FIDELITY_KEY: fp32.metadata()})
         kernels = census(staged)
-        run_inputs = np.concatenate([f[inputs[0].name] for f in read_on]) if len(inputs) == 1 else None
-        verdict = check_file(staged, p, run=run_check and run_inputs is not None,
-                             inputs=run_inputs)
+        verdict = check_file(staged, p, run=run_check, inputs=read_on)
         verdict.path = str(Path(out_path).expanduser().resolve())
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 
+from quantship.inspect.read.feeds import Feed
 from quantship.quantize import weight_rounding as rounding_math
 from quantship.quantize_onnx import weight_layers
 from quantship.quantize_onnx.calibrate import TensorInfo
-from quantship.quantize_onnx.data import Feed
 
 SAMPLES = weight_layers.SAMPLES  # calibration samples each layer is fitted on
 

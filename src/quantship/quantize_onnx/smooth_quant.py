@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from quantship.inspect.read.feeds import Feed
 from quantship.quantize.smooth_quant import MIN_RANGE, check_alpha
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, exposing_session
-from quantship.quantize_onnx.data import Feed
 from quantship.quantize_onnx.normalize import DEFAULT_DOMAINS, Pass, fresh_initializer
 
 MAX_WALK = 4  # ops crossed back from the activation to the op that takes 1 / s

@@ -43,10 +43,10 @@ import onnx
 from quantship import targets
 from quantship.errors import ExportRefused, SpecRefused, one_line
 from quantship.export import artifact, speed_gate
+from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
 from quantship.progress import step as progress_step
-from quantship.quantize_onnx.data import as_feeds, model_inputs
 from quantship.quantize_onnx.quantizer import (
     OnnxQuantizeResult,
     feeds_for,

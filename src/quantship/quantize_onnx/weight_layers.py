@@ -25,10 +25,10 @@ import onnx_ir as ir
 import torch
 import torch.nn.functional as F
 
+from quantship.inspect.read.feeds import Feed
 from quantship.quantize import weight_rounding as rounding_math
 from quantship.quantize_onnx.bias_correction import assign_depths, reference_name, subgraph_session
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
-from quantship.quantize_onnx.data import Feed
 
 SAMPLES = 64  # calibration samples each layer is fitted on (the leading batches)
 CHECK_TOLERANCE = 1e-3  # torch reading vs ONNX Runtime's, relative to the output's largest magnitude

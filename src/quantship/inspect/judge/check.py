@@ -22,6 +22,7 @@ from quantship.targets import Target
 
 REPORT_VERSION = 1  # "verdict" and each run's "status" were added as new keys (readers of v1 keep working)
 ACCEPTED, REFUSED, FAILED, INCONCLUSIVE = "accepted", "refused", "failed", "inconclusive"
+NOT_RUN = consumer_runs.NOT_RUN  # a run was asked for and none could run here: never "accepted"
 _SHOWN = 6  # offenders quoted in a message; the full list is in ``offending``
 
 
@@ -59,10 +60,13 @@ class CheckReport:
     def verdict(self) -> str:
         """``refused``: the target's rules refuse the file (static); ``failed``: the consumer ran it
         beyond its tolerance, or could not load/compile/run it; ``inconclusive``: the run could not
-        tell (e.g. a constant reference output); ``accepted`` otherwise. First match wins."""
+        tell (e.g. a constant reference output); ``not run``: a run was asked for and none ran here (the
+        rules accept the file; each run's detail says why); ``accepted`` otherwise. First match wins."""
         if self.errors:
             return REFUSED
         ran = [r for r in self.runs if r.ran]
+        if self.runs and not ran:
+            return NOT_RUN
         if any(r.status == FAILED or (not r.ok and r.status != INCONCLUSIVE) for r in ran):
             return FAILED
         if any(r.status == INCONCLUSIVE for r in ran):
@@ -71,8 +75,9 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        """True when the target will accept the file: no error finding and every run passed."""
-        return self.verdict == ACCEPTED
+        """True when nothing speaks against the file: no error finding and every run that ran passed
+        (``accepted``, or ``not run`` when the consumer cannot run here: the verdict says which)."""
+        return self.verdict in (ACCEPTED, NOT_RUN)
 
     def summary(self) -> str:
         """The verdict in one line, as ``check`` and ``quantize`` print it."""
@@ -86,6 +91,9 @@ class CheckReport:
                 where = f" ({run.worst_output})" if run.worst_output else ""
                 return f"failed: {run.consumer} {run.max_lsb:.1f} LSB{where} > tolerance {round(run.tolerance_lsb, 1):g}"
             return f"failed: {run.consumer}: {run.detail}"
+        if verdict == NOT_RUN:
+            why = "; ".join(f"{r.consumer}: {r.detail}" for r in self.runs)
+            return f"not run ({why}); the rules accept the file"
         if verdict == INCONCLUSIVE:
             run = next(r for r in ran if r.status == INCONCLUSIVE)
             return f"inconclusive ({run.consumer}): {run.detail.removeprefix('inconclusive: ')}"
@@ -133,9 +141,10 @@ def check_file(path: str | Path | FileFacts, target: str | Target, run: bool = F
     """Check ``path`` (or one read of it, ``FileFacts``) against ``target``'s rules; with ``run`` also
     run the consumer on it.
 
-    ``inputs``: an N x ... array of real inputs for the run (cut at the file's batch size, at most
-    ``n_inputs`` batches); default ``n_inputs`` seeded random inputs. ``target``: a name or alias, or
-    its ``Target``.
+    ``inputs``: real data for the run, read by the one loader (``feeds.for_run``: a path, an array, a
+    dict by input name, or a list of batches; cut at the file's batch size, at most ``n_inputs``
+    batches); default ``n_inputs`` batches generated for each input's dtype and range. ``target``: a
+    name or alias, or its ``Target``.
     """
     tgt = targets.get(target)  # refuse an unknown target before reading anything; resolve aliases
     facts = facts_of(path)

@@ -9,20 +9,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from quantship import targets
 from quantship.errors import one_line
+from quantship.inspect.read.feeds import for_run
 from quantship.inspect.read.inputs import declared_inputs, graph_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import (
     RUNNERS,
-    array_inputs,
     constant_reference,
     lsb_between,
-    random_inputs,
     run_onnxruntime,
 )
 from quantship.targets import Target
@@ -57,6 +55,7 @@ class CompareReport:
     rows: list[CompareRow] = field(default_factory=list)
     version: int = REPORT_VERSION
     inconclusive: str = ""  # why the rows prove nothing (e.g. the float output is the same for every input)
+    inputs: str = ""  # what the files ran on: "given", "from PATH", or "generated (how, per input)"
 
     def as_dict(self) -> dict:
         out = {"report": "quantship-compare", **asdict(self)}
@@ -67,11 +66,13 @@ class CompareReport:
 
 
 def compare_files(float_path: str | Path, int8_path: str | Path, target: str | Target = "tigris",
-                  n_inputs: int = 20, seed: int = 0, inputs: np.ndarray | None = None) -> CompareReport:
+                  n_inputs: int = 20, seed: int = 0, inputs: Any = None, *, key: str | None = None) -> CompareReport:
     """Run the three-way check; outputs are matched by position, the INT8 file's scales give the LSB.
 
-    ``inputs`` (N x ... array, cut at the file's batch size) replaces the seeded random inputs:
-    random data overstates what quantization costs a model calibrated on real data.
+    ``inputs``: real data, read by the one loader (``feeds.for_run``: a path, an array, a dict by input
+    name or a list of batches; all of it, cut at the file's batch size); None: ``n_inputs`` batches
+    generated for each input's dtype and range, which overstates what quantization costs a model
+    calibrated on real data.
     """
     tgt = targets.get(target)  # a name or alias is resolved here; a Target passes
     if n_inputs < 1:
@@ -85,13 +86,15 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str | T
     if len(float_model.graph.output) != len(int8_model.graph.output):
         raise ValueError(f"the float file has {len(float_model.graph.output)} outputs and the INT8 file "
                          f"{len(int8_model.graph.output)}: they are not the same model")
-    feeds = random_inputs(int8_model, n_inputs, seed) if inputs is None else array_inputs(int8_model, inputs)
+    fed = for_run(int8_model, inputs, n=n_inputs if inputs is None else 1 << 30, seed=seed, key=key, path=int8_path)
+    feeds = fed.batches
     float_names = [value.name for value in graph_inputs(float_model)]
     float_feeds = [dict(zip(float_names, feed.values())) for feed in feeds]
     reference = run_onnxruntime(float_path, float_feeds, optimize=False)
     int8_ort = run_onnxruntime(int8_path, feeds, optimize=False)
     n_samples = sum(int(next(iter(feed.values())).shape[0]) if next(iter(feed.values())).ndim else 1 for feed in feeds)
-    report = CompareReport(str(float_path), str(int8_path), tgt.name, n_batches=len(feeds), n_samples=n_samples)
+    report = CompareReport(str(float_path), str(int8_path), tgt.name, n_batches=len(feeds), n_samples=n_samples,
+                           inputs=fed.describe())
     if constant_reference(reference):
         report.inconclusive = ("the float file's output is the same for every input, so these rows prove "
                                "nothing; pass real inputs (--inputs) or a trained model")

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import onnx
 
 from quantship import targets
 from quantship.errors import cause
+from quantship.inspect.read.feeds import for_run
 from quantship.inspect.read.output_units import OutputUnit, output_units
 from quantship.inspect.run.consumers import (
     RUNNERS,
-    array_inputs,
     constant_reference,
     lsb_between,
-    random_inputs,
     run_onnxruntime,
 )
 from quantship.targets import Target
@@ -49,7 +48,8 @@ class RunResult:
     mean_lsb: float | None = None
     tolerance_lsb: float | None = None
     status: str = ""
-    inputs: str = "random"  # "random": seeded standard-normal feeds; "given": the caller's inputs
+    inputs: str = "generated"  # "generated": seeded data of each input's dtype and range; "given": the caller's
+    inputs_detail: str = ""  # how generated data was made, per input (e.g. "input_ids: ids in [0, 100)")
     # a file with several outputs: each one's max LSB by graph output name (None: a float output, not
     # compared); ``max_lsb`` is the worst of them, so one output beyond tolerance fails the run
     per_output: dict[str, float | None] | None = None
@@ -80,8 +80,9 @@ class RunResult:
                     judged += (f" ({self.tolerance_lsb - self.ort_fused_lsb:g} + {self.ort_fused_lsb:.1f}, the distance "
                                "of ONNX Runtime's own fused kernels from its literal reading on these inputs)")
             worst = f" ({self.worst_output})" if self.worst_output else ""
+            how = f" ({self.inputs_detail})" if self.inputs_detail else ""
             head += (f", max {self.max_lsb:.1f} LSB{worst} {judged}, mean {self.mean_lsb:.2f} LSB vs ONNX Runtime "
-                     f"read literally, on {self.n_inputs} {self.inputs} input batch(es)")
+                     f"read literally, on {self.n_inputs} {self.inputs} input batch(es){how}")
             if self.per_output:
                 head += "; per output: " + ", ".join(
                     f"{name} {'float' if lsb is None else f'{lsb:.1f} LSB'}" for name, lsb in self.per_output.items())
@@ -89,7 +90,7 @@ class RunResult:
 
 
 def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, tolerance: float | None,
-          n_inputs: int, constant: bool, inputs: str = "random", detail: str = "",
+          n_inputs: int, constant: bool, inputs: str = "generated", detail: str = "",
           ort_fused_lsb: float | None = None) -> RunResult:
     """The verdict on a run that produced outputs: passed, failed (beyond ``tolerance``) or inconclusive.
 
@@ -114,33 +115,34 @@ def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, toleranc
 
 
 def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, seed: int = 0,
-                 inputs: np.ndarray | None = None) -> RunResult:
+                 inputs: Any = None) -> RunResult:
     """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
 
-    ``inputs`` (an N x ... array, cut at the file's batch size, at most ``n_inputs`` batches)
-    replaces the seeded random inputs. The reference is ONNX Runtime reading the file literally.
+    ``inputs``: the data of the run, read by the one loader (``feeds.for_run``: a path, an array, a dict
+    by input name or a list of batches, cut at the file's batch size, at most ``n_inputs`` batches);
+    None: data generated for each input's dtype and range. The reference is ONNX Runtime reading the
+    file literally.
     """
     tgt = targets.get(target)  # a name or alias is resolved here; a Target passes
     model = onnx.load(str(path), load_external_data=False)
     if tgt.runner is None:
         return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked "
                          "statically only", status=NOT_RUN)
-    if inputs is None:
-        feeds, kind = random_inputs(model, n_inputs, seed), "random"
-    else:
-        feeds, kind = array_inputs(model, np.asarray(inputs))[:max(1, n_inputs)], "given"
+    fed = for_run(model, inputs, n=max(1, n_inputs), seed=seed, path=path)
+    feeds, kind, how = fed.batches, fed.origin, fed.detail
     n = len(feeds)
     try:
         reference = run_onnxruntime(path, feeds, optimize=False)
     except Exception as exc:  # the reference itself fails: the file does not run at all
         return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
-                         status=FAILED, inputs=kind)
+                         status=FAILED, inputs=kind, inputs_detail=how)
     try:
         outputs = RUNNERS[tgt.runner](path, feeds, model)
     except ModuleNotFoundError as exc:
-        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind)
+        return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind,
+                         inputs_detail=how)
     except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
-        return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind)
+        return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind, inputs_detail=how)
     units = output_units(model)  # every graph output, in order, each in its own LSB (a float one: carried)
     scales = [u.unit for u in units.values()]
     max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
@@ -159,7 +161,7 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
     notes += units_note(units)
     result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.file_rules.lsb_tolerance, n, constant_reference(reference), kind,
                    detail="; ".join(notes), ort_fused_lsb=fused)
-    return RunResult(**{**result.as_dict(), "per_output": each}) if each else result
+    return RunResult(**{**result.as_dict(), "per_output": each or None, "inputs_detail": how})
 
 
 def units_note(units: dict[str, OutputUnit]) -> list[str]:

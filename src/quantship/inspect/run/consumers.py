@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from quantship.inspect.read.inputs import graph_inputs
 from quantship.inspect.read.lsb import lsb_error
 from quantship.targets import Target
 
@@ -57,39 +56,6 @@ def run_session(session, inputs: list[np.ndarray]) -> list[np.ndarray]:
     if len(names) != len(inputs):
         raise ValueError(f"the file has {len(names)} input(s) {names}, but {len(inputs)} array(s) were given")
     return session.run(None, dict(zip(names, inputs)))
-
-
-def random_inputs(model: onnx.ModelProto, n: int, seed: int = 0) -> list[Inputs]:
-    """``n`` seeded standard-normal feeds for the graph inputs (unset dimensions taken as 1)."""
-    rng = np.random.default_rng(seed)
-    specs = []
-    for value in graph_inputs(model):
-        tensor_type = value.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in tensor_type.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
-        if not np.issubdtype(dtype, np.floating):
-            raise ValueError(f"input {value.name!r} is {dtype}: only float inputs can be fed random data")
-        specs.append((value.name, shape, dtype))
-    return [{name: rng.standard_normal(shape).astype(dtype) for name, shape, dtype in specs} for _ in range(n)]
-
-
-def array_inputs(model: onnx.ModelProto, array: np.ndarray) -> list[Inputs]:
-    """Feeds cut from a user's array (N x ...) at the file's batch size, for a single-input graph.
-
-    A remainder that does not fill a batch is left out.
-    """
-    inputs = graph_inputs(model)
-    if len(inputs) != 1:
-        raise ValueError(f"the file has {len(inputs)} inputs: --inputs feeds single-input graphs only")
-    dims = inputs[0].type.tensor_type.shape.dim
-    shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in dims]
-    if len(shape) != array.ndim or any(s is not None and s != a for s, a in zip(shape[1:], array.shape[1:])):
-        raise ValueError(f"inputs of shape {list(array.shape)} do not fit the file's input {shape} (None = any)")
-    batch = shape[0] or 1
-    if len(array) < batch:
-        raise ValueError(f"{len(array)} input(s) is fewer than the file's batch size {batch}")
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(inputs[0].type.tensor_type.elem_type)
-    return [{inputs[0].name: array[i:i + batch].astype(dtype)} for i in range(0, len(array) - batch + 1, batch)]
 
 
 def ort_optimized_ops(path: str | Path) -> collections.Counter:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from quantship.errors import DataRefused
+from quantship.inspect.read.feeds import GENERATED_BATCHES, as_feeds, generated, model_inputs
 from quantship.inspect.read.inputs import graph_inputs
 from quantship.inspect.read.lsb import LSBError, lsb_error, output_scales
 from quantship.inspect.run.consumers import cpu_info, ort_session, run_session
@@ -258,7 +261,46 @@ def _outputs(model: Any, path: str | Path, sample: Any, n_batches: int, optimize
     return ref, got
 
 
-def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *,
+def _feeds_for(path: str | Path, sample: Any, n_batches: int) -> tuple[list[str], list[dict[str, np.ndarray]]]:
+    """The file's input names and the batches ``sample`` gives them, read by the one loader
+    (``feeds``): a tensor or array (cut into ``n_batches``), a dict by input name (each array cut so),
+    a list of batches (each a tensor, array or dict), or None (data generated per input)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    inputs = model_inputs(model, path)
+    names = [i.name for i in inputs]
+    if sample is None:
+        return names, generated(model, max(n_batches, GENERATED_BATCHES), inputs=inputs).batches
+    if isinstance(sample, Mapping):
+        if not sample:
+            raise DataRefused("the sample is an empty dict; give {input name: array}")
+        parts = {k: split_batches(v, n_batches) for k, v in sample.items()}
+        batches: list[Any] = [{k: cut[i] for k, cut in parts.items()} for i in range(n_batches)]
+    elif isinstance(sample, np.ndarray) or hasattr(sample, "detach"):
+        batches = split_batches(sample, n_batches)
+    else:
+        batches = sample
+    feeds = as_feeds(batches, inputs, "sample batch")
+    first = batches[0] if isinstance(batches, list) and batches else None
+    first = next(iter(first.values()), None) if isinstance(first, Mapping) else first
+    if getattr(first, "shape", ()):  # refused before the loader re-cuts a batch at the file's batch size
+        _check_batch(path, int(first.shape[0]))
+    return names, feeds
+
+
+def _torch_batches(names: list[str], feeds: list[dict[str, np.ndarray]]) -> list[Any]:
+    """Each feed as the torch model takes it: one tensor, or a tuple in the file's input order."""
+    import torch
+
+    def one(feed: dict[str, np.ndarray]) -> Any:
+        tensors = tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in names)
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    return [one(feed) for feed in feeds]
+
+
+def verify_qdq(model: Any, path: str | Path, sample: Any = None, n_batches: int = 1, *,
                optimized: bool = False) -> Verification:
     """Fraction of inputs on which the file (in ONNX Runtime) and the PyTorch model predict the same class.
 
@@ -269,12 +311,15 @@ def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *,
     the same position, in that output's LSB (``.readings.per_output``); the agreement is the first's.
     Warns ``FusedKernelDrift`` when the readings differ by more than ``DRIFT_LSB``, and a
     ``UserWarning`` when the reference predicts one class for every input (the agreement then
-    says nothing). ``sample`` is split into ``n_batches`` equal batches (the file's batch size).
+    says nothing). ``sample``: a tensor or numpy array (a single-input file) or a dict by input name,
+    split into ``n_batches`` equal batches (the file's batch size); a list of batches (each a tensor,
+    an array or a dict); or None: seeded data generated for each input's dtype and range
+    (``feeds.generated``: token ids within the embedding's rows, masks of ones), at least 8 batches.
+    Each batch is cast to the file's declared dtypes; the model gets the inputs in the file's order.
     """
-    batches = split_batches(sample, n_batches)
-    _check_batch(path, int(batches[0].shape[0]))
-    _, refs = output_arrays(model, batches)
-    readings = measure_readings(path, [[b.detach().cpu().numpy()] for b in batches], refs)
+    names, feeds = _feeds_for(path, sample, n_batches)
+    _, refs = output_arrays(model, _torch_batches(names, feeds))
+    readings = measure_readings(path, [[feed[n] for n in names] for feed in feeds], refs)
     ref_pred = refs[0].argmax(-1)
     if len(ref_pred) > 1 and np.unique(ref_pred).size == 1:
         warnings.warn(
