@@ -271,6 +271,10 @@ def verify_qdq(model: Any, path: str | Path, sample: Any, n_batches: int = 1, *,
     ``UserWarning`` when the reference predicts one class for every input (the agreement then
     says nothing). ``sample`` is split into ``n_batches`` equal batches (the file's batch size).
     """
+    if not callable(getattr(sample, "detach", None)):  # a list of batches, a numpy array: one line, not a traceback
+        raise TypeError(f"verify_qdq(sample=...) takes one torch.Tensor holding every input (split into n_batches "
+                        f"batches), got {type(sample).__name__}: give torch.cat(batches) with "
+                        "n_batches=len(batches), or torch.from_numpy(array)")
     batches = split_batches(sample, n_batches)
     _check_batch(path, int(batches[0].shape[0]))
     _, refs = output_arrays(model, batches)
