@@ -65,3 +65,18 @@ def test_existing_hub_names_are_not_paths(tmp_path):
         refuse_missing_inputs(Namespace(model="torchvision:resnet18", weights=str(tmp_path / "w.pt")))
     with pytest.raises(UsageError, match="model file .*config.json does not exist"):
         refuse_missing_inputs(Namespace(model=f"hf:{tmp_path / 'config.json'}"))
+
+
+def test_help_texts_say_the_opset_rule_the_default_target_and_an_onnx_model(capsys):
+    """One phrasing for --opset in both commands, quantize-onnx states its default target, and
+    sensitivity's MODEL names the .onnx file it takes."""
+    from quantship.cli.main import main
+
+    def help_of(command: str) -> str:
+        assert main([command, "--help"]) == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    assert "ONNX opset the file declares: 17 or 18 (default 18)" in help_of("quantize")
+    assert "ONNX opset the file declares: 17 or higher (default 18)" in help_of("export-onnx")
+    assert "deployment preset (default onnxruntime-cpu)" in help_of("quantize-onnx")
+    assert "or a float FILE.onnx" in help_of("sensitivity")
