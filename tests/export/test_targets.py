@@ -133,3 +133,18 @@ def test_explicit_int8_drops_the_travelled_preset(ort_cpu_model, tmp_path):
     assert stats.n_uint8 == 0 and stats.n_nonzero_zero_point > 0  # the affine preset, written as int8
     props = _props(path)
     assert props["quantship.activation_dtype"] == "int8" and "quantship.target" not in props
+
+
+def test_the_travelled_preset_decides_the_batch_too(ort_cpu_model, tmp_path):
+    """Quantizer.for_target(...) then export_qdq without target=: the preset that travelled decides the
+    batch as target= would (onnxruntime-cpu: any batch); a model quantized for no target keeps the sample's."""
+    from tests.conftest import ResidualNet
+
+    def batch_dim(path):
+        return onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[0]
+
+    qmodel, sample = ort_cpu_model
+    travelled = export_qdq(qmodel, sample, tmp_path / "travelled.onnx")
+    assert batch_dim(travelled).dim_param == "batch"
+    plain = Quantizer(backend="pt2e").quantize(ResidualNet().eval(), [sample])
+    assert batch_dim(export_qdq(plain, sample, tmp_path / "plain.onnx")).dim_value == len(sample)

@@ -12,7 +12,8 @@ import sys
 
 from quantship import __version__
 from quantship.cli.common import terminal_progress
-from quantship.cli.usage import UsageError  # noqa: F401 - re-exported: raised by every subcommand
+from quantship.cli.paths import refuse_missing_inputs
+from quantship.cli.usage import UsageError  # re-exported: raised by every subcommand
 from quantship.errors import QuantshipError, cause, one_line
 from quantship.interrupts import InterruptGuard
 from quantship.noise import silence_library_noise
@@ -119,6 +120,11 @@ def _run(argv: list[str] | None) -> int:
         print(f"quantship {args.command}: not available in this build", file=sys.stderr)
         return 2
 
+    try:
+        refuse_missing_inputs(args)  # before the command imports torch, onnx or ONNX Runtime: answers at once
+    except UsageError as exc:
+        print(f"quantship {args.command}: error: {_describe(exc)}", file=sys.stderr)
+        return 2
     silence_library_noise()  # stderr holds one line on an error, about the user's input
 
     interrupts = InterruptGuard()  # a Ctrl-C that a library swallowed (or wrapped) still ends the run: 130

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("float_model", metavar="FLOAT.onnx", help="the float ONNX model to quantize")
     parser.add_argument("--out", required=True, help="the QDQ ONNX file to write")
-    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset")
+    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset (default onnxruntime-cpu)")
     parser.add_argument("--engine", choices=ENGINES, default="quantship",
                         help="quantship's own quantizer (default), or ONNX Runtime's quantize_static for comparison")
     parser.add_argument("--exclude", nargs="+", action="extend", default=[], metavar="NODE",

@@ -17,10 +17,10 @@ from quantship.cli.usage import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
+    common.add_model_arguments(parser, onnx=True)
     parser.add_argument("--out-dir", required=True, help="where sensitivity.png and sensitivity.html are written")
     parser.add_argument("--k", type=int, default=3, help="how many of the worst layers to suggest excluding")
-    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset to quantize with")
+    common.add_target_argument(parser, default="onnxruntime-cpu", help="deployment preset to quantize with (default onnxruntime-cpu)")
     options.add_quantizer_arguments(parser)
     common.add_calibration_arguments(parser, required=False,
                                      help="a PyTorch model: .npy/.npz array (N x C x H x W) or a folder of images "

@@ -2,7 +2,10 @@
 
 A forward may return a tensor, a tuple, a dict or a transformers ``ModelOutput``
 (``inspect.run.outputs``): every tensor becomes a graph output named after its key, in the model's
-order, and each is compared with the torch model in its own LSB.
+order, and each is compared with the torch model in its own LSB. A single tensor is named
+``SINGLE_OUTPUT_NAME`` in the float file and in the INT8 file alike, never after the torch node that
+made it (``linear`` in one, ``dequantize_per_tensor_124`` in the other): code that looks the output
+up by name works on both files and across builds.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import onnx
 
 from quantship.errors import ExportRefused, OutputsRefused, one_line
 from quantship.inspect.run.outputs import names_of, output_arrays
+
+SINGLE_OUTPUT_NAME = "output"  # a forward that returns one tensor: its graph output, in every file we write
 
 
 def reference_outputs(model: Any, batches: list[Any], sample: Any) -> tuple[list[str] | None, list[np.ndarray]]:
@@ -36,11 +41,11 @@ def reference_outputs(model: Any, batches: list[Any], sample: Any) -> tuple[list
 
 
 def graph_output_names(names: list[str] | None, reference: list[np.ndarray],
-                       output_names: Sequence[str] | None) -> list[str] | None:
+                       output_names: Sequence[str] | None) -> list[str]:
     """The names the file's outputs get: ``output_names`` when given (one per output), else the model's
-    keys (``outputs.names_of``: dict keys, ``output_<i>``); None for a single tensor (the exporter's)."""
+    keys (``outputs.names_of``: dict keys, ``output_<i>``); ``SINGLE_OUTPUT_NAME`` for a single tensor."""
     if output_names is None:
-        return names
+        return names if names is not None else [SINGLE_OUTPUT_NAME]
     given = list(output_names)
     if len(given) != len(reference) or len(set(given)) != len(given) or not all(isinstance(n, str) and n for n in given):
         keys = f" ({', '.join(names)})" if names else ""
@@ -63,13 +68,14 @@ def check_outputs_line_up(produced: onnx.ModelProto, reference: list[np.ndarray]
 
 def float_output_names(model: Any, sample: Any) -> list[str] | None:
     """The keys of a float model's outputs on ``sample`` (one forward), so that its float file names them
-    as its INT8 file does; None (the exporter's names) for a single tensor, or when the outputs cannot be
-    named (the float exporter then writes what it can, as before)."""
+    as its INT8 file does (``SINGLE_OUTPUT_NAME`` for a single tensor); None (the exporter's names) when
+    the outputs cannot be named (the float exporter then writes what it can, as before)."""
     import torch
 
     inputs = sample if isinstance(sample, (tuple, list)) else (sample,)
     try:
         with torch.no_grad():
-            return names_of(model(*inputs), type(model).__name__)
+            names = names_of(model(*inputs), type(model).__name__)
     except Exception:  # a forward or an output the exporter may still handle: its own names, its own error
         return None
+    return names if names is not None else [SINGLE_OUTPUT_NAME]

@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship import targets
-from quantship.errors import one_line
+from quantship.errors import DataRefused, one_line
 from quantship.export import artifact, capture, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
@@ -219,6 +219,16 @@ def _check_opset(opset_version: int) -> None:
                          f"(per-axis QuantizeLinear/DequantizeLinear and the exporter's translation need it)")
 
 
+def refuse_non_finite(sample: Any) -> None:
+    """A sample holding NaN or infinite values is refused (``DataRefused``): every check and reading of
+    the file runs on it, and a non-finite reference measures nothing."""
+    for i, x in enumerate(capture.as_inputs(sample)):
+        if getattr(x, "is_floating_point", lambda: False)() and not bool(x.isfinite().all()):
+            which = f"sample input {i}" if isinstance(sample, (tuple, list)) else "the sample"
+            raise DataRefused(f"{which} holds {int((~x.isfinite()).sum())} NaN or infinite value(s) of "
+                              f"{x.numel()}: give a sample of real inputs (the file is checked and read on it)")
+
+
 def resolve_dynamic_batch(dynamic_batch: bool | None, target: Target | None) -> bool:
     """``dynamic_batch`` as given, else the target preset's choice, else False (the sample's batch)."""
     if dynamic_batch is not None:
@@ -338,8 +348,8 @@ def export_qdq(
     would not accept; when not given, the preset the model was quantized for
     (``Quantizer.for_target``) is used. ``dynamic_batch``: a symbolic batch dimension named
     ``batch`` (the file serves any batch); ``None`` takes the target preset's choice (dynamic for
-    onnxruntime-cpu, openvino and tensorrt; a static batch 1 for tigris), and without a target the
-    sample's static batch. Refusals raise ``quantship.errors.ExportRefused`` (a ``ValueError``) and
+    onnxruntime-cpu, openvino and tensorrt; a static batch 1 for tigris), the given target's or the
+    travelled preset's, and without either the sample's static batch. Refusals raise ``quantship.errors.ExportRefused`` (a ``ValueError``) and
     leave nothing at ``path`` (a file already there is kept as it was).
 
     Inside a ``torch.distributed`` process group, call it on every rank: rank 0 writes, the other
@@ -353,11 +363,13 @@ def export_qdq(
 
     A model that returns a tuple, a dict or a transformers ``ModelOutput`` gets one graph output per
     tensor, in its order, named after its key (``out``, ``logits``; ``output_<i>`` in a tuple) unless
-    ``output_names`` names them; every output is checked and read, each in its own LSB
+    ``output_names`` names them (a single tensor: ``output``, as ``export_onnx`` names it); every
+    output is checked and read, each in its own LSB
     (``.readings.per_output``; the top-level figures are the worst output's). A None or non-tensor
     output is refused by name.
     """
     artifact.refuse_unsafe_destination(path)  # before any work: never onto a source, a data file or a device
+    refuse_non_finite(sample)
     target = targets.get(target) if target is not None else None  # the one look-up: a Target from here on
     spec = exportable_spec(model)
     if weight_only.is_weight_only(spec):  # W8A16 / W4A16: their own writer (DequantizeLinear or MatMulNBits)

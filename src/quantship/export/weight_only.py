@@ -32,6 +32,7 @@ from quantship import targets
 from quantship.export import artifact, capture
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
 from quantship.export.metadata import strip_source_metadata, write_metadata
+from quantship.export.named_outputs import SINGLE_OUTPUT_NAME
 from quantship.precision import QuantSpec
 from quantship.targets import Target
 
@@ -362,6 +363,8 @@ def export_weight_only(
     inputs = capture.as_arrays(sample)
     with torch.no_grad():
         torch_out = model(*capture.as_inputs(sample))
+    if output_names is None and isinstance(torch_out, torch.Tensor):  # the float file's name for one tensor
+        output_names = [SINGLE_OUTPUT_NAME]
     torch_out = [t.detach().float().numpy() for t in (torch_out if isinstance(torch_out, (tuple, list)) else [torch_out])]
     with artifact.atomic_destination(path) as staged:
         try:

@@ -15,9 +15,29 @@ form, ``quantize_dynamic_file``: int8 weights, activations quantized at run time
 misses the budget, written only when it keeps it).
 """
 
-from quantship.quantize_onnx.dynamic_file import DynamicQuantizeResult, quantize_dynamic_file
-from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
-from quantship.quantize_onnx.repair import Repair, quantize_onnx
+from __future__ import annotations
 
-__all__ = ["DynamicQuantizeResult", "OnnxQuantizeResult", "Repair", "quantize_dynamic_file", "quantize_onnx",
-           "quantize_onnx_file"]
+from typing import Any
+
+from quantship.lazy import load_public
+
+# public name -> defining module, loaded on first use: importing one module of this package
+# (``data``, ``memory``) does not import the quantizer, and with it torch (a refusal answers at once)
+_PUBLIC = {
+    "DynamicQuantizeResult": "quantship.quantize_onnx.dynamic_file",
+    "quantize_dynamic_file": "quantship.quantize_onnx.dynamic_file",
+    "OnnxQuantizeResult": "quantship.quantize_onnx.quantizer",
+    "quantize_onnx_file": "quantship.quantize_onnx.quantizer",
+    "Repair": "quantship.quantize_onnx.repair",
+    "quantize_onnx": "quantship.quantize_onnx.repair",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    return load_public(__name__, _PUBLIC, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 
 from quantship.quantize.annotator import activation_observer
+from quantship.quantize_onnx.memory import MEMORY_BUDGET  # bytes of exposed tensors held at once
 
-MEMORY_BUDGET = 768 << 20  # bytes of exposed tensors held at once
 OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
 QMIN, QMAX = -128, 127  # observers work in int8, as the PyTorch path's do; uint8 is the same scale, z + 128
 

@@ -4,7 +4,7 @@ compared with what the kernel says is available (``MemAvailable`` in ``/proc/mem
 The working set of ``quantize_onnx_file``: ``MODEL_COPIES`` copies of the weights alive at once (the
 loaded proto, the onnx_ir model, the normalised proto, ONNX Runtime's session of it with tensors
 exposed), the calibration data held as arrays, and the exposed tensors of one calibration slice,
-which ``calibrate.observe`` bounds at ``calibrate.MEMORY_BUDGET``. A file whose estimate exceeds the
+which ``calibrate.observe`` bounds at ``MEMORY_BUDGET``. A file whose estimate exceeds the
 available memory is refused before it is read, with the figure and what to do.
 """
 
@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantship.errors import DataRefused, FileRefused
-from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
+from quantship.quantize_onnx.data import Feed
 
+# Bytes of exposed tensors held at once (calibration, sensitivity, the weight passes slice to it). Here
+# and not in ``calibrate``: the refusal reads it before torch (which calibrate's observers need) loads.
+MEMORY_BUDGET = 768 << 20
 MODEL_COPIES = 4  # proto, onnx_ir model, normalised proto, ONNX Runtime's session (weights held once each)
 MEMINFO = Path("/proc/meminfo")
 

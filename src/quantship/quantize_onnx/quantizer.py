@@ -126,15 +126,35 @@ def placement_for(target: str | Target, *, per_tensor: bool = False) -> tuple[Pl
 
 
 def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
-    """Already-quantized files and files with external weights are refused before any work."""
+    """Already-quantized files, files with external weights, and files that declare a weight as an input a
+    caller may feed are refused before any work."""
     from onnx.external_data_helper import uses_external_data
 
 
     refuse_quantized(model, path)
+    refuse_weight_inputs(model, path)
     on_disk = onnx.load(str(path), load_external_data=False)  # load_onnx has read the external data in
     if any(uses_external_data(t) for t in on_disk.graph.initializer):
         raise FileRefused(f"{path} keeps its weights in an external data file; quantize-onnx reads single-file "
                           "models (under 2 GB): save it with onnx.save_model(..., save_as_external_data=False)")
+
+
+def refuse_weight_inputs(model: onnx.ModelProto, path: str | Path) -> None:
+    """Refuse a file (IR 4 or later) whose graph inputs list initializers: each is a weight a caller may
+    override at run time (``keep_initializers_as_inputs=True``), an input of the float file's interface that
+    the INT8 file cannot keep, since it stores that weight as int8 and an override would change nothing.
+    (Below IR 4 every initializer is listed as an input by rule and ONNX Runtime reads them as constants.)"""
+    if model.ir_version < 4:
+        return
+    stored = {t.name for t in model.graph.initializer}
+    declared = [i.name for i in model.graph.input if i.name in stored]
+    if declared:
+        shown = ", ".join(repr(n) for n in declared[:3]) + (f" and {len(declared) - 3} more" if len(declared) > 3 else "")
+        raise FileRefused(
+            f"{path}: input(s) {shown} are also initializers (weights a caller may override at run time, as "
+            "keep_initializers_as_inputs=True writes them); the INT8 file stores its weights as int8, so it cannot "
+            "keep those inputs: export without keep_initializers_as_inputs, or drop them from graph.input, and "
+            "quantize again")
 
 
 def _session(model: onnx.ModelProto | Path, optimized: bool = False):
