@@ -1,6 +1,9 @@
 """``quantship compare FLOAT.onnx INT8.onnx [--target X] [--inputs DATA]``: the three-way check in output LSB.
 
-Exit code 0: measured; 1: inconclusive (the float output is constant over the inputs); 2: bad input.
+The INT8 file is also held to FLOAT.onnx (``quantship.fidelity``: each output's SQNR and agreement against
+the budget, ``--min-sqnr`` / ``--min-agreement``), so the command can gate a release. Exit code 0: measured
+and the budget kept; 1: inconclusive (the float output is constant over the inputs) or the budget missed;
+2: bad input.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from quantship.cli import common, inputs
+from quantship.cli import fidelity as fidelity_cli
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,18 +22,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=common.positive_int, default=20,
                         help="number of generated input batches when no --inputs is given (default 20)")
     inputs.add_arguments(parser, "for all three runs")
+    fidelity_cli.add_arguments(parser, repairs=False)
     parser.add_argument("--json", action="store_true", help="print the versioned JSON report")
 
 
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
+    from quantship import targets
     from quantship.inspect.judge.compare import compare_files
 
+    fidelity_cli.budget(args)  # a bound out of range: one line, exit 2, before any run
     real = inputs.read(args, args.int8_file)
     report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=real)
-    code = 1 if report.inconclusive else 0  # an inconclusive comparison is never a pass
+    judged, said = fidelity_cli.judge_reference(args, args.int8_file, targets.get(args.target), real, args.n,
+                                                reference=args.float_file)
+    code = fidelity_cli.reference_exit(judged, 1 if report.inconclusive else 0)  # inconclusive is never a pass
     if args.json:
-        common.emit_json(args.command, report.as_dict())
+        common.emit_json(args.command, {**report.as_dict(), "fidelity_fp32": judged.as_dict() if judged else None})
         return code
     source = f"from {args.inputs}" if args.inputs else "generated"
     print(f"{report.n_samples} {source} input(s) in {report.n_batches} batch(es), errors in the INT8 file's output LSB")
@@ -39,4 +48,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {row}")
     if report.inconclusive:
         print(f"inconclusive: {report.inconclusive}")
+    print(f"fidelity vs FP32 ({said}): {judged.describe()}" if judged else f"fidelity vs FP32: {said}")
     return code

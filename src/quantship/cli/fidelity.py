@@ -81,3 +81,45 @@ def missed(command: str, ui, error, data: dict[str, Any]) -> int:
                  for k, s in enumerate(steps))])
     print(f"quantship {command}: {error}", file=sys.stderr)
     return 1
+
+
+def add_reference_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--reference FLOAT.onnx`` and the budget: what lets ``check`` and ``compare`` gate a release."""
+    parser.add_argument("--reference", metavar="FLOAT.onnx",
+                        help="the float file the INT8 file was made from: judge each output's fidelity to it "
+                             "(SQNR and agreement, the budget below) and exit 1 beyond it; default: the float "
+                             "file the INT8 file's metadata names, when it lies beside it unchanged")
+    add_arguments(parser, repairs=False)
+
+
+def judge_reference(args: argparse.Namespace, int8_path: str, target, data, n: int,
+                    reference: str | None = None) -> tuple[Any, str]:
+    """The INT8 file's fidelity to its float reference on the run's inputs (``data``: the --inputs batches or
+    None for generated ones), and a line saying which reference; (None, why) when fidelity is not judged."""
+    from pathlib import Path
+
+    # late: onnx, numpy and onnxruntime load when a file is judged, so --help answers at once
+    from quantship.inspect.judge.reference import judge_reference as judge
+    from quantship.inspect.judge.reference import named_reference
+    from quantship.inspect.read.feeds import for_run
+    from quantship.inspect.read.loading import load_onnx
+
+    if args.no_fidelity:
+        return None, "not judged (--no-fidelity)"
+    given = reference or args.reference
+    if given:
+        found, said = Path(given), f"{given}, given"
+    else:
+        found, said = named_reference(int8_path)
+        if found is None:
+            return None, f"not judged: {said}"
+    feeds = for_run(load_onnx(str(found)), data, n=n, path=str(found))
+    return judge(int8_path, found, feeds.batches, target, budget(args),
+                 f"{sum(len(next(iter(f.values()))) for f in feeds.batches)} input(s), {feeds.describe()}"), said
+
+
+def reference_exit(fidelity, code: int) -> int:
+    """The command's exit code with fidelity's verdict joined: a missed or inconclusive judgement is 1."""
+    if fidelity is not None and fidelity.status in ("missed", "inconclusive"):
+        return 1
+    return code

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantship.errors import DataRefused, FileRefused
-from quantship.quantize_onnx.data import Feed
+from quantship.inspect.read.feeds import Feed
 
 # Bytes of exposed tensors held at once (calibration, sensitivity, the weight passes slice to it). Here
 # and not in ``calibrate``: the refusal reads it before torch (which calibrate's observers need) loads.

@@ -1,0 +1,86 @@
+"""check --run and compare hold an INT8 file to its float reference, so either can gate a release.
+
+A file with scrambled int8 weights reads the same in ONNX Runtime literally and fused (the runtime
+check accepts it); only the float reference shows it no longer computes the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+from onnx import numpy_helper
+
+from quantship.cli.main import main
+from quantship.export import export_onnx
+from quantship.quantize_onnx import quantize_onnx
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reference")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4)).eval()
+    export_onnx(model, torch.randn(2, 3, 16, 16), d / "float.onnx", opset_version=18)
+    cal = np.random.default_rng(0).standard_normal((40, 3, 16, 16)).astype(np.float32)
+    np.save(d / "cal.npy", cal)
+    quantize_onnx(d / "float.onnx", d / "int8.onnx", cal[:32], target="onnxruntime-cpu", fidelity_data=cal[32:])
+    scrambled = onnx.load(str(d / "int8.onnx"))
+    rng = np.random.default_rng(0)
+    for t in scrambled.graph.initializer:
+        a = numpy_helper.to_array(t)
+        if a.dtype == np.int8 and a.size > 8:  # the weights: same values, other places
+            t.CopyFrom(numpy_helper.from_array(rng.permutation(a.ravel()).reshape(a.shape), t.name))
+    onnx.save(scrambled, str(d / "scrambled.onnx"))
+    return d
+
+
+def _check(capsys, *argv) -> tuple[int, dict]:
+    code = main(["check", *argv, "--target", "onnxruntime-cpu", "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_check_run_judges_the_file_against_the_float_file_its_metadata_names(files, capsys):
+    code, report = _check(capsys, str(files / "int8.onnx"), "--run")
+    assert code == 0 and report["verdict"] == "accepted"
+    assert report["fidelity_fp32"]["status"] == "met" and "named by the file's metadata" in report["reference"]
+
+
+def test_scrambled_weights_pass_the_runtime_check_and_fail_fidelity(files, capsys):
+    code, report = _check(capsys, str(files / "scrambled.onnx"), "--run")
+    assert report["verdict"] == "accepted"  # ONNX Runtime reproduces the file: the runtime check cannot tell
+    assert report["fidelity_fp32"]["status"] == "missed" and code == 1
+    assert main(["compare", str(files / "float.onnx"), str(files / "scrambled.onnx"), "--target",
+                 "onnxruntime-cpu"]) == 1
+    assert main(["compare", str(files / "float.onnx"), str(files / "int8.onnx"), "--target", "onnxruntime-cpu"]) == 0
+
+
+def test_without_a_reference_the_report_says_fidelity_was_not_judged(files, capsys, tmp_path):
+    alone = tmp_path / "int8.onnx"
+    shutil.copy(files / "int8.onnx", alone)  # its float source is not beside it
+    code, report = _check(capsys, str(alone), "--run")
+    assert code == 0 and report["fidelity_fp32"] is None and "not judged" in report["reference"]
+    code, report = _check(capsys, str(alone), "--run", "--reference", str(files / "float.onnx"))
+    assert code == 0 and report["fidelity_fp32"]["status"] == "met"
+
+
+def test_a_changed_source_beside_the_file_is_not_taken_for_its_reference(files, capsys, tmp_path):
+    shutil.copy(files / "int8.onnx", tmp_path / "int8.onnx")
+    model = onnx.load(str(files / "float.onnx"))
+    model.doc_string = "edited"
+    onnx.save(model, str(tmp_path / "float.onnx"))
+    code, report = _check(capsys, str(tmp_path / "int8.onnx"), "--run")
+    assert report["fidelity_fp32"] is None and "digest differs" in report["reference"]
+
+
+@pytest.mark.parametrize("flags, says", [(["--min-sqnr", "-1"], "dB"), (["--min-agreement", "2"], "fraction")])
+def test_bad_budgets_are_refused(files, capsys, flags, says):
+    assert main(["check", str(files / "int8.onnx"), "--target", "onnxruntime-cpu", "--run", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
