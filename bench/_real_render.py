@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+from pathlib import Path
 
 from _real_records import MODELS, PRESETS, SPEED_TOOL, Row, latency_method_of, row_keys
 from _real_timing import DEFAULT_ROUNDS, STEADY, WALL
 
 WALL_MARK = " (wall)"  # after a latency figure measured by the older method
 
+
+FIDELITY_RECORD = Path(__file__).resolve().parent / "fidelity_results.md"  # written by bench/fidelity.py
 
 def _pct(k: int, n: int) -> str:
     from quantship.intervals import wilson_interval
@@ -277,6 +280,8 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
         lines.append(f"| {model} | {metric} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += speed_summary(records, models)
+    if FIDELITY_RECORD.is_file() and not smoke:  # bench/fidelity.py's table: the label-free figure beside the task's
+        lines += [FIDELITY_RECORD.read_text().rstrip(), ""]
     for model in models:
         info = tasks.get(model, {})
         metrics = info.get("metrics") or sorted({m for r in rows if r.model == model for v in r.scores.values()

@@ -23,6 +23,7 @@ from real import MODELS, make_task, run_ort, static_batch
 from quantship.quantize_onnx import quantize_onnx
 
 HELD = 64  # evaluation samples fidelity is measured on
+RECORD = Path(__file__).resolve().parent / "fidelity_results.md"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--targets", default="onnxruntime-cpu")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--record", action="store_true",
+                        help="rewrite bench/fidelity_results.md's table (REAL.md's fidelity section) with this run's")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="quantship-fidelity-") as tmp:
@@ -59,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((name, target, f"{fp32.sqnr_db:.1f}", agree, f"{metric} FP32 {base} / INT8 {score}",
                              f"{seconds:.1f}"))
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-    print("| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |")
-    print("|---|---|---:|---|---|---:|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    table = ["| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |",
+             "|---|---|---:|---|---|---:|", *("| " + " | ".join(row) + " |" for row in rows)]
+    print("\n".join(table))
+    if not args.smoke and args.record:  # REAL.md's section (bench/_real_render.py includes the record)
+        head = RECORD.read_text().split("| model |")[0] if RECORD.is_file() else "## Fidelity to FP32\n\n"
+        RECORD.write_text(head + "\n".join(table) + "\n")
     return 0
 
 
