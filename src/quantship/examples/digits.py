@@ -86,7 +86,7 @@ def noisy_trained_model(*, retrain: bool = False) -> TinyResNet:
         model = train(load_noisy_split(), epochs=12, width=NOISY_WIDTH)
     finally:
         torch.set_num_threads(threads)
-    _save(model, path)
+    save_state(model, path)
     return model
 
 
@@ -123,11 +123,12 @@ def trained_model(*, retrain: bool = False) -> TinyResNet:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model.eval()
     model = train(load_split())
-    _save(model, path)
+    save_state(model, path)
     return model
 
 
-def _save(model: torch.nn.Module, path: Path) -> None:
+def save_state(model: torch.nn.Module, path: Path) -> None:
+    """``model``'s state dict at ``path``, written whole or not at all (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     torch.save(model.state_dict(), tmp)

@@ -17,7 +17,6 @@ held-out clips with their labels to a folder, for tests and benches.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantship.examples.digits import cache_dir
+from quantship.examples.digits import cache_dir, save_state
 from quantship.export import export_onnx
 from quantship.inspect.run.consumers import ort_session
 from quantship.quantize_onnx.dynamic_file import sqnr_db
@@ -205,10 +204,7 @@ def trained_model(*, retrain: bool = False) -> NoteNet:
         model = train()
     finally:
         torch.set_num_threads(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(path)
+    save_state(model, path)
     return model
 
 
