@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _smoke
 import numpy as np
 from real import MODELS, make_task, run_ort, static_batch
 
@@ -30,10 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--targets", default="onnxruntime-cpu")
-    parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--record", action="store_true",
                         help="rewrite bench/fidelity_results.md's table (REAL.md's fidelity section) with this run's")
-    args = parser.parse_args(argv)
+    args = _smoke.parse_args(parser, argv, models="mtcnn_pnet")
     rows = []
     with tempfile.TemporaryDirectory(prefix="quantship-fidelity-") as tmp:
         work = Path(tmp)

@@ -51,6 +51,9 @@ RUNS = {
                                 "| bias_correction+int16_worst1 | ",
                                 "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
                                 "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
+    "fidelity": Smoke(stdout=(
+        "| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |",
+        "| mtcnn_pnet | onnxruntime-cpu | ")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",
                            "| FP32 | ", "| plain INT8 | ", "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ",
                            "Load average")),
