@@ -15,6 +15,7 @@ from quantship.errors import DataRefused
 from quantship.fidelity import (
     INCONCLUSIVE,
     MET,
+    MIN_DECISIONS,
     MISSED,
     NOT_JUDGED,
     Budget,
@@ -75,6 +76,14 @@ def test_agreement_misses_only_when_its_interval_is_under_the_minimum():
     many[:80] = many[:80, ::-1]  # 80 of 200 rows reordered: their argmax moves
     judged = _judge(LOGITS, many, Budget(min_sqnr_db=0.0))
     assert judged.worst.agreement < 0.65 and judged.status == MISSED
+
+
+def test_too_few_decisions_are_reported_not_judged():
+    """Under MIN_DECISIONS the agreement proves nothing either way: SQNR alone decides."""
+    reference = np.tile([1.0, 0.999, 0.0], (8, 1))  # near-ties: every argmax flips at 60 dB SQNR
+    judged = _judge(reference, reference[:, [1, 0, 2]], Budget())
+    assert judged.worst.agreement == 0.0 and judged.worst.n_decisions == 8 < MIN_DECISIONS
+    assert judged.status == MET
 
 
 def test_a_constant_reference_is_inconclusive_never_met():

@@ -12,8 +12,9 @@ inputs (held out from range calibration where there are any), as
 
 A ``Budget`` (minimum SQNR, minimum agreement) turns the figures into a verdict: ``met``, ``missed``,
 or ``inconclusive`` when the float output is the same for every input (nothing to tell apart). An
-agreement misses only when the upper end of its Wilson 95% interval is under the minimum: on a handful
-of held-out samples one flipped near-tie proves nothing, on hundreds a collapse is certain.
+agreement misses only when the upper end of its Wilson 95% interval is under the minimum (and is judged
+only over ``MIN_DECISIONS`` decisions or more): on a handful of held-out samples one flipped near-tie
+proves nothing, on hundreds a collapse is certain.
 The default budget's evidence is in ``docs/fidelity.md``.
 
 Below every path (``errors`` and ``intervals`` only), so the torch path, the ONNX path, ``inspect`` and the
@@ -43,6 +44,7 @@ DEFAULT_MIN_SQNR_DB = 10.0
 DEFAULT_MIN_AGREEMENT = 0.9
 METADATA_KEY = "quantship.fidelity"
 SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
+MIN_DECISIONS = 20  # an agreement over fewer decisions is reported, not judged: a flip or two proves nothing
 
 MET, MISSED, INCONCLUSIVE, NOT_JUDGED = "met", "missed", "inconclusive", "not judged"
 
@@ -100,7 +102,7 @@ class OutputFidelity:
         """How far inside the budget (>= 0) or outside it (< 0): dB, or agreement points x 100 (its interval's
         upper end against the minimum), the worse."""
         margins = [self.sqnr_db - budget.min_sqnr_db]
-        if self.agreement is not None:
+        if self.agreement is not None and self.n_decisions >= MIN_DECISIONS:
             margins.append(100.0 * (self.agreement_upper - budget.min_agreement))
         return min(margins)
 

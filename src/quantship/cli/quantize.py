@@ -184,7 +184,8 @@ def _calibration_and_held_out(args: argparse.Namespace) -> tuple[list, list | No
         return [torch.from_numpy(b) for b in common.read_calibration(args, keep_last=True)], None, ""
     read = read_calibration(args.calib, key=args.key, prep=common.preprocessing(args), batch_size=args.batch_size,
                             max_samples=args.max_samples + fidelity_cli.HELD_OUT_MAX, keep_last=True)
-    calib, held, said = fidelity_cli.split_held_out({"x": np.concatenate(read)}, args.max_samples)
+    calib, held, said = fidelity_cli.split_held_out({"x": np.concatenate(read)}, args.max_samples,
+                                                    args.static_batch or 1)  # whole batches of a fixed-batch file
     return batches(calib["x"]), (batches(held["x"]) if held is not None else None), f"sample(s): {said}"
 
 
@@ -252,7 +253,8 @@ def _report(run: _Run) -> int:
     facts = read_file(path)
     stats = facts.stats
     size = file_size(path)
-    real = np.concatenate([b.numpy() for b in run.batches])  # the calibration data: real inputs for the run
+    # every --calib sample (calibration and held out): real inputs for the run
+    real = np.concatenate([b.numpy() for b in [*run.batches, *(run.held or [])]])
     verdict = check_file(path, target, run=True, inputs=real)
     readings = path.readings
     weights = weights_origin(args.model, args.weights)

@@ -68,19 +68,27 @@ def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) 
 
 
 def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
-               data: str) -> Fidelity:
+               data: str, fallback: Sequence[Any] = ()) -> Fidelity:
     """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
-    in the target's reading (``fidelity_reading``). A fixed-batch file reads whole multiples of its batch."""
+    in the target's reading (``fidelity_reading``). A fixed-batch file reads whole multiples of its batch;
+    when ``held`` cannot fill one, ``fallback`` (the calibration batches) is read instead, and said so."""
     fused, runtime = fidelity_reading(target)
     session = ort_session(path, optimized=fused)
     first = session.get_inputs()[0].shape[0]
     fixed = first if isinstance(first, int) and first > 0 else None
     batches = [b if isinstance(b, (tuple, list)) else (b,) for b in held]
+    def whole(given: Sequence[Any]) -> list[tuple]:
+        cut = [tuple(x[:len(x) - len(x) % fixed] for x in (b if isinstance(b, (tuple, list)) else (b,)))
+               for b in given]
+        return [b for b in cut if len(b[0])]
+
     if fixed:
-        batches = [tuple(x[:len(x) - len(x) % fixed] for x in b) for b in batches]
-        batches = [b for b in batches if len(b[0])]
+        batches = whole(batches)
+        if not batches:
+            batches = whole(fallback)
+            data = f"calibration sample(s) (in-sample: fewer held-out samples than the file's batch of {fixed})"
     if not batches:
-        raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} held-out sample(s)")
+        raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} sample(s)")
     names, reference = output_arrays(float_model, batches)
     outputs = file_outputs(session, batches, fixed)
     n = sum(len(b[0]) for b in batches)
@@ -161,7 +169,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                     raise  # the file as asked cannot be made: the caller's refusal, not a repair's
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
-            fidelity = judge_file(path, model, held_batches, target, budget, data)
+            fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches))
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
             return fidelity, (qmodel, quantizer, path, fidelity)
 
