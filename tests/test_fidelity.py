@@ -80,7 +80,8 @@ def test_agreement_misses_only_when_its_interval_is_under_the_minimum():
 
 def test_too_few_decisions_are_reported_not_judged():
     """Under MIN_DECISIONS the agreement proves nothing either way: SQNR alone decides."""
-    reference = np.tile([1.0, 0.999, 0.0], (8, 1))  # near-ties: every argmax flips at 60 dB SQNR
+    top = np.arange(2.0, 10.0)[:, None]
+    reference = np.hstack([top, top - 0.001, -5 + 0 * top])  # near-ties: every argmax flips at about 80 dB SQNR
     judged = _judge(reference, reference[:, [1, 0, 2]], Budget())
     assert judged.worst.agreement == 0.0 and judged.worst.n_decisions == 8 < MIN_DECISIONS
     assert judged.status == MET
