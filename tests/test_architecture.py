@@ -1,6 +1,6 @@
 """The import direction of src/quantship, read with ``ast`` (no module is imported).
 
-Layers, lowest first (README, "Layout"): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
+Layers, lowest first (docs/layout.md): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
 ``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision`` and
 ``fidelity``; ``targets`` (one module per runtime) and ``repair_loop``; ``quantize`` and ``inspect`` (neither
 imports the other); ``export``; ``quantize_onnx``; ``examples``;

@@ -30,7 +30,7 @@ def test_export_qdq_refuses_a_non_finite_sample_before_any_work(quantized, bad, 
 
 
 def test_verify_qdq_takes_every_container_alike(quantized, tmp_path):
-    """A list of batches or a numpy array (what the README's probe suggests) gives the tensor's answer,
+    """A list of batches or a numpy array (what docs/pytorch.md's `probe` suggests) gives the tensor's answer,
     never a traceback (inspect.read.feeds reads every form)."""
     qmodel, sample = quantized
     path = export_qdq(qmodel, sample, tmp_path / "m.onnx")
