@@ -79,6 +79,8 @@ def test_gptq_flag_writes_the_gptq_file(hf_config, tmp_path, capsys):
 ])
 def test_gptq_refused_where_it_does_not_apply(tmp_path, capsys, extra, words):
     out = tmp_path / "no.onnx"
+    (tmp_path / "x.npy").touch()  # paths are checked before options: this one exists, so the option speaks
+    extra = [str(tmp_path / e) if e == "x.npy" else e for e in extra]
     code = main(["quantize", "hf:reference", "--gptq", *extra, "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0] and not out.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -41,8 +42,10 @@ def files(tmp_path_factory):
     return d
 
 
-def _check(capsys, *argv) -> tuple[int, dict]:
-    code = main(["check", *argv, "--target", "onnxruntime-cpu", "--json"])
+def _check(capsys, *argv, data=True) -> tuple[int, dict]:
+    """``check --json`` on real inputs (the calibration data beside the file) unless ``data=False``."""
+    real = ["--inputs", str(Path(argv[0]).parent / "cal.npy")] if data and (Path(argv[0]).parent / "cal.npy").is_file() else []
+    code = main(["check", *argv, *real, "--target", "onnxruntime-cpu", "--json"])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -56,14 +59,24 @@ def test_scrambled_weights_pass_the_runtime_check_and_fail_fidelity(files, capsy
     code, report = _check(capsys, str(files / "scrambled.onnx"), "--run")
     assert report["verdict"] == "accepted"  # ONNX Runtime reproduces the file: the runtime check cannot tell
     assert report["fidelity_fp32"]["status"] == "missed" and code == 1
+    real = ["--inputs", str(files / "cal.npy")]
     assert main(["compare", str(files / "float.onnx"), str(files / "scrambled.onnx"), "--target",
-                 "onnxruntime-cpu"]) == 1
-    assert main(["compare", str(files / "float.onnx"), str(files / "int8.onnx"), "--target", "onnxruntime-cpu"]) == 0
+                 "onnxruntime-cpu", *real]) == 1
+    assert main(["compare", str(files / "float.onnx"), str(files / "int8.onnx"), "--target", "onnxruntime-cpu",
+                 *real]) == 0
+
+
+def test_generated_inputs_are_measured_never_judged(files, capsys):
+    """Seeded random inputs are not the model's data: the figure is shown, the verdict left to real inputs."""
+    code, report = _check(capsys, str(files / "scrambled.onnx"), "--run", data=False)
+    assert code == 0 and report["fidelity_fp32"]["status"] == "not judged"
+    assert "give --inputs real data" in report["reference"]
 
 
 def test_without_a_reference_the_report_says_fidelity_was_not_judged(files, capsys, tmp_path):
     alone = tmp_path / "int8.onnx"
     shutil.copy(files / "int8.onnx", alone)  # its float source is not beside it
+    shutil.copy(files / "cal.npy", tmp_path / "cal.npy")
     code, report = _check(capsys, str(alone), "--run")
     assert code == 0 and report["fidelity_fp32"] is None and "not judged" in report["reference"]
     code, report = _check(capsys, str(alone), "--run", "--reference", str(files / "float.onnx"))
@@ -72,6 +85,7 @@ def test_without_a_reference_the_report_says_fidelity_was_not_judged(files, caps
 
 def test_a_changed_source_beside_the_file_is_not_taken_for_its_reference(files, capsys, tmp_path):
     shutil.copy(files / "int8.onnx", tmp_path / "int8.onnx")
+    shutil.copy(files / "cal.npy", tmp_path / "cal.npy")
     model = onnx.load(str(files / "float.onnx"))
     model.doc_string = "edited"
     onnx.save(model, str(tmp_path / "float.onnx"))

@@ -117,6 +117,8 @@ def test_cli_refusals_are_one_line_and_write_nothing(stem_file, tmp_path, extra,
     calib = tmp_path / "calib.npy"
     np.save(calib, x[:2])
     out = tmp_path / "int8.onnx"
+    (tmp_path / "x.npz").touch()  # paths are checked first: it exists, so the refusal of the options speaks
+    extra = tuple(str(tmp_path / e) if e == "x.npz" else e for e in extra)
     done = _cli(str(path), "--calib", str(calib), "--out", str(out), "--speed-search", *extra)
     assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not out.exists()

@@ -121,11 +121,13 @@ def test_require_faster_in_the_library_raises_before_the_move(slow_case, tmp_pat
 ])
 def test_require_faster_without_a_reading_is_refused_before_any_work(tmp_path, capsys, extra, said):
     out = tmp_path / "q.onnx"
-    code = main(["quantize-onnx", str(tmp_path / "missing.onnx"), "--calib", str(tmp_path / "missing.npy"),
+    for name in ("float.onnx", "cal.npy"):  # they exist (paths are checked first) but are never read
+        (tmp_path / name).touch()
+    code = main(["quantize-onnx", str(tmp_path / "float.onnx"), "--calib", str(tmp_path / "cal.npy"),
                  "--out", str(out), "--require-faster", *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--require-faster" in err[0] and said in err[0], err
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.npy", "float.onnx"]
 
 
 def test_no_speed_skips_the_reading(slow_case, tmp_path, capsys):

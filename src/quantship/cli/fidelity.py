@@ -114,7 +114,9 @@ def judge_reference(args: argparse.Namespace, int8_path: str, target, data, n: i
         if found is None:
             return None, f"not judged: {said}"
     feeds = for_run(load_onnx(str(found)), data, n=n, path=str(found))
-    return judge(int8_path, found, feeds.batches, target, budget(args),
+    if data is None:  # generated inputs are not the model's data: measured and shown, never a verdict
+        said += "; measured on generated inputs, not judged (give --inputs real data to judge it)"
+    return judge(int8_path, found, feeds.batches, target, budget(args) if data is not None else None,
                  f"{sum(len(next(iter(f.values()))) for f in feeds.batches)} input(s), {feeds.describe()}"), said
 
 

@@ -272,7 +272,7 @@ def _report(run: _Run) -> int:
     result["float_ops"] = left_float = _left_float(run.quantizer, facts)
     del facts
     rows_eval = _accuracy_rows(run, result)
-    speed_cli.warn("quantize", run.judged.speed)
+    speed_cli.warn("quantize", run.judged.speed, run.args.quiet)
     rows = [
         *speed_cli.rows(run.judged.speed),
         *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),

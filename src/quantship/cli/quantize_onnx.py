@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace, out) -> int:
         except SpeedMissed as slower:
             return speed_cli.missed("quantize-onnx", ui, slower, {"version": 1, "input": args.float_model,
                                                                   "engine": "quantship", "target": target.target})
-    speed_cli.warn("quantize-onnx", result.speed)
+    speed_cli.warn("quantize-onnx", result.speed, args.quiet)
     stats, verdict, census = result.qdq_stats, result.verdict, result.census
     size = file_size(result.path)
     report = {"version": 1, "input": args.float_model, "target": target.target, "engine": "quantship",

@@ -44,9 +44,10 @@ def rows(reading: Any) -> list[tuple[str, str]]:
     return [*([("SLOWER than FP32", reading.warning())] if reading.slower else []), (ROW, reading.describe())]
 
 
-def warn(command: str, reading: Any) -> None:
-    """One line on stderr, before the report, when the file is slower than FP32."""
-    if reading is not None and reading.slower:
+def warn(command: str, reading: Any, quiet: bool = False) -> None:
+    """One line on stderr, before the report, when the file is slower than FP32 (``--quiet``: the report's
+    "SLOWER than FP32" row says it, stderr stays empty as --quiet promises)."""
+    if reading is not None and reading.slower and not quiet:
         print(f"quantship {command}: warning: {reading.warning()}", file=sys.stderr, flush=True)
 
 
