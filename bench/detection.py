@@ -87,7 +87,9 @@ def latency_ms(path: Path, x: np.ndarray, runs: int) -> float:
 
 
 def float_rule_of(why: str) -> str:
-    from quantship.quantize_onnx.roles import FLOAT_RULES
+    from quantship import targets
+
+    FLOAT_RULES = {r.id: (r.why, r.applies) for r in targets.get("onnxruntime-cpu").float_rules}
 
     return next((rule for rule, (text, _) in FLOAT_RULES.items() if text == why), "?")
 
@@ -146,10 +148,12 @@ def run_model(name: str, workdir: Path, size: int, n_images: int, runs: int) -> 
 
 
 def render(records: dict[str, dict], banner: list[str] | None = None) -> str:
+    from quantship import targets
     from quantship.examples.detection import DETECTIONS
     from quantship.inspect.run.detections import MATCH_IOU
     from quantship.quantize_onnx.float_islands import ISLAND_RULES
-    from quantship.quantize_onnx.roles import FLOAT_RULES
+
+    FLOAT_RULES = {r.id: (r.why, r.applies) for r in targets.get("onnxruntime-cpu").float_rules}
 
     sizes = sorted({r["size"] for r in records.values()}) or [SIZE]
     n_images = sorted({r["n_images"] for r in records.values()}) or [IMAGES]
@@ -166,7 +170,7 @@ def render(records: dict[str, dict], banner: list[str] | None = None) -> str:
         "TorchScript exporter (opset 17: post-processing as `TopK` / `NonMaxSuppression` operators), then "
         f"`quantize_onnx_file(..., target='onnxruntime-cpu')` on {CALIB} random images. `float compute / all`: "
         "Conv/Gemm/MatMul of the INT8 file reading anything other than DequantizeLinear on their first two inputs, "
-        "with the rule that keeps each (`roles.FLOAT_RULES`). `post-processing float`: tensors the "
+        "with the rule that keeps each (`Target.float_rules`). `post-processing float`: tensors the "
         "`detection_postprocess` island keeps float. Census: kernels in ONNX Runtime's optimized graph. "
         f"`matched`: detections of the FP32 file found again in the INT8 file (same label, IoU >= {MATCH_IOU}) over "
         f"{' / '.join(map(str, n_images))} images (the three photos shipped with matplotlib / scikit-learn, then "
