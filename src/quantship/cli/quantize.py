@@ -274,8 +274,8 @@ def _report(run: _Run) -> int:
     rows_eval = _accuracy_rows(run, result)
     speed_cli.warn("quantize", run.judged.speed, run.args.quiet)
     rows = [
+        *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),  # first: does the file still do the job
         *speed_cli.rows(run.judged.speed),
-        *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),

@@ -296,8 +296,8 @@ def _run(args: argparse.Namespace, out) -> int:
     agreement = "" if fused["argmax_agreement"] is None else f"argmax agreement {fused['argmax_agreement']:.3f}, "
     passes = ", ".join(f"{p.name} {p.changes}" for p in result.normalised if p.changes) or "nothing to do"
     ui.report(report, [
+        *fidelity_cli.rows(result.fp32, repair),  # first: does the file still do the model's job
         *speed_cli.rows(result.speed),
-        *fidelity_cli.rows(result.fp32, repair),
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
         ("placement", f"{placement.mode}: {result.plan['n_tensors']} activation pairs, {result.plan['n_weighted']} "
