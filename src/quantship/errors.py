@@ -57,6 +57,11 @@ class FileRefused(QuantshipError):
     """A file that cannot be read as what it claims to be (not ONNX, truncated, malformed fields)."""
 
 
+class NoOutputScale(QuantshipError):
+    """An INT8 file none of whose outputs comes from a per-tensor DequantizeLinear: no output LSB to
+    measure an error in (a float tail, or not an INT8 file); its fidelity to FP32 can still be judged."""
+
+
 class FidelityMissed(QuantshipError):
     """No file kept the fidelity budget against the float model; nothing was written. ``.record`` holds
     every step measured (a dict, as the JSON report gives it). The CLI exits 1: a verdict, not bad input."""

@@ -98,3 +98,21 @@ def test_bad_budgets_are_refused(files, capsys, flags, says):
     assert main(["check", str(files / "int8.onnx"), "--target", "onnxruntime-cpu", "--run", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0]
+
+
+def test_compare_judges_a_file_with_a_float_tail_it_has_no_lsb_for(tmp_path, capsys):
+    """A softmax after the last DequantizeLinear leaves no output LSB for compare's rows: the fidelity to the
+    float file is judged all the same, and gates the exit code."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+                          nn.Softmax(-1)).eval()
+    export_onnx(model, torch.randn(2, 3, 16, 16), tmp_path / "float.onnx", opset_version=18)
+    cal = np.random.default_rng(0).standard_normal((40, 3, 16, 16)).astype(np.float32)
+    np.save(tmp_path / "cal.npy", cal)
+    quantize_onnx(tmp_path / "float.onnx", tmp_path / "int8.onnx", cal[:32], target="onnxruntime-cpu",
+                  fidelity_data=cal[32:])
+    code = main(["compare", str(tmp_path / "float.onnx"), str(tmp_path / "int8.onnx"), "--target", "onnxruntime-cpu",
+                 "--inputs", str(tmp_path / "cal.npy"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] is None and "no output LSB" in report["no_rows"]
+    assert report["fidelity_fp32"]["status"] == "met" and code == 0

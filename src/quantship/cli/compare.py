@@ -32,13 +32,24 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.judge.compare import compare_files
 
     fidelity_cli.budget(args)  # a bound out of range: one line, exit 2, before any run
+    from quantship.errors import NoOutputScale
+
     real = inputs.read(args, args.int8_file)
-    report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=real)
+    try:
+        report = compare_files(args.float_file, args.int8_file, target=args.target, n_inputs=args.n, inputs=real)
+    except NoOutputScale as exc:  # no LSB rows for a float tail; fidelity to the float file is still judged
+        report, no_rows = None, str(exc)
     judged, said = fidelity_cli.judge_reference(args, args.int8_file, targets.get(args.target), real, args.n,
                                                 reference=args.float_file)
-    code = fidelity_cli.reference_exit(judged, 1 if report.inconclusive else 0)  # inconclusive is never a pass
+    inconclusive = report is not None and report.inconclusive
+    code = fidelity_cli.reference_exit(judged, 1 if inconclusive else 0)  # inconclusive is never a pass
     if args.json:
-        common.emit_json(args.command, {**report.as_dict(), "fidelity_fp32": judged.as_dict() if judged else None})
+        rows = report.as_dict() if report is not None else {"rows": None, "no_rows": no_rows}
+        common.emit_json(args.command, {**rows, "fidelity_fp32": judged.as_dict() if judged else None})
+        return code
+    if report is None:
+        print(f"LSB rows: not measured ({no_rows})")
+        print(f"fidelity vs FP32 ({said}): {judged.describe()}" if judged else f"fidelity vs FP32: {said}")
         return code
     source = f"from {args.inputs}" if args.inputs else "generated"
     print(f"{report.n_samples} {source} input(s) in {report.n_batches} batch(es), errors in the INT8 file's output LSB")

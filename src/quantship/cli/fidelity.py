@@ -113,7 +113,7 @@ def judge_reference(args: argparse.Namespace, int8_path: str, target, data, n: i
         found, said = named_reference(int8_path)
         if found is None:
             return None, f"not judged: {said}"
-    feeds = for_run(load_onnx(str(found)), data, n=n, path=str(found))
+    feeds = for_run(load_onnx(str(found)), data, n=n if data is None else 1 << 30, path=str(found))  # all given
     if data is None:  # generated inputs are not the model's data: measured and shown, never a verdict
         said += "; measured on generated inputs, not judged (give --inputs real data to judge it)"
     return judge(int8_path, found, feeds.batches, target, budget(args) if data is not None else None,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from quantship import targets
-from quantship.errors import one_line
+from quantship.errors import NoOutputScale, one_line
 from quantship.inspect.read.feeds import for_run
 from quantship.inspect.read.inputs import declared_inputs, graph_inputs
 from quantship.inspect.read.loading import load_onnx
@@ -81,7 +81,7 @@ def compare_files(float_path: str | Path, int8_path: str | Path, target: str | T
     declared_inputs(float_model, float_path), declared_inputs(int8_model, int8_path)  # positive, sane dims
     scales = list(output_scales(int8_model).values())
     if not any(scales):
-        raise ValueError(f"{int8_path}: no output is produced by a per-tensor DequantizeLinear, so there is "
+        raise NoOutputScale(f"{int8_path}: no output is produced by a per-tensor DequantizeLinear, so there is "
                          "no output LSB to measure in; is it the INT8 file?")
     if len(float_model.graph.output) != len(int8_model.graph.output):
         raise ValueError(f"the float file has {len(float_model.graph.output)} outputs and the INT8 file "
