@@ -116,3 +116,14 @@ def test_compare_judges_a_file_with_a_float_tail_it_has_no_lsb_for(tmp_path, cap
     report = json.loads(capsys.readouterr().out)
     assert report["rows"] is None and "no output LSB" in report["no_rows"]
     assert report["fidelity_fp32"]["status"] == "met" and code == 0
+
+
+def test_inspect_says_what_the_file_records_of_how_it_was_made(files, capsys):
+    """inspect reads the same record quantize-onnx printed: the engine (not a PyTorch backend), the fidelity."""
+    assert main(["inspect", str(files / "int8.onnx"), "--json"]) == 0
+    recorded = json.loads(capsys.readouterr().out)["recorded"]
+    assert recorded["made_by"] == "quantship quantize-onnx (the ONNX path)"
+    assert recorded["fidelity_fp32"]["status"] == "met" and recorded["fidelity_fp32"]["sqnr_db"] > 10
+    assert main(["inspect", str(files / "int8.onnx")]) == 0
+    shown = capsys.readouterr().out
+    assert "fidelity vs FP32 (recorded)" in shown and "'backend'" not in shown

@@ -28,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from quantship.inspect.read.graph import inspect_file
 
     report = inspect_file(args.file)
+    recorded = _recorded(args.file)
     if args.json:
-        common.emit_json(args.command, report.as_dict())
+        common.emit_json(args.command, {**report.as_dict(), "recorded": recorded})
         return 0
     mem = report.memory
     table = Table.grid(padding=(0, 2))
@@ -60,7 +61,54 @@ def run(args: argparse.Namespace) -> int:
     if report.float_tensors:
         shown = ", ".join(report.float_tensors[:8])
         table.add_row("float tensors", f"{len(report.float_tensors)}: {shown}")
+    if recorded["made_by"]:
+        table.add_row("made by", recorded["made_by"])
+    for key, row in (("fidelity_fp32", "fidelity vs FP32"), ("speed", "speed vs FP32")):
+        if recorded[key] is not None:
+            table.add_row(f"{row} (recorded)", _recorded_line(recorded[key]))
     if report.quant_spec:
-        table.add_row("quantship spec", str(report.quant_spec))
+        spec = dict(report.quant_spec)
+        if recorded["engine"] == "quantize_onnx":
+            spec.pop("backend", None)  # the ONNX path's file: no PyTorch backend made it
+        table.add_row("quantship spec", str(spec))
     Console(highlight=False).print(table)
     return 0
+
+
+ENGINES = {"quantize_onnx": "quantship quantize-onnx (the ONNX path)",
+           "dynamic": "quantship quantize-onnx --activations dynamic"}
+
+
+def _recorded(path: str) -> dict:
+    """What the file's own metadata records of how it was made and measured (None where it records nothing):
+    the same words the quantize commands printed when they wrote it."""
+    import json
+
+    import onnx  # late: --help answers before onnx loads
+
+    props = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+
+    def parsed(key: str):
+        try:
+            return json.loads(props[key]) if key in props else None
+        except ValueError:
+            return {"unreadable": props[key]}
+
+    engine = props.get("quantship.engine")
+    made_by = ENGINES.get(engine, engine) if engine else (
+        "quantship export_qdq (the PyTorch path)" if "quantship.spec" in props else None)
+    return {"engine": engine, "made_by": made_by, "fidelity_fp32": parsed("quantship.fidelity"),
+            "speed": parsed("quantship.speed"), "repair": parsed("quantship.repair")}
+
+
+def _recorded_line(record: dict) -> str:
+    if "unreadable" in record:
+        return f"unreadable ({record['unreadable'][:60]})"
+    if "status" in record and "sqnr_db" in record:
+        return f"SQNR {record['sqnr_db'] if isinstance(record['sqnr_db'], str) else round(record['sqnr_db'], 1)} dB, " \
+               f"{record['status']}; {record.get('runtime', '')}, {record.get('data', '')}"
+    if "speedup" in record:  # export.speed_gate's record
+        ups = " / ".join(f"{float(v):.2f}x" for v in record["speedup"].values())
+        return (f"{ups} at b{' / b'.join(record['speedup'])} ({'SLOWER than FP32' if record.get('slower') else 'faster'}"
+                f"; {record.get('cpu', '?')}, {', '.join(record.get('flags', []))}, {record.get('threads', 1)} thread)")
+    return ", ".join(f"{k} {v}" for k, v in record.items() if not isinstance(v, (dict, list)))[:200]
