@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from quantship.cli.common import format_accuracy
     from quantship.examples import digits
     from quantship.export import export_onnx, export_qdq
+    from quantship.export.judged import judge_file
+    from quantship.fidelity import Budget
     from quantship.inspect.judge.check import check_file
     from quantship.inspect.read.loading import file_size
     from quantship.inspect.read.stats import qdq_stats
@@ -98,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         agreement = verify_qdq(qmodel, int8_path, split.x_test, n_batches=len(split.y_test) // BATCH)
         error = compare_logits(qmodel, int8_path, split.x_test, n_batches=len(split.y_test) // BATCH)
 
+    # the file held to the float model on the 360 held-out images (none calibrated on), as quantize does
+    fidelity = judge_file(int8_path, model, [split.x_test], target, Budget(), "held-out test image(s)")
     fp32_acc = digits.evaluate(model, split.x_test, split.y_test)
     int8_acc = digits.evaluate(qmodel, split.x_test, split.y_test, batch_size=BATCH)
     file_acc = _ort_accuracy(int8_path, split.x_test, split.y_test)
@@ -121,9 +125,10 @@ def run(args: argparse.Namespace) -> int:
         "ort_readings": int8_path.readings.as_dict() if int8_path.readings else None,
         "checks": {t: {"ok": v.ok, "verdict": v.verdict, "errors": [f.rule for f in v.errors],
                        "runs": [r.as_dict() for r in v.runs]} for t, v in verdicts.items()},
-        "seconds": elapsed,
+        "fidelity_fp32": fidelity.as_dict(), "seconds": elapsed,
     }
     rows = [
+        ("fidelity vs FP32", fidelity.describe()),
         ("precision", f"{quant_spec(qmodel).label}, {target.target} preset ({target.activation_dtype} activations)"),
         ("FP32 accuracy (torch)", format_accuracy(*fp32_acc)),
         ("INT8 accuracy (torch)", format_accuracy(*int8_acc)),
@@ -140,4 +145,4 @@ def run(args: argparse.Namespace) -> int:
     rows.append(("wall time", f"{elapsed:.1f} s"))
     ui.report(result, rows, title=f"quantship demo: digits -> {int8_path.name}")
 
-    return exit_code(verdicts[target.target])
+    return 1 if not fidelity.met else exit_code(verdicts[target.target])  # the file must still do the task
