@@ -5,9 +5,9 @@ path (``repair_loop``), and write it only when it keeps the budget.
 Each step is a whole file: ``Quantizer.for_target`` with the step's options and modules kept float
 (``skip_activations``), ``export_qdq`` into a scratch folder beside the destination, then the file run in
 the target's reading (``fidelity_reading``) against the float model run in torch on the same inputs. The
-algorithm steps are ``ALGORITHM_STEPS``; the modules are ranked by the per-layer SQNR report of the best
-step's model (``quantize.accuracy.sensitivity_order``); the PyTorch path has no 16-bit activations, so
-that form is not tried. Only the chosen file is moved to the destination.
+algorithm steps are ``ALGORITHM_STEPS``; the modules are ranked by the per-layer SQNR report's own loss on
+the best step's model (``quantize.accuracy.own_loss_order``: a layer that only carries an upstream loss
+does not rank); the PyTorch path has no 16-bit activations, so that form is not tried. Only the chosen file is moved to the destination.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.verify import MeasuredPath
 from quantship.progress import step as progress_step
-from quantship.quantize.accuracy import sensitivity_order
+from quantship.quantize.accuracy import own_loss_order
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
@@ -174,8 +174,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             return fidelity, (qmodel, quantizer, path, fidelity)
 
         def order(made: tuple, opts: dict) -> list[str]:
-            with progress_step("fidelity repair: per-layer SQNR"):
-                return sensitivity_order(model, made[0], list(batches)[:4])
+            with progress_step("fidelity repair: per-layer SQNR (own loss)"):
+                return own_loss_order(model, made[0], list(batches)[:4])
 
         if budget is None:
             record, chosen = None, attempt("as asked", options, base, ())[1]

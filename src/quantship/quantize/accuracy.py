@@ -140,6 +140,17 @@ def sensitivity_order(model: torch.nn.Module, quantized: torch.nn.Module, batche
     return names
 
 
+def own_loss_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
+    """Module names to keep in float for the fidelity repair, the layer that loses the most signal itself
+    first (``LayerError.own_loss_db``: a layer that only carries an upstream loss does not rank)."""
+    report = layer_error(model, quantized, list(batches))
+    names: list[str] = []
+    for row in sorted(report.rows, key=lambda r: (-r.own_loss_db, r.order)):
+        if row.module and row.own_loss_db > 0 and row.module not in names:
+            names.append(row.module)
+    return names
+
+
 def search(
     quantize: Callable[[tuple[str, ...]], torch.nn.Module],
     model: torch.nn.Module,

@@ -41,6 +41,30 @@ class LayerError:
     module: str
     op: str
     sqnr_db: float
+    upstream_db: float = math.inf  # the worst SQNR among the quantized layer outputs it reads (inf: none)
+
+    @property
+    def own_loss_db(self) -> float:
+        """What this layer itself loses: its inputs' SQNR (capped at ``UPSTREAM_CAP_DB``) less its output's."""
+        return min(self.upstream_db, UPSTREAM_CAP_DB) - self.sqnr_db
+
+
+UPSTREAM_CAP_DB = 60.0  # an input no quantized layer produced (inf) counts as this
+
+
+def _upstream(node: Node, producers: dict[str, int]) -> set[int]:
+    """The rows whose producer ``node`` reads, through dequantize/quantize and other ops that are not rows."""
+    found, seen, todo = set(), set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.name in producers:
+            found.add(producers[n.name])
+            continue
+        todo.extend(n.all_input_nodes)
+    return found
 
 
 @dataclass
@@ -203,9 +227,12 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
             out_signal += float((ref_out * ref_out).sum())
             out_noise += float(((ref_out - got_out) ** 2).sum())
             n_samples += x.shape[0]
+    own = [sqnr_db(signal[i], noise[i]) for i in range(len(pairs))]
+    producers = {p.name: i for i, (p, _, _) in enumerate(pairs)}
     rows = [
         LayerError(order=i, node=p.name, module=skip_name(p), op=str(getattr(p.target, "__name__", p.target)),
-                   sqnr_db=sqnr_db(signal[i], noise[i]))
+                   sqnr_db=own[i], upstream_db=min((own[u] for u in _upstream(p, producers) if u != i),
+                                                   default=math.inf))
         for i, (p, _, _) in enumerate(pairs)
     ]
     return LayerErrorReport(rows, sqnr_db(out_signal, out_noise), n_samples, unmatched)
