@@ -49,6 +49,15 @@ MIN_DECISIONS = 20  # an agreement over fewer decisions is reported, not judged:
 MET, MISSED, INCONCLUSIVE, NOT_JUDGED = "met", "missed", "inconclusive", "not judged"
 
 
+UPSTREAM_CAP_DB = 60.0  # an input no quantized node produced (inf SQNR) counts as this in a node's own loss
+
+
+def own_loss_db(upstream_db: float, sqnr: float) -> float:
+    """What one node loses itself: the SQNR of what it reads (capped at ``UPSTREAM_CAP_DB``) less its output's.
+    The per-node reports of both paths rank the fidelity repair's candidates by it."""
+    return min(upstream_db, UPSTREAM_CAP_DB) - sqnr
+
+
 def sqnr_db(signal_energy: float, noise_energy: float) -> float:
     """Signal-to-quantization-noise ratio in dB (inf when the two agree exactly)."""
     if noise_energy == 0:

@@ -19,6 +19,7 @@ Imports no front-end: numpy-free, torch-free, onnx-free.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from quantship.errors import FidelityMissed
 from quantship.fidelity import MET, MISSED, Budget, Fidelity
 from quantship.progress import step as progress_step
 
+METADATA_KEY = "quantship.repair"  # the record a repaired file carries in its metadata_props
 Attempt = Callable[[str, dict, tuple, tuple], "tuple[Fidelity, Any] | None"]
 Order = Callable[[Any, dict], list]
 
@@ -74,6 +76,12 @@ class Repair:
 
     def summary(self) -> str:
         return "; ".join(f"step {k} {s.describe()}" for k, s in enumerate(self.steps))
+
+    def metadata(self) -> dict[str, str]:
+        """The ``metadata_props`` entry of a file this repair chose (none when step 0 kept the budget)."""
+        if len(self.steps) < 2:
+            return {}
+        return {METADATA_KEY: json.dumps(self.as_dict(), sort_keys=True, default=str)}
 
     def as_dict(self) -> dict:
         return {"budget": {"min_sqnr_db": self.budget.min_sqnr_db, "min_agreement": self.budget.min_agreement},

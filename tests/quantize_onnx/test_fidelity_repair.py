@@ -22,7 +22,7 @@ from quantship.errors import FidelityMissed
 from quantship.export import export_onnx
 from quantship.fidelity import DEFAULT_MIN_SQNR_DB, METADATA_KEY, Budget
 from quantship.quantize_onnx import quantize_onnx, quantize_onnx_file
-from quantship.quantize_onnx.repair import REPAIR_KEY
+from quantship.repair_loop import METADATA_KEY as REPAIR_KEY
 
 
 class Collapsing(nn.Module):

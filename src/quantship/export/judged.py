@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,7 +41,6 @@ from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
-REPAIR_KEY = "quantship.repair"
 ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
     ("bias correction", {"bias_correction": True}),
     ("equalization", {"equalize": True}),
@@ -185,8 +183,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             record, chosen = run_repair(attempt, budget=budget, options=options, base=base,
                                         algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
                                         enabled=repair, max_steps=max_steps, log=log)
-            if len(record.steps) > 1:
-                add_file_metadata(chosen[2], {REPAIR_KEY: json.dumps(record.as_dict(), sort_keys=True, default=str)})
+            add_file_metadata(chosen[2], record.metadata())
         qmodel, quantizer, path, fidelity = chosen
         reading = None
         if speed and target.runtime_is_onnxruntime:

@@ -53,6 +53,8 @@ def strip_source_metadata(model: ir.Model) -> int:
 def add_file_metadata(path: str | Path, entries: dict[str, str]) -> None:
     """Set ``entries`` in the ``metadata_props`` of the file at ``path`` (a staged file: what was measured
     on it after it was written); the graph and its tensors are written back unchanged."""
+    if not entries:
+        return  # nothing to record: the file is not read and written again
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)

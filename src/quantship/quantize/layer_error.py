@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from quantship.fidelity import sqnr_db
+from quantship.fidelity import own_loss_db, sqnr_db
 from quantship.quantize.annotator import BATCH_NORM_OPS, BINARY_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
 from quantship.quantize.capture import capture
 
@@ -45,11 +45,8 @@ class LayerError:
 
     @property
     def own_loss_db(self) -> float:
-        """What this layer itself loses: its inputs' SQNR (capped at ``UPSTREAM_CAP_DB``) less its output's."""
-        return min(self.upstream_db, UPSTREAM_CAP_DB) - self.sqnr_db
-
-
-UPSTREAM_CAP_DB = 60.0  # an input no quantized layer produced (inf) counts as this
+        """What this layer itself loses (``fidelity.own_loss_db``)."""
+        return own_loss_db(self.upstream_db, self.sqnr_db)
 
 
 def _upstream(node: Node, producers: dict[str, int]) -> set[int]:

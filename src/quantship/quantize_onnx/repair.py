@@ -6,14 +6,13 @@ each output's SQNR and agreement against the float file, on samples held out fro
 given). The algorithm steps are ``ALGORITHM_STEPS``; the nodes are ranked by the per-node SQNR report's
 own loss (``sensitivity.NodeSqnrReport.by_own_loss``: a node's inputs' SQNR less its output's, so a node
 that only carries an upstream loss does not rank); 16-bit first where the target runs it. The chosen file
-is moved to ``out_path`` with the repair's record in its metadata (``REPAIR_KEY``); when none keeps the
+is moved to ``out_path`` with the repair's record in its metadata (``repair_loop.METADATA_KEY``); when none keeps the
 budget, ``FidelityMissed`` names every step and nothing is written.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,7 +32,6 @@ from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
-REPAIR_KEY = "quantship.repair"
 ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
     ("bias correction", {"bias_correction": True}),
     ("equalization", {"equalize": True}),
@@ -102,8 +100,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
         record, done = run_repair(attempt, budget=budget, options=dict(options), base=base, base_wide=base_wide,
                                   algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
                                   sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
-        if len(record.steps) > 1:
-            add_file_metadata(done.path, {REPAIR_KEY: json.dumps(record.as_dict(), sort_keys=True, default=str)})
+        add_file_metadata(done.path, record.metadata())
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
 
 

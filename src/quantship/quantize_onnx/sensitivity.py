@@ -27,7 +27,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused
-from quantship.fidelity import sqnr_db
+from quantship.fidelity import own_loss_db, sqnr_db
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.quantize.layer_error import LayerError, LayerErrorReport
@@ -42,7 +42,6 @@ MEASURE_TEXT = "SQNR of the node's (dequantized) output vs float, error accumula
 # roles whose rows are candidates to keep in float: ops that add a rounding of their own (data movement
 # with a shared scale adds none: its figure is its input's)
 OWN_ROUNDING = ("weighted", "matmul", "integer_capable", "concat")
-UPSTREAM_CAP_DB = 60.0  # a float input (inf) counts as this: a node's own loss is then 60 dB less its SQNR
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,8 @@ class NodeSqnr:
 
     @property
     def own_loss_db(self) -> float:
-        """What this node itself loses: its inputs' SQNR (capped at ``UPSTREAM_CAP_DB``) less its output's."""
-        return min(self.upstream_db, UPSTREAM_CAP_DB) - self.sqnr_db
+        """What this node itself loses (``fidelity.own_loss_db``)."""
+        return own_loss_db(self.upstream_db, self.sqnr_db)
 
 
 @dataclass
