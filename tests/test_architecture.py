@@ -48,6 +48,10 @@ ROOT = "quantship"  # the package itself: ``__version__`` and a table of names l
 LATE_OUTSIDE_CLI: dict[tuple[str, str], str] = {
     ("quantship.examples.real", "quantship.examples.digits"): "the cache folder's one definition; digits imports torch, "
                                                               "which reading the real models' files does not need",
+    # the ONNX front-end imports no torch until a file is made (import quantship.quantize_onnx.quantizer stays light)
+    ("quantship.quantize_onnx.calibrate", "quantship.quantize.annotator"): "torchao's observers, loaded to calibrate",
+    ("quantship.quantize_onnx.quantizer", "quantship.quantize.algorithms.rounding"): "the rounding math is torch's",
+    ("quantship.quantize_onnx.quantizer", "quantship.quantize_onnx.rounding"): "the rounding pass is torch's",
 }
 
 
@@ -281,3 +285,30 @@ def test_no_target_name_is_compared_outside_targets():
         found += [f"{module}:{line} compares {name!r}" for line, name in hits
                   if (module, name) not in NOT_A_TARGET_NAME]
     assert found == []
+
+
+# each algorithm's format-neutral part: no front-end, no model capture, no graph IR
+ALGORITHMS = "quantship.quantize.algorithms"
+FRONT_END_LIBRARIES = ("torch.export", "torch.fx", "torchao", "onnx", "onnx_ir", "onnxruntime", "onnxscript")
+
+
+def _third_party(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_algorithms_import_no_front_end():
+    modules = [m for m in MODULES if m.startswith(ALGORITHMS)]
+    assert len(modules) >= 5, modules  # the package exists and holds the shared algorithms
+    ours = [(m, t) for m in modules for t, *_ in IMPORTS[m]
+            if t.startswith(("quantship.quantize.", "quantship.quantize_onnx", "quantship.export", "quantship.inspect"))
+            and not t.startswith(ALGORITHMS)]
+    assert ours == []
+    libraries = [(m, lib) for m in modules for lib in _third_party(MODULES[m])
+                 if lib == "onnx" or lib.startswith(FRONT_END_LIBRARIES)]
+    assert libraries == []

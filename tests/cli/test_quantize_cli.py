@@ -210,3 +210,13 @@ def test_quantize_verdict_is_check_run_on_the_calibration_inputs(tmp_path, capsy
     assert readings["literal_lsb"] is not None and readings["fused_lsb"] is not None
     assert main(["check", str(out), "--target", "onnxruntime", "--run", "--inputs", str(calib)]) == code
     assert verdict in capsys.readouterr().out
+
+
+def test_onnx_front_end_imports_no_torch():
+    """The ONNX quantizer's modules load without torch and torchao (issue 36): a user of the ONNX path pays
+    for them only when a file is calibrated (torchao's observers)."""
+    code = ("import sys; import quantship.quantize_onnx.quantizer, quantship.quantize_onnx.repair, "
+            "quantship.quantize_onnx.sensitivity, quantship.quantize_onnx.search; "
+            "print(','.join(m for m in ('torch', 'torchao') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "", done.stdout + done.stderr

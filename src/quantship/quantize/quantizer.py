@@ -21,10 +21,10 @@ from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, resolve_spec, t
 from quantship.quantize import accuracy
 from quantship.quantize import equalize as equalizing
 from quantship.quantize import smooth_quant as smoothing
+from quantship.quantize.algorithms.rounding import iterations_of as adaround_iterations
 from quantship.quantize.calibration import collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 from quantship.quantize.pt2e import annotation_report
-from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
 from quantship.targets import Target
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)

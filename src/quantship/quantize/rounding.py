@@ -1,5 +1,5 @@
 """Learned and searched weight rounding on the pt2e path: after ``convert_pt2e``, the sequential MSE scale
-search then AdaRound (``quantize.weight_rounding``, the math the ONNX quantizer shares) on each quantized
+search then AdaRound (``quantize.algorithms.rounding``, the math the ONNX quantizer shares) on each quantized
 conv / linear, whichever are on. Runs before bias correction (which then measures the rounded graph).
 
 A layer is a conv / linear whose weight is a stored int8 tensor read through its own
@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from torch.fx import GraphModule
 
-from quantship.quantize import weight_rounding as rounding_math
+from quantship.quantize.algorithms import rounding as rounding_math
 from quantship.quantize.annotator import WEIGHTED_OPS
-from quantship.quantize.bias_correction import SAMPLES, Incremental, attribute, layer_depths, leading
+from quantship.quantize.algorithms.bias_correction import SAMPLES, layer_depths
+from quantship.quantize.bias_correction import Incremental, attribute, leading
 
 qd = torch.ops.quantized_decomposed
 _PER_CHANNEL, _PER_TENSOR = qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default
@@ -38,7 +39,7 @@ CONSTANT_DEPTH = 8  # ops between a float weight and its stored tensors (a trans
 
 @dataclass
 class Pt2eLayer:
-    """One layer to rewrite (``weight_rounding.RoundingLayer``): its node, its weight's dequantize node and
+    """One layer to rewrite (``algorithms.rounding.RoundingLayer``): its node, its weight's dequantize node and
     the stored tensors they read."""
 
     model: GraphModule

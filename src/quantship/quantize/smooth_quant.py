@@ -16,37 +16,12 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from quantship.errors import SpecRefused
+from quantship.quantize.algorithms.smooth_quant import Smoothing, check_alpha, smoothing_scales
 
-DEFAULT_ALPHA = 0.5
-MIN_RANGE = 1e-8  # a channel whose activation is (almost) all zero keeps s = 1
 _LINEAR, _LAYER_NORM = "aten.linear.default", "aten.layer_norm.default"
-
-
-def check_alpha(alpha: object) -> float:
-    """``alpha`` as a float in [0, 1], or a one-line refusal that says what to give."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        raise SpecRefused(f"smooth_quant={alpha!r}: give the migration strength alpha, a number in [0, 1] "
-                          f"(the paper's default {DEFAULT_ALPHA}), or None for no smoothing")
-    return float(alpha)
-
-
-@dataclass
-class Smoothing:
-    """What SmoothQuant did: layers smoothed (with the range of their ``s``), layers skipped (why)."""
-
-    alpha: float
-    smoothed: dict[str, str] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {"alpha": self.alpha, "layers_smoothed": len(self.smoothed), "layers_skipped": len(self.skipped),
-                "smoothed": dict(self.smoothed), "skipped": dict(self.skipped), "seconds": round(self.seconds, 3)}
 
 
 def _module_of(node: torch.fx.Node) -> str | None:
@@ -139,12 +114,7 @@ def smooth(model: torch.nn.Module, batches: Sequence[torch.Tensor], alpha: float
         for producer, readers in groups:
             x_range = torch.stack([ranges[r] for r in readers]).amax(dim=0)  # the same tensor: equal ranges
             w_range = torch.stack([modules[r].weight.detach().abs().amax(dim=0).double() for r in readers]).amax(dim=0)
-            s = torch.ones_like(x_range)
-            usable = (x_range > MIN_RANGE) & (w_range > MIN_RANGE)
-            s[usable] = x_range[usable] ** record.alpha / w_range[usable] ** (1.0 - record.alpha)
-            unread = (x_range > MIN_RANGE) & (w_range <= MIN_RANGE)  # all-zero weights: any s is exact
-            if unread.any() and usable.any():  # the median smoothed range, as the ONNX pass does
-                s[unread] = x_range[unread] / (x_range[usable] / s[usable]).median()
+            s = torch.from_numpy(smoothing_scales(x_range.numpy(), w_range.numpy(), record.alpha))
             source = modules[producer]
             if isinstance(source, torch.nn.LayerNorm):
                 source.weight.div_(s.to(source.weight.dtype))

@@ -16,7 +16,7 @@ calibration pass of the float model plus one of the quantized model per depth. O
 node of a session whatever is fetched (measured), so each depth's session holds only the nodes its
 layers' outputs need: a shallow depth is a short pass, and the passes together cost about half a
 calibration pass per depth. The biases are inputs of those sessions, fed anew on each pass. The record,
-the per-channel means, the depths and the update are ``quantize.bias_correction``'s (shared with pt2e). Memory: per-channel sums only, accumulated batch by batch; a batch
+the per-channel means, the depths and the update are ``quantize.algorithms.bias_correction``'s (shared with pt2e). Memory: per-channel sums only, accumulated batch by batch; a batch
 whose fetched tensors would exceed ``calibrate.MEMORY_BUDGET`` runs in shorter slices.
 """
 
@@ -31,12 +31,14 @@ import onnx
 import onnx_ir as ir
 
 from quantship.inspect.read.feeds import Feed
-from quantship.quantize import bias_correction as shared
-from quantship.quantize.bias_correction import BiasCorrection, ChannelMeans, corrected_bias, layer_depths
+from quantship.quantize.algorithms.bias_correction import (
+    BiasCorrection,
+    ChannelMeans,
+    corrected_bias,
+    layer_depths,
+)
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo, exposing_session
 from quantship.quantize_onnx.normalize import fresh_initializer
-
-SAMPLES = shared.SAMPLES  # calibration samples the shift is measured on (one figure for both paths)
 
 
 @dataclass

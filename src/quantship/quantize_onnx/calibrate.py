@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from quantship.quantize.annotator import activation_observer
 from quantship.quantize_onnx.memory import MEMORY_BUDGET  # bytes of exposed tensors held at once
 
 OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
@@ -162,6 +161,8 @@ def shared_qparams(members: Sequence[TensorObserver], symmetric: bool) -> tuple[
 
 def observer_factory(name: str):
     """The observer class for an ``act_observer`` name: the PyTorch path's table, not a second one."""
+
+    from quantship.quantize.annotator import activation_observer  # torchao's observers: loaded to calibrate
 
     return activation_observer(name)
 

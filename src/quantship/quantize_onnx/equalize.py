@@ -20,7 +20,7 @@ between must have exactly one reader (another reader would see the rescaled chan
 The pass runs on the normalised float model (BatchNormalization already folded into the convs) as one
 more float pass of ``quantizer.normalise``, so its float outputs are proven unchanged within
 ``normalize.FLOAT_TOLERANCE`` in ONNX Runtime before any calibration. The channel arithmetic (ranges,
-scales) is ``quantize.equalize``'s, shared with the pt2e path.
+scales) is ``quantize.algorithms.equalize``'s, shared with the pt2e path.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from quantship.quantize.equalize import (
+from quantship.quantize.algorithms.equalize import (
     MAX_BETWEEN,
     MAX_SWEEPS,
     TOLERANCE,

@@ -39,9 +39,9 @@ from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import fidelity_reading, ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
-from quantship.quantize.weight_rounding import iterations_of as adaround_iterations
+from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, rounding, selection, target_forms
+from quantship.quantize_onnx import calibrate, normalize, place, selection, target_forms
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
@@ -376,7 +376,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
 
     if observer is not None and observer not in ACT_OBSERVERS:
         raise SpecRefused(f"observer={observer!r} is unknown; valid observers: {list(ACT_OBSERVERS)}")
-    learn_steps = adaround_iterations(adaround)
+    from quantship.quantize.algorithms.rounding import iterations_of  # torch: loaded when a file is made
+
+    learn_steps = iterations_of(adaround)
     if smooth_quant is not None:
         smoothing.check_alpha(smooth_quant)
     src = Path(float_path).expanduser()
@@ -432,12 +434,14 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
                             f"stored weight here{widened_note}; there is nothing to run as an integer kernel")
     if seq_mse or learn_steps:
+        from quantship.quantize_onnx import rounding
+
         algorithms.update(rounding.round_weights(
             model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, rounding.SAMPLES),
             info, placement.weight_bound, seq_mse=seq_mse, adaround_iterations=learn_steps))
     if bias_correction:
         algorithms["bias_correction"] = bias_correcting.correct(
-            model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, bias_correcting.SAMPLES),
+            model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, BIAS_SAMPLES),
             info).as_dict()
     del normal
     counts["kernel_shape_written"] = write_kernel_shapes(model)

@@ -1,6 +1,6 @@
 """Learned and searched weight rounding, in one sequential pass over the quantized layers: the
 sequential MSE scale search then AdaRound on each layer, whichever are on (the math both paths share:
-``quantize.weight_rounding``; here each layer is a ``weight_layers.WeightLayer``, its inputs the quantized
+``quantize.algorithms.rounding``; here each layer is a ``weight_layers.WeightLayer``, its inputs the quantized
 model's, earlier layers already rounded).
 Runs after the Q/DQ pairs are written and before bias correction (which then measures the rounded file)."""
 
@@ -13,7 +13,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.inspect.read.feeds import Feed
-from quantship.quantize import weight_rounding as rounding_math
+from quantship.quantize.algorithms import rounding as rounding_math
 from quantship.quantize_onnx import weight_layers
 from quantship.quantize_onnx.calibrate import TensorInfo
 

@@ -30,7 +30,7 @@ from quantship.errors import ExportRefused
 from quantship.fidelity import own_loss_db, sqnr_db
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
-from quantship.quantize.layer_error import LayerError, LayerErrorReport
+from quantship.quantize.algorithms.sensitivity import LayerError, LayerErrorReport
 from quantship.quantize_onnx import calibrate, place, selection
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable

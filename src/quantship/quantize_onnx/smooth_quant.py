@@ -42,7 +42,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantship.inspect.read.feeds import Feed
-from quantship.quantize.smooth_quant import MIN_RANGE, check_alpha
+from quantship.quantize.algorithms.smooth_quant import check_alpha, smoothing_scales
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, exposing_session
 from quantship.quantize_onnx.normalize import DEFAULT_DOMAINS, Pass, fresh_initializer
 
@@ -254,13 +254,7 @@ def _scales(group: _Group, x_range: np.ndarray, alpha: float) -> np.ndarray:
     for layer in group.layers:
         w = np.moveaxis(np.abs(_const(layer.weight)), layer.axis, 0)
         w_range = np.maximum(w_range, w.reshape(w.shape[0], -1).max(axis=1))
-    s = np.ones_like(w_range)
-    usable = (x_range > MIN_RANGE) & (w_range > MIN_RANGE)
-    s[usable] = x_range[usable].astype(np.float64) ** alpha / w_range[usable] ** (1.0 - alpha)
-    unread = (x_range > MIN_RANGE) & (w_range <= MIN_RANGE)  # no layer reads the channel: any s is exact
-    if unread.any() and usable.any():  # the formula's s is infinite; bring it to the median smoothed range
-        s[unread] = x_range[unread] / np.median(x_range[usable] / s[usable])
-    return s
+    return smoothing_scales(x_range, w_range, alpha)
 
 
 def _apply(graph: ir.Graph, group: _Group, s: np.ndarray) -> None:

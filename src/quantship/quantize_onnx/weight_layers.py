@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from quantship.inspect.read.feeds import Feed
-from quantship.quantize import weight_rounding as rounding_math
+from quantship.quantize.algorithms import rounding as rounding_math
 from quantship.quantize_onnx.bias_correction import assign_depths, reference_name, subgraph_session
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, TensorInfo
 
@@ -59,7 +59,7 @@ class WeightLayer:
         """A per-channel (or scalar) tensor shaped to multiply the weight."""
         return rounding_math.along_axis(per_channel, self.weight.ndim, self.axis)
 
-    # the surface ``quantize.weight_rounding`` reads (its RoundingLayer)
+    # the surface ``quantize.algorithms.rounding`` reads (its RoundingLayer)
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return forward(self, x, w)
 
