@@ -25,8 +25,8 @@ import torch
 from torch.fx import GraphModule
 
 from quantship.quantize.algorithms import rounding as rounding_math
-from quantship.quantize.annotator import WEIGHTED_OPS
 from quantship.quantize.algorithms.bias_correction import SAMPLES, layer_depths
+from quantship.quantize.annotator import WEIGHTED_OPS
 from quantship.quantize.bias_correction import Incremental, attribute, leading
 
 qd = torch.ops.quantized_decomposed
