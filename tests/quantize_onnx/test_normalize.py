@@ -106,3 +106,24 @@ def test_a_pass_that_changes_outputs_is_refused(monkeypatch):
     m = ir.from_proto(graphs.conv_relu_conv())
     with pytest.raises(ExportRefused, match="changed the outputs"):
         normalise(m, [{"x": graphs.images(2)}])
+
+
+def test_passes_run_on_onnx_irs_pass_manager_with_the_proof_in_ensures():
+    """One pass framework (issue 36): a normalisation pass is an onnx-ir pass whose ``ensures()`` holds the proof,
+    so a float pass beyond FLOAT_TOLERANCE is refused there, and the next pass never runs."""
+    from quantship.quantize_onnx.quantizer import ProvenPass
+
+    ran = []
+
+    def drifts(model: ir.Model) -> int:
+        conv = next(n for n in model.graph if n.op_type == "Conv")
+        conv.inputs[1].const_value = ir.tensor(conv.inputs[1].const_value.numpy() * 1.05)
+        return 1
+
+    passes = (normalize.Pass("drifts", drifts, "float", "test"), normalize.Pass("after", lambda m: ran.append(1) or 0,
+                                                                                "exact", "test"))
+    assert issubclass(ProvenPass, ir.passes.PassBase)
+    m = ir.from_proto(graphs.conv_relu_conv())
+    with pytest.raises(ExportRefused, match="drifts moved the outputs"):
+        normalise(m, [{"x": graphs.images(2)}], passes)
+    assert ran == []

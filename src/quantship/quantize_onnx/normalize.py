@@ -4,7 +4,8 @@ Every pass has one job and says how it is proven (``Pass.proof``): ``"exact"`` p
 byte-identical outputs in ONNX Runtime before and after on the calibration data; ``"float"`` passes
 (folding a BatchNormalization or a bias Add into the Conv before it, what every quantizer does
 before it quantizes a weight) change float rounding only and must agree to ``FLOAT_TOLERANCE``.
-``quantizer.normalise`` runs the list and refuses a pass that fails its proof. None of them renames a
+``quantizer.normalise`` runs the list on onnx-ir's pass manager (``quantizer.ProvenPass``: the proof is
+each pass's ``ensures()``) and refuses a pass that fails it. None of them renames a
 graph input or output, drops a dynamic dimension or removes an output.
 """
 

@@ -22,6 +22,7 @@ import onnx_ir as ir
 from quantship import targets
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
 from quantship.export import artifact
+from quantship.export.checks import run_passes
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import ALGORITHMS_KEY, add_file_metadata, algorithms_summary, write_metadata
 from quantship.export.ort_quantize import refuse_quantized
@@ -192,42 +193,57 @@ def first_feeds(feeds: Sequence[Feed], samples: int = PROOF_SAMPLES) -> list[Fee
     return chosen
 
 
-def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] | None = None
-              ) -> list[PassRecord]:
-    """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order, each proven on
-    the calibration data in ONNX Runtime (read literally): exact passes give the same bytes, float
-    passes agree within FLOAT_TOLERANCE."""
-    proof = first_feeds(feeds)
-    before = _run(_session(ir.to_proto(model)), proof)
-    records = []
-    for p in normalize.PASSES if passes is None else passes:
+class ProvenPass(ir.passes.InPlacePass):
+    """A ``normalize.Pass`` on onnx-ir's pass infrastructure: ``call`` rewrites, ``ensures`` proves the rewrite
+    on the calibration data in ONNX Runtime read literally (an ``"exact"`` pass gives the same bytes, a
+    ``"float"`` one agrees within ``normalize.FLOAT_TOLERANCE``), as ``export.checks.ExactPass`` does for the
+    export's rewrites. ``proof`` carries the feeds and the outputs before; ``records`` receives the pass."""
+
+    def __init__(self, p: normalize.Pass, proof: dict, records: list[PassRecord]):
+        self.p, self.proof, self.records, self.changes = p, proof, records, 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         try:
-            changes = p.run(model)
+            self.changes = self.p.run(model)
         except Exception as exc:  # a converter or an attribute the pass cannot read: the file is not supported
-            raise ExportRefused(f"normalisation pass {p.name} failed on the file: {cause(exc)}") from exc
-        if not changes:
-            records.append(PassRecord(p.name, 0, p.proof, None))
-            continue
+            raise ExportRefused(f"normalisation pass {self.p.name} failed on the file: {cause(exc)}") from exc
+        return ir.passes.PassResult(model, modified=bool(self.changes))
+
+    def ensures(self, model: ir.Model) -> None:
+        name, before = self.p.name, self.proof["before"]
+        if not self.changes:
+            self.records.append(PassRecord(name, 0, self.p.proof, None))
+            return
         try:
-            after = _run(_session(ir.to_proto(model)), proof)
+            after = _run(_session(ir.to_proto(model)), self.proof["feeds"])
         except Exception as exc:
-            raise ExportRefused(f"normalisation pass {p.name} broke the file (ONNX Runtime cannot run it: "
+            raise ExportRefused(f"normalisation pass {name} broke the file (ONNX Runtime cannot run it: "
                                 f"{cause(exc)})") from exc
         diffs = [_max_diff(a, b) for a, b in zip(before, after)]
         worst = max(diffs) if diffs else 0.0
-        if p.proof == "exact":
+        if self.p.proof == "exact":
             same = all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
                        for a, b in zip(before, after))
             if not same:
-                raise ExportRefused(f"normalisation pass {p.name} changed the outputs (max abs diff {worst:.3g}); "
+                raise ExportRefused(f"normalisation pass {name} changed the outputs (max abs diff {worst:.3g}); "
                                     "refusing to quantize a rewritten model that is not the same model")
         else:
             scale = max((float(np.abs(a).max()) for a in before if a.size and a.dtype.kind == "f"), default=1.0)
             if worst > normalize.FLOAT_TOLERANCE * max(scale, 1e-6):
-                raise ExportRefused(f"normalisation pass {p.name} moved the outputs by {worst:.3g} (tolerance "
+                raise ExportRefused(f"normalisation pass {name} moved the outputs by {worst:.3g} (tolerance "
                                     f"{normalize.FLOAT_TOLERANCE:g} x {scale:.3g})")
-        records.append(PassRecord(p.name, changes, p.proof, worst))
-        before = after
+        self.records.append(PassRecord(name, self.changes, self.p.proof, worst))
+        self.proof["before"] = after
+
+
+def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] | None = None
+              ) -> list[PassRecord]:
+    """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order with onnx-ir's pass
+    manager, each proven in its ``ensures()`` (``ProvenPass``); a refusal surfaces as itself."""
+    proof = {"feeds": first_feeds(feeds)}
+    proof["before"] = _run(_session(ir.to_proto(model)), proof["feeds"])
+    records: list[PassRecord] = []
+    run_passes([ProvenPass(p, proof, records) for p in (normalize.PASSES if passes is None else passes)], model)
     return records
 
 
