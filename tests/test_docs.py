@@ -4,12 +4,14 @@ Each runs as ``__main__`` with its command line, inside the test process: the im
 exporter's first-call set-up are paid once per suite rather than once per script. The ResNet-18
 walk-through runs in a fresh process instead (tests/test_fresh_process.py): it follows the seed's
 order, which only a fresh process can check. README.md's quick start runs here too, block by block
-(its python blocks and its `quantship` command lines); the code in docs/*.md is fragments of prose, not run.
+(its python blocks and its `quantship` command lines), and so does every code block of docs/*.md
+(``test_docs_code_blocks_run``); a synopsis of flags is a ```text block, not code.
 """
 
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,3 +79,53 @@ def test_readme_quick_start_runs(tmp_path, monkeypatch, capsys):
     assert "within the budget" in capsys.readouterr().out  # quantize_onnx's fidelity line, printed by the README
     for name in ("r18_int8.onnx", "r18.onnx", "r18_int8_ort.onnx", "r18_int8_api.onnx"):
         assert (tmp_path / name).is_file(), name
+
+
+def _doc_blocks(name: str) -> list[tuple[str, str]]:
+    return re.findall(r"^```(\w*)\n(.*?)^```", (DOCS / name).read_text(encoding="utf-8"), flags=re.S | re.M)
+
+
+def _commands(code: str) -> list[str]:
+    """A bash block's command lines, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    return [line.split(" #")[0].strip() for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+INSTALL = ("make ", "pip ")  # the set-up's lines: what `make test` itself ran
+RUNNABLE_DOCS = sorted(p.name for p in DOCS.glob("*.md")
+                       if any(lang in ("python", "bash") for lang, _ in _doc_blocks(p.name)))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the reference model predicts")  # random weights, as the page says
+@pytest.mark.parametrize("name", RUNNABLE_DOCS)
+def test_docs_code_blocks_run(name, tmp_path, monkeypatch):
+    """Each python block of a docs page runs, in order, in one namespace (a block whose first line is ``# f.py``
+    is that file, written for the commands after it); each command of its bash blocks runs as printed."""
+    from quantship.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    ran = 0
+    for lang, code in _doc_blocks(name):
+        if lang == "python" and re.match(r"# [\w.]+\.py\n", code):
+            (tmp_path / code.split("\n", 1)[0][2:]).write_text(code)
+        elif lang == "python":
+            exec(compile(code, f"docs/{name}", "exec"), namespace)
+            ran += 1
+        elif lang == "bash":
+            for line in _commands(code):
+                if line.startswith(INSTALL):
+                    continue
+                argv = shlex.split(line)
+                if argv[0] == "quantship":
+                    assert main(argv[1:]) == 0, f"docs/{name}: {line}"
+                elif argv[0] == "torchrun":
+                    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]],
+                                          capture_output=True, text=True, timeout=600)
+                    assert done.returncode == 0, done.stderr[-2000:]
+                else:
+                    pytest.fail(f"docs/{name}: a command the suite does not know how to run: {line}")
+                ran += 1
+    if name != "demo.md":  # demo.md's only block is the install's two make lines
+        assert ran >= 1, f"docs/{name} lost its code"
