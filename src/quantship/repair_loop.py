@@ -5,14 +5,10 @@ A front-end (the ONNX path's ``quantize_onnx.repair``, the PyTorch path's ``expo
 callables: ``attempt(what, options, excluded, wide)`` makes one whole file with those options, those
 nodes kept float and those in 16-bit activations, and returns its ``fidelity.Fidelity`` and the file (or
 None when that file cannot be made: the step is skipped, never fatal after step 0); ``order(artifact,
-options)`` ranks the nodes to change, most loss first, measured on that file. The steps:
-
-1. the file as asked;
-2. each algorithm step the front-end offers (``algorithm_steps``: a name and the options it changes), one
-   at a time; a step that raises the margin is kept for the steps after it;
-3. where the target allows a mixed graph (``mixed_refusal`` is None): the ranked nodes in growing
-   prefixes (1, 2, 4, ...), first in 16-bit activations where the target runs them (``sixteen``), then
-   in float; once a float prefix keeps the budget, bisection finds the fewest float nodes that still do.
+options)`` ranks the nodes to change, most loss first, measured on that file. On ``search_engine``, score = the
+margin: the file as asked; each algorithm step the front-end offers (``try_options``: a name and the options
+it changes; one that raises the margin is kept); where the target allows a mixed graph (``mixed_refusal`` is
+None), the fewest ranked nodes in 16-bit (``sixteen``) or in float that keep the budget (``fewest_nodes``).
 
 Imports no front-end: numpy-free, torch-free, onnx-free.
 """
@@ -106,15 +102,14 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
             if mixed_refusal is not None:
                 engine.stopped = mixed_refusal
             elif order is not None:
-                record.order = [n for n in order(engine.file(engine.best), engine.best.options)
+                record.order = [n for n in order(engine.best.artifact, engine.best.options)
                                 if n not in base and n not in base_wide]
                 if record.order:
                     fewest_nodes(engine, record.order, sixteen=sixteen)
                 else:
                     engine.stopped = "no node loses signal of its own in the per-node report"
-    names = [n for n, _ in algorithm_steps]
-    record.steps = [RepairStep(s.what, tuple(n for n in names if _applies(algorithm_steps, n, s.options)), s.excluded,
-                               s.wide, s.measured.sqnr_db, s.measured.worst.agreement, s.measured.margin,
+    record.steps = [RepairStep(s.what, tuple(n for n, change in algorithm_steps if change.items() <= s.options.items()),
+                               s.excluded, s.wide, s.measured.sqnr_db, s.measured.worst.agreement, s.measured.margin,
                                s.measured.status, s.seconds) for s in engine.steps]
     record.stopped = engine.stopped
     chosen = first if first.measured.status != MISSED else engine.fewest(
@@ -128,8 +123,5 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
             "nodes that lose the signal float (--exclude), or lower the budget (--min-sqnr / --min-agreement) "
             "if the task allows it", record.as_dict())
     record.chosen = engine.steps.index(chosen)
-    return record, engine.file(chosen)
+    return record, chosen.artifact
 
-
-def _applies(algorithm_steps: Sequence[tuple[str, dict]], name: str, options: dict) -> bool:
-    return all(options.get(k) == v for n, change in algorithm_steps if n == name for k, v in change.items())

@@ -15,12 +15,13 @@ Imports no front-end: numpy-, torch- and onnx-free.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantship.errors import QuantshipError
+from quantship.errors import DataRefused, QuantshipError
 from quantship.intervals import wilson_interval
 from quantship.progress import step as progress_step
 
@@ -38,36 +39,22 @@ class Step:
     excluded: tuple
     wide: tuple
     measured: Any
+    artifact: Any
     score: float
     met: bool
     seconds: float
     kept: bool = False
-
-    def as_dict(self) -> dict:
-        return {"what": self.what, "excluded": list(self.excluded), "int16": list(self.wide), "score": self.score,
-                "met": self.met, "kept": self.kept, "seconds": round(self.seconds, 2)}
-
-
-def higher(candidate: Step, best: Step) -> bool:
-    """The default accept rule: a higher score."""
-    return candidate.score > best.score
-
-
-def always(candidate: Step, best: Step) -> bool:
-    """The cumulative rule of the accuracy search: each node stays in the form chosen for it."""
-    return True
 
 
 class Engine:
     """Runs the steps a strategy asks for, and keeps the record (see the module docstring)."""
 
     def __init__(self, attempt: Attempt, *, score: Callable[[Any], float], goal: Callable[[Any], bool],
-                 accept: Callable[[Step, Step], bool] = higher, max_steps: int | None = None, label: str = "search",
-                 describe: Callable[[Any], str] = str, log: Callable[[str], None] = lambda _: None):
+                 accept: Callable[[Step, Step], bool] = lambda c, best: c.score > best.score,
+                 max_steps: int | None = None, label: str = "search", describe: Callable[[Any], str] = str, log: Callable[[str], None] = lambda _: None):
         self.attempt, self.score, self.goal, self.accept = attempt, score, goal, accept
         self.max_steps, self.label, self.describe, self.log = max_steps, label, describe, log
         self.steps: list[Step] = []
-        self.files: list[Any] = []
         self.tried = 0  # files asked for, those that gave none included
         self.best: Step | None = None
         self.stopped: str | None = None
@@ -89,10 +76,9 @@ class Engine:
             self.log(f"{self.label}: {what} gives no file")
             return None
         measured, artifact = made
-        step = Step(what, dict(options), tuple(excluded), tuple(wide), measured, float(self.score(measured)),
+        step = Step(what, dict(options), tuple(excluded), tuple(wide), measured, artifact, float(self.score(measured)),
                     bool(self.goal(measured)), time.perf_counter() - started)
         self.steps.append(step)
-        self.files.append(artifact)
         if self.best is None:
             step.kept, self.best = True, step
         self.log(f"{self.label}: step {k}, {what}: {self.describe(measured)}")
@@ -104,9 +90,6 @@ class Engine:
             return False
         step.kept, self.best = True, step
         return True
-
-    def file(self, step: Step) -> Any:
-        return self.files[self.steps.index(step)]
 
     def fewest(self, key: Callable[[Step], tuple] = lambda s: (len(s.excluded), len(s.wide))) -> Step | None:
         """The step that keeps the goal with the fewest changes (the earliest on ties), or None."""
@@ -154,11 +137,7 @@ def node_by_node(engine: Engine, nodes: Sequence[str], *, sixteen: bool = False,
 
 def prefix_sizes(n: int) -> list[int]:
     """1, 2, 4, ... below ``n``, then ``n``."""
-    sizes, k = [], 1
-    while k < n:
-        sizes.append(k)
-        k *= 2
-    return [*sizes, n] if n else []
+    return [*(1 << i for i in range(max(n - 1, 0).bit_length())), n] if n else []
 
 
 def fewest_nodes(engine: Engine, ranked: Sequence[str], *, sixteen: bool = False) -> None:
@@ -256,10 +235,6 @@ class MetricSearch:
                 return s
         return max(self.steps, key=lambda s: (s.metric, -len(s.excluded), -len(s.int16)))
 
-    def budget(self) -> str:
-        return f"{self.max_drop:g} point(s) of {self.metric_name}" if self.metric_name == TOP1 else \
-            f"{self.max_drop:g} ({self.metric_name})"
-
     def as_dict(self) -> dict:
         return {"metric": self.metric_name, "float": self.float_step.as_dict(), "max_drop": self.max_drop,
                 "met": self.met, "order": list(self.order),
@@ -282,6 +257,16 @@ class MetricSearch:
                          for i, s in enumerate(self.steps))
 
 
+def metric_step(excluded: tuple, wide: tuple, value: float | None = None, counts: tuple[int, int] | None = None
+                ) -> MetricStep:
+    """A scored step: top-1 in percent from ``counts`` (correct, n), else a metric's ``value`` (finite)."""
+    if counts is not None:
+        return MetricStep(excluded, 100.0 * counts[0] / counts[1], *counts, int16=wide)
+    if not math.isfinite(value):
+        raise DataRefused(f"the metric gave {value}: it must return a finite number")
+    return MetricStep(excluded, float(value), int16=wide)
+
+
 class BudgetMissed(QuantshipError):
     """No step of a labelled search met the budget; ``.search`` holds every step. Nothing was written."""
 
@@ -298,23 +283,24 @@ def metric_search(attempt: Attempt, record: MetricSearch, order: Callable[[Any],
     ``record``'s budget, each node kept in its better form (``node_by_node``) until one step keeps it.
     ``base``: the nodes kept float and in 16-bit in every step. ``order(step 0's artifact)`` ranks the nodes; ``max_nodes`` bounds the nodes tried, ``max_steps`` the files.
     Fills ``record``; returns the chosen artifact, or raises ``BudgetMissed`` (ending with ``advice``)."""
-    engine = Engine(attempt, score=lambda m: m.metric, goal=record.within, accept=always, max_steps=max_steps,
+    engine = Engine(attempt, score=lambda m: m.metric, goal=record.within, accept=lambda c, b: True, max_steps=max_steps,
                     label="accuracy search", log=log, describe=lambda m: f"{m.forms()}: {record.metric_name} "
                     f"{m.describe()} (float {record.float_step.describe()}, drop {record.drop(m):+.3g})")
     first = engine.step("as asked", {}, *base)
     if not first.met and max_steps != 0 and max_nodes != 0:
         with progress_step("accuracy search: the nodes' order"):
-            record.order = [n for n in order(engine.file(first)) if n not in first.excluded and n not in first.wide]
+            record.order = [n for n in order(first.artifact) if n not in first.excluded and n not in first.wide]
         node_by_node(engine, record.order[:max_nodes], sixteen=sixteen, skip=skip)
     record.steps = [s.measured for s in engine.steps]
     if record.refused is None and engine.stopped and not engine.stopped.startswith("--max-steps"):
         record.refused = engine.stopped
     if record.met:
-        return engine.files[record.steps.index(record.chosen)]
+        return engine.steps[record.steps.index(record.chosen)].artifact
     best = record.chosen
     stopped = f"; stopped: {record.refused}" if record.refused else ""
+    budget = f"{record.max_drop:g} point(s) of" if record.metric_name == TOP1 else f"{record.max_drop:g}"
     raise BudgetMissed(
-        f"no exclusion set met the budget of {record.budget()}: float {record.float_step.describe()}; the best found "
+        f"no exclusion set met the budget of {budget} ({record.metric_name}): float {record.float_step.describe()}; the best found "
         f"keeps {list(best.excluded) or 'nothing'} in float{' and ' + str(list(best.int16)) + ' in 16-bit' if best.int16 else ''}"
         f" and scores {best.describe()} (drop {record.drop(best):+.3g}) after {len(record.steps)} quantization(s) "
         f"[{record.summary()}]{stopped}; nothing written. {advice}", record)

@@ -19,7 +19,7 @@ from quantship.errors import DataRefused
 from quantship.precision import under_modules
 from quantship.progress import step as progress_step
 from quantship.quantize.layer_error import layer_error
-from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search
+from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search, metric_step
 
 AccuracyBudgetMissed = BudgetMissed  # the name this path had
 SearchStep = MetricStep
@@ -28,21 +28,10 @@ SearchStep = MetricStep
 class AccuracySearch(MetricSearch):
     """The labelled search of the PyTorch path; for top-1, the counts in the names this path had."""
 
-    @property
-    def n(self) -> int | None:
-        return self.float_step.n
-
-    @property
-    def fp32_correct(self) -> int | None:
-        return self.float_step.correct
-
-    @property
-    def max_drop_points(self) -> float:
-        return self.max_drop
-
-    def drop_points(self, step: MetricStep) -> float:
-        """The metric lost against FP32 by ``step`` (top-1: percentage points; negative: a gain)."""
-        return self.drop(step)
+    n = property(lambda self: self.float_step.n)
+    fp32_correct = property(lambda self: self.float_step.correct)
+    max_drop_points = property(lambda self: self.max_drop)
+    drop_points = MetricSearch.drop  # the metric lost against FP32 (top-1: percentage points)
 
     def as_dict(self) -> dict[str, Any]:
         return super().as_dict() | {"fp32_correct": self.fp32_correct, "n": self.n, "max_drop_points": self.max_drop}
@@ -81,24 +70,15 @@ def count_correct(model: Callable, batches: Sequence[tuple[torch.Tensor, torch.T
 
 def sensitivity_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
     """Module names to keep in float, most sensitive first (lowest SQNR of the layer output)."""
-
-    report = layer_error(model, quantized, list(batches))
-    names: list[str] = []
-    for row in sorted(report.rows, key=lambda r: r.sqnr_db):
-        if row.module and row.module not in names:
-            names.append(row.module)
-    return names
+    rows = sorted(layer_error(model, quantized, list(batches)).rows, key=lambda r: r.sqnr_db)
+    return list(dict.fromkeys(r.module for r in rows if r.module))
 
 
 def own_loss_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
     """Module names to keep in float for the fidelity repair, the layer that loses the most signal itself
     first (``LayerError.own_loss_db``: a layer that only carries an upstream loss does not rank)."""
-    report = layer_error(model, quantized, list(batches))
-    names: list[str] = []
-    for row in sorted(report.rows, key=lambda r: (-r.own_loss_db, r.order)):
-        if row.module and row.own_loss_db > 0 and row.module not in names:
-            names.append(row.module)
-    return names
+    rows = sorted(layer_error(model, quantized, list(batches)).rows, key=lambda r: (-r.own_loss_db, r.order))
+    return list(dict.fromkeys(r.module for r in rows if r.module and r.own_loss_db > 0))
 
 
 def search(
@@ -112,14 +92,11 @@ def search(
     max_steps: int | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> tuple[torch.nn.Module, AccuracySearch]:
-    """The labelled search (``search_engine.metric_search``) on a PyTorch model; ``quantize(excluded)``
-    returns the model quantized with those modules in float. The metric: top-1 on ``labelled`` ((x, y)
-    batches; ``max_drop_points`` in percentage points), or ``metric(model) -> float``, higher is better
-    (e.g. mAP, F1, negative WER; ``max_drop_points`` in its units; ``labelled`` may then be None).
-    ``inputs``: the batches the per-layer order runs on without ``labelled``.
-    ``max_steps`` bounds the quantizations after step 0. Returns the chosen quantized model and the
-    search; raises ``AccuracyBudgetMissed`` when no step fits the budget.
-    """
+    """The labelled search on a PyTorch model; ``quantize(excluded)`` returns it quantized with those modules
+    in float. The metric: top-1 on ``labelled`` ((x, y) batches, the budget in points), or ``metric(model)
+    -> float``, higher is better (mAP, F1, negative WER...; the budget in its units; ``inputs``: the batches
+    the layers are ranked on without ``labelled``). ``max_steps`` bounds the quantizations after step 0.
+    Returns the chosen model and the search; raises ``AccuracyBudgetMissed`` when no step fits."""
     if not isinstance(max_drop_points, (int, float)) or isinstance(max_drop_points, bool) or max_drop_points < 0:
         raise DataRefused(f"max_accuracy_drop={max_drop_points!r}: give a budget in percentage points, >= 0")
     if labelled is None and metric is None:
@@ -131,13 +108,8 @@ def search(
 
     def score(candidate: Callable, excluded: tuple[str, ...] = ()) -> MetricStep:
         if metric is not None:
-            value = float(metric(candidate))
-            if value != value or abs(value) == float("inf"):
-                raise DataRefused(f"the metric gave {value}: it must return a finite number")
-            return MetricStep(excluded, value)
-        n = sum(len(y) for _, y in batches)
-        correct = count_correct(candidate, batches)
-        return MetricStep(excluded, 100.0 * correct / n, correct, n)
+            return metric_step(excluded, (), float(metric(candidate)))
+        return metric_step(excluded, (), counts=(count_correct(candidate, batches), sum(len(y) for _, y in batches)))
 
     with progress_step("accuracy search: the metric of FP32"):
         result = AccuracySearch(TOP1 if metric is None else getattr(metric, "__name__", "metric"), score(model),

@@ -1,23 +1,18 @@
-"""Accuracy search on an ONNX file: give the most sensitive nodes 16-bit activations, or keep them in
-float, until the metric of the written file fits a budget: the ONNX front-end of the labelled search
-(``search_engine.metric_search``; the PyTorch path's is ``quantize.accuracy``).
+"""Accuracy search on an ONNX file: the ONNX front-end of the labelled search (``search_engine.metric_search``;
+the PyTorch path's is ``quantize.accuracy``): give the most sensitive nodes 16-bit activations, or keep them
+in float, until the metric of the written file fits a budget.
 
-``search_onnx`` quantizes with nothing more kept in float (step 0) and measures the metric of the
-written file in ONNX Runtime at its default optimizations (what a user runs). If the drop against
-the float file is over ``max_drop``, the per-node SQNR report (``sensitivity.node_sqnr``, on step 0's
-file) orders the nodes worst first. For each node in turn, where the target runs 16-bit activations
-(``int16.runs_int16``), a step first gives it 16-bit activations (``int16``), then, if that misses
-the budget, a step keeps it in float (``exclude``); the node keeps whichever form scored higher for the
-next nodes' steps (float on a tie: ONNX Runtime's CPU kernels have no 16-bit form, so a 16-bit node runs
-a float kernel plus its 16-bit Q/DQ pairs; bench/int16.py measured it no faster than float at batch 1). It stops at the first step within the budget. Every step is
-quantized into a temporary folder beside ``out_path``; only the accepted file is moved there. When
-no step fits, ``OnnxBudgetMissed`` names the best set and every step, and nothing is written.
+Each step's file is measured in ONNX Runtime at its default optimizations (what a user runs); the
+per-node SQNR report (``sensitivity.node_sqnr``, on step 0's file) orders the nodes worst first; 16-bit
+is tried first where the target runs it (``int16.runs_int16``), and float wins a tie (ONNX Runtime's
+CPU kernels have no 16-bit form: bench/int16.py measured a 16-bit node no faster than float at batch 1).
+Every step is quantized into a temporary folder beside ``out_path``; only the accepted file is moved
+there. When no step fits, ``OnnxBudgetMissed`` names the best set and every step; nothing is written.
 
 The metric: top-1 on labelled data (``labelled=(x, y)``: a percentage, so ``max_drop`` is in
-percentage points, each step with its Wilson 95% interval), or any ``metric(run) -> float`` for tasks
-that are not top-1, where ``run(inputs)`` runs the file (``inputs``: an array for a single-input
-file, else a dict by input name) and returns its outputs; higher is better, and ``max_drop`` is in
-the metric's own units.
+percentage points, each step with its Wilson 95% interval), or any ``metric(run) -> float`` (higher is
+better, ``max_drop`` in its units), where ``run(inputs)`` runs the file (``inputs``: an array for a
+single-input file, else a dict by input name) and returns its outputs.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
-from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search
+from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search, metric_step
 from quantship.targets import Target
 
 Run = Callable[[Any], list[np.ndarray]]
@@ -74,8 +69,9 @@ def top1(run: Run, x: np.ndarray, y: np.ndarray, batch_size: int, fixed_batch: i
     return correct, len(y)
 
 
-def _scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Run], float] | None,
-            batch_size: int) -> tuple[str, Callable[[Path], OnnxSearchStep]]:
+def scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Run], float] | None,
+           batch_size: int) -> tuple[str, Callable[..., OnnxSearchStep]]:
+    """The metric's name and ``score(path, excluded=(), wide=())``: the file's top-1 on ``labelled``, or ``metric``."""
     if (labelled is None) == (metric is None):
         raise DataRefused("give the search one metric: labelled=(x, y) for top-1, or metric=callable(run) -> float")
     if labelled is not None:
@@ -84,20 +80,13 @@ def _scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Ru
             raise DataRefused(f"labelled data: x has {len(x)} sample(s) and y shape {list(y.shape)} ({y.dtype}); "
                               "give y as one integer class index per sample")
 
-        def score(path: Path, excluded: tuple[str, ...] = (), wide: tuple[str, ...] = ()) -> OnnxSearchStep:
-            run, _, fixed = file_runner(path)
-            correct, n = top1(run, x, y, batch_size, fixed)
-            return OnnxSearchStep(excluded, 100.0 * correct / n, correct, n, wide)
+    def score(path: Path, excluded: tuple[str, ...] = (), wide: tuple[str, ...] = ()) -> OnnxSearchStep:
+        run, _, fixed = file_runner(path)
+        if metric is not None:
+            return metric_step(excluded, wide, float(metric(run)))
+        return metric_step(excluded, wide, counts=top1(run, x, y, batch_size, fixed))
 
-        return TOP1, score
-
-    def score_metric(path: Path, excluded: tuple[str, ...] = (), wide: tuple[str, ...] = ()) -> OnnxSearchStep:
-        value = float(metric(file_runner(path)[0]))
-        if not np.isfinite(value):
-            raise DataRefused(f"the metric gave {value} on {path.name}: it must return a finite number")
-        return OnnxSearchStep(excluded, value, int16=wide)
-
-    return getattr(metric, "__name__", "metric"), score_metric
+    return (TOP1 if metric is None else getattr(metric, "__name__", "metric")), score
 
 
 def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
@@ -108,21 +97,17 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 smooth_quant: float | None = None, seq_mse: bool = False, adaround: bool | int = False,
                 int16: Iterable[str] = (), try_int16: bool = True,
                 log: Callable[[str], None] = lambda _: None) -> tuple[OnnxQuantizeResult, OnnxSearch]:
-    """Quantize ``float_path`` for ``target`` keeping the fewest nodes in float whose file loses at most
-    ``max_drop`` of the metric (see the module docstring); write it at ``out_path``.
-
-    ``exclude`` / ``int16``: nodes kept in float / with 16-bit activations in every step (the search adds
-    to them). ``try_int16``: try 16-bit before float for each node (where the target runs it).
-    ``equalize`` / ``bias_correction`` / ``smooth_quant`` / ``seq_mse`` / ``adaround``: as
-    ``quantize_onnx_file``'s, in every step. ``max_steps``: at most that many candidate nodes after step 0,
-    each one or two steps (None: every candidate node). Returns the accepted file's
-    ``OnnxQuantizeResult`` and the search; raises ``OnnxBudgetMissed`` (nothing written) when no step fits.
+    """Quantize ``float_path`` for ``target`` with the fewest nodes changed whose file loses at most ``max_drop``
+    of the metric (module docstring); write ``out_path``. ``exclude`` / ``int16``: nodes in float / 16-bit in
+    every step; ``try_int16``: 16-bit before float (where the target runs it); the algorithm options as
+    ``quantize_onnx_file``'s, in every step; ``max_steps``: at most that many candidate nodes after step 0
+    (None: all). Returns the file's ``OnnxQuantizeResult`` and the search, or raises ``OnnxBudgetMissed``.
     """
     if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:
         raise DataRefused(f"max_drop={max_drop!r}: give the budget as a number >= 0 (top-1: percentage points)")
     if max_steps is not None and max_steps < 0:
         raise DataRefused(f"max_steps={max_steps!r}: give a number of steps >= 0, or None for every candidate")
-    name, score = _scorer(labelled, metric, batch_size)
+    name, score = scorer(labelled, metric, batch_size)
     src = Path(float_path).expanduser()
     final = artifact.refuse_unsafe_destination(out_path, (src,))
     options = dict(target=target, observer=observer, per_tensor=per_tensor, equalize=equalize,

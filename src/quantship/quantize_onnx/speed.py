@@ -267,32 +267,27 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         sessions: dict[Path, Any] = {}
 
         def attempt(what: str, _: dict, excluded: tuple, wide: tuple) -> tuple[SpeedStep, Path] | None:
-            kind = what.split()[0]
+            kind, fastest = what.split()[0], [engine.best.artifact] if engine.best else []
             try:
                 done = quantized(excluded)
             except ExportRefused as exc:  # e.g. nothing left to run as an integer kernel
-                if kind == "start":
+                if not fastest:
                     raise
                 search.steps.append(SpeedStep(kind, excluded, {}, {}, False, one_line(exc)))
                 return None
-            if kind == "start":
-                search.candidates = list(done.plan["weighted_nodes"])
-                ms = _time([done.path], feeds, seconds, sessions)[0]
-                search.steps.append(SpeedStep(kind, excluded, ms, ms, True))
-                return search.steps[-1], done.path
-            fastest = engine.file(engine.best)
-            current, against = _time([done.path, fastest], feeds, seconds, sessions)
-            kept = faster(current, against)
-            sessions.pop(done.path if not kept else fastest, None)  # only the fastest file's session is kept
-            search.steps.append(SpeedStep(kind, excluded, current, against, kept))
+            search.candidates = search.candidates or list(done.plan["weighted_nodes"])
+            current, *against = _time([done.path, *fastest], feeds, seconds, sessions)
+            kept = not fastest or faster(current, against[0])
+            if fastest:  # only the fastest file's session is kept
+                sessions.pop(done.path if not kept else fastest[0], None)
+            search.steps.append(SpeedStep(kind, excluded, current, against[0] if fastest else current, kept))
             return search.steps[-1], done.path
 
         def describe(s: SpeedStep) -> str:
             if s.kind == "start":
                 return (f"on {search.cpu}, {len(search.candidates)} weighted op(s) as integer kernels: "
                         + ", ".join(f"b{b} {v:.3g} ms" for b, v in s.ms.items()))
-            return (f"{len(s.excluded) - len(base)} op(s) float: {s.gain:.3f}x the fastest so far"
-                    f"{' (kept)' if s.kept else ''}")
+            return f"{len(s.excluded) - len(base)} op(s) float: {s.gain:.3f}x the fastest so far{' (kept)' * s.kept}"
 
         engine = Engine(attempt, score=lambda s: s.gain, goal=lambda s: False, accept=lambda c, b: c.measured.kept,
                         max_steps=max_steps, label="speed search", describe=describe, log=log)
@@ -309,7 +304,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
             if not engine.left():
                 break
             engine.consider(engine.step(f"single {node}", {}, (*best, node)))
-        best, best_path, start_path = engine.best.excluded, engine.file(engine.best), engine.file(start)
+        best, best_path, start_path = engine.best.excluded, engine.best.artifact, start.artifact
         with progress_step("speed search: the final reading"):
             if best_path == start_path:
                 fp32, first = _time([src, start_path], feeds, 2 * seconds)
