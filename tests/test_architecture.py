@@ -2,7 +2,7 @@
 
 Layers, lowest first (docs/layout.md): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
 ``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision`` and
-``fidelity``; ``targets`` (one module per runtime) and ``repair_loop``; ``quantize`` and ``inspect`` (neither
+``fidelity`` and ``search_engine``; ``targets`` (one module per runtime) and ``repair_loop``; ``quantize`` and ``inspect`` (neither
 imports the other); ``export``; ``quantize_onnx``; ``examples``;
 ``cli`` on top; nothing imports ``cli``. Inside ``inspect``, three jobs, lowest first: ``read`` (a file),
 ``run`` (it, in runtimes), ``judge`` (it, for a target); every module of ``inspect`` lives in one of them.
@@ -29,8 +29,9 @@ LAYERS: dict[str, int] = {
                      "quantship.report_json", "quantship.intervals"), 1),
     "quantship.precision": 2,
     "quantship.fidelity": 2,  # the one judgement of outputs against FP32: numpy, errors and intervals only
+    "quantship.search_engine": 2,  # one greedy search for the repair, the accuracy and the speed search: no front-end
     "quantship.targets": 3,  # one module per runtime: precision only
-    "quantship.repair_loop": 3,  # the fidelity repair, once for both front-ends: fidelity and progress only
+    "quantship.repair_loop": 3,  # the fidelity repair, once for both front-ends: fidelity and the search engine
     "quantship.quantize": 4,
     "quantship.inspect": 4,
     "quantship.export": 5,

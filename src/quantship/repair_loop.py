@@ -5,14 +5,10 @@ A front-end (the ONNX path's ``quantize_onnx.repair``, the PyTorch path's ``expo
 callables: ``attempt(what, options, excluded, wide)`` makes one whole file with those options, those
 nodes kept float and those in 16-bit activations, and returns its ``fidelity.Fidelity`` and the file (or
 None when that file cannot be made: the step is skipped, never fatal after step 0); ``order(artifact,
-options)`` ranks the nodes to change, most loss first, measured on that file. The steps:
-
-1. the file as asked;
-2. each algorithm step the front-end offers (``algorithm_steps``: a name and the options it changes), one
-   at a time; a step that raises the margin is kept for the steps after it;
-3. where the target allows a mixed graph (``mixed_refusal`` is None): the ranked nodes in growing
-   prefixes (1, 2, 4, ...), first in 16-bit activations where the target runs them (``sixteen``), then
-   in float; once a float prefix keeps the budget, bisection finds the fewest float nodes that still do.
+options)`` ranks the nodes to change, most loss first, measured on that file. On ``search_engine``, score = the
+margin: the file as asked; each algorithm step the front-end offers (``try_options``: a name and the options
+it changes; one that raises the margin is kept); where the target allows a mixed graph (``mixed_refusal`` is
+None), the fewest ranked nodes in 16-bit (``sixteen``) or in float that keep the budget (``fewest_nodes``).
 
 Imports no front-end: numpy-free, torch-free, onnx-free.
 """
@@ -20,14 +16,13 @@ Imports no front-end: numpy-free, torch-free, onnx-free.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from quantship.errors import FidelityMissed
 from quantship.fidelity import MET, MISSED, Budget, Fidelity
-from quantship.progress import step as progress_step
+from quantship.search_engine import Engine, fewest_nodes, try_options
 
 METADATA_KEY = "quantship.repair"  # the record a repaired file carries in its metadata_props
 Attempt = Callable[[str, dict, tuple, tuple], "tuple[Fidelity, Any] | None"]
@@ -89,46 +84,6 @@ class Repair:
                 "steps": [s.as_dict() for s in self.steps]}
 
 
-def _prefix_sizes(n: int) -> list[int]:
-    sizes, k = [], 1
-    while k < n:
-        sizes.append(k)
-        k *= 2
-    return [*sizes, n] if n else []
-
-
-class _Loop:
-    def __init__(self, attempt: Attempt, budget: Budget, algorithm_steps: Sequence[tuple[str, dict]],
-                 max_steps: int | None, log: Callable[[str], None]):
-        self.attempt_file, self.algorithm_steps, self.max_steps, self.log = attempt, algorithm_steps, max_steps, log
-        self.record = Repair(budget)
-        self.files: list[Any] = []
-
-    def names(self, options: dict) -> tuple[str, ...]:
-        return tuple(n for n, change in self.algorithm_steps if all(options.get(k) == v for k, v in change.items()))
-
-    def left(self) -> bool:
-        if self.max_steps is not None and len(self.record.steps) - 1 >= self.max_steps:
-            self.record.stopped = f"--max-steps {self.max_steps} reached"
-            return False
-        return True
-
-    def attempt(self, what: str, options: dict, excluded: tuple, wide: tuple) -> RepairStep | None:
-        k = len(self.record.steps)
-        started = time.perf_counter()
-        with progress_step(f"fidelity: step {k} ({what})"):
-            made = self.attempt_file(what, options, excluded, wide)
-        if made is None:
-            return None
-        fidelity, artifact = made
-        step = RepairStep(what, self.names(options), excluded, wide, fidelity.sqnr_db, fidelity.worst.agreement,
-                          fidelity.margin, fidelity.status, time.perf_counter() - started)
-        self.record.steps.append(step)
-        self.files.append(artifact)
-        self.log(f"fidelity: step {k}, {step.describe()}")
-        return step
-
-
 def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (), base_wide: tuple = (),
            algorithm_steps: Sequence[tuple[str, dict]] = (), order: Order | None = None,
            mixed_refusal: str | None = None, sixteen: bool = False, enabled: bool = True,
@@ -136,67 +91,37 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
     """Run the steps (module docstring) until a file keeps ``budget``; returns the record and the chosen
     file. ``enabled=False``: step 0 judged only. Raises ``FidelityMissed`` when no file keeps the budget
     (the front-end then writes nothing)."""
-    loop = _Loop(attempt, budget, algorithm_steps, max_steps, log)
-    record = loop.record
-    first = loop.attempt("as asked", dict(options), base, base_wide)
-    best_opts, best = dict(options), first
-    if first.status == MISSED and enabled:
-        for name, change in algorithm_steps:
-            if best.status == MET or not loop.left():
-                break
-            if all(best_opts.get(k) == v for k, v in change.items()):
-                continue  # asked for already
-            opts = {**best_opts, **change}
-            step = loop.attempt(name, opts, base, base_wide)
-            if step is not None and step.margin > best.margin:
-                best_opts, best = opts, step
-        if best.status == MISSED and loop.left():
+    engine = Engine(attempt, score=lambda f: f.margin, goal=lambda f: f.status == MET, max_steps=max_steps,
+                    label="fidelity", log=log, describe=lambda f: f"SQNR {f.sqnr_db:.1f} dB" + (
+                        f", agreement {f.worst.agreement:.3f}" if f.worst.agreement is not None else "") + f" ({f.status})")
+    record = Repair(budget)
+    first = engine.step("as asked", options, base, base_wide)
+    if first.measured.status == MISSED and enabled:
+        try_options(engine, algorithm_steps)
+        if not engine.best.met and engine.left():
             if mixed_refusal is not None:
-                record.stopped = mixed_refusal
+                engine.stopped = mixed_refusal
             elif order is not None:
-                _by_nodes(loop, order(loop.files[record.steps.index(best)], best_opts), best_opts, base, base_wide,
-                          sixteen)
-    if first.status != MISSED:
-        record.chosen = 0
-    else:
-        met = [k for k, s in enumerate(record.steps) if s.status == MET]
-        if not met:
-            if record.stopped is None:
-                record.stopped = "every step tried" if enabled else "repair off (--no-repair)"
-            raise FidelityMissed(
-                f"no file kept the fidelity budget ({budget.describe()}): {record.summary()}; stopped: "
-                f"{record.stopped}; nothing written. Give more or more representative calibration data, keep the "
-                "nodes that lose the signal float (--exclude), or lower the budget (--min-sqnr / --min-agreement) "
-                "if the task allows it", record.as_dict())
-        record.chosen = min(met, key=lambda k: (len(record.steps[k].excluded), len(record.steps[k].int16),
-                                                len(record.steps[k].algorithms), k))
-    return record, loop.files[record.chosen]
+                record.order = [n for n in order(engine.best.artifact, engine.best.options)
+                                if n not in base and n not in base_wide]
+                if record.order:
+                    fewest_nodes(engine, record.order, sixteen=sixteen)
+                else:
+                    engine.stopped = "no node loses signal of its own in the per-node report"
+    record.steps = [RepairStep(s.what, tuple(n for n, change in algorithm_steps if change.items() <= s.options.items()),
+                               s.excluded, s.wide, s.measured.sqnr_db, s.measured.worst.agreement, s.measured.margin,
+                               s.measured.status, s.seconds) for s in engine.steps]
+    record.stopped = engine.stopped
+    chosen = first if first.measured.status != MISSED else engine.fewest(
+        lambda s: (len(s.excluded), len(s.wide), len(record.steps[engine.steps.index(s)].algorithms)))
+    if chosen is None:
+        if record.stopped is None:
+            record.stopped = "every step tried" if enabled else "repair off (--no-repair)"
+        raise FidelityMissed(
+            f"no file kept the fidelity budget ({budget.describe()}): {record.summary()}; stopped: "
+            f"{record.stopped}; nothing written. Give more or more representative calibration data, keep the "
+            "nodes that lose the signal float (--exclude), or lower the budget (--min-sqnr / --min-agreement) "
+            "if the task allows it", record.as_dict())
+    record.chosen = engine.steps.index(chosen)
+    return record, chosen.artifact
 
-
-def _by_nodes(loop: _Loop, ranked: list, opts: dict, base: tuple, base_wide: tuple, sixteen: bool) -> None:
-    record = loop.record
-    record.order = [n for n in ranked if n not in base and n not in base_wide]
-    if not record.order:
-        record.stopped = "no node loses signal of its own in the per-node report"
-        return
-    missed, hit = 0, None
-    for k in _prefix_sizes(len(record.order)):
-        nodes = tuple(record.order[:k])
-        if sixteen and loop.left():
-            step = loop.attempt(f"16-bit activations for {k} node(s)", opts, base, (*base_wide, *nodes))
-            if step is not None and step.status == MET:
-                return
-        if not loop.left():
-            return
-        step = loop.attempt(f"float for {k} node(s)", opts, (*base, *nodes), base_wide)
-        if step is not None and step.status == MET:
-            hit = k
-            break
-        missed = k
-    while hit is not None and hit - missed > 1 and loop.left():  # the fewest float nodes that keep the budget
-        k = (missed + hit) // 2
-        step = loop.attempt(f"float for {k} node(s)", opts, (*base, *record.order[:k]), base_wide)
-        if step is not None and step.status == MET:
-            hit = k
-        else:
-            missed = k

@@ -187,3 +187,36 @@ def test_refusals(task):
         search(lambda e: model, model, [(calib[0], torch.zeros(BS, dtype=torch.long))], -1.0)
     with pytest.raises(DataRefused, match="same length"):
         search(lambda e: model, model, [(calib[0], torch.zeros(3, dtype=torch.long))], 1.0)
+
+
+def test_a_custom_metric_drives_the_search_and_keeps_the_collapsing_layer_float():
+    """The PyTorch adapter of the labelled search with a metric that is not top-1: minus the mean absolute
+    logit error against FP32 on held-out features (higher is better), no labels. The premise is built as
+    above (``spread``'s range set by one calibration beacon, every held-out value of it rounds to 0);
+    step 0's drop is measured first, and half of it is the budget: keeping ``spread`` float must meet it."""
+    torch.manual_seed(0)
+    features = torch.randn(192, 16).abs()
+    seen = float(features.max())
+    calib = features[:64].clone()
+    calib[0, 3] = 2 * seen
+    fragile = _FragileHead(torch.nn.Linear(16, 4), 3, 1.5 * seen, offset=30.0).eval()
+    held = features[64:]
+    with torch.no_grad():
+        reference = fragile(held)
+
+    def minus_logit_error(model) -> float:
+        with torch.no_grad():
+            return -float((model(held) - reference).abs().mean())
+
+    with pytest.raises(AccuracyBudgetMissed, match=r"budget of 0 \(minus_logit_error\)") as missed:
+        Quantizer(backend="pt2e", act_observer="minmax", max_accuracy_drop=0.0).quantize(
+            fragile, [calib], metric=minus_logit_error)
+    plain = missed.value.search
+    assert plain.float_step.metric == 0.0 and plain.steps[0].correct is None and plain.steps[0].excluded == ()
+    budget = plain.drop(plain.steps[0]) / 2
+    q = Quantizer(backend="pt2e", act_observer="minmax", max_accuracy_drop=budget)
+    qmodel = q.quantize(fragile, [calib], metric=minus_logit_error)
+    s = q.accuracy_search
+    assert s.order[0] == "spread" and [step.excluded for step in s.steps] == [(), ("spread",)]
+    assert s.met and s.chosen is s.steps[-1] and quant_spec(qmodel).skip_activations == ("spread",)
+    assert minus_logit_error(qmodel) == pytest.approx(s.chosen.metric) and s.drop(s.chosen) <= budget

@@ -99,3 +99,26 @@ def test_a_metric_callable_drives_the_search_in_the_api(files, tmp_path):
     assert agreement_mass(file_runner(result.path)[0]) == pytest.approx(search.steps[-1].metric)
     with pytest.raises(DataRefused, match="one metric"):
         search_onnx(files["float"], tmp_path / "r.onnx", x, target="onnxruntime-cpu", max_drop=1.0)
+
+
+def test_a_custom_metric_without_16_bit_keeps_the_reader_of_the_outlier_float(files, tmp_path):
+    """The ONNX adapter of the labelled search, float only (``try_int16=False``), with a metric that is not
+    top-1 (minus the mean absolute logit error against the float file): ``fc2`` reads the activation whose
+    range the outlier sets, so it is ranked first and keeping it float meets half of step 0's drop."""
+    ev, x = np.load(files["eval"]), np.load(files["calib"])
+    reference = file_runner(files["float"])[0](ev["x"])[0]
+
+    def minus_logit_error(run) -> float:
+        return -float(np.abs(run(ev["x"])[0] - reference).mean())
+
+    with pytest.raises(OnnxBudgetMissed) as missed:
+        search_onnx(files["float"], tmp_path / "q.onnx", x, target="onnxruntime-cpu", observer="minmax",
+                    max_drop=0.0, metric=minus_logit_error, max_steps=0)
+    budget = missed.value.search.drop(missed.value.search.steps[0]) / 2
+    result, search = search_onnx(files["float"], tmp_path / "q.onnx", x, target="onnxruntime-cpu",
+                                 observer="minmax", max_drop=budget, metric=minus_logit_error, try_int16=False)
+    assert search.metric_name == "minus_logit_error" and search.order[0] == "fc2"
+    assert [s.excluded for s in search.steps] == [(), ("fc2",)] and search.steps[-1].int16 == ()
+    assert result.excluded == ["fc2"]  # the written file is the chosen step's
+    assert minus_logit_error(file_runner(result.path)[0]) == pytest.approx(search.steps[-1].metric)
+    assert search.drop(search.steps[-1]) <= budget

@@ -407,14 +407,10 @@ def _labelled(args: argparse.Namespace, inputs):
 def _top1_of(args: argparse.Namespace, labelled, path) -> dict:
     """Top-1 of the float file and of the written file, both in ORT at default optimizations."""
     # late: --help answers before numpy, onnx and onnxruntime load
-    from quantship.quantize_onnx.search import OnnxSearchStep, file_runner, top1
+    from quantship.quantize_onnx.search import scorer
 
-    out = {}
-    for key, file in (("float", args.float_model), ("int8", path)):
-        run, _, fixed = file_runner(file)
-        correct, n = top1(run, labelled.x, labelled.y, args.batch_size, fixed)
-        out[key] = OnnxSearchStep((), 100.0 * correct / n, correct, n)
-    return out
+    score = scorer((labelled.x, labelled.y), None, args.batch_size)[1]
+    return {"float": score(args.float_model), "int8": score(path)}
 
 
 def _search_rows(search) -> list[tuple[str, str]]:

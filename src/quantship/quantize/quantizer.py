@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,13 +145,15 @@ class Quantizer:
         calibration_dl: object = None,
         max_calibration_samples: int = 100,
         labelled_data: object = None,
+        metric: Callable[[torch.nn.Module], float] | None = None,
     ) -> torch.nn.Module:
         """Return a quantized copy of ``model`` tagged with ``self.spec`` (``quant_spec(result)``).
 
         With ``max_accuracy_drop`` (percentage points), ``labelled_data`` (``(x, y)`` batches) is
         required: layers are kept in float, most sensitive first, until the top-1 drop against FP32
         fits the budget (``self.accuracy_search`` records every step), or ``AccuracyBudgetMissed``
-        is raised with the best set found.
+        is raised with the best set found. ``metric(model) -> float`` (higher is better: mAP, F1,
+        negative WER...) replaces top-1, the budget then in its units (``labelled_data`` optional).
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"quantize() needs a torch.nn.Module, got {type(model).__name__}")
@@ -204,15 +207,16 @@ class Quantizer:
             if labelled_data is not None:
                 self._log("labelled_data is only used with max_accuracy_drop; ignoring it")
             return run(spec)
-        if labelled_data is None:
-            raise DataRefused("max_accuracy_drop needs labelled_data: (x, y) batches to measure top-1 on")
+        if labelled_data is None and metric is None:
+            raise DataRefused("max_accuracy_drop needs labelled_data: (x, y) batches to measure top-1 on (or "
+                              "metric=callable(model) -> float, higher is better)")
 
         def quantize_without(excluded: tuple[str, ...]) -> torch.nn.Module:
             skip = tuple(sorted({*(spec.skip_activations or ()), *excluded})) or None
             return run(dataclasses.replace(spec, skip_activations=skip))
 
         quantized, self.accuracy_search = accuracy.search(quantize_without, model, labelled_data, self.max_accuracy_drop,
-                                                 log=self._log)
+                                                          metric=metric, inputs=batches or (), log=self._log)
         return quantized
 
 

@@ -55,6 +55,7 @@ from quantship.quantize_onnx.quantizer import (
     prepare,
     quantize_onnx_file,
 )
+from quantship.search_engine import Engine
 from quantship.targets import Target
 
 SPEED_KEY = "quantship.speed_search"
@@ -260,52 +261,50 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         structural = {k: v for k, v in options.items() if k in STRUCTURAL}
 
         def quantized(excluded: tuple[str, ...]) -> OnnxQuantizeResult:
-            path = scratch / f"step{len(search.steps)}.onnx"
-            with progress_step(f"speed search: step {len(search.steps)} ({len(excluded) - len(base)} op(s) float)"):
-                return quantize_onnx_file(normal, path, step_feeds, target=target, exclude=excluded, wait=wait,
-                                          run_check=False, **structural)
+            return quantize_onnx_file(normal, scratch / f"step{len(search.steps)}.onnx", step_feeds, target=target,
+                                      exclude=excluded, wait=wait, run_check=False, **structural)
 
-        first_file = quantized(base)
-        start_path = first_file.path
-        search.candidates = list(first_file.plan["weighted_nodes"])
         sessions: dict[Path, Any] = {}
-        ms = _time([start_path], feeds, seconds, sessions)[0]
-        search.steps.append(SpeedStep("start", base, ms, ms, True))
-        best, best_path = base, start_path
-        log(f"speed search on {search.cpu}: step 0, {len(search.candidates)} weighted op(s) as integer kernels: "
-            + ", ".join(f"b{b} {v:.3g} ms" for b, v in ms.items()))
 
-        def attempt(kind: str, excluded: tuple[str, ...]) -> bool:
-            nonlocal best, best_path
+        def attempt(what: str, _: dict, excluded: tuple, wide: tuple) -> tuple[SpeedStep, Path] | None:
+            kind, fastest = what.split()[0], [engine.best.artifact] if engine.best else []
             try:
-                path = quantized(excluded).path
+                done = quantized(excluded)
             except ExportRefused as exc:  # e.g. nothing left to run as an integer kernel
+                if not fastest:
+                    raise
                 search.steps.append(SpeedStep(kind, excluded, {}, {}, False, one_line(exc)))
-                return False
-            current, against = _time([path, best_path], feeds, seconds, sessions)
-            kept = faster(current, against)
-            sessions.pop(path if not kept else best_path, None)  # only the fastest file's session is kept
-            search.steps.append(SpeedStep(kind, excluded, current, against, kept))
-            log(f"speed search: step {len(search.steps) - 1} ({kind}), {len(excluded) - len(base)} op(s) float: "
-                f"{search.steps[-1].gain:.3f}x the fastest so far{' (kept)' if kept else ''}")
-            if kept:
-                best, best_path = excluded, path
-            return kept
+                return None
+            search.candidates = search.candidates or list(done.plan["weighted_nodes"])
+            current, *against = _time([done.path, *fastest], feeds, seconds, sessions)
+            kept = not fastest or faster(current, against[0])
+            if fastest:  # only the fastest file's session is kept
+                sessions.pop(done.path if not kept else fastest[0], None)
+            search.steps.append(SpeedStep(kind, excluded, current, against[0] if fastest else current, kept))
+            return search.steps[-1], done.path
 
-        budget = math.inf if max_steps is None else max_steps
+        def describe(s: SpeedStep) -> str:
+            if s.kind == "start":
+                return (f"on {search.cpu}, {len(search.candidates)} weighted op(s) as integer kernels: "
+                        + ", ".join(f"b{b} {v:.3g} ms" for b, v in s.ms.items()))
+            return f"{len(s.excluded) - len(base)} op(s) float: {s.gain:.3f}x the fastest so far{' (kept)' * s.kept}"
+
+        engine = Engine(attempt, score=lambda s: s.gain, goal=lambda s: False, accept=lambda c, b: c.measured.kept,
+                        max_steps=max_steps, label="speed search", describe=describe, log=log)
+        start = engine.step("start", {}, base)
         misses = 0
         for k in range(1, len(search.candidates)):
-            if budget <= 0 or misses >= PATIENCE:
+            if misses >= PATIENCE or not engine.left():
                 break
-            budget -= 1
-            misses = 0 if attempt("prefix", (*base, *search.candidates[:k])) else misses + 1
+            misses = 0 if engine.consider(engine.step(f"prefix {k}", {}, (*base, *search.candidates[:k]))) else misses + 1
         for node in by_reduction_length(normal, search.candidates):
-            if budget <= 0:
-                break
+            best = engine.best.excluded
             if node in best or len(best) - len(base) >= len(search.candidates) - 1:
                 continue
-            budget -= 1
-            attempt("single", (*best, node))
+            if not engine.left():
+                break
+            engine.consider(engine.step(f"single {node}", {}, (*best, node)))
+        best, best_path, start_path = engine.best.excluded, engine.best.artifact, start.artifact
         with progress_step("speed search: the final reading"):
             if best_path == start_path:
                 fp32, first = _time([src, start_path], feeds, 2 * seconds)
