@@ -57,3 +57,23 @@ def test_sensitivity_table_png_html_and_suggestion(files, capsys):
     page = (out_dir / "sensitivity.html").read_text()
     assert "data:image/png;base64," in page and "--exclude " + " ".join(report["suggested_exclude"]) in page
     assert "src=\"http" not in page  # self-contained: nothing to fetch
+
+
+def test_the_suggested_command_runs_as_printed(files, capsys, monkeypatch):
+    """The suggestion is a whole command (data, target, --out): pasted, it writes the file with those nodes
+    float. An ONNX model given no --calib: the generated data the report ran on is saved and named."""
+    import shlex
+
+    monkeypatch.chdir(files)
+    assert main(["export-onnx", "net.py:build", "--weights", "w.pt", "--shape", "1,1,32,32", "--out", "f.onnx"]) == 0
+    capsys.readouterr()
+    assert main(["sensitivity", "f.onnx", "--out-dir", "sens_onnx", "--k", "2"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("suggested: "))
+    argv = shlex.split(line.removeprefix("suggested: "))
+    assert argv[:2] == ["quantship", "quantize-onnx"] and "--calib" in argv and "--out" in argv
+    assert (files / "sens_onnx" / "calibration.npz").is_file()
+    capsys.readouterr()
+    assert main([*argv[1:], "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert set(argv[argv.index("--exclude") + 1:]) <= set(written["excluded"])
+    assert (files / argv[argv.index("--out") + 1]).is_file()

@@ -48,3 +48,17 @@ def test_weight_declared_as_input_is_refused_before_any_work(tmp_path):
     with pytest.raises(FileRefused, match=r"input\(s\) 'W' are also initializers.*cannot keep those inputs"):
         quantize_onnx_file(src, tmp_path / "int8.onnx", calib, target="onnxruntime-cpu")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32.onnx"]
+
+
+def test_a_half_precision_model_is_refused_by_name(tmp_path):
+    """An fp16 file gets "give the float32 file", not a runtime error about calibration (issue 38)."""
+    half = _two_head_model()
+    half.graph.initializer[0].CopyFrom(numpy_helper.from_array(WEIGHT.astype(np.float16), "W"))
+    for v in (*half.graph.input, *half.graph.output):
+        v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    src = tmp_path / "fp16.onnx"
+    onnx.save(half, src)
+    with pytest.raises(FileRefused, match=r"is a float16 model .*give the float32 file"):
+        quantize_onnx_file(src, tmp_path / "int8.onnx", RNG.standard_normal((8, 8, 6, 6)).astype(np.float16),
+                           target="onnxruntime-cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp16.onnx"]

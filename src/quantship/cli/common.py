@@ -249,8 +249,8 @@ class Output:
         from rich.table import Table
 
         table = Table(title=title, show_header=False, title_justify="left")
-        table.add_column(style="bold")
-        table.add_column()
+        table.add_column(style="bold", overflow="fold")
+        table.add_column(overflow="fold")  # a long node name wraps; it is never cut
         for key, value in rows:
             table.add_row(key, value)
         Console().print(table)

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the example input's shape, e.g. 1,3,224,224 (the batch dimension stays symbolic "
                              "unless --static-batch)")
     parser.add_argument("--static-batch", action="store_true", help="keep the batch dimension fixed at N")
-    parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file declares: 17 or higher (default 18)")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset of the float file: 17 or higher (default 18; an INT8 file from quantize is 17 or 18)")
     common.add_output_arguments(parser)
 
 

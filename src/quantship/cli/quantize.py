@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help=f"deployment preset (default: the --config file's target, else {DEFAULT_TARGET})")
     parser.add_argument("--backend", default="pt2e", help="quantization backend (only pt2e exports QDQ ONNX)")
     parser.add_argument("--qscheme", choices=["per_channel", "per_tensor"], help="weight granularity override")
-    parser.add_argument("--opset", type=int, default=18, help="ONNX opset the file declares: 17 or 18 (default 18)")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset of the INT8 file: 17 or 18 (default 18; the float file of export-onnx may go higher)")
     parser.add_argument("--static-batch", type=int, metavar="N",
                         help="write a file fixed at batch N (default: the file serves any batch; tigris: batch 1)")
     parser.add_argument("--eval", metavar="LABELLED",

@@ -58,6 +58,17 @@ td,th{{border:1px solid #ccc;padding:2px 8px}}tr.worst{{background:#fdd}}</style
 """
 
 
+def suggestion(command: str, args: argparse.Namespace, suggested: list[str], calib: str, target: str) -> str:
+    """The command that writes the file with the suggested exclusions, as it can be pasted: every argument it
+    needs (the data the report ran on, the target, an ``--out`` beside the model)."""
+    import shlex
+
+    stem = args.model.rsplit(":", 1)[0].rsplit("/", 1)[-1].rsplit(".", 1)[0] or "model"
+    weights = ["--weights", args.weights] if args.weights and command == "quantize" else []
+    return shlex.join(["quantship", command, args.model, *weights, "--calib", calib, "--target", target,
+                       "--out", f"{stem}_int8.onnx", "--exclude", *suggested])
+
+
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
@@ -116,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         ui.report(result, [])
         return 0
     print(report.to_markdown(worst=args.k))
-    print(f"\nsuggested: quantship quantize {args.model} --exclude {' '.join(suggested)}")
+    print(f"\nsuggested: {suggestion('quantize', args, suggested, args.calib, target.target)}")
     print(f"wrote {out_dir / 'sensitivity.png'} and {html_path}")
     return 0
 
@@ -147,6 +158,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     else:
         fed = generated(model, inputs=inputs)
         batches, data = fed.batches, f"data {fed.describe()}: no --calib given"
+    calib = args.calib or str(out_dir / "calibration.npz")  # the generated data, saved for the suggested command
     del model
     check_memory(args.model, batches)
     ui.say(f"sensitivity: quantizing {args.model} for {target.target} on {data}, then every quantized node's "
@@ -156,6 +168,10 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     suggested = report.suggest_exclude(args.k)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = report.plot(out_dir / "sensitivity.png", worst=args.k)
+    if not args.calib:
+        import numpy as np
+
+        np.savez(calib, **{name: np.concatenate([b[name] for b in batches]) for name in batches[0]})
     worst = set(suggested)
     rows = [(r.order, r.node, r.op, r.tensor, f"{r.sqnr_db:.1f}", r.node in worst) for r in report.rows]
     summary = (f"{args.model}, {target.target} preset, {report.n_samples} calibration sample(s) ({data}), read in ONNX "
@@ -173,6 +189,6 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
         return 0
     print(report.to_markdown(worst=args.k))
     print(f"\ncalibration: {data}")
-    print(f"suggested: quantship quantize-onnx {args.model} --exclude {' '.join(suggested)}")
+    print(f"suggested: {suggestion('quantize-onnx', args, suggested, calib, target.target)}")
     print(f"wrote {png} and {html_path}")
     return 0

@@ -134,10 +134,26 @@ def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
 
     refuse_quantized(model, path)
     refuse_weight_inputs(model, path)
+    refuse_half_precision(model, path)
     on_disk = onnx.load(str(path), load_external_data=False)  # load_onnx has read the external data in
     if any(uses_external_data(t) for t in on_disk.graph.initializer):
         raise FileRefused(f"{path} keeps its weights in an external data file; quantize-onnx reads single-file "
                           "models (under 2 GB): save it with onnx.save_model(..., save_as_external_data=False)")
+
+
+HALF = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+def refuse_half_precision(model: onnx.ModelProto, path: str | Path) -> None:
+    """A float16 / bfloat16 model is refused by name: its ranges and the INT8 file's float parts are float32."""
+    found = [(v.name, HALF[v.type.tensor_type.elem_type]) for v in (*model.graph.input, *model.graph.output)
+             if v.type.tensor_type.elem_type in HALF]
+    found += [(t.name, HALF[t.data_type]) for t in model.graph.initializer if t.data_type in HALF]
+    if found:
+        kinds = sorted({k for _, k in found})
+        raise FileRefused(f"{path} is a {'/'.join(kinds)} model ({len(found)} input(s), output(s) or weight(s), e.g. "
+                          f"{found[0][0]!r}); quantship quantizes float32 models: give the float32 file (export it "
+                          "before any conversion to half precision)")
 
 
 def refuse_weight_inputs(model: onnx.ModelProto, path: str | Path) -> None:
