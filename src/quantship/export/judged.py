@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quantship.errors import QuantshipError, one_line
+from quantship.errors import FidelityMissed, QuantshipError, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
 from quantship.export.onnx_float import export_onnx
 from quantship.export.qdq import export_qdq
-from quantship.fidelity import METADATA_KEY, Budget, Fidelity, measure
-from quantship.inspect.run.consumers import fidelity_reading, ort_session
+from quantship.fidelity import METADATA_KEY, MISSED, Budget, Fidelity, measure
+from quantship.inspect.run.consumers import fidelity_reading, native_runtime, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.verify import MeasuredPath
@@ -66,11 +66,13 @@ def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) 
 
 
 def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
-               data: str, fallback: Sequence[Any] = ()) -> Fidelity:
+               data: str, fallback: Sequence[Any] = (), native: bool = False) -> Fidelity:
     """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
-    in the target's reading (``fidelity_reading``). A fixed-batch file reads whole multiples of its batch;
+    in the target's reading (``fidelity_reading``; ``native``: in the target's own runtime where it is not ONNX
+    Runtime and runs here, ``consumers.native_runtime``). A fixed-batch file reads whole multiples of its batch;
     when ``held`` cannot fill one, ``fallback`` (the calibration batches) is read instead, and said so."""
     fused, runtime = fidelity_reading(target)
+    in_runtime = native_runtime(target) if native else None
     session = ort_session(path, optimized=fused)
     first = session.get_inputs()[0].shape[0]
     fixed = first if isinstance(first, int) and first > 0 else None
@@ -88,7 +90,20 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     if not batches:
         raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} sample(s)")
     names, reference = output_arrays(float_model, batches)
-    outputs = file_outputs(session, batches, fixed)
+    if in_runtime is None:
+        outputs = file_outputs(session, batches, fixed)
+    else:
+        runner, runtime = in_runtime
+        inputs = [i.name for i in session.get_inputs()]
+        feeds = [{n: np.ascontiguousarray(as_arrays(b)[k]) for k, n in enumerate(inputs)} for b in batches]
+        if fixed:
+            feeds = [{n: a[s:s + fixed] for n, a in f.items()} for f in feeds
+                     for s in range(0, len(next(iter(f.values()))), fixed)]
+        try:
+            per_feed = runner(path, feeds, onnx.load(str(path)))
+        except Exception as exc:  # the runtime's own exception types: it does not run this file here
+            raise QuantshipError(f"{runtime} could not run the file to measure its fidelity: {one_line(exc)}") from exc
+        outputs = [np.concatenate([o[k] for o in per_feed]) for k in range(len(per_feed[0]))]
     n = sum(len(b[0]) for b in batches)
     return measure(names or [o.name for o in session.get_outputs()], reference, outputs, budget=budget,
                    data=f"{n} {data}", runtime=runtime)
@@ -185,6 +200,15 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                                         enabled=repair, max_steps=max_steps, log=log)
             add_file_metadata(chosen[2], record.metadata())
         qmodel, quantizer, path, fidelity = chosen
+        if native_runtime(target) is not None:  # the repair read ONNX Runtime literally: confirm in the runtime
+            confirmed = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
+                                   native=True)
+            if budget is not None and confirmed.status == MISSED:
+                raise FidelityMissed(f"the file keeps the fidelity budget in ONNX Runtime read literally "
+                                     f"({fidelity.describe()}) but not in {confirmed.runtime}, the {target.target} "
+                                     f"target's own runtime: {confirmed.describe()}", {"runtime": confirmed.as_dict()})
+            fidelity = confirmed
+            add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
         reading = None
         if speed and target.runtime_is_onnxruntime:
             reading = time_against_float(model, sample, path, scratch, batches, require_faster=require_faster,

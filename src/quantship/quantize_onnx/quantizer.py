@@ -37,7 +37,7 @@ from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.feeds import Feed, as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
-from quantship.inspect.run.consumers import fidelity_reading, ort_optimized_ops, ort_session
+from quantship.inspect.run.consumers import fidelity_reading, native_runtime, ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
@@ -372,6 +372,39 @@ def fidelity_to_float(path: Path, p: Target, names: list[str], held: tuple[list[
         n = sum(len(next(iter(f.values()))) for f in feeds)
         data = f"{n} calibration sample(s) (in-sample: none held out)"
     return measure_fidelity(names, reference, outputs, budget=budget, data=data, runtime=runtime)
+
+
+def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | Target, calibration: Any,
+                        fidelity_data: Any = None, budget: Budget | None = None) -> Fidelity | None:
+    """The file at ``path`` judged against the float file in its target's own runtime (OpenVINO, TiGrIS's host
+    runtime), where that runtime is not ONNX Runtime and runs here (``consumers.native_runtime``); None
+    elsewhere. The same samples as ``quantize_onnx_file``'s reading: ``fidelity_data`` when given, else the
+    calibration samples the file is read on. A runtime that cannot run the file raises ``ExportRefused``."""
+    p = targets.get(target)
+    native = native_runtime(p)
+    if native is None:
+        return None
+    runner, runtime = native
+    proto = load_onnx(float_path)
+    inputs = model_inputs(proto)
+    if fidelity_data is not None:
+        feeds = feeds_for(p, as_feeds(fidelity_data, inputs))
+        data = "sample(s) held out from calibration"
+    else:
+        feeds = first_feeds(feeds_for(p, as_feeds(calibration, inputs)), READING_SAMPLES)
+        data = "calibration sample(s) (in-sample: none held out)"
+    reference = _run(_session(proto, optimized=True), feeds)
+    del proto
+    quantized = load_onnx(path)
+    names = [o.name for o in quantized.graph.output]
+    try:
+        per_feed = runner(path, feeds, quantized)
+    except Exception as exc:  # the runtime's own exception types: it does not run this file here
+        raise ExportRefused(f"{runtime} could not run the file to measure its fidelity: {cause(exc)}") from exc
+    outputs = [np.concatenate([o[k] for o in per_feed]) if np.ndim(per_feed[0][k]) else per_feed[0][k]
+               for k in range(len(names))]
+    n = sum(len(next(iter(f.values()))) for f in feeds)
+    return measure_fidelity(names, reference, outputs, budget=budget, data=f"{n} {data}", runtime=runtime)
 
 
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,

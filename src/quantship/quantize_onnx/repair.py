@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from quantship import targets
-from quantship.errors import QuantshipError, one_line
+from quantship.errors import FidelityMissed, QuantshipError, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.metadata import add_file_metadata
-from quantship.fidelity import Budget
+from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
+from quantship.fidelity import MISSED, Budget
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
-from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, placement_for, quantize_onnx_file
+from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, fidelity_in_runtime, placement_for, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.quantize_onnx.speed import calibration_sample
 from quantship.repair_loop import Repair
@@ -93,6 +94,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
         if budget is None:  # measured, not judged: one file, timed below
             done = quantize_onnx_file(src, scratch / "step0.onnx", calibration, target=p, exclude=base, int16=base_wide,
                                       wait=wait, fidelity_data=fidelity_data, **options)
+            confirm_in_runtime(done, src, calibration, fidelity_data, None)
             return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), None
         refusal = (None if placement.mode != "full" else
                    f"{p.target} runs a fully integer graph (no float node, no 16-bit activations): no node can be "
@@ -101,7 +103,25 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                                   algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
                                   sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
         add_file_metadata(done.path, record.metadata())
+        confirm_in_runtime(done, src, calibration, fidelity_data, budget)
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
+
+
+def confirm_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fidelity_data: Any,
+                       budget: Budget | None) -> None:
+    """The chosen file measured again in its target's own runtime where that is not ONNX Runtime and runs here
+    (the repair's steps are read in ONNX Runtime, literally): that reading becomes the file's fidelity, in
+    ``done.fp32`` and its metadata; a file that keeps the budget in ONNX Runtime but not in its runtime is
+    refused (``FidelityMissed``, nothing written)."""
+    native = fidelity_in_runtime(done.path, src, done.target, calibration, fidelity_data, budget)
+    if native is None:
+        return
+    if budget is not None and native.status == MISSED:
+        raise FidelityMissed(f"the file keeps the fidelity budget in ONNX Runtime read literally ({done.fp32.describe()}) "
+                             f"but not in {native.runtime}, the {done.target} target's own runtime: {native.describe()}",
+                             {"runtime": native.as_dict()})
+    done.fp32 = native
+    add_file_metadata(done.path, {FIDELITY_KEY: native.metadata()})
 
 
 def _speed_and_move(done: OnnxQuantizeResult, src: Path, final: Path, calibration: Any, timed: bool,

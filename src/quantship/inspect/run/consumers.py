@@ -231,10 +231,33 @@ def constant_reference(reference: list[list[np.ndarray]]) -> bool:
     return True
 
 
+RUNTIME_NAMES = {"openvino-cpu": "OpenVINO (CPU, f32 inference precision)", "tigris-cli": "TiGrIS's host runtime"}
+
+
+def runtime_here(runner: str) -> bool:
+    """Whether the runtime a runner names is installed on this machine."""
+    import importlib.util
+
+    if runner == "openvino-cpu":
+        return importlib.util.find_spec("openvino") is not None
+    if runner == "tigris-cli":
+        return tigris_executable() is not None and importlib.util.find_spec("tigris") is not None
+    return runner in RUNNERS
+
+
+def native_runtime(p: Target) -> tuple[Runner, str] | None:
+    """The target's own runtime, when it is not ONNX Runtime and runs here: its runner and its name. The
+    fidelity of such a file is confirmed there (``quantize_onnx.quantizer.fidelity_in_runtime``)."""
+    if p.runtime_is_onnxruntime or p.runner is None or p.runner not in RUNTIME_NAMES or not runtime_here(p.runner):
+        return None
+    return RUNNERS[p.runner], RUNTIME_NAMES[p.runner]
+
+
 def fidelity_reading(p: Target) -> tuple[bool, str]:
     """How an INT8 file is read when judged against FP32: ONNX Runtime at its default optimizations for the
     target it serves (what a user runs: ``optimized=True``), read literally for the other targets (the
-    arithmetic the Q/DQ pairs describe, which their runtimes are checked against by ``check --run``)."""
+    arithmetic the Q/DQ pairs describe): the repair's steps for every target; a chosen file whose target has its
+    own runtime here is then confirmed there (``native_runtime``)."""
     if p.runtime_is_onnxruntime:
         return True, "ONNX Runtime (default optimizations)"
     return False, "ONNX Runtime read literally (the target's runtime is checked against it by check --run)"
