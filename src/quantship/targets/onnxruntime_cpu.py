@@ -48,4 +48,6 @@ TARGET = Target(
     prelu_slower_than_written_out=True,  # measured: PRelu 14x slower than Max(x, x*a), 4x than Relu+Min*a+Add
     hard_swish_faster_as_one_op=True,  # measured: a written-out hard swish is slower than one HardSwish
     weight_only_form="MatMulNBits",  # com.microsoft
+    # com.microsoft DynamicQuantizeLSTM (int8 W and R, activations quantized in the kernel); no integer GRU or RNN
+    integer_recurrent_ops=("LSTM",),
 )
