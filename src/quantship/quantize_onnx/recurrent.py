@@ -58,7 +58,7 @@ class RecurrentPlan:
         return {"integer": [layer.node for layer in self.layers], "form": sorted(set(INTEGER_FORM.values())),
                 "kept_float": dict(self.kept_float),
                 "per_channel": sorted({layer.per_channel for layer in self.layers}),
-                "weight_bound": sorted({layer.weight_bound for layer in self.layers})}
+                "weight_bound": sorted({layer.weight_bound for layer in self.layers}), "summary": self.describe()}
 
     def describe(self) -> str:
         """One line: how many run as integer kernels, and each one left float with its reason."""
