@@ -34,7 +34,7 @@ FLOOR = -12.0  # natural log: 52 dB under a clip's loudest band
 CLASSES = ("rising chirp", "falling chirp", "steady tone", "two beeps", "warble", "noise burst", "vibrato", "chord")
 N_CLASSES = len(CLASSES)
 LEVEL_DB = (-40.0, 0.0)  # clip level, dB re full scale
-SNR_DB = (10.0, 30.0)  # white noise below the clip level
+SNR_DB = (15.0, 35.0)  # white noise below the clip level
 HIDDEN = 128  # the default LSTM width (bench/recurrent.py tries others)
 N_TRAIN, N_HELD_OUT, N_CALIBRATION = 2400, 1000, 64
 _SEEDS = {"train": 21, "held_out": 22, "calibration": 23}
@@ -58,7 +58,7 @@ def _pattern(kind: int, t: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     elif kind == 4:
         track = f0 * np.where(np.sin(2 * np.pi * rng.uniform(6.0, 10.0) * t) > 0, 1.0, 1.5)
     elif kind == 6:
-        track = f0 * 2.0 ** (0.15 * np.sin(2 * np.pi * rng.uniform(5.0, 8.0) * t))
+        track = f0 * 2.0 ** (0.3 * np.sin(2 * np.pi * rng.uniform(5.0, 8.0) * t))
     else:
         return on * rng.standard_normal(t.shape)  # kind 5: a noise burst
     phase = 2 * np.pi * np.cumsum(track) / SAMPLE_RATE + rng.uniform(0, 2 * np.pi)
@@ -140,7 +140,7 @@ class KeywordLSTM(nn.Module):
         return self.head(out[:, -1])
 
 
-def train(hidden: int = HIDDEN, epochs: int = 12, n_train: int = N_TRAIN, seed: int = 0) -> KeywordLSTM:
+def train(hidden: int = HIDDEN, epochs: int = 16, n_train: int = N_TRAIN, seed: int = 0) -> KeywordLSTM:
     """Deterministic training on ``n_train`` synthesized clips: a few seconds of one core at the defaults."""
     torch.manual_seed(seed)
     model = KeywordLSTM(hidden)
