@@ -234,3 +234,11 @@ def test_the_repair_keeps_the_lstm_float_when_the_budget_asks_for_it(tmp_path):
     chosen = record.steps[record.chosen]
     assert chosen.excluded == ("lstm",) and chosen.sqnr_db >= 36.0
     assert "DynamicQuantizeLSTM" not in result.census["integer"] and result.census["float"].get("LSTM") == 1
+
+
+def test_a_batch_first_lstm_stays_float_with_the_reason():
+    m = recurrent_model()
+    m.graph.node[0].attribute.append(helper.make_attribute("layout", 1))
+    q, plan = rewritten(m)
+    assert [n.op_type for n in q.graph.node] == ["LSTM"]
+    assert plan.kept_float == {"rnn": "layout=1 (batch first): DynamicQuantizeLSTM reads the time-major layout only"}

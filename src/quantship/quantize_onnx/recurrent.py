@@ -177,6 +177,8 @@ def _why_float(node: ir.Node, excluded: bool, p: Target) -> str | None:
         return "its W or R is computed while the model runs, not stored"
     if len(node.inputs) > 3 and node.inputs[3] is not None and _stored(node.inputs[3]) is None:
         return "its bias B is computed while the model runs, not stored"
+    if node.inputs[0].dtype not in (None, ir.DataType.FLOAT):
+        return f"it reads {node.inputs[0].dtype.name.lower()}: {INTEGER_FORM[op]} reads float32 only"
     if node.attributes.get_int("layout", 0) != 0:
         return f"layout=1 (batch first): {INTEGER_FORM[op]} reads the time-major layout only"
     return None
