@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=None, help="held-out clips to score (default: all)")
     parser.add_argument("--train-samples", type=int, default=0,
                         help="train one epoch on this many clips instead of the cached model (smoke)")
-    args = _smoke.parse_args(parser, argv, hidden="16", budget=0.5, held_out=64, train_samples=128)
+    args = _smoke.parse_args(parser, argv, hidden="64", budget=0.5, held_out=64, train_samples=128)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from quantship.examples import keywords
     from quantship.inspect.run.timing import cpu_line

@@ -30,8 +30,8 @@ def test_features_are_log_mel_frames_relative_to_the_clip_level():
 
 
 def test_a_tiny_model_exports_and_its_lstm_runs_as_an_integer_kernel(tmp_path):
-    model = keywords.train(hidden=16, epochs=1, n_train=64)
-    again = keywords.train(hidden=16, epochs=1, n_train=64)
+    model = keywords.train(hidden=64, epochs=1, n_train=64)
+    again = keywords.train(hidden=64, epochs=1, n_train=64)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     calib = keywords.calibration().x[:16]
     path = export_onnx(model, torch.from_numpy(calib[:8]), tmp_path / "kw.onnx")

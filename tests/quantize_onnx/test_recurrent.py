@@ -23,12 +23,12 @@ from quantship.quantize_onnx.sensitivity import node_sqnr
 from tests.quantize_onnx import graphs
 
 ORT = targets.get("onnxruntime-cpu")
-# Measured on these random LSTMs (weights N(0, 0.3^2), inputs N(0, 1), 6 steps, 3 seeds): 7-bit weights ([-63, 63],
-# the ORT preset's reduce_range) and the kernel's own uint8 rounding of x and h at each step give 39-40 dB on Y
-# per channel, 34-36 dB per tensor, forward or bidirectional, with or without initial states; 30 dB leaves room
-# for other seeds and still fails a layout mistake (W's input columns misordered: -2 dB).
-MIN_SQNR_DB = 30.0
-STEPS, INPUT, HIDDEN = 6, 5, 16
+# Measured on these random LSTMs (64 units, weights N(0, 0.3^2), inputs N(0, 1), 6 steps, 3 seeds): 7-bit weights
+# ([-63, 63], the ORT preset's reduce_range) and the kernel's own uint8 rounding of x and h at each step give
+# 36.5-37.1 dB on Y per channel, 31.9-32.7 dB per tensor, 33.7-36.5 dB on Y/Y_h/Y_c with initial states; 28 dB
+# leaves room for other seeds and CPUs and still fails a layout mistake (W's input rows misordered: -1 dB).
+MIN_SQNR_DB = 28.0
+STEPS, INPUT, HIDDEN = 6, 5, 64  # 64: ONNX Runtime's integer LSTM is not slower from there (its float rule)
 
 
 def _weights(d: int, op: str = "LSTM", hidden: int = HIDDEN) -> list[onnx.TensorProto]:
@@ -40,7 +40,8 @@ def _weights(d: int, op: str = "LSTM", hidden: int = HIDDEN) -> list[onnx.Tensor
     return [numpy_helper.from_array(w, "W"), numpy_helper.from_array(r, "R"), numpy_helper.from_array(b, "B")]
 
 
-def recurrent_model(op: str = "LSTM", direction: str = "forward", states: bool = False) -> onnx.ModelProto:
+def recurrent_model(op: str = "LSTM", direction: str = "forward", states: bool = False,
+                    hidden: int = HIDDEN) -> onnx.ModelProto:
     """x [STEPS, n, INPUT] -> one recurrent node -> its outputs (Y, and Y_h/Y_c with ``states``); with ``states``
     the sequence lengths and the initial hidden (and cell) state are inputs."""
     d = 2 if direction == "bidirectional" else 1
@@ -56,9 +57,9 @@ def recurrent_model(op: str = "LSTM", direction: str = "forward", states: bool =
         outputs.append(graphs.value("y_h", [d, "n", HIDDEN]))
         if op == "LSTM":
             outputs.append(graphs.value("y_c", [d, "n", HIDDEN]))
-    node = helper.make_node(op, node_inputs, [o.name for o in outputs], name="rnn", hidden_size=HIDDEN,
+    node = helper.make_node(op, node_inputs, [o.name for o in outputs], name="rnn", hidden_size=hidden,
                             direction=direction)
-    return graphs.model([node], inputs, outputs, _weights(d, op))
+    return graphs.model([node], inputs, outputs, _weights(d, op, hidden))
 
 
 def feed(m: onnx.ModelProto, n: int = 8, seed: int = 1) -> dict[str, np.ndarray]:
@@ -200,7 +201,7 @@ def test_quantize_onnx_writes_an_integer_lstm_by_default_and_counts_it(tmp_path)
     assert [c.node for c in read_file(result.path).float_compute] == ["fc"] and result.verdict.verdict == "accepted"
     ops = [n.op_type for n in onnx.load(str(result.path)).graph.node]
     assert "LSTM" not in ops and "Concat" not in ops
-    assert result.fp32.sqnr_db >= MIN_SQNR_DB - 5  # the MatMul's own rounding after the LSTM's
+    assert result.fp32.sqnr_db >= MIN_SQNR_DB  # measured 34.4 dB: the LSTM and then the head rounded
 
 
 def test_exclude_lstm_keeps_it_float_and_the_census_counts_it(tmp_path, capsys):
@@ -224,8 +225,8 @@ def test_the_per_node_report_ranks_the_integer_lstm(tmp_path):
 
 
 def test_the_repair_keeps_the_lstm_float_when_the_budget_asks_for_it(tmp_path):
-    """A budget between what the file keeps with the integer LSTM and with a float one (measured: 34.4-34.7 dB for
-    steps 0-4, the algorithms; 36.5 dB with the LSTM float, the head's rounding then the limit): the repair ranks
+    """A budget between what the file keeps with the integer LSTM and with a float one (measured: 34.0-34.4 dB for
+    steps 0-4, the algorithms; 37.1 dB with the LSTM float, the head's rounding then the limit): the repair ranks
     the LSTM by its own loss and the step that keeps it float is chosen; that file has no DynamicQuantizeLSTM."""
     path, calib = lstm_then_matmul(tmp_path)
     result, record = quantize_onnx(path, tmp_path / "q.onnx", calib, target="onnxruntime-cpu",
@@ -242,3 +243,10 @@ def test_a_batch_first_lstm_stays_float_with_the_reason():
     q, plan = rewritten(m)
     assert [n.op_type for n in q.graph.node] == ["LSTM"]
     assert plan.kept_float == {"rnn": "layout=1 (batch first): DynamicQuantizeLSTM reads the time-major layout only"}
+
+
+def test_a_narrow_lstm_stays_float_where_the_integer_kernel_is_slower():
+    q, plan = rewritten(recurrent_model(hidden=32))
+    assert [n.op_type for n in q.graph.node] == ["LSTM"]
+    assert plan.kept_float["rnn"].startswith("ONNX Runtime's DynamicQuantizeLSTM ran slower than its float LSTM below 64")
+    assert [n.op_type for n in rewritten(recurrent_model(hidden=64))[0].graph.node] == ["DynamicQuantizeLSTM"]

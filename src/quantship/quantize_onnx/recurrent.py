@@ -7,8 +7,9 @@ so each float ``LSTM`` whose W and R are stored becomes that node, weights symme
 placement's bound (``place._weight_qparams``'s rule), the same outputs under the same names. Its layout
 differs from ONNX's: W is ``[directions, input_size, 4 * hidden]`` and R ``[directions, hidden, 4 * hidden]``
 (ONNX's transposed), the scales ``[directions]`` or ``[directions, 4 * hidden]``. A GRU or RNN, an LSTM the
-user keeps float (``--exclude``), and every LSTM of a target whose runtime has no such kernel
-(``Target.integer_recurrent_ops``) stay float, each with its reason in the plan.
+user keeps float (``--exclude``), an LSTM the target's speed rules keep float (``Target.float_rules``: ONNX
+Runtime's integer kernel loses below 64 hidden units), and every LSTM of a target whose runtime has no such
+kernel (``Target.integer_recurrent_ops``) stay float, each with its reason in the plan.
 
 ``FOLD_PASS`` first turns a W, R or B computed from stored tensors only (the dynamo exporter reorders
 PyTorch's gates with Slice and Concat) into one stored tensor, proven like every normalisation pass.
@@ -177,6 +178,11 @@ def _why_float(node: ir.Node, excluded: bool, p: Target) -> str | None:
         return "its W or R is computed while the model runs, not stored"
     if len(node.inputs) > 3 and node.inputs[3] is not None and _stored(node.inputs[3]) is None:
         return "its bias B is computed while the model runs, not stored"
+    w = _stored(node.inputs[1])
+    attributes = {k: a.value for k, a in node.attributes.items()}
+    slower = next((rule.why for rule in p.float_rules if rule.applies(op, attributes, tuple(w.shape))), None)
+    if slower:
+        return slower
     if node.inputs[0].dtype not in (None, ir.DataType.FLOAT):
         return f"it reads {node.inputs[0].dtype.name.lower()}: {INTEGER_FORM[op]} reads float32 only"
     if node.attributes.get_int("layout", 0) != 0:
