@@ -97,6 +97,9 @@ RUNS = {
         "Smoke run", "## Cold: one fresh process per run", "| capture |", "| **total** |",
         "quantship / raw, any batch:", "## Warm: export_qdq vs the raw exporter in one process, batch 1",
         "| resnet18 | onnxruntime-cpu | 1 |", "inside export_qdq (medians): exporter")}),
+    "recurrent": Smoke(stdout=("| file | top-1 [Wilson 95%] | output SQNR vs FP32, dB | batch 1 | batch 64 |",
+                                "| hidden 64: FP32 | ", "| hidden 64: INT8, default file: 1 DynamicQuantizeLSTM | ",
+                                "| hidden 64: INT8, LSTM float (--exclude LSTM): 0 DynamicQuantizeLSTM | ")),
     "readings": Smoke(stdout=("| resnet18 32px | default recipe", "| resnet18 32px | onnxruntime-cpu",
                               "reference task (digits, trained)", "| tigris | ")),
     "robustness": Smoke(("--work", "{tmp}/work"), stdout=(

@@ -307,6 +307,7 @@ def _run(args: argparse.Namespace, out) -> int:
                          if result.plan.get("n_tables") else "")
                       + "".join(f", {rule} keeps {len(island['tensors'])} tensors float"
                                 for rule, island in result.plan["float_islands"].items())),
+        *([("recurrent layers", result.plan["recurrent"]["summary"])] if result.plan["recurrent"]["summary"] else []),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "
                          f"{stats.n_uint8} uint8"),
         *([("16-bit activations", f"{len(result.int16)} tensor(s): {', '.join(result.int16)}")] if result.int16 else []),

@@ -42,7 +42,7 @@ from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, selection, target_forms
+from quantship.quantize_onnx import calibrate, normalize, place, recurrent, selection, target_forms
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
@@ -280,6 +280,7 @@ class Prepared:
     info: dict  # calibrate.TensorInfo per tensor
     excluded: set[int]
     layout: place.Plan
+    recurrent_plan: recurrent.RecurrentPlan  # the LSTM/GRU/RNN nodes: which run as integer kernels, why others stay float
     smoother: smoothing.Smoother | None = None  # what SmoothQuant did, when it ran
 
 
@@ -294,14 +295,14 @@ def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed]
     smoother = smoothing.Smoother(smooth_quant, feeds) if smooth_quant is not None else None
     extra = (((equalizing.PASS,) if equalize else ()) + ((smoothing.smoothing_pass(smoother),) if smoother else ())
              + forms + ((sixteen.OPSET_PASS,) if int16 else ()))
-    records = normalise(model, feeds, (*normalize.PASSES, *extra) if extra else None)
+    records = normalise(model, feeds, (*normalize.PASSES, recurrent.FOLD_PASS, *extra))
     normal = ir.to_proto(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
     info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
     excluded = selection.resolve_excludes(list(model.graph), exclude)
     shared = selection.resolve_shared_scale(list(model.graph), shared_scale)
     layout = place.plan(model, info, placement, excluded, shared)
-    return Prepared(model, normal, records, info, excluded, layout, smoother)
+    return Prepared(model, normal, records, info, excluded, layout, recurrent.plan(layout.nodes, excluded, p), smoother)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -494,9 +495,10 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if chosen:
         counts["float_weights_of_int16_readers"] = len(float_weights)
         counts["int16_pairs"] = len(widened)
-    if layout.weighted == [] and layout.roles.get("matmul", 0) == 0:
+    integer_recurrent = recurrent.integer_indices(nodes, ready.recurrent_plan)
+    if layout.weighted == [] and layout.roles.get("matmul", 0) == 0 and not integer_recurrent:
         widened_note = f" (--int16 leaves the weights of {', '.join(float_weights)} float)" if float_weights else ""
-        raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm or MatMul reads a float activation and a "
+        raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm, MatMul or LSTM reads a float activation and a "
                             f"stored weight here{widened_note}; there is nothing to run as an integer kernel")
     if seq_mse or learn_steps:
         from quantship.quantize_onnx import rounding
@@ -509,6 +511,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
             model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, BIAS_SAMPLES),
             info).as_dict()
     del normal
+    recurrent.rewrite(model, nodes, ready.recurrent_plan, per_channel=placement.per_channel,
+                      weight_bound=placement.weight_bound)
+    counts["integer_recurrent"] = len(integer_recurrent)
     counts["kernel_shape_written"] = write_kernel_shapes(model)
     skipped = sorted(selection.node_label(nodes[i], i) for i in excluded)
     spec_kwargs = dict(p.spec_kwargs)
@@ -551,7 +556,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         verdict.path = str(Path(out_path).expanduser().resolve())
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
-        plan=layout.as_dict(), counts=counts, qdq_stats=stats, readings=readings, fidelity=fidelity,
+        plan={**layout.as_dict(), "recurrent": ready.recurrent_plan.as_dict()}, counts=counts, qdq_stats=stats,
+        readings=readings, fidelity=fidelity,
         census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened,
         fp32=fp32)
 

@@ -31,7 +31,7 @@ from quantship.fidelity import own_loss_db, sqnr_db
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.quantize.algorithms.sensitivity import LayerError, LayerErrorReport
-from quantship.quantize_onnx import calibrate, place, selection
+from quantship.quantize_onnx import calibrate, place, recurrent, selection
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable
 from quantship.quantize_onnx.roles import role_of
@@ -41,7 +41,8 @@ MEASURE = "accumulated"  # each figure includes the error of every quantized nod
 MEASURE_TEXT = "SQNR of the node's (dequantized) output vs float, error accumulated up to this node"
 # roles whose rows are candidates to keep in float: ops that add a rounding of their own (data movement
 # with a shared scale adds none: its figure is its input's)
-OWN_ROUNDING = ("weighted", "matmul", "integer_capable", "concat")
+# (and an LSTM in integer form: ``recurrent``, its int8 weights and the kernel's own activation rounding)
+OWN_ROUNDING = ("weighted", "matmul", "integer_capable", "concat", "recurrent")
 
 
 @dataclass(frozen=True)
@@ -157,18 +158,25 @@ def _upstream(node: ir.Node, measured: dict[str, int]) -> tuple[int, ...]:
     return tuple(sorted(found))
 
 
-def planned_rows(model: ir.Model, layout: place.Plan) -> list[_Row]:
-    """One row per node the plan runs on quantized inputs; a fused Relu/Clip is folded into its producer
-    (the measured tensor is then the Relu's output: the quantization point)."""
+def planned_rows(model: ir.Model, layout: place.Plan, recurrent_nodes: Iterable[int] = ()) -> list[_Row]:
+    """One row per node the plan runs on quantized inputs, and per recurrent node written in integer form
+    (``recurrent_nodes``: their first named output); a fused Relu/Clip is folded into its producer (the
+    measured tensor is then the Relu's output: the quantization point)."""
     nodes = layout.nodes
     index = {id(n): i for i, n in enumerate(nodes)}
-    planned = {*layout.integer_nodes, *layout.weighted}
+    lstm = set(recurrent_nodes)
+    planned = {*layout.integer_nodes, *layout.weighted, *lstm}
     folded: set[int] = set()
     rows, sources = [], []
     for i in sorted(planned):
         if i in folded:
             continue
         node = nodes[i]
+        if i in lstm:
+            out = next(o for o in node.outputs if o.name and (o.uses() or o.is_graph_output()))
+            rows.append(_Row(len(rows), selection.node_label(node, i), node.op_type, "recurrent", out.name))
+            sources.append(node)
+            continue
         if not node.outputs or not node.outputs[0].name:
             continue
         out = node.outputs[0]
@@ -266,7 +274,7 @@ def node_sqnr(float_path: str | Path, calibration: Any, *, target: str | Target,
     ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, smooth_quant=smooth_quant)
     del proto
     model, normal, info, excluded, layout = ready.model, ready.normal, ready.info, ready.excluded, ready.layout
-    rows = planned_rows(model, layout)
+    rows = planned_rows(model, layout, recurrent.integer_indices(layout.nodes, ready.recurrent_plan))
     skipped = sorted(selection.node_label(layout.nodes[i], i) for i in excluded)
     del model
     if quantized_path is None:

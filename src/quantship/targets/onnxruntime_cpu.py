@@ -16,6 +16,10 @@ def _depthwise_over_3x3(op_type: str, attributes: dict, weight_shape: tuple[int,
             and weight_shape[2] * weight_shape[3] > 9)
 
 
+def _lstm_under_64_units(op_type: str, attributes: dict, weight_shape: tuple[int, ...]) -> bool:
+    return op_type == "LSTM" and len(weight_shape) == 3 and weight_shape[1] // 4 < 64  # W: [dirs, 4 * hidden, in]
+
+
 TARGET = Target(
     target="onnxruntime-cpu",
     spec_kwargs={"backend": "pt2e", "symmetric": False, "reduce_range": True},
@@ -40,6 +44,9 @@ TARGET = Target(
         FloatRule("depthwise_over_3x3", "ONNX Runtime's u8s8 depthwise kernel is fast for 3x3 only; a 5x5 depthwise "
                   "Conv ran 4-6x slower as QLinearConv than as its float NCHWc Conv (PP-OCR, batch 8)",
                   _depthwise_over_3x3),
+        FloatRule("lstm_under_64_units", "ONNX Runtime's DynamicQuantizeLSTM ran slower than its float LSTM below 64 "
+                  "hidden units at batch 1 (bench/recurrent.py, AVX-512 VNNI: 0.83x at 32 units, 0.99-1.16x at 64, "
+                  "1.52x at 128)", _lstm_under_64_units),
     ),
     # it fuses DequantizeLinear -> MatMul with a float result into MatMulIntegerToFloat: a MatMul whose
     # readers are float ops keeps its result float (one rounding fewer), and still runs on integers
@@ -48,4 +55,6 @@ TARGET = Target(
     prelu_slower_than_written_out=True,  # measured: PRelu 14x slower than Max(x, x*a), 4x than Relu+Min*a+Add
     hard_swish_faster_as_one_op=True,  # measured: a written-out hard swish is slower than one HardSwish
     weight_only_form="MatMulNBits",  # com.microsoft
+    # com.microsoft DynamicQuantizeLSTM (int8 W and R, activations quantized in the kernel); no integer GRU or RNN
+    integer_recurrent_ops=("LSTM",),
 )

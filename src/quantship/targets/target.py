@@ -62,6 +62,12 @@ class Target(Preset):
     prelu_slower_than_written_out: bool = False
     hard_swish_faster_as_one_op: bool = False
     weight_only_form: str | None = None  # its own weight-only operator ("MatMulNBits"); None: none
+    integer_recurrent_ops: tuple[str, ...] = ()  # recurrent ONNX ops it runs as integer kernels (others stay float)
+
+    @property
+    def runs_integer_lstm(self) -> bool:
+        """It has an integer LSTM kernel (ONNX Runtime's com.microsoft DynamicQuantizeLSTM)."""
+        return "LSTM" in self.integer_recurrent_ops
 
     @property
     def name(self) -> str:
