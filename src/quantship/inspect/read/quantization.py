@@ -210,7 +210,7 @@ def quant_facts(view: GraphView) -> QuantFacts:
     facts.parameter_problems = parameter_problems(view)
     facts.foreign_operators = foreign_operators(view)
     facts.operator_forms = operator_forms(view)
-    if facts.dynamic_nodes:
+    if facts.dynamic_nodes and not facts.of_role("activation"):  # a QDQ file with integer LSTMs stays QDQ/mixed
         facts.format = "dynamic"
     elif facts.qoperator_nodes:
         facts.format = "QOperator"
