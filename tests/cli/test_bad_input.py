@@ -64,7 +64,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "trunc.npy").write_bytes((d / "cal.npy").read_bytes()[:300])
     (d / "model.py").write_text(MODEL_PY)
 
-    from quantship.cli.sources import load_model
+    from quantship.sources import load_model
     from quantship.export import export_onnx
     from quantship.export.ort_quantize import quantize_onnx_file
 

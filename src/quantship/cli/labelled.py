@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from quantship.cli.common import format_accuracy
-from quantship.cli.sources import load_images
 from quantship.cli.usage import UsageError
+from quantship.inspect.read.feeds import load_images
 from quantship.inspect.run.verify import ort_session, run_session
 from quantship.intervals import wilson_interval
 

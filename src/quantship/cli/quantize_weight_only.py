@@ -18,7 +18,17 @@ WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The weight-only options ``quantship quantize`` adds to its own."""
+    """The weight-only options ``quantship quantize`` adds to its own (and --seq-len, which static hf: takes too)."""
+    parser.add_argument("--method", default="static", choices=["static", "int8_weight_only", "int4_weight_only"],
+                        help="static W8A8 (pt2e, default), or torchao weight-only W8A16 / W4A16 (no calibration)")
+    parser.add_argument("--group-size", type=int, help="weight-only: weights per scale (default: int4 takes the "
+                        "largest of 128/64/32 dividing every Linear layer; int8 one scale per output channel)")
+    parser.add_argument("--weight-format", choices=["matmulnbits", "standard"], default="matmulnbits",
+                        help="weight-only file form: com.microsoft MatMulNBits for ONNX Runtime (default), or "
+                             "standard int8/int4 + DequantizeLinear (opset 21)")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="hf: models: tokens per sample without --calib (static: generated ids; weight-only: "
+                             "the traced sample)")
     parser.add_argument("--gptq", action="store_true",
                         help="int4_weight_only: round the weights with GPTQ on the --calib batches (token ids "
                              "[N, T] for an hf: model) instead of to nearest")
@@ -102,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.cli.sources import load_model
+    from quantship.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
     from quantship.inspect.read.loading import file_size

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     # late: --help answers before numpy, onnx and onnxruntime load
     from quantship import Quantizer, __version__
-    from quantship.cli.sources import load_model, weights_origin
+    from quantship.sources import load_model, weights_origin
     from quantship.quantize.layer_error import layer_error, suggest_skip
 
     ui = common.Output(args)
