@@ -112,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
     from quantship.inspect.read.loading import file_size
+    from quantship.sources import load_model
 
     ui = common.Output(args)
 
