@@ -77,6 +77,11 @@ def weights_origin(spec: str, weights: str | None) -> str:
     """What the model's weights are, for the summary: a file, a named set, or random initialisation."""
     if weights:
         return weights
+    kind, _, name = spec.partition(":")
+    if kind == "hf" and name != "reference":
+        path = Path(name)
+        if not (path.is_dir() and any(p.suffix in (".safetensors", ".bin") for p in path.iterdir())):
+            return "random initial weights (a config without weights: figures say nothing about a trained model)"
     if spec.startswith(("torchvision:", "timm:")):
         return "random weights (no --weights given: accuracy and agreement figures say nothing about a trained model)"
     return "as built by the factory"

@@ -6,12 +6,11 @@
   PyTorch model's forward arguments (``forward_inputs``).
 - ``forward_inputs``: a PyTorch model's inputs as the loader declares them: the forward's argument names,
   each in the dtype its data holds (floats float32, integers int64 token ids and masks, booleans bool;
-  uint8 images float32), every dim free. ``as_torch``: a batch as the model is called, one tensor or a
-  tuple in the forward's order.
+  uint8 images float32), every dim free.
 - ``read_images``: N x C x H x W float32 batches for the commands that take image models only.
 
-Refusals are ``DataRefused``: one line naming the input and the fix. numpy and the loader only: torch
-loads in ``as_torch`` alone, so the ONNX path reads through here without it.
+Refusals are ``DataRefused``: one line naming the input and the fix. numpy and the loader only (no torch):
+the ONNX path reads through here.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from quantship.inspect.read.feeds import Feed, Input, Preprocessing, cut, read_d
 _READ_ALL = 1 << 62
 
 
-def split_held_out(arrays: dict[str, Any], max_samples: int, multiple: int = 1
+def split_held_out(arrays: dict[str, Any], max_samples: int, multiple: int = 1, what: str = "--calib"
                    ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """Calibration arrays and the arrays held out to judge fidelity on: the samples beyond ``max_samples``
     when there are any, else the last fifth (none for fewer than 5 samples); and a line saying which.
@@ -42,12 +41,12 @@ def split_held_out(arrays: dict[str, Any], max_samples: int, multiple: int = 1
         if stop > max_samples:
             return ({k: v[:max_samples] for k, v in arrays.items()},
                     {k: v[max_samples:stop] for k, v in arrays.items()},
-                    f"{stop - max_samples} --calib sample(s) beyond --max-samples")
+                    f"{stop - max_samples} {what} sample(s) beyond --max-samples")
     k = min(HELD_OUT_MAX, n // 5) // multiple * multiple
     if n < 5 or not k or (n - k) < multiple:
-        return arrays, None, "none held out (too few --calib samples: judged in-sample)"
+        return arrays, None, f"none held out (too few {what} samples: judged in-sample)"
     return ({name: v[:n - k] for name, v in arrays.items()}, {name: v[n - k:] for name, v in arrays.items()},
-            f"the last {k} of {n} --calib samples, held out from calibration")
+            f"the last {k} of {n} {what} samples, held out from calibration")
 
 
 def read_held_out(calib: str, inputs: Sequence[Input], *, batch_size: int, max_samples: int, key: str | None = None,
@@ -113,6 +112,10 @@ def forward_inputs(model: Any, source: str = "--calib", given: Sequence[str] = (
     names = required + [n for n in optional if n in given]
     if not names:
         names = optional[:1] or ["x"]
+    missing = [n for n in names if n not in given]
+    if len(names) > 1 and given and missing:
+        raise DataRefused(f"{source}: no array for argument(s) {missing} of {type(model).__name__}.forward"
+                          f"{tuple(names)}; it holds {list(given)}: key the .npz by argument name")
     reading = [Input(n, np.dtype(np.float32), (None,) * 4) for n in names]
 
     def declare(arrays: dict) -> list[Input]:
@@ -134,14 +137,6 @@ def npz_keys(path: str) -> list[str]:
             return list(archive.keys())
     except (ValueError, OSError, EOFError) as exc:
         raise DataRefused(f"cannot read {path} as a numpy archive: {exc}") from None
-
-
-def as_torch(feed: Feed, names: Sequence[str]):
-    """One batch as the model is called: a tensor for one input, a tuple in the forward's order for several."""
-    import torch  # the ONNX path reads through this module without torch
-
-    tensors = tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in names)
-    return tensors[0] if len(tensors) == 1 else tensors
 
 
 def read_images(path: str, *, key: str | None, prep: Preprocessing, batch_size: int, max_samples: int,

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 import onnx
+import torch
 
 from quantship.errors import DataRefused, cause
-from quantship.export.data import as_torch, forward_arguments, forward_inputs, npz_keys, read_held_out, split_held_out
+from quantship.export.data import forward_arguments, forward_inputs, npz_keys, read_held_out, split_held_out
 from quantship.export.judged import file_outputs
 from quantship.fidelity import HELD_OUT_MAX
 from quantship.inspect.read.feeds import Preprocessing, cut
@@ -26,6 +27,7 @@ from quantship.inspect.read.float_ops import float_ops
 from quantship.inspect.read.lsb import lsb_error, output_scales
 from quantship.inspect.run.consumers import ort_session
 from quantship.inspect.run.outputs import output_arrays
+from quantship.quantize.calibration import Inputs
 
 
 @dataclass
@@ -44,9 +46,15 @@ class Calibration:
         return {n: np.concatenate([f[n] for f in self.feeds]) for n in self.names}
 
 
+def as_torch(feed: dict, names: list[str]):
+    """One batch as the model is called: a tensor for one input, ``Inputs`` in the forward's order for several."""
+    tensors = tuple(torch.from_numpy(np.ascontiguousarray(feed[n])) for n in names)
+    return tensors[0] if len(tensors) == 1 else Inputs(tensors)
+
+
 def embedding_rows(model: Any) -> int | None:
     """Rows of the smallest ``nn.Embedding`` in ``model`` (the range of its token ids); None when it has none."""
-    rows = [m.num_embeddings for m in model.modules() if type(m).__name__ == "Embedding"]
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     return min(rows) if rows else None
 
 
@@ -71,7 +79,7 @@ def read_calibration(model: Any, calib: str | None, *, batch_size: int, max_samp
         arrays = generated_ids(model, max_samples + (HELD_OUT_MAX if judged else 0), seq_len)
         inputs, declare = forward_inputs(model, "generated ids", list(arrays))
         specs = declare(arrays)
-        kept, held, said = split_held_out(arrays, max_samples, multiple) if judged else (arrays, None, "")
+        kept, held, said = split_held_out(arrays, max_samples, multiple, "generated") if judged else (arrays, None, "")
         source = f"generated token ids ({', '.join(f'{k}: {v.shape[1]} tokens' for k, v in arrays.items())})"
         batches = cut(specs, kept, batch_size=batch_size, max_samples=max_samples, source=source)
         held_batches = None if held is None else cut(specs, held, batch_size=batch_size, max_samples=1 << 62,
@@ -98,18 +106,16 @@ def read_calibration(model: Any, calib: str | None, *, batch_size: int, max_samp
 
 def export_sample(batches: list, static_batch: int | None):
     """The export sample and ``dynamic_batch``: the preset's choice, or a file fixed at ``static_batch``."""
-    import torch
-
     if static_batch is None:
         return batches[0], None
-    several = isinstance(batches[0], tuple)
+    several = isinstance(batches[0], Inputs)
     columns = list(zip(*batches)) if several else [batches]
     samples = [torch.cat(list(c)) for c in columns]
     if len(samples[0]) < static_batch:
         raise DataRefused(f"--static-batch {static_batch}: the calibration data holds {len(samples[0])} sample(s); "
                           "give at least that many, or a smaller --static-batch")
     cut_ = tuple(s[:static_batch] for s in samples)
-    return (cut_ if several else cut_[0]), False
+    return (Inputs(cut_) if several else cut_[0]), False
 
 
 def file_batch(path: str | Path) -> int | None:
@@ -123,7 +129,7 @@ def output_error(qmodel: Any, path: str | Path, sample: Any, served: int | None 
     first ``served`` samples: the file's static batch): an ``LSBError`` in output steps, or a dict in absolute
     terms when the output stays float (no output scale)."""
     if served is not None:
-        sample = tuple(x[:served] for x in sample) if isinstance(sample, tuple) else sample[:served]
+        sample = Inputs(x[:served] for x in sample) if isinstance(sample, Inputs) else sample[:served]
     _, (reference, *_) = output_arrays(qmodel, [sample])
     got = file_outputs(ort_session(path), [sample], None)[0]
     scale = next(iter(output_scales(path).values()), None)
