@@ -83,7 +83,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, hf: bool = False, on
     """MODEL, --weights and --trust-pickle: how every command that builds a PyTorch model gets it
     (``onnx``: the command also takes a float .onnx file)."""
     sources = "torchvision:NAME, timm:NAME, path/to/file.py:factory (runs that file's Python code, with its folder on " \
-              "the import path)" + (", or hf:reference|DIR|config.json (weight-only methods)" if hf else "") \
+              "the import path)" + (", or hf:reference|DIR|config.json (local files; token ids in, logits out)" if hf else "") \
               + (", or a float FILE.onnx (quantized by quantize-onnx's engine)" if onnx else "")
     parser.add_argument("model", metavar="MODEL", help=sources)
     parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set name "

@@ -46,29 +46,13 @@ def check_request(args: argparse.Namespace) -> None:
 
 
 def gptq_batches(model, args: argparse.Namespace) -> list:
-    """The --calib batches as torch tensors, for GPTQ: token ids [N, T] (.npy) for an hf: model, else as
-    every command reads calibration data."""
+    """The --calib batches as torch tensors, for GPTQ, read as ``quantize`` reads them (token ids for an hf: model:
+    a .npy, or an .npz keyed by the forward's argument name)."""
     # imported when the command runs (torch, numpy behind these), so --help answers at once
-    import numpy as np
-    import torch
+    from quantship.export.torch_file import read_calibration
 
-    from quantship.calibration import split
-
-    if not args.model.startswith("hf:"):
-        return [torch.from_numpy(b) for b in common.read_calibration(args)]
-    if not args.calib.endswith(".npy"):
-        raise UsageError(f"--calib {args.calib}: for an hf: model give token ids [N, T] as a .npy file")
-    try:
-        ids = np.load(args.calib, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise UsageError(f"cannot read --calib {args.calib} as a numpy array: {exc}") from None
-    vocab = int(model.lm.config.vocab_size)
-    if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
-        raise UsageError(f"--calib {args.calib} holds {ids.dtype} {list(ids.shape)}; an hf: model calibrates on "
-                         f"integer token ids [N, T] in [0, {vocab})")
-    return [torch.from_numpy(b.astype(np.int64)) for b in split(ids, args.batch_size, args.max_samples,
-                                                                 batch_size_name="--batch-size",
-                                                                 cap_name="--max-samples")]
+    return read_calibration(model, args.calib, batch_size=args.batch_size, max_samples=args.max_samples, key=args.key,
+                            preprocessing=common.preprocessing(args), judged=False).batches
 
 
 def sample_for(model, args: argparse.Namespace):

@@ -142,28 +142,14 @@ def npz_keys(path: str) -> list[str]:
 def read_images(path: str, *, key: str | None, prep: Preprocessing, batch_size: int, max_samples: int,
                 keep_last: bool = False) -> list[np.ndarray]:
     """N x C x H x W float32 batches (finite, channels first) from ``.npy``/``.npz`` or a folder of images."""
-    p = Path(path)
     image = Input("images", np.dtype(np.float32), (None,) * 4)
-    if not p.exists():
-        raise DataRefused(f"calibration data {path} does not exist")
-    (array,) = read_data(p, [image], key=key, preprocessing=prep, limit=max_samples, what="calibration data").values()
-    if not isinstance(array, np.ndarray) or array.dtype.kind not in "fu" or (
-            array.dtype.kind == "u" and array.dtype != np.uint8):
-        kind = "complex" if getattr(array, "dtype", None) is not None and array.dtype.kind == "c" else "non-image"
-        raise DataRefused(f"calibration data {path} holds {kind} values ({getattr(array, 'dtype', type(array))}); "
-                          "give real float or uint8 images")
-    if array.ndim != 4:
-        raise DataRefused(f"calibration array {path} has shape {array.shape}; expected N x C x H x W (4 dimensions)")
-    if array.size == 0:
-        raise DataRefused(f"calibration array {path} is empty (shape {array.shape}); give at least one image")
-    if array.shape[-1] in (1, 3) and array.shape[1] not in (1, 3):
-        raise DataRefused(f"calibration array {path} has shape {array.shape}, which looks channels-last; "
+    arrays = read_data(path, [image], key=key, preprocessing=prep, limit=max_samples, what="calibration data")
+    shape = np.shape(arrays["images"])
+    if len(shape) != 4:
+        raise DataRefused(f"calibration array {path} has shape {shape}; expected N x C x H x W (4 dimensions)")
+    if shape[-1] in (1, 3) and shape[1] not in (1, 3):
+        raise DataRefused(f"calibration array {path} has shape {shape}, which looks channels-last; "
                           "transpose it to N x C x H x W (np.transpose(a, (0, 3, 1, 2)))")
-    array = array.astype(np.float32, copy=False)
-    finite = np.isfinite(array)
-    if not finite.all():
-        where = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise DataRefused(f"calibration data {path} holds {int((~finite).sum())} NaN or infinite value(s), "
-                          f"the first at index {where}; clean the data (or fix --mean/--std) first")
+    (array,) = (f["images"] for f in cut([image], arrays, batch_size=max_samples, max_samples=max_samples, source=path))
     return calibration.split(array, batch_size, max_samples, keep_last=keep_last, batch_size_name="--batch-size",
                              cap_name="--max-samples")
