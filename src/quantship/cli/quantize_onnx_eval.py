@@ -25,27 +25,14 @@ def labelled(args: argparse.Namespace, inputs):
         raise UsageError(f"--eval scores top-1 of a file with one input; this file has {[i.name for i in inputs]} "
                          "(use quantize_onnx.search.search_onnx(metric=...) in Python)")
     spec = inputs[0]
+    images = len(spec.dims) == 4 and spec.dtype.kind == "f"
     if Path(args.eval).is_dir() or Path(args.eval).suffix != ".npz":
-        if spec.dtype.kind != "f" or len(spec.dims) != 4:
+        if not images:
             raise UsageError(f"--eval {args.eval}: class folders feed an N x C x H x W float input; the file declares "
                              f"{spec.name}: {spec.describe()}; give a .npz with x and y")
         labelled = read_labelled(args.eval, common.preprocessing(args))
     else:
-        labelled = read_labelled(args.eval, None) if len(spec.dims) == 4 and spec.dtype.kind == "f" else None
-        if labelled is None:
-            if not Path(args.eval).is_file():
-                raise UsageError(f"evaluation data {args.eval} does not exist")
-            try:
-                with np.load(args.eval, allow_pickle=False) as archive:
-                    if not {"x", "y"} <= set(archive.keys()):
-                        raise UsageError(f"{args.eval} must hold arrays x and y; it holds {list(archive.keys())}")
-                    x, y = archive["x"], archive["y"]
-            except (ValueError, OSError, EOFError) as exc:
-                raise UsageError(f"cannot read {args.eval} as a numpy archive: {exc}") from None
-            if y.ndim != 1 or len(y) != len(x) or not len(y) or not np.issubdtype(y.dtype, np.integer):
-                raise UsageError(f"{args.eval}: y has shape {list(y.shape)} ({y.dtype}) for {len(x)} sample(s); give "
-                                 "one integer class index per sample")
-            labelled = Labelled(x, y.astype(np.int64), [str(c) for c in range(int(y.max()) + 1)])
+        labelled = read_labelled(args.eval, None, images=images)
     x = labelled.x
     kind_ok = x.dtype.kind == spec.dtype.kind or (spec.dtype.kind == "f" and x.dtype.kind in "fiu")
     wrong = [i for i, (d, s) in enumerate(zip(spec.dims, x.shape)) if i and d and d != s]
