@@ -28,6 +28,11 @@ class DataRefused(QuantshipError):
     """Calibration, evaluation or probe data that cannot be used (empty, non-finite, wrong shape)."""
 
 
+class ModelRefused(QuantshipError):
+    """A model that cannot be built or loaded by name (``quantship.sources``): unknown source, missing file,
+    a factory that fails, weights that do not fit."""
+
+
 class ExportRefused(QuantshipError):
     """A file could not be written faithfully; nothing was left at the destination."""
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 # (the notes example: 4.7-5.9 dB, 29.5 points).
 DEFAULT_MIN_SQNR_DB = 10.0
 DEFAULT_MIN_AGREEMENT = 0.9
+HELD_OUT_MAX = 64  # samples held out from calibration to judge fidelity on (export.data.split_held_out)
 METADATA_KEY = "quantship.fidelity"
 SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
 MIN_DECISIONS = 20  # an agreement over fewer decisions is reported, not judged: a flip or two proves nothing

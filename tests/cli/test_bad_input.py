@@ -64,9 +64,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "trunc.npy").write_bytes((d / "cal.npy").read_bytes()[:300])
     (d / "model.py").write_text(MODEL_PY)
 
-    from quantship.cli.sources import load_model
     from quantship.export import export_onnx
     from quantship.export.ort_quantize import quantize_onnx_file
+    from quantship.sources import load_model
 
     torch.manual_seed(0)
     float_path = export_onnx(load_model(f"{d / 'model.py'}:build"), torch.from_numpy(good), d / "f.onnx",

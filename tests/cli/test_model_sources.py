@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantship.cli.main import UsageError
-from quantship.cli.sources import load_model, weights_origin
+from quantship.errors import ModelRefused
+from quantship.sources import load_model, weights_origin
 
 FACTORY = (
     "import torch.nn as nn\n"
@@ -41,7 +41,7 @@ def test_state_dict_and_checkpoint_wrapper(factory, tmp_path):
 def test_pickled_model_needs_trust(factory, tmp_path):
     reference = load_model(factory)
     torch.save(reference, tmp_path / "whole.pt")
-    with pytest.raises(UsageError, match="--trust-pickle"):
+    with pytest.raises(ModelRefused, match="--trust-pickle"):
         load_model(factory, str(tmp_path / "whole.pt"))
     trusted = load_model(factory, str(tmp_path / "whole.pt"), trust_pickle=True)
     assert torch.equal(trusted[0].weight, reference[0].weight)
@@ -49,10 +49,10 @@ def test_pickled_model_needs_trust(factory, tmp_path):
 
 def test_mismatched_and_garbage_weights_are_one_line_refusals(factory, tmp_path):
     torch.save({"nope": torch.zeros(1)}, tmp_path / "bad.pt")
-    with pytest.raises(UsageError, match="cannot load"):
+    with pytest.raises(ModelRefused, match="cannot load"):
         load_model(factory, str(tmp_path / "bad.pt"))
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
-    with pytest.raises(UsageError, match="cannot read"):
+    with pytest.raises(ModelRefused, match="cannot read"):
         load_model(factory, str(tmp_path / "junk.pt"))
 
 
@@ -60,9 +60,9 @@ def test_torchvision_weight_names_from_the_local_hub_cache(tmp_path, monkeypatch
     import torchvision
 
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
-    with pytest.raises(UsageError, match=r"not in the local torch hub cache.*resnet18-f37072fd\.pth"):
+    with pytest.raises(ModelRefused, match=r"not in the local torch hub cache.*resnet18-f37072fd\.pth"):
         load_model("torchvision:resnet18", "IMAGENET1K_V1")
-    with pytest.raises(UsageError, match="has no weights 'IMAGENET9K'"):
+    with pytest.raises(ModelRefused, match="has no weights 'IMAGENET9K'"):
         load_model("torchvision:resnet18", "IMAGENET9K")
     # a file put where the refusal said is read (here: a state_dict we made, saved under that name)
     enum = torchvision.models.ResNet18_Weights.IMAGENET1K_V1

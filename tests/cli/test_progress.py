@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from quantship.cli.common import SLOW_STEP_S, TerminalProgress, terminal_progress
+from quantship.cli.progress_view import SLOW_STEP_S, TerminalProgress, terminal_progress
 from quantship.progress import END, START, Step, active, listening, step
 
 

@@ -51,7 +51,7 @@ def test_quantize_python_factory_and_weights(tmp_path, capsys):
         "def build():\n"
         "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))\n"
     )
-    from quantship.cli.sources import load_model
+    from quantship.sources import load_model
 
     weights = tmp_path / "w.pt"
     torch.save(load_model(f"{src}:build").state_dict(), weights)
@@ -95,7 +95,7 @@ def test_quantize_from_an_image_folder(target, batch, image_folder, tmp_path, ca
 
 
 def test_static_batch_option(image_folder, tmp_path, capsys):
-    from quantship.cli.sources import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, load_images
+    from quantship.inspect.read.feeds import IMAGENET_MEAN, IMAGENET_STD, Preprocessing, load_images
 
     assert load_images(str(image_folder), Preprocessing(16, 16, IMAGENET_MEAN, IMAGENET_STD), 5).flags.c_contiguous
     src = tmp_path / "net.py"
@@ -144,7 +144,7 @@ BAD_INPUT = [
     (["quantize", "torchvision:notamodel", "--calib", "CAL", "--out", "x.onnx"], "unknown torchvision model"),
     (["quantize", "resnet18", "--calib", "CAL", "--out", "x.onnx"], "must be torchvision:NAME"),
     (["quantize", "torchvision:resnet18", "--calib", "CAL", "--out", "x.onnx", "--target", "tpu"], "invalid choice: 'tpu'"),
-    (["quantize", "torchvision:resnet18", "--calib", "BAD", "--out", "x.onnx"], "expected N x C x H x W"),
+    (["quantize", "torchvision:resnet18", "--calib", "BAD", "--out", "x.onnx"], "cannot run on a calibration batch"),
     (["quantize-onnx", "missing.onnx", "--calib", "CAL", "--out", "x.onnx"], "missing.onnx"),
     (["check", "missing.onnx", "--target", "tigris"], "missing.onnx"),
 ]

@@ -183,7 +183,7 @@ def test_export_keeps_module_scopes_and_drops_source_text(kept_float_file):
 
 @pytest.mark.slow
 def test_inspect_lists_the_float_op_by_module_as_quantize_does(kept_float_file, capsys):
-    from quantship.cli.quantize import _left_float
+    from quantship.export.torch_file import left_float as _left_float
 
     facts = read_file(kept_float_file)
     # block2.conv1 writes a float result (the ReLU after it is block2's), block2.conv2 reads it

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from quantship import __version__, targets
 from quantship.intervals import wilson_interval
 from quantship.locks import destination_lock
-from quantship.progress import END, START, listening
 from quantship.report_json import strict_json
 
 if TYPE_CHECKING:
@@ -84,7 +83,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, hf: bool = False, on
     """MODEL, --weights and --trust-pickle: how every command that builds a PyTorch model gets it
     (``onnx``: the command also takes a float .onnx file)."""
     sources = "torchvision:NAME, timm:NAME, path/to/file.py:factory (runs that file's Python code, with its folder on " \
-              "the import path)" + (", or hf:reference|DIR|config.json (weight-only methods)" if hf else "") \
+              "the import path)" + (", or hf:reference|DIR|config.json (local files; token ids in, logits out)" if hf else "") \
               + (", or a float FILE.onnx (quantized by quantize-onnx's engine)" if onnx else "")
     parser.add_argument("model", metavar="MODEL", help=sources)
     parser.add_argument("--weights", help="a state_dict (.pt) to load into MODEL, or a torchvision weight set name "
@@ -123,11 +122,12 @@ def preprocessing(args: argparse.Namespace):
 
 
 def read_calibration(args: argparse.Namespace, *, keep_last: bool = False):
-    # cli.sources imports numpy: loaded when data is read, so --help answers at once
-    from quantship.cli.sources import read_calibration
+    """``--calib`` as N x C x H x W float32 batches, for the commands that take image models only."""
+    # numpy and onnx load with the reader: when data is read, so --help answers at once
+    from quantship.export.data import read_images
 
-    return read_calibration(args.calib, key=args.key, prep=preprocessing(args), batch_size=args.batch_size,
-                            max_samples=args.max_samples, keep_last=keep_last)
+    return read_images(args.calib, key=args.key, prep=preprocessing(args), batch_size=args.batch_size,
+                       max_samples=args.max_samples, keep_last=keep_last)
 
 
 def verdict_line(report) -> str:
@@ -150,82 +150,6 @@ def emit_json(command: str, data: dict[str, Any]) -> None:
     """Print ``json_document`` as strict JSON: a non-finite number becomes null and is listed in ``notes``."""
 
     print(strict_json(json.loads(json.dumps(json_document(command, data), default=str))))
-
-
-SLOW_STEP_S = 2.0  # a step that took longer leaves a line with its time on the terminal
-
-
-class TerminalProgress:
-    """Shows the steps the library marks (``quantship.progress``) on a terminal: a transient spinner
-    naming the running step (with its count and seconds so far), and one line per step that took
-    longer than ``SLOW_STEP_S`` when it ends. Writes to ``console`` only (stderr)."""
-
-    def __init__(self, console):
-        from rich.spinner import Spinner
-
-        self.console = console
-        self.running: list = []
-        self.live = None
-        self.spinner = Spinner("dots")
-
-    def __call__(self, event: str, step) -> None:
-
-        if event == START:
-            self.running.append(step)
-            if self.live is None:
-                from rich.live import Live
-
-                self.live = Live(self, console=self.console, transient=True, refresh_per_second=8)
-                self.live.start(refresh=True)
-        elif event == END:
-            if step in self.running:
-                self.running.remove(step)
-            if step.seconds is not None and step.seconds > SLOW_STEP_S:
-                self.console.print(self.done_line(step), highlight=False)
-            if not self.running and self.live is not None:
-                self.live.stop()
-                self.live = None
-
-    @staticmethod
-    def done_line(step) -> str:
-        return f"{step.label}: {'failed after' if step.failed else 'done in'} {step.seconds:.1f} s"
-
-    def __rich__(self):
-        if not self.running:
-            return ""
-        now = self.running[-1]
-        count = f" {now.done}/{now.total}" if now.total else ""
-        self.spinner.update(text=f"{' > '.join(s.label for s in self.running)}{count}  {now.elapsed:.0f} s")
-        return self.spinner
-
-    def close(self) -> None:
-        if self.live is not None:
-            self.live.stop()
-            self.live = None
-
-
-def terminal_progress(args: argparse.Namespace):
-    """The progress display for one command: on when stderr is a terminal and neither --quiet nor
-    --json was given; otherwise nothing is shown (a do-nothing context)."""
-    import sys
-
-    quiet = bool(getattr(args, "quiet", False)) or bool(getattr(args, "json", False))
-    if quiet or not sys.stderr.isatty():
-        return contextlib.nullcontext()
-    return _showing(sys.stderr)
-
-
-@contextlib.contextmanager
-def _showing(stream) -> Iterator[TerminalProgress]:
-    from rich.console import Console
-
-
-    view = TerminalProgress(Console(file=stream, highlight=False))
-    try:
-        with listening(view):
-            yield view
-    finally:
-        view.close()
 
 
 class Output:

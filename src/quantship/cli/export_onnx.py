@@ -37,9 +37,9 @@ def run(args: argparse.Namespace) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import torch
 
-    from quantship.cli.sources import load_model, weights_origin
     from quantship.export import export_onnx
     from quantship.inspect.read.loading import file_size
+    from quantship.sources import load_model, weights_origin
 
     ui = common.Output(args)
     shape = parse_shape(args.shape)

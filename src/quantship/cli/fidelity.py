@@ -7,11 +7,9 @@ import argparse
 import sys
 from typing import Any
 
-HELD_OUT_MAX = 64  # samples held out from calibration to judge fidelity on
-
 
 def add_arguments(parser: argparse.ArgumentParser, *, repairs: bool = True) -> None:
-    from quantship.fidelity import DEFAULT_MIN_AGREEMENT, DEFAULT_MIN_SQNR_DB  # a leaf: numpy only
+    from quantship.fidelity import DEFAULT_MIN_AGREEMENT, DEFAULT_MIN_SQNR_DB, HELD_OUT_MAX  # a leaf: numpy only
 
     parser.add_argument("--min-sqnr", type=float, default=None, metavar="DB",
                         help=f"fidelity budget: least SQNR of every output against the float model, in dB "
@@ -37,25 +35,6 @@ def budget(args: argparse.Namespace):
     from quantship.fidelity import budget_from  # late: numpy loads with it, after --help
 
     return budget_from(args.min_sqnr, args.min_agreement, judged=not args.no_fidelity)
-
-
-def split_held_out(arrays: dict[str, Any], max_samples: int, multiple: int = 1
-                   ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
-    """Calibration arrays and the arrays held out to judge fidelity on: the samples beyond ``max_samples``
-    when there are any, else the last fifth (none for fewer than 5 samples); and a line saying which.
-    ``multiple``: a file with a fixed batch reads whole batches, so both parts keep whole batches of it."""
-    n = len(next(iter(arrays.values())))
-    if n > max_samples:
-        stop = max_samples + (min(n, max_samples + HELD_OUT_MAX) - max_samples) // multiple * multiple
-        if stop > max_samples:
-            return ({k: v[:max_samples] for k, v in arrays.items()},
-                    {k: v[max_samples:stop] for k, v in arrays.items()},
-                    f"{stop - max_samples} --calib sample(s) beyond --max-samples")
-    k = min(HELD_OUT_MAX, n // 5) // multiple * multiple
-    if n < 5 or not k or (n - k) < multiple:
-        return arrays, None, "none held out (too few --calib samples: judged in-sample)"
-    return ({name: v[:n - k] for name, v in arrays.items()}, {name: v[n - k:] for name, v in arrays.items()},
-            f"the last {k} of {n} --calib samples, held out from calibration")
 
 
 def rows(fp32, repair) -> list[tuple[str, str]]:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from quantship.cli.common import format_accuracy
-from quantship.cli.sources import load_images
 from quantship.cli.usage import UsageError
+from quantship.inspect.read.feeds import load_images
 from quantship.inspect.run.verify import ort_session, run_session
 from quantship.intervals import wilson_interval
 
@@ -27,8 +27,9 @@ class Labelled:
     classes: list[str]
 
 
-def read_labelled(path: str, prep) -> Labelled:
-    """``--eval DATA``: a .npz with ``x`` and ``y``, or an image folder with one subfolder per class."""
+def read_labelled(path: str, prep, images: bool = True) -> Labelled:
+    """``--eval DATA``: a .npz with ``x`` and ``y``, or an image folder with one subfolder per class.
+    ``images``: x is N x C x H x W float (or uint8) images; otherwise any numeric x, kept in its dtype."""
 
     p = Path(path)
     if not p.exists():
@@ -55,14 +56,15 @@ def read_labelled(path: str, prep) -> Labelled:
             x, y = archive["x"], archive["y"]
     except (ValueError, OSError, EOFError) as exc:
         raise UsageError(f"cannot read {path} as a numpy archive: {exc}") from None
-    if x.ndim != 4 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
-        raise UsageError(f"{path}: x has shape {x.shape} and y {y.shape}; expected N x C x H x W and N (N > 0)")
+    if (images and x.ndim != 4) or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+        raise UsageError(f"{path}: x has shape {x.shape} and y {y.shape}; expected "
+                         f"{'N x C x H x W' if images else 'N x ...'} and N (N > 0)")
     if not np.issubdtype(y.dtype, np.integer) or (y < 0).any():
         raise UsageError(f"{path}: y must hold non-negative class indices, got dtype {y.dtype}")
-    if not np.issubdtype(x.dtype, np.floating) and x.dtype != np.uint8:
+    if images and not np.issubdtype(x.dtype, np.floating) and x.dtype != np.uint8:
         raise UsageError(f"{path}: x must be float or uint8 images, got {x.dtype}")
-    x = x.astype(np.float32, copy=False)
-    if not np.isfinite(x).all():
+    x = x.astype(np.float32, copy=False) if images else x
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
         raise UsageError(f"{path}: x holds NaN or Inf values")
     return Labelled(x, y.astype(np.int64), [str(c) for c in range(int(y.max()) + 1)])
 

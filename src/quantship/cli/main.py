@@ -11,8 +11,8 @@ import importlib
 import sys
 
 from quantship import __version__
-from quantship.cli.common import terminal_progress
 from quantship.cli.paths import refuse_missing_inputs
+from quantship.cli.progress_view import terminal_progress
 from quantship.cli.usage import UsageError  # re-exported: raised by every subcommand
 from quantship.errors import QuantshipError, cause, one_line
 from quantship.interrupts import InterruptGuard

@@ -13,6 +13,9 @@ import argparse
 
 from quantship.cli import common
 from quantship.cli.check import exit_code
+from quantship.cli.onnx_input import read_feeds, read_float_file
+from quantship.cli.quantize_onnx_eval import labelled as read_labelled
+from quantship.cli.quantize_onnx_eval import top1_of
 from quantship.cli.usage import UsageError
 
 # options of the static form that have nothing to act on here: no calibrated activation scale exists
@@ -84,3 +87,14 @@ def report(args: argparse.Namespace, result, accuracy: dict) -> int:
         (f"check {result.target} --run", common.verdict_line(result.verdict)),
     ])
     return exit_code(result.verdict)
+
+
+def run(args: argparse.Namespace, out) -> int:
+    """``--activations dynamic``: the data is read here (optional), the rest is ``quantize_onnx_dynamic``'s."""
+    # late: --help answers before onnx, onnxruntime and numpy load
+    model, inputs = read_float_file(args.float_model)
+    del model
+    batches = read_feeds(args, inputs) if args.calib else None
+    labelled = read_labelled(args, inputs)
+    result = quantize(args, out, batches)
+    return report(args, result, top1_of(args, labelled, result.path) if labelled is not None else {})

@@ -18,7 +18,17 @@ WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The weight-only options ``quantship quantize`` adds to its own."""
+    """The weight-only options ``quantship quantize`` adds to its own (and --seq-len, which static hf: takes too)."""
+    parser.add_argument("--method", default="static", choices=["static", "int8_weight_only", "int4_weight_only"],
+                        help="static W8A8 (pt2e, default), or torchao weight-only W8A16 / W4A16 (no calibration)")
+    parser.add_argument("--group-size", type=int, help="weight-only: weights per scale (default: int4 takes the "
+                        "largest of 128/64/32 dividing every Linear layer; int8 one scale per output channel)")
+    parser.add_argument("--weight-format", choices=["matmulnbits", "standard"], default="matmulnbits",
+                        help="weight-only file form: com.microsoft MatMulNBits for ONNX Runtime (default), or "
+                             "standard int8/int4 + DequantizeLinear (opset 21)")
+    parser.add_argument("--seq-len", type=int, default=128,
+                        help="hf: models: tokens per sample without --calib (static: generated ids; weight-only: "
+                             "the traced sample)")
     parser.add_argument("--gptq", action="store_true",
                         help="int4_weight_only: round the weights with GPTQ on the --calib batches (token ids "
                              "[N, T] for an hf: model) instead of to nearest")
@@ -36,29 +46,13 @@ def check_request(args: argparse.Namespace) -> None:
 
 
 def gptq_batches(model, args: argparse.Namespace) -> list:
-    """The --calib batches as torch tensors, for GPTQ: token ids [N, T] (.npy) for an hf: model, else as
-    every command reads calibration data."""
+    """The --calib batches as torch tensors, for GPTQ, read as ``quantize`` reads them (token ids for an hf: model:
+    a .npy, or an .npz keyed by the forward's argument name)."""
     # imported when the command runs (torch, numpy behind these), so --help answers at once
-    import numpy as np
-    import torch
+    from quantship.export.torch_file import read_calibration
 
-    from quantship.calibration import split
-
-    if not args.model.startswith("hf:"):
-        return [torch.from_numpy(b) for b in common.read_calibration(args)]
-    if not args.calib.endswith(".npy"):
-        raise UsageError(f"--calib {args.calib}: for an hf: model give token ids [N, T] as a .npy file")
-    try:
-        ids = np.load(args.calib, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise UsageError(f"cannot read --calib {args.calib} as a numpy array: {exc}") from None
-    vocab = int(model.lm.config.vocab_size)
-    if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
-        raise UsageError(f"--calib {args.calib} holds {ids.dtype} {list(ids.shape)}; an hf: model calibrates on "
-                         f"integer token ids [N, T] in [0, {vocab})")
-    return [torch.from_numpy(b.astype(np.int64)) for b in split(ids, args.batch_size, args.max_samples,
-                                                                 batch_size_name="--batch-size",
-                                                                 cap_name="--max-samples")]
+    return read_calibration(model, args.calib, batch_size=args.batch_size, max_samples=args.max_samples, key=args.key,
+                            preprocessing=common.preprocessing(args), judged=False).batches
 
 
 def sample_for(model, args: argparse.Namespace):
@@ -102,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from quantship import Quantizer, quant_spec
-    from quantship.cli.sources import load_model
     from quantship.export import export_qdq
     from quantship.export.weight_only import relative_error
     from quantship.inspect.read.loading import file_size
+    from quantship.sources import load_model
 
     ui = common.Output(args)
 

@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
     # late: --help answers before numpy, onnx and onnxruntime load
     from quantship import Quantizer, __version__
-    from quantship.cli.sources import load_model, weights_origin
     from quantship.quantize.layer_error import layer_error, suggest_skip
+    from quantship.sources import load_model, weights_origin
 
     ui = common.Output(args)
     if args.k < 1:
@@ -136,10 +136,8 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
     """A float ONNX file: quantize-onnx's plan and file, then the SQNR of every node it quantizes."""
     # imported when the command runs (onnx, onnxruntime, torch behind these), so --help answers at once
     from quantship import __version__
-    from quantship.cli.quantize_onnx import check_memory, read_feeds
-    from quantship.inspect.read.feeds import generated, model_inputs
-    from quantship.inspect.read.loading import load_onnx
-    from quantship.quantize_onnx.quantizer import refuse_unusable
+    from quantship.cli.onnx_input import check_memory, read_feeds, read_float_file
+    from quantship.inspect.read.feeds import generated
     from quantship.quantize_onnx.sensitivity import node_sqnr
 
     refused = [flag for flag, value in (("--weights", args.weights), ("--trust-pickle", args.trust_pickle),
@@ -149,10 +147,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
         raise UsageError(f"{', '.join(refused)}: not for an ONNX file (quantize-onnx takes --exclude and --observer; "
                          "the accuracy search is quantize-onnx --eval --max-drop)")
     target = targets.get(args.target)
-    check_memory(args.model)
-    model = load_onnx(args.model)
-    refuse_unusable(model, args.model)
-    inputs = model_inputs(model, args.model)
+    model, inputs = read_float_file(args.model)
     if args.calib:
         batches, data = read_feeds(args, inputs), f"--calib {args.calib}"
     else:

@@ -37,6 +37,7 @@ from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.verify import MeasuredPath
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
+from quantship.quantize.calibration import Inputs
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
@@ -187,6 +188,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             return fidelity, (qmodel, quantizer, path, fidelity)
 
         def order(made: tuple, opts: dict) -> list[str]:
+            if isinstance(list(batches)[0], Inputs):
+                return []  # the per-layer SQNR report runs a model with one input: no module to rank
             with progress_step("fidelity repair: per-layer SQNR (own loss)"):
                 return own_loss_order(model, made[0], list(batches)[:4])
 

@@ -29,8 +29,27 @@ def _as_plain_tensor(x: torch.Tensor) -> torch.Tensor:
     return x.detach().cpu().contiguous(memory_format=torch.contiguous_format)
 
 
-def input_of(batch: object) -> torch.Tensor:
-    """The model input of one batch: the tensor itself, or the first item of ``(x, y)``."""
+class Inputs(tuple):
+    """One batch of a model with several inputs: its tensors in the forward's order (a plain tuple is read as
+    ``(x, y)``). ``shape`` and ``dim()`` are the first tensor's, whose first dim is the batch of all."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self[0].shape
+
+    def dim(self) -> int:
+        return self[0].dim()
+
+
+def call(model: torch.nn.Module, x: torch.Tensor | Inputs):
+    """``model`` on one batch's input: one tensor, or the tensors of ``Inputs`` as positional arguments."""
+    return model(*x) if isinstance(x, Inputs) else model(x)
+
+
+def input_of(batch: object) -> torch.Tensor | Inputs:
+    """The model input of one batch: the tensor itself, ``Inputs`` (several), or the first item of ``(x, y)``."""
+    if isinstance(batch, Inputs):
+        return Inputs(_as_plain_tensor(x) for x in batch)
     if isinstance(batch, torch.Tensor):
         return _as_plain_tensor(batch)
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
@@ -47,6 +66,10 @@ def validate_batch(x: torch.Tensor, index: int) -> torch.Tensor:
     Called on every batch as it is read, before any model work (observers would fail deep inside
     torch, e.g. ``torch.histc ... not finite``, or silently drop the imaginary part).
     """
+    if isinstance(x, Inputs):
+        for each in x:
+            validate_batch(each, index)
+        return x
     if x.is_complex():
         raise DataRefused(f"calibration batch {index} is complex ({x.dtype}); give real-valued inputs")
     if x.numel() == 0:
@@ -131,7 +154,7 @@ def _feed(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool,
         if not verbose or active() or not sys.stdout.isatty():
             with step(f"quantize: {description}", total=sum(b.shape[0] for b in batches)) as current:
                 for x in batches:
-                    model(x)
+                    call(model, x)
                     current.advance(x.shape[0])
             return
         from rich.progress import Progress
@@ -139,5 +162,5 @@ def _feed(model: torch.nn.Module, batches: list[torch.Tensor], *, verbose: bool,
         with Progress(transient=True) as bar:
             task = bar.add_task(description, total=sum(b.shape[0] for b in batches))
             for x in batches:
-                model(x)
+                call(model, x)
                 bar.advance(task, x.shape[0])

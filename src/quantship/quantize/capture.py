@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule
 
+from quantship.quantize.calibration import Inputs
+
 BATCH_DIM_NAME = "batch"
 # Set on a graph captured at a static batch: why torch.export could not keep the batch symbolic.
 # quantship.export.qdq reads the same attribute name to refuse dynamic_batch=True with that reason.
@@ -37,16 +39,26 @@ class Capture:
         return self.static_batch is None
 
 
-def contiguous(x: torch.Tensor) -> torch.Tensor:
+def contiguous(x: torch.Tensor | Inputs) -> torch.Tensor | Inputs:
     """``x`` in the default (NCHW, row-major) layout: strides and memory format never reach a graph."""
+    if isinstance(x, Inputs):
+        return Inputs(contiguous(each) for each in x)
     return x.contiguous(memory_format=torch.contiguous_format)
 
 
-def _at_least_two(example: torch.Tensor) -> torch.Tensor:
+def _at_least_two(example: torch.Tensor | Inputs) -> torch.Tensor | Inputs:
     # torch.export specialises a dimension of size 0 or 1: a symbolic batch needs an example of 2 or more
+    if isinstance(example, Inputs):
+        return Inputs(_at_least_two(each) for each in example)
     if example.shape[0] >= 2:
         return example
     return torch.cat([example] * 2)[:2] if example.shape[0] == 1 else example
+
+
+def _arguments(example: torch.Tensor | Inputs) -> tuple:
+    """torch.export's positional arguments and their batch dimension, one symbolic name shared by all."""
+    args = tuple(example) if isinstance(example, Inputs) else (example,)
+    return args, tuple({0: torch.export.Dim(BATCH_DIM_NAME)} for _ in args)
 
 
 def _is_constraint_violation(exc: BaseException) -> bool:
@@ -77,7 +89,7 @@ def batch_guard(model: torch.nn.Module, example: torch.Tensor, exc: BaseExceptio
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        report = getattr(draft(model, (example,), dynamic_shapes=({0: torch.export.Dim(BATCH_DIM_NAME)},),
+        report = getattr(draft(model, _arguments(example)[0], dynamic_shapes=_arguments(example)[1],
                                strict=False), "_report", None)
     except Exception:  # the draft trace is a diagnosis only; torch.export's message still stands
         return fallback
@@ -98,8 +110,8 @@ def batch_guard(model: torch.nn.Module, example: torch.Tensor, exc: BaseExceptio
 
 
 def _export(model: torch.nn.Module, example: torch.Tensor, dynamic: bool) -> GraphModule:
-    shapes = ({0: torch.export.Dim(BATCH_DIM_NAME)},) if dynamic else None
-    return torch.export.export(model, (example,), dynamic_shapes=shapes, strict=False).module()
+    args, shapes = _arguments(example)
+    return torch.export.export(model, args, dynamic_shapes=shapes if dynamic else None, strict=False).module()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -23,7 +23,7 @@ from quantship.quantize import accuracy
 from quantship.quantize import equalize as equalizing
 from quantship.quantize import smooth_quant as smoothing
 from quantship.quantize.algorithms.rounding import iterations_of as adaround_iterations
-from quantship.quantize.calibration import collect_batches
+from quantship.quantize.calibration import Inputs, collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 from quantship.quantize.pt2e import annotation_report
 from quantship.targets import Target
@@ -170,6 +170,10 @@ class Quantizer:
         if spec.method in _NEEDS_CALIBRATION or spec.weight_algorithm is not None:
 
             batches = agree_on_batches(lambda: collect_batches(calibration_dl, max_calibration_samples), spec.backend)
+            refuse_algorithms_on_several_inputs(batches, {
+                "equalize": self.equalize, "smooth_quant": self.smooth_quant is not None,
+                "bias_correction": self.bias_correction, "seq_mse": self.seq_mse,
+                "adaround": bool(self.adaround_iterations), "max_accuracy_drop": self.max_accuracy_drop is not None})
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         self.algorithms = {}
@@ -218,6 +222,14 @@ class Quantizer:
         quantized, self.accuracy_search = accuracy.search(quantize_without, model, labelled_data, self.max_accuracy_drop,
                                                           metric=metric, inputs=batches or (), log=self._log)
         return quantized
+
+
+def refuse_algorithms_on_several_inputs(batches: list, asked: dict[str, bool]) -> None:
+    """The algorithms run on one input tensor: a model calibrated on ``Inputs`` (several) is refused them."""
+    on = [name for name, value in asked.items() if value]
+    if on and batches and isinstance(batches[0], Inputs):
+        raise SpecRefused(f"{', '.join(on)} run on models with one input; this one takes {len(batches[0])}: "
+                          "quantize it without them")
 
 
 def _public_signature() -> inspect.Signature:
