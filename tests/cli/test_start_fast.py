@@ -68,7 +68,8 @@ def test_existing_hub_names_are_not_paths(tmp_path):
 
 
 def test_help_texts_say_the_opset_rule_the_default_target_and_an_onnx_model(capsys):
-    """One phrasing for --opset in both commands, quantize-onnx states its default target, and
+    """--opset says in both commands which file its range is for (the INT8 file 17-18, the float file 17 or
+    higher), quantize-onnx states its default target, and
     sensitivity's MODEL names the .onnx file it takes."""
     from quantship.cli.main import main
 
@@ -76,7 +77,9 @@ def test_help_texts_say_the_opset_rule_the_default_target_and_an_onnx_model(caps
         assert main([command, "--help"]) == 0
         return " ".join(capsys.readouterr().out.split())
 
-    assert "ONNX opset the file declares: 17 or 18 (default 18)" in help_of("quantize")
-    assert "ONNX opset the file declares: 17 or higher (default 18)" in help_of("export-onnx")
+    assert "ONNX opset of the INT8 file: 17 or 18 (default 18; the float file of export-onnx may go higher)" \
+        in help_of("quantize")
+    assert "ONNX opset of the float file: 17 or higher (default 18; an INT8 file from quantize is 17 or 18)" \
+        in help_of("export-onnx")
     assert "deployment preset (default onnxruntime-cpu)" in help_of("quantize-onnx")
     assert "or a float FILE.onnx" in help_of("sensitivity")
