@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from quantship.inspect.run.consumers import session_of
 from quantship.quantize.annotator import activation_observer
 from quantship.quantize_onnx.memory import MEMORY_BUDGET  # bytes of exposed tensors held at once
 
@@ -54,7 +55,7 @@ def exposing_session(model: onnx.ModelProto, exposed: Sequence[str]):
     options.log_severity_level = 3
     # basic level: constant folding and redundant-node removal only; no fusion touches an exposed tensor
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session_of(probe, options)
 
 
 def _first_sample(feed: Feed) -> Feed:
