@@ -203,13 +203,15 @@ def _run(args: argparse.Namespace, out) -> int:
     # late: `quantize-onnx --help` answers before onnx, onnxruntime and torch load
     from quantship.inspect.read.feeds import model_inputs
     from quantship.inspect.read.loading import file_size, load_onnx
-    from quantship.quantize_onnx.quantizer import placement_for, refuse_unusable
 
     ui = common.Output(args)
     target = targets.get(args.target)
     check_memory(args.float_model)  # before reading it: a file that cannot fit is refused with the figure
-    model = load_onnx(args.float_model)  # validates: exists, is ONNX, has a graph (one-line errors)
-    refuse_unusable(model, args.float_model)  # already quantized, external data: refused before any work
+    model = load_onnx(args.float_model)  # validates: exists, is ONNX, has a graph, its external data (one line)
+    # late: a file refused above is refused before torch (which the quantizer's observers need) loads
+    from quantship.quantize_onnx.quantizer import placement_for, refuse_unusable
+
+    refuse_unusable(model, args.float_model)  # already quantized, weights as inputs: refused before any work
     inputs = model_inputs(model)
     batches, held, held_said = read_feeds_held_out(args, inputs)
     del model

@@ -87,9 +87,9 @@ def check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> N
     """Refuse ``model`` (read from ``path``) whose external data escapes ``base_dir``, is missing, is a
     symbolic link, or is shorter than a tensor says; the message names the tensor and the file."""
     for tensor in external_tensors(model):
-        where = f"{path}: tensor {tensor.name!r} keeps its data in {tensor.location!r}"
+        where = f"{path}: tensor {tensor.name!r} keeps its data in the external data file {tensor.location!r}"
         if escapes(tensor.location):
-            raise FileRefused(f"{where}, outside the model's folder {base_dir}; put the data file beside the model "
+            raise FileRefused(f"{where}, outside the model's folder {base_dir.resolve()}; put the data file beside the model "
                               "and give the tensor a location relative to it")
         data_file = base_dir / tensor.location
         if data_file.is_symlink():
