@@ -41,6 +41,8 @@ class Smoke:
 
 
 RUNS = {
+    "scale": Smoke(stdout=("| float weights | layers x width | wall s | CPU s | peak RSS |", "| 1 x 256 | ",
+                           "Fitted exponent of CPU time against float size: ")),
     # the default settings and one worst-SQNR 16-bit setting, in one run (one import, one task)
     "algorithms": Smoke(("--settings", "plain,equalize,bias_correction,equalize + bias_correction,smooth_quant,"
                                        "seq_mse,bias_correction+int16_worst1"),

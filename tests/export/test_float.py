@@ -145,3 +145,20 @@ def test_static_ort_quantization_writes_nothing_outside_the_destination(tmp_path
     assert {n.op_type for n in onnx.load(str(path)).graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "q.onnx", "scratch"]
     assert list(cwd.iterdir()) == [] and list(scratch.iterdir()) == []
+
+
+def test_a_float_file_over_the_threshold_is_written_with_its_data_beside_it(tmp_path, monkeypatch):
+    """export_onnx above ``EXTERNAL_DATA_THRESHOLD`` (lowered here): the exported graph, ONNX Runtime's
+    optimized graph and the file written all keep their weights outside; the pair verifies from its folder."""
+    from quantship.export import artifact
+
+    monkeypatch.setattr(artifact, "EXTERNAL_DATA_THRESHOLD", 0)
+    torch.manual_seed(0)
+    model, x = TinyResNet().eval(), torch.randn(2, 1, 32, 32)
+    out = tmp_path / "out"
+    out.mkdir()
+    path = export_onnx(model, x, out / "t.onnx", dynamic_batch=False)
+    (data,) = artifact.external_locations(path)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["t.onnx", data])
+    monkeypatch.chdir(tmp_path)  # ONNX Runtime finds the data beside the graph, not in the working directory
+    assert verify_onnx(model, path, x)

@@ -70,6 +70,7 @@ def files(tmp_path_factory):
     quantize_onnx_file(float_path, d / "int8.onnx", graphs.images(4), target="onnxruntime-cpu", run_check=False)
     onnx.save_model(onnx.load(str(float_path)), str(d / "external.onnx"), save_as_external_data=True,
                     location="external.data", size_threshold=0)
+    (d / "external.data").unlink()  # the weights the graph points to are not beside it
     graphs.save(graphs.integer_ids(), d / "ids.onnx")
     np.save(d / "ids_float.npy", np.full((6, 5), 2.5, np.float32))  # fractions: no exact int cast
     np.save(d / "rank3.npy", np.zeros((4, 3, 8), np.float32))
@@ -81,7 +82,7 @@ def files(tmp_path_factory):
 
 CASES = [
     ("already quantized", "quantize-onnx", "int8.onnx", "cal.npy", "already quantized"),
-    ("external data", "quantize-onnx", "external.onnx", "cal.npy", "external data"),
+    ("external data missing", "quantize-onnx", "external.onnx", "cal.npy", "'external.data', which is missing"),
     ("larger than memory", "quantize-onnx", "huge.onnx", "cal.npy", "MemAvailable"),
     ("fractions for an int32 input", "quantize-onnx", "ids.onnx", "ids_float.npy", "with a fraction"),
     ("wrong rank", "quantize-onnx", "float.onnx", "rank3.npy", "rank 4"),

@@ -27,6 +27,11 @@ def files(tmp_path_factory):
     external = onnx.load(str(float_path))
     onnx.save_model(external, str(d / "external.onnx"), save_as_external_data=True, location="external.data",
                     size_threshold=0)
+    escaping = onnx.load(str(d / "external.onnx"), load_external_data=False)  # one weight points out of the folder
+    for entry in escaping.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "../external.data"
+    onnx.save_model(escaping, str(d / "external.onnx"))
     return {"FLOAT": float_path, "IDS": ids_path, "CAL": d / "cal.npy", "IDS_CAL": d / "ids.npy",
             "IDS_FLOAT": d / "ids_float.npy", "RANK3": d / "rank3.npy", "NAMED": d / "named.npz",
             "INT8": d / "int8.onnx", "EXTERNAL": d / "external.onnx"}
@@ -65,7 +70,8 @@ def test_engine_ort_still_runs_onnx_runtime_s_quantizer(files, tmp_path):
 
 BAD = [
     ("already quantized", ["quantize-onnx", "INT8", "--calib", "CAL", "--out", "OUT"], "already quantized"),
-    ("external data", ["quantize-onnx", "EXTERNAL", "--calib", "CAL", "--out", "OUT"], "external data"),
+    ("external data outside the folder", ["quantize-onnx", "EXTERNAL", "--calib", "CAL", "--out", "OUT"],
+     "outside the model's folder"),
     ("fractions for an int32 input", ["quantize-onnx", "IDS", "--calib", "IDS_FLOAT", "--out", "OUT"], "with a fraction"),
     ("wrong rank", ["quantize-onnx", "FLOAT", "--calib", "RANK3", "--out", "OUT"], "rank 4"),
     ("unknown exclude", ["quantize-onnx", "FLOAT", "--calib", "CAL", "--out", "OUT", "--exclude", "conv9"],

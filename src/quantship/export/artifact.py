@@ -28,14 +28,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantship.errors import ExportRefused
+from quantship.inspect.read import external
 from quantship.interrupts import InterruptGuard
 from quantship.locks import HIDDEN_PREFIX, LOCKFILE, destination_lock, remove_free_lock
 
 if TYPE_CHECKING:
     import onnx
 
-# protobuf cannot serialise 2 GiB; larger models keep their tensors in one external-data file
-EXTERNAL_DATA_THRESHOLD = 1_500_000_000
+# protobuf cannot serialise 2 GiB; larger models keep their tensors in one external-data file (tests lower it)
+EXTERNAL_DATA_THRESHOLD = external.SINGLE_FILE_MAX_BYTES
+EXTERNAL_TENSOR_MIN_BYTES = external.EXTERNAL_TENSOR_MIN_BYTES
 
 WORKDIR_PREFIX = HIDDEN_PREFIX  # .quantship-<name>-<pid>-<token>.tmp, beside the destination
 _WORKDIR = re.compile(r"^\.quantship-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<state>tmp|new)$")
@@ -97,15 +99,17 @@ def _own_data(path: Path) -> re.Pattern:
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:
-    """Write ``model`` to ``path`` (external data beside it when large); returns every file written."""
+    """Write ``model`` to ``path``: one file when it fits ``EXTERNAL_DATA_THRESHOLD``, else its large tensors
+    in one data file beside it (relative location ``external_data_name``); returns every file written.
+    ``model`` is left as it was."""
     import onnx
 
-    if model.ByteSize() > EXTERNAL_DATA_THRESHOLD:
-        data = external_data_name(path)
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data, size_threshold=1024)
+    if external.fits_one_file(model, EXTERNAL_DATA_THRESHOLD):
+        onnx.save_model(model, str(path))
+        return [path]
+    data = external_data_name(path)
+    if external.save_with_external_data(model, path, data, EXTERNAL_TENSOR_MIN_BYTES):
         return [path, path.parent / data]
-    onnx.save_model(model, str(path))
     return [path]
 
 
@@ -114,14 +118,24 @@ def external_locations(path: Path) -> set[str]:
     import onnx
 
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        return external.locations(onnx.load(str(path), load_external_data=False))
     except Exception:  # a graph we cannot read refers to nothing we may keep or delete
         return set()
-    found = set()
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            found.update(e.value for e in tensor.external_data if e.key == "location")
+
+
+def _inputs_and_their_data(inputs: Iterable[str | Path]) -> list[Path]:
+    """The input files and the external-data files the ONNX ones among them refer to: never deleted here."""
+    found = []
+    for source in inputs:
+        source = Path(source).expanduser()
+        found.append(source)
+        if source.suffix.lower() == ONNX_SUFFIX and source.is_file():
+            found.extend(source.parent / name for name in external_locations(source) if not external.escapes(name))
     return found
+
+
+def _is_protected(path: Path, protected: Iterable[Path]) -> bool:
+    return any(_same_file(path, p) for p in protected)
 
 
 def remove_stale_workdirs(directory: Path) -> list[Path]:
@@ -161,12 +175,13 @@ def remove_stale_workdirs(directory: Path) -> list[Path]:
     return removed
 
 
-def _remove_orphan_data(final: Path) -> None:
-    """Data files of ``final``'s exports that its current graph does not refer to (a killed commit)."""
+def _remove_orphan_data(final: Path, protected: Iterable[Path]) -> None:
+    """Data files of ``final``'s exports that its current graph does not refer to (a killed commit); never one
+    of ``protected`` (the inputs and their data)."""
     keep = external_locations(final) if final.is_file() else set()
     pattern = _own_data(final)
     for entry in final.parent.iterdir():
-        if pattern.match(entry.name) and entry.name not in keep and entry.is_file():
+        if pattern.match(entry.name) and entry.name not in keep and entry.is_file() and not _is_protected(entry, protected):
             with contextlib.suppress(FileNotFoundError):
                 entry.unlink()
 
@@ -211,12 +226,14 @@ def scratch_in(directory: Path) -> Iterator[None]:
         tempfile.tempdir = tmp
 
 
-def _commit(staged: Path, final: Path, guard: InterruptGuard) -> None:
+def _commit(staged: Path, final: Path, guard: InterruptGuard, protected: Iterable[Path]) -> None:
     """Move the staged graph (and its data files) to ``final``: data under fresh names, graph last."""
     guard.check()
     old_data = external_locations(final) if final.is_file() else set()
     new_data = external_locations(staged)
     for name in sorted(new_data):
+        if external.escapes(name):
+            raise ExportRefused(f"the exporter wrote a graph whose data location {name!r} is outside its folder")
         if not (staged.parent / name).is_file():
             raise ExportRefused(f"the exporter wrote no {name}, which the graph refers to")
         if (final.parent / name).exists():
@@ -233,7 +250,8 @@ def _commit(staged: Path, final: Path, guard: InterruptGuard) -> None:
                 p.unlink()
         raise
     for name in old_data - new_data:
-        if _own_data(final).match(name) or name == final.name + ".data":
+        if (_own_data(final).match(name) or name == final.name + ".data") and not external.escapes(name) \
+                and not _is_protected(final.parent / name, protected):
             with contextlib.suppress(FileNotFoundError):
                 (final.parent / name).unlink()
 
@@ -250,12 +268,13 @@ def atomic_destination(path: str | Path, *, wait: bool = True,
     """
     inputs = tuple(inputs)
     final = refuse_unsafe_destination(path, inputs)
+    protected = _inputs_and_their_data(inputs)
     with InterruptGuard() as guard, destination_lock(final, wait=wait), workdir_beside(final) as workdir:
-        _remove_orphan_data(final)
+        _remove_orphan_data(final, protected)
         staged = workdir / final.name
         yield staged
         if not staged.is_file():
             raise ExportRefused(f"the exporter wrote nothing at {staged}")
         refuse_unsafe_destination(final, inputs)  # the path may have changed under a long run
         with guard.defer():
-            _commit(staged, final, guard)
+            _commit(staged, final, guard, protected)

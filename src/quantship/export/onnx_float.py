@@ -66,6 +66,10 @@ def _optimize(src: Path, dst: Path) -> None:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(dst)
     options.log_severity_level = 3
+    if artifact.external_locations(src):  # a large graph: ONNX Runtime writes the weights beside ``dst`` too
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                         str(artifact.EXTERNAL_TENSOR_MIN_BYTES))
     ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
 
 

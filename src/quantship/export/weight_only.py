@@ -33,6 +33,7 @@ from quantship.export import artifact, capture
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
 from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.named_outputs import SINGLE_OUTPUT_NAME
+from quantship.inspect.run.consumers import session_of
 from quantship.precision import QuantSpec
 from quantship.targets import Target
 
@@ -293,7 +294,7 @@ def run_literal(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.nda
     options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_session_config_entry("session.disable_prepacking", "1")
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = session_of(model, options)
     return session.run(None, dict(zip([i.name for i in session.get_inputs()], inputs)))
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from quantship.inspect.run.consumers import session_of
 from quantship.quantize_onnx.memory import MEMORY_BUDGET  # bytes of exposed tensors held at once
 
 OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
@@ -39,21 +40,24 @@ Feed = dict[str, np.ndarray]
 
 
 def exposing_session(model: onnx.ModelProto, exposed: Sequence[str]):
-    """An ONNX Runtime session of ``model`` (copied) with every tensor of ``exposed`` also a graph output,
-    read literally."""
+    """An ONNX Runtime session of ``model`` with every tensor of ``exposed`` also a graph output, read literally.
+
+    The outputs are added to ``model`` for the session's creation and removed after it (no copy of the
+    weights: ``model`` is as it was when this returns or raises)."""
     import onnxruntime as ort
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    present = {o.name for o in probe.graph.output}
-    for name in exposed:
-        if name not in present:
-            probe.graph.output.append(onnx.ValueInfoProto(name=name))
+    outputs = model.graph.output
+    n_declared = len(outputs)
+    present = {o.name for o in outputs}
+    outputs.extend(onnx.ValueInfoProto(name=name) for name in dict.fromkeys(exposed) if name not in present)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     # basic level: constant folding and redundant-node removal only; no fusion touches an exposed tensor
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    try:
+        return session_of(model, options)
+    finally:
+        del outputs[n_declared:]
 
 
 def _first_sample(feed: Feed) -> Feed:

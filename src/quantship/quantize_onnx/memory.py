@@ -16,12 +16,14 @@ from pathlib import Path
 
 from quantship.errors import DataRefused, FileRefused
 from quantship.inspect.read.feeds import Feed
+from quantship.inspect.read.loading import file_size
 
 # Bytes of exposed tensors held at once (calibration, sensitivity, the weight passes slice to it). Here
 # and not in ``calibrate``: the refusal reads it before torch (which calibrate's observers need) loads.
 MEMORY_BUDGET = 768 << 20
 MODEL_COPIES = 4  # proto, onnx_ir model, normalised proto, ONNX Runtime's session (weights held once each)
 MEMINFO = Path("/proc/meminfo")
+GRAPH_PARSED_BELOW = 64 << 20
 
 
 def available_bytes() -> int | None:
@@ -63,10 +65,23 @@ def estimate(model_bytes: int, feeds: Sequence[Feed] = ()) -> Estimate:
     return Estimate(model_bytes, data, MEMORY_BUDGET + batch)
 
 
+def stored_bytes(path: str | Path) -> int:
+    """The file's bytes, with its external data when it has some. Only a graph under ``GRAPH_PARSED_BELOW``
+    is parsed to find its data files (a file that keeps its weights outside is small), so a large single
+    file is measured without being read."""
+    size = Path(path).stat().st_size
+    if size >= GRAPH_PARSED_BELOW:
+        return size
+    try:
+        return file_size(path)
+    except Exception:  # not ONNX: load_onnx refuses it next, in its own words
+        return size
+
+
 def refuse_if_too_large(path: str | Path, feeds: Sequence[Feed] = (), *, available: int | None = None) -> Estimate:
     """Refuse (one line, the figures, what to do) when the estimate exceeds ``available`` bytes
     (default: ``MemAvailable`` now). Without ``feeds`` only the file is counted: call it before reading it."""
-    size = Path(path).stat().st_size
+    size = stored_bytes(path)
     needed = estimate(size, feeds)
     room = available_bytes() if available is None else available
     if room is None or needed.total <= room:

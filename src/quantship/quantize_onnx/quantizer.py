@@ -127,18 +127,11 @@ def placement_for(target: str | Target, *, per_tensor: bool = False) -> tuple[Pl
 
 
 def refuse_unusable(model: onnx.ModelProto, path: str | Path) -> None:
-    """Already-quantized files, files with external weights, and files that declare a weight as an input a
-    caller may feed are refused before any work."""
-    from onnx.external_data_helper import uses_external_data
-
-
+    """Already-quantized files and files that declare a weight as an input a caller may feed are refused
+    before any work."""
     refuse_quantized(model, path)
     refuse_weight_inputs(model, path)
     refuse_half_precision(model, path)
-    on_disk = onnx.load(str(path), load_external_data=False)  # load_onnx has read the external data in
-    if any(uses_external_data(t) for t in on_disk.graph.initializer):
-        raise FileRefused(f"{path} keeps its weights in an external data file; quantize-onnx reads single-file "
-                          "models (under 2 GB): save it with onnx.save_model(..., save_as_external_data=False)")
 
 
 HALF = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}

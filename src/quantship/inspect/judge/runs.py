@@ -143,7 +143,7 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
                          inputs_detail=how)
     except Exception as exc:  # the consumer would not load, compile or run the file: the run failed
         return RunResult(tgt.consumer, True, False, _first(exc), n, status=FAILED, inputs=kind, inputs_detail=how)
-    units = output_units(model)  # every graph output, in order, each in its own LSB (a float one: carried)
+    units = output_units(path)  # every graph output, in order, each in its own LSB (a float one: carried)
     scales = [u.unit for u in units.values()]
     max_lsb, mean_lsb = lsb_between(reference, outputs, scales)
     each = None

@@ -10,45 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
-from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from quantship.errors import FileRefused, one_line
-
-
-def _external_files(model: onnx.ModelProto) -> list[tuple[str, str, int]]:
-    """(tensor name, location, bytes needed) for every initializer stored outside the file."""
-    needed = []
-    for tensor in model.graph.initializer:
-        if uses_external_data(tensor):
-            info = ExternalDataInfo(tensor)
-            end = (info.offset or 0) + (info.length or 0)
-            needed.append((tensor.name, info.location, end))
-    return needed
+from quantship.inspect.read.external import check_external_data, escapes, external_tensors, locations
 
 
 def file_size(path: str | Path) -> int:
-    """Bytes of an ONNX file plus the external-data files it references (not stray neighbours)."""
+    """Bytes of an ONNX file plus the external-data files it references (not stray neighbours; a location
+    that is missing or outside its folder counts nothing here: ``load_onnx`` refuses it)."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
-    locations = {location for _, location, _ in _external_files(model)}
-    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in locations)
-
-
-def check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> None:
-    """Refuse a model whose external weight file is missing or shorter than the model says."""
-    for name, location, end in _external_files(model):
-        data_file = base_dir / location
-        if not data_file.is_file():
-            raise FileNotFoundError(
-                f"{path}: its weights live in the external data file {location!r}, which is missing "
-                f"(expected at {data_file}); copy it next to the model"
-            )
-        size = data_file.stat().st_size
-        if end > size:
-            raise FileRefused(
-                f"{path}: external data file {location!r} is truncated ({size} bytes, tensor {name!r} "
-                f"needs {end}); copy it again"
-            )
+    data = [path.parent / loc for loc in locations(model) if not escapes(loc)]
+    return path.stat().st_size + sum(p.stat().st_size for p in data if p.is_file())
 
 
 def load_onnx(path: str | Path) -> onnx.ModelProto:
@@ -75,7 +48,7 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
         raise FileRefused(f"{path} is not an ONNX model: no IR version or no graph in it")
     if len(model.graph.node) == 0:
         raise FileRefused(f"{path}: the ONNX graph is empty (no nodes); there is nothing to run")
-    external = bool(_external_files(model))
+    external = bool(external_tensors(model))
     check_external_data(model, path.parent, path)
     try:  # checked before the external weights join it (by path, so their locations resolve beside the file)
         onnx.checker.check_model(str(path) if external else model)

@@ -1,6 +1,6 @@
 """Run a file in the runtimes that will consume it, where they can run here, and measure the runs.
 
-``ort_session`` is the one place an ONNX Runtime session is built (verification, export checks,
+``ort_session`` (over ``session_of``) is the one place an ONNX Runtime session is built (verification, export checks,
 the demo and the benchmarks use it). ONNX Runtime loads and runs the file; OpenVINO compiles it on CPU (f32 inference precision: s8 QDQ
 files do not compile otherwise on AMX CPUs) and runs it; TiGrIS compiles a plan with its CLI and
 runs it on its host runtime (NHWC inputs). ``lsb_between`` measures a run against ONNX Runtime
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.inspect.read import external
 from quantship.inspect.read.lsb import lsb_error
 from quantship.targets import Target
 
@@ -46,8 +47,23 @@ def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
     )
     if optimized_model_filepath is not None:
         options.optimized_model_filepath = str(optimized_model_filepath)
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return session_of(model, options)
+
+
+def session_of(model: str | Path | onnx.ModelProto, options):
+    """A CPU ONNX Runtime session of a file (by path: ONNX Runtime finds its external data beside it) or of
+    an in-memory model. A model too large for one protobuf goes through a temporary folder, graph plus one
+    data file (``save_with_external_data``: one tensor at a time, the model unchanged)."""
+    import onnxruntime as ort
+
+    if not isinstance(model, onnx.ModelProto):
+        return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    if external.fits_one_file(model):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory(prefix="quantship-session-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        external.save_with_external_data(model, path, "model.onnx.data")
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def run_session(session, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -63,7 +79,7 @@ def ort_optimized_ops(path: str | Path) -> collections.Counter:
     with tempfile.TemporaryDirectory() as tmp:
         saved = Path(tmp) / "optimized.onnx"
         ort_session(path, optimized=True, optimized_model_filepath=saved)
-        return collections.Counter(n.op_type for n in onnx.load(str(saved)).graph.node)
+        return collections.Counter(n.op_type for n in onnx.load(str(saved), load_external_data=False).graph.node)
 
 
 def cpu_info() -> tuple[str, set[str]]:
