@@ -184,6 +184,7 @@ def _run_onnx(args: argparse.Namespace, ui, out_dir) -> int:
         return 0
     print(report.to_markdown(worst=args.k))
     print(f"\ncalibration: {data}")
-    print(f"suggested: {suggestion('quantize-onnx', args, suggested, calib, target.target)}")
+    print(f"suggested: {suggestion('quantize-onnx', args, suggested, calib, target.target)}" if suggested else
+          "suggested: nothing to exclude (keeping the one weighted node float would leave no integer kernel)")
     print(f"wrote {png} and {html_path}")
     return 0

@@ -90,10 +90,15 @@ class NodeSqnrReport:
         return sorted(rows, key=lambda r: (-r.own_loss_db, r.order))
 
     def suggest_exclude(self, k: int = 3) -> list[str]:
-        """Node names for ``quantize-onnx --exclude``: the ``k`` worst candidates."""
+        """Node names for ``quantize-onnx --exclude``: the ``k`` worst candidates, leaving at least one weighted
+        node quantized (a file with every weighted node float has nothing to run as an integer kernel)."""
         if k < 1:
             raise ValueError(f"k={k!r}: ask for at least one node (k >= 1)")
-        return [r.node for r in self.worst(k)]
+        weighted = sum(r.role in ("weighted", "recurrent") for r in self.rows)
+        worst = self.worst(k)
+        while worst and sum(r.role in ("weighted", "recurrent") for r in worst) >= weighted:
+            worst.pop()
+        return [r.node for r in worst]
 
     def as_dict(self) -> dict:
         return {"version": 1, "measure": MEASURE, "measure_text": MEASURE_TEXT, "target": self.target,
