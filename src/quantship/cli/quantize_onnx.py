@@ -77,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="onnxruntime-cpu: time the file in ONNX Runtime on this CPU (1 thread, batch 1 and 8) "
                              "and keep float the Convs/MatMuls whose integer form made it slower (stem and small "
                              "layers); the file records what was kept and the measured speed-ups")
+    parser.add_argument("--plain-placement", action="store_true",
+                        help="ONNX Runtime targets: skip the placement by profile (by default the weighted ops "
+                             "whose integer form, with its Q/DQ and layout nodes, profiles slower here are kept "
+                             "float when the whole file, timed once, is faster)")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="--max-drop: at most N nodes kept in float by the search; --speed-search: at most N "
                              "files timed after the first; otherwise at most N fidelity repair steps (default: "
@@ -259,7 +263,8 @@ def _run(args: argparse.Namespace, out) -> int:
                 observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait, equalize=args.equalize,
                 bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
                 smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say,
-                speed=not args.no_speed, require_faster=args.require_faster)
+                speed=not args.no_speed, require_faster=args.require_faster,
+                profile_placement=not args.plain_placement)
         except SpeedMissed as slower:
             return speed_cli.missed("quantize-onnx", ui, slower, {"version": 1, "input": args.float_model,
                                                                   "engine": "quantship", "target": target.target})
@@ -298,6 +303,7 @@ def _run(args: argparse.Namespace, out) -> int:
     ui.report(report, [
         *fidelity_cli.rows(result.fp32, repair),  # first: does the file still do the model's job
         *speed_cli.rows(result.speed),
+        *speed_cli.profile_rows(result.profile),
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
         ("placement", f"{placement.mode}: {result.plan['n_tensors']} activation pairs, {result.plan['n_weighted']} "

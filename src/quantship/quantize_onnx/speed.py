@@ -164,7 +164,7 @@ def time_written_file(path: str | Path, float_path: str | Path, calibration: Any
     return speed_gate.time_written(path, float_path, sample, (1, batch), require_faster=require_faster)
 
 
-def _time(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
+def time_files(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
           sessions: dict[Path, Any] | None = None) -> list[dict[int, float]]:
     """Each file's median ms per batch, the files interleaved; ``sessions`` caches them by path."""
     cache = {} if sessions is None else sessions
@@ -269,7 +269,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         start_path = first_file.path
         search.candidates = list(first_file.plan["weighted_nodes"])
         sessions: dict[Path, Any] = {}
-        ms = _time([start_path], feeds, seconds, sessions)[0]
+        ms = time_files([start_path], feeds, seconds, sessions)[0]
         search.steps.append(SpeedStep("start", base, ms, ms, True))
         best, best_path = base, start_path
         log(f"speed search on {search.cpu}: step 0, {len(search.candidates)} weighted op(s) as integer kernels: "
@@ -282,7 +282,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
             except ExportRefused as exc:  # e.g. nothing left to run as an integer kernel
                 search.steps.append(SpeedStep(kind, excluded, {}, {}, False, one_line(exc)))
                 return False
-            current, against = _time([path, best_path], feeds, seconds, sessions)
+            current, against = time_files([path, best_path], feeds, seconds, sessions)
             kept = faster(current, against)
             sessions.pop(path if not kept else best_path, None)  # only the fastest file's session is kept
             search.steps.append(SpeedStep(kind, excluded, current, against, kept))
@@ -308,10 +308,10 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
             attempt("single", (*best, node))
         with progress_step("speed search: the final reading"):
             if best_path == start_path:
-                fp32, first = _time([src, start_path], feeds, 2 * seconds)
+                fp32, first = time_files([src, start_path], feeds, 2 * seconds)
                 chosen = first
             else:
-                fp32, first, chosen = _time([src, start_path, best_path], feeds, 2 * seconds)
+                fp32, first, chosen = time_files([src, start_path, best_path], feeds, 2 * seconds)
         search.final_ms = {"fp32": fp32, "start": first, "chosen": chosen}
         log(f"speed search: {search.describe()}")
     result = quantize_onnx_file(src, final, calibration, target=target, exclude=best, wait=wait,
