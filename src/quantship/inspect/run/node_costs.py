@@ -80,13 +80,17 @@ def profiled_kernels(path: str | Path, feed: Mapping[str, np.ndarray], seconds: 
     """ONNX Runtime's profiler on ``path`` (one thread, default optimizations): each node of the optimized
     graph, median ms over the runs that fit in ``seconds`` of CPU time (within ``RUNS``) after a warm-up
     (dropped), with its tensors as the graph names them."""
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a run that fails raises, one line, without ORT's own log on stderr
     with tempfile.TemporaryDirectory(prefix="quantship-profile-") as folder:
         optimized = Path(folder) / "optimized.onnx"
         session = single_thread_session(path, profile_prefix=Path(folder) / "trace", optimized_to=optimized)
-        session.run(None, dict(feed))
+        session.run(None, dict(feed), quiet)
         start, runs = time.thread_time(), 0
         while runs < RUNS[0] or (runs < RUNS[1] and time.thread_time() - start < seconds):
-            session.run(None, dict(feed))
+            session.run(None, dict(feed), quiet)
             runs += 1
         events = json.loads(Path(session.end_profiling()).read_text())
         graph = onnx.load(str(optimized), load_external_data=False).graph
