@@ -88,6 +88,12 @@ def speeds(task: real.Task, files: dict[str, Path], rounds) -> dict[str, dict[in
     return out
 
 
+def cell(ratio: dict, cost: dict, mode: str) -> str:
+    """A file's speed-ups over FP32 (b1 / b8), or why there is no file."""
+    got = ratio.get(mode)
+    return " / ".join(f"{got[b]:.2f}x" for b in BATCHES if b in got) if got else cost[mode][2][:80]
+
+
 def geomean(values) -> float:
     values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -116,14 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {mode}: {wall:.1f} s wall, {cpu:.1f} s CPU{'; ' + note if note else ''}", flush=True)
             ratio = speeds(task, files, rounds)
 
-            def cell(mode: str) -> str:
-                got = ratio.get(mode)
-                return " / ".join(f"{got[b]:.2f}x" for b in BATCHES if b in got) if got else cost[mode][2][:80]
-
             share = {m: geomean(ratio[m].values()) if ratio.get(m) else float("nan") for m in MODES}
             fraction = (share["profile"] - 1) / (share["search"] - 1) if share["search"] > 1 else float("nan")
             lines.append(
-                f"| {name} | {cell('plain')} | {cell('profile')} | {cell('search')} | "
+                f"| {name} | {cell(ratio, cost, 'plain')} | {cell(ratio, cost, 'profile')} | {cell(ratio, cost, 'search')} | "
                 f"{share['profile'] / share['search']:.0%} of the speed-up"
                 + (f" ({fraction:.0%} of the gain over 1x)" if math.isfinite(fraction) else "") + " | "
                 + " | ".join(f"{cost[m][0]:.0f} / {cost[m][1]:.0f}" for m in MODES)

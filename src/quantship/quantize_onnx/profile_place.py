@@ -10,8 +10,9 @@ what those nodes cost in the INT8 run. Adjacent candidates share their crossings
 kept float together crosses once), so the candidates are found as a fixed point: every node whose
 integer cost exceeds its float kernel's, then, until nothing changes, only those whose integer cost
 still exceeds their float cost with the crossings the current set leaves them (geometric mean over the
-batches). A crossing into a pool or concat that stays integer is priced, not predicted: what the whole
-file does with it is what the verification reads.
+batches, and by more than the profiler's clock can tell: ``MIN_SAVING_MS``). A crossing into a pool or
+concat that stays integer is priced, not predicted: what the whole file does with it is what the
+verification reads.
 
 The candidates are kept float in one more file, which must keep the fidelity budget; it is timed side by
 side with the plain file (``speed.time_files``: one thread, CPU time, interleaved) and chosen only when
@@ -40,6 +41,7 @@ from quantship.quantize_onnx.speed import SPEED_KEY, faster, time_files
 
 PROFILE_SECONDS = 0.5  # CPU time each file is profiled for, at each batch
 VERIFY_SECONDS = 0.4  # CPU time per file and batch in the one verification (the speed search's per step)
+MIN_SAVING_MS = 0.01  # per batch: ten steps of the profiler's 1 us clock; a smaller difference is not read
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ def choose(costs: Iterable[NodeCost], crossing_ns: Mapping[int, float], before: 
 
     def loses(c: NodeCost, float_ms: Mapping[int, float]) -> bool:
         logs = [math.log(c.int_ms[b] / float_ms[b]) for b in float_ms if float_ms[b] > 0 and c.int_ms[b] > 0]
-        return bool(logs) and sum(logs) / len(logs) > 0
+        saving = sum(c.int_ms[b] - float_ms[b] for b in float_ms)
+        return bool(logs) and sum(logs) / len(logs) > 0 and saving > MIN_SAVING_MS * len(float_ms)
 
     kept = {c.node for c in costs if loses(c, c.float_ms)}
     while True:
