@@ -38,10 +38,11 @@ MODES = {"plain": ("--plain-placement",), "profile": (), "search": ("--speed-sea
 BATCHES = (1, 8)
 
 
-def quantize(task: real.Task, out: Path, mode: str, smoke: bool) -> tuple[float, float, str]:
-    """One ``quantize-onnx`` run: wall s, CPU s of the process, and its refusal or note."""
+def quantize(task: real.Task, out: Path, mode: str, smoke: bool, steps: int | None = None) -> tuple[float, float, str]:
+    """One ``quantize-onnx`` run: wall s, CPU s of the process, and its refusal or note. ``steps``: the speed
+    search's bound (None: REAL.md's for the model)."""
     extra = MODES[mode]
-    steps = real.SPEED_MAX_STEPS.get(task.model)
+    steps = steps if steps is not None else real.SPEED_MAX_STEPS.get(task.model)
     if mode == "search" and (steps or smoke):
         extra = (*extra, "--max-steps", str(1 if smoke else steps))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--out", default=None, help=f"the table (default {PUBLISHED.name} beside this script)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    parser.add_argument("--search-steps", type=int, default=None,
+                        help="--max-steps of the speed search (default: REAL.md's bound for the large models)")
     args = _smoke.parse_args(parser, argv, models="mtcnn_pnet")
     out_md = _smoke.output(args, args.out, PUBLISHED)
     rounds = SMOKE_ROUNDS if args.smoke else DEFAULT_ROUNDS
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             task = real.make_task(name, args.smoke, work)
             files = {mode: work / f"{name}_{mode}.onnx" for mode in MODES}
-            cost = {mode: quantize(task, files[mode], mode, args.smoke) for mode in MODES}
+            cost = {mode: quantize(task, files[mode], mode, args.smoke, args.search_steps) if mode in args.modes
+                    else (math.nan, math.nan, "not run (--modes)") for mode in MODES}
             for mode, (wall, cpu, note) in cost.items():
                 print(f"{name} {mode}: {wall:.1f} s wall, {cpu:.1f} s CPU{'; ' + note if note else ''}", flush=True)
             ratio = speeds(task, files, rounds)
