@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.inspect.read.counts import COMPUTE_OPS
 from quantship.inspect.run.speed import KERNEL_SUFFIX, source_of, sources
 from quantship.inspect.run.timing import single_thread_session
 
@@ -116,6 +117,33 @@ def profiled_kernels(path: str | Path, feed: Mapping[str, np.ndarray], seconds: 
     return out
 
 
+def owners(model: onnx.ModelProto) -> dict[str, str]:
+    """``inspect.run.speed.sources``, with chains followed: a node that reads only its producer's output (its
+    other inputs constants), alone, belongs to that producer's weighted node (a Conv's BatchNormalization
+    and HardSwish, which ORT fuses into the float Conv and runs beside the integer one)."""
+    names = sources(model)
+    constant = {t.name for t in model.graph.initializer} | {o for n in model.graph.node if n.op_type == "Constant"
+                                                           for o in n.output}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    owner: dict[int, onnx.NodeProto] = {}
+    for n in model.graph.node:  # graph order: a producer's owner is known before its readers'
+        before = producer.get(n.input[0]) if n.input else None
+        mine = n
+        if (n.op_type not in COMPUTE_OPS and before is not None and readers.get(n.input[0]) == 1
+                and all(not i or i in constant for i in n.input[1:])):
+            upstream = owner.get(id(before), before)
+            mine = upstream if upstream.op_type in COMPUTE_OPS else n
+        owner[id(n)] = mine
+        for name in (n.name, *n.output):
+            if name and mine is not n:
+                names[name] = mine.name
+    return names
+
+
 def _glue(kernel: Kernel, source: str | None, file_ops: Mapping[str, str]) -> bool:
     """A node ORT runs to enter or leave an integer kernel or a blocked layout, not one of the model's own."""
     if kernel.op_type in QDQ_OPS:
@@ -127,7 +155,7 @@ def run_costs(path: str | Path, feed: Mapping[str, np.ndarray], seconds: float, 
     """Profile ``path`` on ``feed`` and charge the time to the file's ``weighted`` nodes (module docstring)."""
     wanted = set(weighted)
     model = onnx.load(str(path), load_external_data=False)
-    names = sources(model)
+    names, sources_of_file = owners(model), sources(model)
     file_ops = {n.name: n.op_type for n in model.graph.node}
     del model
     kernels = profiled_kernels(path, feed, seconds)
@@ -138,7 +166,7 @@ def run_costs(path: str | Path, feed: Mapping[str, np.ndarray], seconds: float, 
     for k in kernels:
         for t in k.inputs:
             readers.setdefault(t, []).append(k.name)
-    glue = {k.name for k in kernels if owner[k.name] not in wanted and _glue(k, owner[k.name], file_ops)}
+    glue = {k.name for k in kernels if _glue(k, source_of(k.name, sources_of_file), file_ops)}
 
     def charged(name: str) -> str | None:
         for step in (lambda n: [r for t in by_name[n].outputs for r in readers.get(t, ())],
@@ -163,7 +191,8 @@ def run_costs(path: str | Path, feed: Mapping[str, np.ndarray], seconds: float, 
             tally = qdq if k.op_type in QDQ_OPS else layout
             tally[0] += k.ms
             tally[1] += k.in_elements
-            node, key = charged(k.name), "qdq_ms" if k.op_type in QDQ_OPS else "layout_ms"
+            node = owner[k.name] if owner[k.name] in wanted else charged(k.name)
+            key = "qdq_ms" if k.op_type in QDQ_OPS else "layout_ms"
         else:
             node, key = owner[k.name], "kernel_ms"
         if node not in wanted:
