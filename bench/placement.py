@@ -22,6 +22,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
     parser.add_argument("--out", default=None, help=f"the table (default {PUBLISHED.name} beside this script)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    parser.add_argument("--keep", default=None, metavar="DIR", help="copy every INT8 file written into DIR")
     parser.add_argument("--search-steps", type=int, default=None,
                         help="--max-steps of the speed search (default: REAL.md's bound for the large models)")
     args = _smoke.parse_args(parser, argv, models="mtcnn_pnet")
@@ -132,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             files = {mode: work / f"{name}_{mode}.onnx" for mode in MODES}
             cost = {mode: quantize(task, files[mode], mode, args.smoke, args.search_steps) if mode in args.modes
                     else (math.nan, math.nan, "not run (--modes)") for mode in MODES}
+            if args.keep:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                for path in files.values():
+                    if path.exists():
+                        shutil.copy(path, Path(args.keep) / path.name)
             for mode, (wall, cpu, note) in cost.items():
                 print(f"{name} {mode}: {wall:.1f} s wall, {cpu:.1f} s CPU{'; ' + note if note else ''}", flush=True)
             ratio = speeds(task, files, rounds)
