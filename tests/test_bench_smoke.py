@@ -56,6 +56,8 @@ RUNS = {
     "fidelity": Smoke(stdout=(
         "| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |",
         "| mtcnn_pnet | onnxruntime-cpu | ")),
+    "placement": Smoke(stdout=("| model | plain | profile | search | profile / search |", "| mtcnn_pnet | ",
+                               "mtcnn_pnet profile: ")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",
                            "| FP32 | ", "| plain INT8 | ", "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ",
                            "Load average")),

@@ -75,7 +75,8 @@ def run(args: argparse.Namespace, out) -> int:
                 observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait, equalize=args.equalize,
                 bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
                 smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say,
-                speed=not args.no_speed, require_faster=args.require_faster)
+                speed=not args.no_speed, require_faster=args.require_faster,
+                profile_placement=not args.plain_placement)
         except SpeedMissed as slower:
             return speed_cli.missed("quantize-onnx", ui, slower, {"version": 1, "input": args.float_model,
                                                                   "engine": "quantship", "target": target.target})
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace, out) -> int:
     ui.report(report, [
         *fidelity_cli.rows(result.fp32, repair),  # first: does the file still do the model's job
         *speed_cli.rows(result.speed),
+        *speed_cli.profile_rows(result.profile),
         ("file", f"{result.path} ({size / 1e6:.2f} MB)"),
         ("normalised", passes),
         ("placement", f"{placement.mode}: {result.plan['n_tensors']} activation pairs, {result.plan['n_weighted']} "

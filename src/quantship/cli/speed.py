@@ -44,6 +44,14 @@ def rows(reading: Any) -> list[tuple[str, str]]:
     return [*([("SLOWER than FP32", reading.warning())] if reading.slower else []), (ROW, reading.describe())]
 
 
+def profile_rows(record: Any) -> list[tuple[str, str]]:
+    """The placement by profile (``quantize_onnx.profile_place``): what it kept float for speed and why, or why
+    the plain placement stayed (None: not run)."""
+    if record is None:
+        return []
+    return [("placement by profile", record.describe())]
+
+
 def warn(command: str, reading: Any, quiet: bool = False) -> None:
     """One line on stderr, before the report, when the file is slower than FP32 (``--quiet``: the report's
     "SLOWER than FP32" row says it, stderr stays empty as --quiet promises)."""

@@ -100,6 +100,7 @@ class OnnxQuantizeResult:
     int16: list[str] = field(default_factory=list)  # activation tensors stored in 16 bits (``int16``)
     fp32: Any = None  # quantship.fidelity.Fidelity: each output against the float file, judged by the budget
     speed: Any = None  # inspect.run.speed.SpeedReading: against the float file on this CPU (None: not timed)
+    profile: Any = None  # profile_place.ProfilePlacement: what the profile kept float for speed (None: not run)
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,
@@ -109,7 +110,8 @@ class OnnxQuantizeResult:
                 "census": self.census, "verdict": self.verdict.verdict, "check": self.verdict.as_dict(),
                 "spec": self.spec.as_dict(), "excluded": self.excluded, "algorithms": self.algorithms,
                 "int16": self.int16, "fidelity_fp32": self.fp32.as_dict() if self.fp32 is not None else None,
-                "speed": self.speed.as_dict() if self.speed is not None else None}
+                "speed": self.speed.as_dict() if self.speed is not None else None,
+                "placement_by_profile": self.profile.as_dict() if self.profile is not None else None}
 
 
 def placement_for(target: str | Target, *, per_tensor: bool = False) -> tuple[Placement, Target, Any]:

@@ -26,9 +26,10 @@ from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
 from quantship.fidelity import MISSED, Budget
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
+from quantship.quantize_onnx.profile_place import place_by_profile
 from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, fidelity_in_runtime, placement_for, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
-from quantship.quantize_onnx.speed import calibration_sample
+from quantship.quantize_onnx.speed import calibration_sample, timing_feeds
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
@@ -47,7 +48,8 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                   budget: Budget | None = DEFAULT_BUDGET, fidelity_data: Any = None, repair: bool = True,
                   max_steps: int | None = None, exclude: Iterable[str] = (), int16: Iterable[str] = (),
                   wait: bool = True, log: Callable[[str], None] = lambda _: None, speed: bool = True,
-                  require_faster: bool = False, **options: Any) -> tuple[OnnxQuantizeResult, Repair | None]:
+                  require_faster: bool = False, profile_placement: bool = True,
+                  **options: Any) -> tuple[OnnxQuantizeResult, Repair | None]:
     """Quantize ``float_path`` for ``target``, judge its fidelity to the float file by ``budget``, repair it
     when missed (see the module docstring) and write ``out_path``; returns the file's result and the repair.
 
@@ -57,7 +59,10 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
     ``quantize_onnx_file``'s. Raises ``FidelityMissed`` (nothing written) when no file keeps the budget.
     ``speed``: the chosen file timed against the float file on this CPU before it is moved into place
     (``export.speed_gate``; ONNX Runtime targets), in ``result.speed`` and the file's metadata;
-    ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower.
+    ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower. ``profile_placement`` (with
+    ``speed``, ONNX Runtime targets that run a mixed graph): the file the repair chose is profiled against the
+    float file and the weighted ops whose integer form costs more here kept float when one verification
+    says the file is faster (``profile_place``; ``result.profile``); False: the plain placement.
     """
     src = Path(float_path).expanduser()
     final = artifact.refuse_unsafe_destination(out_path, (src,))
@@ -71,7 +76,9 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
         return quantize_onnx_file(src, final, calibration, target=target, exclude=base, int16=base_wide, wait=wait,
                                   fidelity_data=fidelity_data, **options), None
     placement, _, _ = placement_for(p, per_tensor=bool(options.get("per_tensor")))
+    profiled = profile_placement and timed and placement.mode != "full"
     numbers = itertools.count()
+    made: dict[Path, tuple[dict, tuple, tuple]] = {}  # each step's file -> how it was asked for
     with artifact.workdir_beside(final) as scratch:
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
             k = next(numbers)
@@ -83,7 +90,22 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                     raise  # the file as asked cannot be made: the caller's refusal, not a repair's
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
+            made[done.path] = (opts, excluded, wide)
             return done.fp32, done
+
+        def by_profile(done: OnnxQuantizeResult) -> OnnxQuantizeResult:
+            """The chosen file, or the one that keeps float what its profile says runs slower as integers."""
+            if not profiled:
+                return done
+            opts, excluded, wide = made[done.path]
+            feeds = timing_feeds(src, calibration, (1, calibration_sample(src, calibration)[1]))
+            with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
+                chosen, done.profile = place_by_profile(src, done, feeds, lambda names: quantize_onnx_file(
+                    src, scratch / "profile.onnx", calibration, target=p, exclude=(*excluded, *names), int16=wide,
+                    fidelity_data=fidelity_data, budget=budget, wait=wait, **opts), log=log)
+            chosen.profile = done.profile
+            add_file_metadata(chosen.path, done.profile.metadata())
+            return chosen
 
         def order(done: OnnxQuantizeResult, opts: dict) -> list[str]:
             with progress_step("fidelity repair: per-node SQNR (own loss)"):
@@ -94,14 +116,16 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
         if budget is None:  # measured, not judged: one file, timed below
             done = quantize_onnx_file(src, scratch / "step0.onnx", calibration, target=p, exclude=base, int16=base_wide,
                                       wait=wait, fidelity_data=fidelity_data, **options)
+            made[done.path] = (options, base, base_wide)
             confirm_in_runtime(done, src, calibration, fidelity_data, None)
-            return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), None
+            return _speed_and_move(by_profile(done), src, final, calibration, timed, require_faster, wait), None
         refusal = (None if placement.mode != "full" else
                    f"{p.target} runs a fully integer graph (no float node, no 16-bit activations): no node can be "
                    "kept float for it")
         record, done = run_repair(attempt, budget=budget, options=dict(options), base=base, base_wide=base_wide,
                                   algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
                                   sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
+        done = by_profile(done)
         add_file_metadata(done.path, record.metadata())
         confirm_in_runtime(done, src, calibration, fidelity_data, budget)
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record

@@ -165,7 +165,7 @@ def time_written_file(path: str | Path, float_path: str | Path, calibration: Any
     return speed_gate.time_written(path, float_path, sample, (1, batch), require_faster=require_faster)
 
 
-def _time(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
+def time_files(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
           sessions: dict[Path, Any] | None = None) -> list[dict[int, float]]:
     """Each file's median ms per batch, the files interleaved; ``sessions`` caches them by path."""
     cache = {} if sessions is None else sessions
@@ -276,7 +276,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
                 search.steps.append(SpeedStep(kind, excluded, {}, {}, False, one_line(exc)))
                 return None
             search.candidates = search.candidates or list(done.plan["weighted_nodes"])
-            current, *against = _time([done.path, *fastest], feeds, seconds, sessions)
+            current, *against = time_files([done.path, *fastest], feeds, seconds, sessions)
             kept = not fastest or faster(current, against[0])
             if fastest:  # only the fastest file's session is kept
                 sessions.pop(done.path if not kept else fastest[0], None)
@@ -307,10 +307,10 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         best, best_path, start_path = engine.best.excluded, engine.best.artifact, start.artifact
         with progress_step("speed search: the final reading"):
             if best_path == start_path:
-                fp32, first = _time([src, start_path], feeds, 2 * seconds)
+                fp32, first = time_files([src, start_path], feeds, 2 * seconds)
                 chosen = first
             else:
-                fp32, first, chosen = _time([src, start_path, best_path], feeds, 2 * seconds)
+                fp32, first, chosen = time_files([src, start_path, best_path], feeds, 2 * seconds)
         search.final_ms = {"fp32": fp32, "start": first, "chosen": chosen}
         log(f"speed search: {search.describe()}")
     result = quantize_onnx_file(src, final, calibration, target=target, exclude=best, wait=wait,

@@ -23,15 +23,19 @@ INT8_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int
 MIN_ROUNDS, MAX_ROUNDS = 5, 3000
 
 
-def single_thread_session(path: str | Path, profile_prefix: str | Path | None = None):
+def single_thread_session(path: str | Path, profile_prefix: str | Path | None = None,
+                          optimized_to: str | Path | None = None):
     """A CPU session at ONNX Runtime's default optimizations, one intra-op and one inter-op thread;
-    ``profile_prefix``: ONNX Runtime's profiler on, its trace written under that prefix."""
+    ``profile_prefix``: ONNX Runtime's profiler on, its trace written under that prefix; ``optimized_to``:
+    the optimized graph it runs saved there (the names the profiler's events carry)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = str(profile_prefix)
+    if optimized_to is not None:
+        options.optimized_model_filepath = str(optimized_to)
     options.log_severity_level = 3
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1

@@ -1,0 +1,233 @@
+"""Placement by profile, the default for ONNX Runtime targets: which weighted ops to keep float on this CPU,
+read from one profiled run of the float file and one of the plain INT8 file at each batch, then verified
+once by timing the whole file.
+
+``inspect.run.node_costs`` charges each run's time to the weighted nodes: in the INT8 file a node's
+integer kernel with the Q/DQ and layout nodes ORT runs around it, in the float file its float kernel. A
+node kept float must cross back to the integer path where a weighted neighbour stays integer: a
+DequantizeLinear on its input, a QuantizeLinear and a layout change on its output, priced per element at
+what those nodes cost in the INT8 run. Adjacent candidates share their crossings (a stem of small Convs
+kept float together crosses once), so the candidates are found as a fixed point: every node whose
+integer cost exceeds its float kernel's, then, until nothing changes, only those whose integer cost
+still exceeds their float cost with the crossings the current set leaves them (geometric mean over the
+batches, and by more than the profiler's clock can tell: ``MIN_SAVING_MS``). A crossing into a pool or
+concat that stays integer is priced, not predicted: what the whole file does with it is what the
+verification reads.
+
+The candidates are kept float in one more file, which must keep the fidelity budget; it is timed side by
+side with the plain file (``speed.time_files``: one thread, CPU time, interleaved) and chosen only when
+``speed.faster`` (the search's rule) says so; otherwise the plain file stays. A profile that cannot run
+leaves the plain file, said so.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from quantship.errors import QuantshipError, one_line
+from quantship.fidelity import MISSED
+from quantship.inspect.run.node_costs import run_costs
+from quantship.inspect.run.timing import cpu_line
+from quantship.quantize_onnx.speed import SPEED_KEY, faster, time_files
+
+PROFILE_SECONDS = 0.5  # CPU time each file is profiled for, at each batch
+VERIFY_SECONDS = 0.4  # CPU time per file and batch in the one verification (the speed search's per step)
+MIN_SAVING_MS = 0.01  # per batch: ten steps of the profiler's 1 us clock; a smaller difference is not read
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One weighted node, per batch: its integer cost (kernel + its Q/DQ and layout share) in the plain INT8
+    file, its float kernel's cost in the float file, and the elements it reads and writes there."""
+
+    node: str
+    int_ms: dict[int, float]
+    float_ms: dict[int, float]
+    in_elements: dict[int, int]
+    out_elements: dict[int, int]
+
+    def as_dict(self) -> dict:
+        return {"node": self.node, "int_ms": _keyed(self.int_ms), "float_ms": _keyed(self.float_ms),
+                "in_elements": _keyed(self.in_elements), "out_elements": _keyed(self.out_elements)}
+
+
+@dataclass
+class ProfilePlacement:
+    """What the profile read, what it kept float, and the one verification's reading."""
+
+    cpu: str
+    batches: tuple[int, ...]
+    costs: list[NodeCost] = field(default_factory=list)
+    crossing_ns: dict[int, float] = field(default_factory=dict)  # ns per element to enter or leave the integer path
+    candidates: tuple[str, ...] = ()
+    estimated_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # candidate -> its float cost, crossings
+    verified_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "plain" / "profile" -> batch -> ms
+    chosen: bool = False
+    not_run: str | None = None  # why the plain file stays without a verification
+
+    @property
+    def kept_float(self) -> tuple[str, ...]:
+        """The weighted ops the written file keeps float for speed."""
+        return self.candidates if self.chosen else ()
+
+    @property
+    def gain(self) -> dict[int, float]:
+        """Plain ms / profile ms per batch, from the verification."""
+        if not self.verified_ms:
+            return {}
+        return {b: self.verified_ms["plain"][b] / self.verified_ms["profile"][b] for b in self.verified_ms["plain"]}
+
+    def why(self) -> str:
+        """Each candidate by its full name and its measured per-node ms at the largest batch."""
+        b = max(self.batches)
+        by = {c.node: c for c in self.costs}
+        return "; ".join(f"{n}: integer {by[n].int_ms[b]:.3g} ms vs float {by[n].float_ms[b]:.3g} ms + "
+                         f"{self.estimated_ms[n][b] - by[n].float_ms[b]:.3g} ms to cross at b{b}"
+                         for n in self.candidates)
+
+    def describe(self) -> str:
+        if self.not_run is not None:
+            return f"plain placement: {self.not_run}"
+        ratios = " / ".join(f"b{b} {g:.2f}x" for b, g in self.gain.items())
+        if self.chosen:
+            return (f"{len(self.candidates)} weighted op(s) kept float for speed ({self.why()}); verified: "
+                    f"{ratios} the plain file's speed (1 thread, CPU time); {self.cpu}")
+        return (f"plain placement: keeping {', '.join(self.candidates)} float ran {ratios} the plain file's speed "
+                f"(not faster by the search's rule); {self.cpu}")
+
+    def as_dict(self) -> dict:
+        return {"method": "profile", "cpu": self.cpu, "batches": list(self.batches),
+                "nodes": [c.as_dict() for c in self.costs], "crossing_ns_per_element": _keyed(self.crossing_ns),
+                "candidates": list(self.candidates), "kept_float": list(self.kept_float),
+                "estimated_float_ms": {n: _keyed(v) for n, v in self.estimated_ms.items()},
+                "verified_ms": {k: _keyed(v) for k, v in self.verified_ms.items()},
+                "gain_vs_plain": _keyed(self.gain), "chosen": self.chosen, "not_run": self.not_run}
+
+    def metadata(self) -> dict[str, str]:
+        """The file's record (``speed.SPEED_KEY``): what was kept float, why, and the verification."""
+        record = {k: v for k, v in self.as_dict().items() if k != "nodes"} | {"why": self.why() if self.candidates
+                                                                                 else None}
+        return {SPEED_KEY: json.dumps(record, sort_keys=True)}
+
+
+def _keyed(d: Mapping[int, Any]) -> dict[str, Any]:
+    return {str(k): v for k, v in d.items()}
+
+
+def neighbours(model: onnx.ModelProto, weighted: Iterable[str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """For each weighted node of ``model`` (by name): the weighted nodes it reads from and those that read it,
+    through any number of other nodes (Q/DQ, pools, concats, activations)."""
+    names = set(weighted)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def walk(start: list, step: Callable[[Any], list]) -> set[str]:
+        found, seen, todo = set(), {id(n) for n in start}, list(start)
+        while todo:
+            for nxt in step(todo.pop()):
+                if id(nxt) in seen:
+                    continue
+                seen.add(id(nxt))
+                if nxt.name in names:
+                    found.add(nxt.name)
+                else:
+                    todo.append(nxt)
+        return found
+
+    after, before = {}, {}
+    for node in model.graph.node:
+        if node.name in names:
+            after[node.name] = walk([node], lambda n: [r for o in n.output for r in readers.get(o, ())])
+            before[node.name] = walk([node], lambda n: [producer[i] for i in n.input if i in producer])
+    return before, after
+
+
+def choose(costs: Iterable[NodeCost], crossing_ns: Mapping[int, float], before: Mapping[str, set[str]],
+           after: Mapping[str, set[str]]) -> tuple[tuple[str, ...], dict[str, dict[int, float]]]:
+    """The candidates (module docstring's fixed point), in the order given, and each one's estimated float
+    cost with the crossings the set leaves it."""
+    costs = list(costs)
+
+    def float_cost(c: NodeCost, kept: set[str]) -> dict[int, float]:
+        enters = bool(before.get(c.node, set()) - kept)
+        leaves = bool(after.get(c.node, set()) - kept)
+        return {b: c.float_ms[b] + (enters * c.in_elements[b] + leaves * c.out_elements[b]) * crossing_ns[b] / 1e6
+                for b in c.float_ms}
+
+    def loses(c: NodeCost, float_ms: Mapping[int, float]) -> bool:
+        logs = [math.log(c.int_ms[b] / float_ms[b]) for b in float_ms if float_ms[b] > 0 and c.int_ms[b] > 0]
+        saving = sum(c.int_ms[b] - float_ms[b] for b in float_ms)
+        return bool(logs) and sum(logs) / len(logs) > 0 and saving > MIN_SAVING_MS * len(float_ms)
+
+    kept = {c.node for c in costs if loses(c, c.float_ms)}
+    while True:
+        still = {c.node for c in costs if c.node in kept and loses(c, float_cost(c, kept))}
+        if still == kept:
+            break
+        kept = still
+    return tuple(c.node for c in costs if c.node in kept), {c.node: float_cost(c, kept) for c in costs
+                                                           if c.node in kept}
+
+
+def profile_costs(float_path: Path, int8_path: Path, weighted: list[str], feeds: Mapping[int, Mapping[str, np.ndarray]],
+                  seconds: float = PROFILE_SECONDS) -> tuple[list[NodeCost], dict[int, float]]:
+    """Each weighted node's integer and float cost per batch (nodes the float run does not name are left
+    out), and the per-element price of a crossing per batch."""
+    per_batch = {b: (run_costs(int8_path, feed, seconds, weighted), run_costs(float_path, feed, seconds, weighted))
+                 for b, feed in feeds.items()}
+    crossing = {b: (i.qdq_ns_per_element or 0.0) + (i.layout_ns_per_element or 0.0) for b, (i, _) in per_batch.items()}
+    out = []
+    for node in weighted:
+        if all(node in i.weighted and node in f.weighted for i, f in per_batch.values()):
+            out.append(NodeCost(node, {b: i.weighted[node].ms for b, (i, _) in per_batch.items()},
+                                {b: f.weighted[node].ms for b, (_, f) in per_batch.items()},
+                                {b: f.weighted[node].in_elements for b, (_, f) in per_batch.items()},
+                                {b: f.weighted[node].out_elements for b, (_, f) in per_batch.items()}))
+    return out, crossing
+
+
+def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[str, np.ndarray]],
+                     requantize: Callable[[tuple[str, ...]], Any], *, seconds: float = PROFILE_SECONDS,
+                     verify_seconds: float = VERIFY_SECONDS, log: Callable[[str], None] = lambda _: None
+                     ) -> tuple[Any, ProfilePlacement]:
+    """The plain file (``plain``, an ``OnnxQuantizeResult``) or the one ``requantize(names)`` writes with the
+    profile's candidates kept float by ``glob``-escaped name, whichever the module docstring's rules choose;
+    returns it and the record."""
+    record = ProfilePlacement(cpu_line(), tuple(feeds))
+    weighted = list(plain.plan["weighted_nodes"])
+    try:
+        record.costs, record.crossing_ns = profile_costs(float_path, plain.path, weighted, feeds, seconds)
+        before, after = neighbours(onnx.load(str(plain.path), load_external_data=False), weighted)
+    except Exception as exc:  # ORT's own types, a trace it could not write: the plain file stays, said so
+        record.not_run = f"the profile could not run ({one_line(exc)})"
+        return plain, record
+    record.candidates, record.estimated_ms = choose(record.costs, record.crossing_ns, before, after)
+    if not record.candidates:
+        record.not_run = f"no weighted op of {len(record.costs)} profiled costs more as an integer kernel here"
+        return plain, record
+    log(f"placement by profile: {len(record.candidates)} weighted op(s) cost more as integer kernels: {record.why()}")
+    try:
+        trial = requantize(tuple(glob.escape(n) for n in record.candidates))
+    except QuantshipError as exc:
+        record.not_run = f"keeping {', '.join(record.candidates)} float gives no file ({one_line(exc)})"
+        return plain, record
+    if trial.fp32 is not None and trial.fp32.status == MISSED:
+        record.not_run = f"keeping {', '.join(record.candidates)} float misses the fidelity budget"
+        return plain, record
+    plain_ms, trial_ms = time_files([Path(plain.path), Path(trial.path)], dict(feeds), verify_seconds)
+    record.verified_ms = {"plain": plain_ms, "profile": trial_ms}
+    record.chosen = faster(trial_ms, plain_ms)
+    log(f"placement by profile: {record.describe()}")
+    return (trial if record.chosen else plain), record

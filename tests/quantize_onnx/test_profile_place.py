@@ -1,0 +1,155 @@
+"""Placement by profile (``quantize_onnx.profile_place``), the default of ``quantize_onnx`` for ONNX Runtime
+targets: per-node costs from one profiled run of each file, the candidates' fixed point, one verification."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from quantship.cli.main import main
+from quantship.inspect.run.node_costs import run_costs
+from quantship.quantize_onnx.profile_place import NodeCost, choose, neighbours, place_by_profile, profile_costs
+from quantship.quantize_onnx.quantizer import quantize_onnx_file
+from quantship.quantize_onnx.repair import quantize_onnx
+from quantship.quantize_onnx.speed import SPEED_KEY, TOLERANCE, faster
+from tests.quantize_onnx import graphs
+
+
+@pytest.fixture(scope="module")
+def stem(tmp_path_factory) -> tuple[Path, np.ndarray, Path]:
+    folder = tmp_path_factory.mktemp("profile")
+    path = graphs.save(graphs.stem_then_body(), folder / "stem.onnx")
+    x = np.random.default_rng(0).random((16, 1, 96, 96)).astype(np.float32)
+    plain = quantize_onnx_file(path, folder / "plain.onnx", x, target="onnxruntime-cpu", run_check=False)
+    return path, x, plain.path
+
+
+def wide_convs() -> onnx.ModelProto:
+    """Two 3 x 3 Convs of 32 -> 64 -> 64 channels at 32 px: both several times faster as integer kernels here."""
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["y"], name="relu1")]
+    return graphs.model(nodes, [graphs.value("x", ["n", 32, 32, 32])], [graphs.value("y", ["n", 64, 32, 32])],
+                        [graphs.weight(64, 32, 3, 3, name="w0"), graphs.weight(64, 64, 3, 3, name="w1")])
+
+
+def batch_of_four_only() -> onnx.ModelProto:
+    """A symbolic batch that is really 4: a Reshape to [4, 512] (the shapes a batch-1 run needs do not exist)."""
+    shape = onnx.numpy_helper.from_array(np.array([4, 512], np.int64), "shape")
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Reshape", ["r0", "shape"], ["flat"], name="flatten"),
+             helper.make_node("MatMul", ["flat", "w1"], ["y"], name="fc")]
+    return graphs.model(nodes, [graphs.value("x", ["n", 3, 8, 8])], [graphs.value("y", [4, 10])],
+                        [graphs.weight(8, 3, 3, 3, name="w0"), graphs.weight(512, 10, name="w1"), shape])
+
+
+def test_the_qdq_and_layout_nodes_are_charged_to_the_integer_kernel_they_surround(stem):
+    """Every QuantizeLinear, DequantizeLinear and Transpose of the plain file's run lands on a weighted node:
+    the per-node totals add up to the run's (the plain file has no other node)."""
+    _, x, plain = stem
+    costs = run_costs(plain, {"x": x[:1]}, 0.1, ["stem", "body1", "body2", "head"])
+    assert set(costs.weighted) == {"stem", "body1", "body2", "head"}
+    assert costs.weighted["stem"].qdq_ms > 0 and costs.weighted["stem"].layout_ms > 0  # the input's Q + Transpose
+    assert costs.weighted["head"].qdq_ms > 0  # the output's DequantizeLinear
+    assert sum(c.ms for c in costs.weighted.values()) == pytest.approx(costs.total_ms, rel=1e-6)
+    assert costs.qdq_ns_per_element > 0 and costs.layout_ns_per_element > 0
+
+
+def test_the_one_channel_stem_is_the_candidate(stem):
+    """ORT's integer Conv over a 1-channel 96 x 96 image costs several times its float NCHWc kernel
+    (bench/conv_speed.py): the profile names the stem, and the wide Convs after it stay integer."""
+    path, x, plain = stem
+    weighted = ["stem", "body1", "body2", "head"]
+    costs, crossing = profile_costs(path, plain, weighted, {1: {"x": x[:1]}, 8: {"x": x[:8]}}, seconds=0.2)
+    by = {c.node: c for c in costs}
+    assert all(by["stem"].int_ms[b] > by["stem"].float_ms[b] for b in (1, 8)), by["stem"]
+    candidates, estimated = choose(costs, crossing, *neighbours(onnx.load(str(plain)), weighted))
+    assert "stem" in candidates and "body2" not in candidates, costs
+    assert all(estimated["stem"][b] > by["stem"].float_ms[b] for b in (1, 8))  # its output must cross back
+
+
+def test_adjacent_candidates_are_kept_float_together_or_not_at_all():
+    """a -> b -> c: a and b lose as integers only when they need not cross into each other (a group);
+    c is faster as an integer kernel. Each element costs 1 ns to cross."""
+    def cost(node, int_ms, float_ms):
+        return NodeCost(node, {1: int_ms}, {1: float_ms}, {1: 1000_000}, {1: 1000_000})
+
+    before, after = {"a": set(), "b": {"a"}, "c": {"b"}}, {"a": {"b"}, "b": {"c"}, "c": set()}
+    costs = [cost("a", 1.5, 1.0), cost("b", 2.5, 1.0), cost("c", 1.0, 4.0)]
+    kept, estimated = choose(costs, {1: 1.0}, before, after)
+    assert kept == ("a", "b")  # a alone would cross out (1 + 1 ms > 1.5); together only b crosses (1 + 1 < 2.5)
+    assert estimated == {"a": {1: 1.0}, "b": {1: 2.0}}
+    costs[1] = cost("b", 1.9, 1.0)  # b with its crossing now costs more float: a loses its partner and goes too
+    assert choose(costs, {1: 1.0}, before, after) == ((), {})
+
+
+def test_the_chosen_file_follows_the_verification(stem, tmp_path):
+    """The written file is the profile's only when its own side-by-side reading says faster by the search's
+    rule, and then it is no slower than the plain file at any batch beyond the tolerance."""
+    path, x, _ = stem
+    result, _ = quantize_onnx(path, tmp_path / "q.onnx", x, target="onnxruntime-cpu", budget=None)
+    record = result.profile
+    assert record.candidates and "stem" in record.candidates and record.not_run is None
+    assert record.chosen == faster(record.verified_ms["profile"], record.verified_ms["plain"])
+    assert set(record.batches) == {1, 16}
+    if record.chosen:
+        assert set(record.kept_float) <= set(result.excluded)
+        assert all(g >= 1 - TOLERANCE for g in record.gain.values())
+    else:
+        assert result.excluded == []
+    props = {p.key: p.value for p in onnx.load(str(result.path)).metadata_props}
+    said = json.loads(props[SPEED_KEY])
+    assert said["kept_float"] == list(record.kept_float) and said["chosen"] == record.chosen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx"], "the trial file was left behind"
+
+
+def test_no_candidate_leaves_the_plain_placement(tmp_path):
+    """Convs that run faster as integer kernels: nothing kept float, the graph written is the plain one's."""
+    path = graphs.save(wide_convs(), tmp_path / "wide.onnx")
+    x = np.random.default_rng(1).random((8, 32, 32, 32)).astype(np.float32)
+    by_profile, _ = quantize_onnx(path, tmp_path / "default.onnx", x, target="onnxruntime-cpu", budget=None)
+    plain, _ = quantize_onnx(path, tmp_path / "plain.onnx", x, target="onnxruntime-cpu", budget=None,
+                             profile_placement=False)
+    assert by_profile.profile.candidates == () and "no weighted op" in by_profile.profile.not_run
+    assert plain.profile is None
+    graph = [onnx.load(str(p)).graph.SerializeToString() for p in (by_profile.path, plain.path)]
+    assert graph[0] == graph[1]
+
+
+def test_a_profile_that_cannot_run_leaves_the_plain_file_and_says_so(tmp_path, capfd):
+    """A file that runs at batch 4 only (its input and a Reshape to [4, 512] say so) profiled at batch 1: ONNX
+    Runtime refuses the run, the plain file stays, nothing is quantized again, the record says why in one line."""
+    model = batch_of_four_only()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
+    path = graphs.save(model, tmp_path / "four.onnx")
+    x = np.random.default_rng(2).random((4, 3, 8, 8)).astype(np.float32)
+    plain = quantize_onnx_file(path, tmp_path / "plain.onnx", x, target="onnxruntime-cpu", run_check=False)
+    asked: list = []
+    chosen, record = place_by_profile(path, plain, {1: {"x": x[:1]}, 4: {"x": x}}, asked.append)
+    assert chosen is plain and asked == [] and not record.chosen and record.kept_float == ()
+    assert record.not_run.startswith("the profile could not run (") and "input: x" in record.not_run
+    assert record.describe().startswith("plain placement: the profile could not run")
+    assert "\n" not in record.not_run and "[E:onnxruntime" not in capfd.readouterr().err
+
+
+def test_the_report_names_what_was_kept_float_and_plain_placement_skips_it(stem, tmp_path, capsys):
+    """quantize-onnx's JSON carries the profile's record, and a row names every candidate in full with its
+    measured ms; --plain-placement runs none."""
+    path, x, _ = stem
+    np.save(tmp_path / "cal.npy", x)
+    for flag, out in (((), tmp_path / "a.onnx"), (("--plain-placement",), tmp_path / "b.onnx")):
+        assert main(["quantize-onnx", str(path), "--calib", str(tmp_path / "cal.npy"), "--out", str(out), "--json",
+                     "--no-fidelity", *flag]) == 0
+        report = json.loads(capsys.readouterr().out)
+        if flag:
+            assert report["placement_by_profile"] is None
+        else:
+            said = report["placement_by_profile"]
+            assert "stem" in said["candidates"] and said["nodes"] and said["verified_ms"]["plain"]
