@@ -52,7 +52,8 @@ RUNS = {
                                 "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
                                 "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
     "fidelity": Smoke(stdout=(
-        "| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |",
+        "| model | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions (rule) | "
+        "default budget (margin) | task metric | quantize s |",
         "| mtcnn_pnet | onnxruntime-cpu | ")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",
                            "| FP32 | ", "| plain INT8 | ", "| INT8, 3 worst in 16-bit | ", "| INT8, 3 worst in float | ",
