@@ -45,8 +45,7 @@ if TYPE_CHECKING:
 # keeps at least 12.3 dB (the PP-OCR detector's tigris file, its recall inside FP32's interval) and agrees at
 # least 0.958 on held-out inputs (its onnxruntime-cpu file, by its positives); nudenet's default file (109/118
 # detections) misses on its scores' positives (0.758); the collapses seen lose the task at 7.4 dB (a real audio
-# model) and below
-# (the notes example: 4.7-5.9 dB, 29.5 points).
+# model) and below (the notes example: 4.7-5.9 dB, 29.5 points).
 DEFAULT_MIN_SQNR_DB = 10.0
 DEFAULT_MIN_AGREEMENT = 0.9
 METADATA_KEY = "quantship.fidelity"
