@@ -205,7 +205,8 @@ def agreement_rule(reference: np.ndarray) -> str:
 
     ``argmax``: class scores (N x C, C >= 2) or rows that are distributions (values in [0, 1] summing to
     1 over the last axis); ``positives > 0.5``: probabilities that are not a distribution (sigmoid maps,
-    frame posteriors, a detector's class scores); ``sign``: signed values (both signs present, e.g. binary logits, embeddings);
+    frame posteriors, a detector's class scores); ``sign``: signed values (both signs present, e.g. binary
+    logits, embeddings);
     ``none``: anything else (a non-negative regression, a constant), judged by SQNR alone.
     """
     import numpy as np  # measuring only (module docstring)
