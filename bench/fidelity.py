@@ -21,6 +21,7 @@ import _smoke
 import numpy as np
 from real import MODELS, make_task, run_ort, static_batch
 
+from quantship.fidelity import Budget, Fidelity
 from quantship.quantize_onnx import quantize_onnx
 
 HELD = 64  # evaluation samples fidelity is measured on
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      range(0, len(task.calib), task.calib_batch)],
                                               target=target, budget=None, fidelity_data=held)
                 except Exception as exc:  # a row that cannot be produced keeps its reason
-                    rows.append((name, target, f"not produced: {str(exc).splitlines()[0][:120]}", "", "", ""))
+                    rows.append((name, target, f"not produced: {str(exc).splitlines()[0][:120]}", "", "", "", ""))
                     continue
                 seconds = time.perf_counter() - started
                 fp32 = result.fp32
@@ -57,13 +58,16 @@ def main(argv: list[str] | None = None) -> int:
                 metric = task.metrics[0]
                 score = task.score(outputs, reference)[metric]
                 base = task.score(reference, None)[metric]
-                agree = ", ".join(f"{o.name}: {o.agreement:.3f} ({o.rule})" if o.agreement is not None else
-                                  f"{o.name}: - ({o.rule})" for o in fp32.outputs)
-                rows.append((name, target, f"{fp32.sqnr_db:.1f}", agree, f"{metric} FP32 {base} / INT8 {score}",
-                             f"{seconds:.1f}"))
+                parts = ", ".join(f"{o.name}: {o.sqnr_db:.1f} dB" + (f", {o.agreement:.3f} of {o.n_decisions} "
+                                                                    f"({o.rule})" if o.agreement is not None else
+                                                                    f" ({o.rule})") for o in fp32.outputs)
+                judged = Fidelity(fp32.outputs, fp32.data, fp32.runtime, Budget(), fp32.n_samples)
+                rows.append((name, target, f"{fp32.sqnr_db:.1f}", parts, f"{judged.status} ({judged.margin:+.1f})",
+                             f"{metric} FP32 {base} / INT8 {score}", f"{seconds:.1f}"))
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-    table = ["| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |",
-             "|---|---|---:|---|---|---:|", *("| " + " | ".join(row) + " |" for row in rows)]
+    table = ["| model | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions (rule) | "
+             "default budget (margin) | task metric | quantize s |",
+             "|---|---|---:|---|---|---|---:|", *("| " + " | ".join(row) + " |" for row in rows)]
     print("\n".join(table))
     if not args.smoke and args.record:  # REAL.md's section (bench/_real_render.py includes the record)
         head = RECORD.read_text().split("| model |")[0] if RECORD.is_file() else "## Fidelity to FP32\n\n"

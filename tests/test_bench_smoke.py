@@ -54,7 +54,8 @@ RUNS = {
                                 "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
                                 "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
     "fidelity": Smoke(stdout=(
-        "| model | target | output SQNR (dB, worst output) | agreement (rule) | task metric | quantize s |",
+        "| model | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions (rule) | "
+        "default budget (margin) | task metric | quantize s |",
         "| mtcnn_pnet | onnxruntime-cpu | ")),
     "placement": Smoke(stdout=("| model | plain | profile | search | profile / search |", "| mtcnn_pnet | ",
                                "mtcnn_pnet profile: ")),

@@ -18,10 +18,13 @@ from quantship.fidelity import (
     MIN_DECISIONS,
     MISSED,
     NOT_JUDGED,
+    PART_RATIO,
+    POSITIVES,
     Budget,
     agreement_rule,
     budget_from,
     measure,
+    output_parts,
     sqnr_db,
 )
 
@@ -40,7 +43,7 @@ def test_rules_follow_the_output_kind():
     softmax = np.exp(LOGITS) / np.exp(LOGITS).sum(-1, keepdims=True)
     assert agreement_rule(LOGITS) == "argmax"  # N x C class scores
     assert agreement_rule(softmax) == "argmax"  # rows that are distributions
-    assert agreement_rule(1 / (1 + np.exp(-LOGITS[:, :, None]))) == "threshold 0.5"  # sigmoid maps
+    assert agreement_rule(1 / (1 + np.exp(-LOGITS[:, :, None]))) == POSITIVES  # sigmoid maps
     assert agreement_rule(LOGITS[:, :, None]) == "sign"  # signed values that are not class scores
     assert agreement_rule(np.abs(LOGITS[:, :, None]) + 1) == "none"  # a positive regression: SQNR alone
 
@@ -111,3 +114,67 @@ def test_budgets_out_of_range_are_refused(sqnr, agreement, says):
 def test_shapes_that_differ_are_refused():
     with pytest.raises(DataRefused, match="not the same model"):
         _judge(LOGITS, LOGITS[:, :5])
+
+
+def _sparse_scores(n=16, classes=6, anchors=300, seed=1):
+    """Sigmoid class scores of a detector: most anchors near 0, a few per sample above 0.5."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(-6.0, 1.5, (n, classes, anchors))
+    hot = rng.random(logits.shape) < 0.01
+    logits[hot] = rng.normal(1.5, 1.0, hot.sum())
+    return logits
+
+
+def test_positives_count_the_positive_sets_not_the_negatives():
+    """A sparse score map whose INT8 scores sit lower (logits - 1.2): over every element the decisions still
+    agree at 0.996 (negatives dominate); over the union of both positive sets at 0.64 of 278, and it misses."""
+    logits = _sparse_scores()
+    reference, lowered = 1 / (1 + np.exp(-logits)), 1 / (1 + np.exp(-(logits - 1.2)))
+    assert ((reference > 0.5) == (lowered > 0.5)).mean() > 0.99
+    judged = _judge(reference, lowered, Budget(min_sqnr_db=0.0))
+    positives = reference > 0.5
+    both = (positives & (lowered > 0.5)).sum()
+    assert judged.worst.rule == POSITIVES and judged.worst.n_decisions == (positives | (lowered > 0.5)).sum()
+    assert judged.worst.agreement == pytest.approx(both / positives.sum()) and judged.worst.agreement < 0.8
+    assert judged.status == MISSED
+    assert _judge(reference, 1 / (1 + np.exp(-(logits + 0.01))), Budget(min_sqnr_db=0.0)).status == MET
+
+
+def _detector_output(scores_shift=0.0, box_noise=0.0, seed=1):
+    """N x (4 + C) x A: box coordinates in pixels (0..320) concatenated with sigmoid class scores, as a
+    YOLO head writes them."""
+    logits = _sparse_scores(seed=seed)
+    rng = np.random.default_rng(seed)
+    boxes = rng.uniform(0.0, 320.0, (logits.shape[0], 4, logits.shape[2]))
+    boxes_out = boxes + box_noise * rng.standard_normal(boxes.shape)
+    return (np.concatenate([boxes, 1 / (1 + np.exp(-logits))], axis=1),
+            np.concatenate([boxes_out, 1 / (1 + np.exp(-(logits - scores_shift)))], axis=1))
+
+
+def test_an_output_of_boxes_and_scores_is_judged_part_by_part():
+    """Whole, the boxes' energy hides the scores: the output keeps 45 dB and no rule applies. Split, the
+    scores' part misses (9.7 dB, 0.64 of its positives); the boxes' part keeps its 45 dB."""
+    reference, output = _detector_output(scores_shift=1.2, box_noise=1.0)
+    whole = 10 * math.log10((reference ** 2).sum() / ((reference - output) ** 2).sum())
+    assert whole > 30 and agreement_rule(reference) == "none"
+    assert [name for name, _ in output_parts(reference)] == ["[:, 0:4]", "[:, 4:10]"]
+    judged = _judge(reference, output)
+    boxes, scores = judged.outputs
+    assert (boxes.name, boxes.rule, scores.name, scores.rule) == ("out[:, 0:4]", "none", "out[:, 4:10]", POSITIVES)
+    assert boxes.sqnr_db > 40 and scores.agreement < 0.8 and judged.worst is scores and judged.status == MISSED
+    kept, output = _detector_output(scores_shift=0.01, box_noise=1.0)
+    assert _judge(kept, output).status == MET
+    anchors_last = np.moveaxis(reference, 1, 2)  # N x A x (4 + C): the same parts on the last axis
+    assert [name for name, _ in output_parts(anchors_last)] == ["[..., 0:4]", "[..., 4:10]"]
+
+
+def test_outputs_of_one_kind_are_judged_whole():
+    """Class scores, distributions, probability maps, feature maps whose channels differ less than PART_RATIO,
+    and channels that alternate kinds more often than a concatenation would, stay one output."""
+    softmax = np.exp(LOGITS) / np.exp(LOGITS).sum(-1, keepdims=True)
+    features = np.abs(RNG.standard_normal((8, 16, 5, 5))) * np.linspace(0.1, PART_RATIO * 0.1 * 0.9, 16)[:, None, None]
+    alternating = np.abs(RNG.standard_normal((8, 12, 7)))
+    alternating[:, ::2] = alternating[:, ::2] / (alternating.max() + 1)  # every other channel in [0, 1]
+    alternating[:, 1::2] *= 100
+    for output in (LOGITS, softmax, 1 / (1 + np.exp(-LOGITS[:, None])), features, alternating):
+        assert output_parts(output) == [("", (slice(None),))]
