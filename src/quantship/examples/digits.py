@@ -75,19 +75,9 @@ def load_noisy_split(size: int = IMAGE_SIZE, sigma: float = NOISY_SIGMA, n_train
 
 def noisy_trained_model(*, retrain: bool = False) -> TinyResNet:
     """The harder task's model (width 8), trained on ``load_noisy_split()`` and cached."""
-    path = cache_dir() / f"digits_noisy_w{NOISY_WIDTH}_v{_NOISY_CACHE_VERSION}.pt"
-    model = TinyResNet(in_channels=1, classes=10, width=NOISY_WIDTH)
-    if path.exists() and not retrain:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model.eval()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same weights whatever the machine's core count
-    try:
-        model = train(load_noisy_split(), epochs=12, width=NOISY_WIDTH)
-    finally:
-        torch.set_num_threads(threads)
-    save_state(model, path)
-    return model
+    return cached_model(f"digits_noisy_w{NOISY_WIDTH}_v{_NOISY_CACHE_VERSION}.pt",
+                        TinyResNet(in_channels=1, classes=10, width=NOISY_WIDTH),
+                        lambda: train(load_noisy_split(), epochs=12, width=NOISY_WIDTH), retrain=retrain)
 
 
 def build_model() -> TinyResNet:
@@ -125,6 +115,37 @@ def trained_model(*, retrain: bool = False) -> TinyResNet:
     model = train(load_split())
     save_state(model, path)
     return model
+
+
+def cached_model(name: str, model: torch.nn.Module, train_it, *, retrain: bool = False) -> torch.nn.Module:
+    """``model`` with the weights cached under ``name`` in ``cache_dir()``, or ``train_it()``'s, trained on one
+    thread (the same weights whatever the machine's core count) and cached, on first use or ``retrain``."""
+    path = cache_dir() / name
+    if path.exists() and not retrain:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = train_it()
+    finally:
+        torch.set_num_threads(threads)
+    save_state(model, path)
+    return model
+
+
+def run_epochs(loss_of, opt: torch.optim.Optimizer, sched, n: int, epochs: int, seed: int, batch: int = 64) -> None:
+    """``epochs`` passes over ``n`` samples in seeded random order, one optimizer and scheduler step per
+    ``batch`` of indices (``loss_of(indices)`` gives the batch's loss)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, batch):
+            loss = loss_of(order[start:start + batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
 
 
 def save_state(model: torch.nn.Module, path: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantship.examples.digits import cache_dir, save_state
+from quantship.examples.digits import cached_model, run_epochs
 from quantship.export import export_onnx
 
 SAMPLE_RATE = 8_000
@@ -150,35 +150,15 @@ def train(hidden: int = HIDDEN, epochs: int = 16, n_train: int = N_TRAIN, seed: 
     model.scale.fill_(1.0 / float(x.std()))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=epochs * ((n_train + 63) // 64))
-    gen = torch.Generator().manual_seed(seed)
     model.train()
-    for _ in range(epochs):
-        order = torch.randperm(n_train, generator=gen)
-        for start in range(0, n_train, 64):
-            batch = order[start:start + 64]
-            loss = F.cross_entropy(model(x[batch]), y[batch])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+    run_epochs(lambda batch: F.cross_entropy(model(x[batch]), y[batch]), opt, sched, n_train, epochs, seed)
     return model.eval()
 
 
 def trained_model(hidden: int = HIDDEN, *, retrain: bool = False) -> KeywordLSTM:
     """The trained model, loaded from the cache or trained (one thread, then cached) on first use."""
-    path = cache_dir() / f"keywords_lstm{hidden}_v{_CACHE_VERSION}.pt"
-    model = KeywordLSTM(hidden)
-    if path.exists() and not retrain:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model.eval()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same weights whatever the machine's core count
-    try:
-        model = train(hidden)
-    finally:
-        torch.set_num_threads(threads)
-    save_state(model, path)
-    return model
+    return cached_model(f"keywords_lstm{hidden}_v{_CACHE_VERSION}.pt", KeywordLSTM(hidden), lambda: train(hidden),
+                        retrain=retrain)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantship.examples.digits import cache_dir, save_state
+from quantship.examples.digits import cached_model, run_epochs
 from quantship.export import export_onnx
 from quantship.inspect.run.consumers import ort_session
 from quantship.quantize_onnx.dynamic_file import sqnr_db
@@ -177,35 +177,15 @@ def train(epochs: int = 10, n_train: int = N_TRAIN, seed: int = 0) -> NoteNet:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=epochs * ((n_train + 63) // 64))
-    gen = torch.Generator().manual_seed(seed)
     model.train()
-    for _ in range(epochs):
-        order = torch.randperm(n_train, generator=gen)
-        for start in range(0, n_train, 64):
-            batch = order[start:start + 64]
-            loss = F.binary_cross_entropy_with_logits(model.logits(features[batch]), clips.y[batch])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+    run_epochs(lambda batch: F.binary_cross_entropy_with_logits(model.logits(features[batch]), clips.y[batch]),
+               opt, sched, n_train, epochs, seed)
     return model.eval()
 
 
 def trained_model(*, retrain: bool = False) -> NoteNet:
     """The trained model, loaded from the cache or trained (one thread, then cached) on first use."""
-    path = cache_dir() / f"notes_cqt_v{_CACHE_VERSION}.pt"
-    model = NoteNet()
-    if path.exists() and not retrain:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model.eval()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same weights whatever the machine's core count
-    try:
-        model = train()
-    finally:
-        torch.set_num_threads(threads)
-    save_state(model, path)
-    return model
+    return cached_model(f"notes_cqt_v{_CACHE_VERSION}.pt", NoteNet(), train, retrain=retrain)
 
 
 @dataclass(frozen=True)
