@@ -102,6 +102,8 @@ RUNS = {
         "Smoke run", "## Cold: one fresh process per run", "| capture |", "| **total** |",
         "quantship / raw, any batch:", "## Warm: export_qdq vs the raw exporter in one process, batch 1",
         "| resnet18 | onnxruntime-cpu | 1 |", "inside export_qdq (medians): exporter")}),
+    "new_user": Smoke(stdout=("| issue 38's line | command | now | answered |", "4 of 4 lines answered"),
+                      never=("**no**",)),
     "recurrent": Smoke(stdout=("| file | top-1 [Wilson 95%] | output SQNR vs FP32, dB | batch 1 | batch 64 |",
                                 "| hidden 64: FP32 | ", "| hidden 64: INT8, default file: 1 DynamicQuantizeLSTM | ",
                                 "| hidden 64: INT8, LSTM float (--exclude LSTM): 0 DynamicQuantizeLSTM | ")),

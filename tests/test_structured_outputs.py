@@ -210,7 +210,7 @@ def test_the_cli_refuses_a_none_output_in_one_line_with_exit_2(tmp_path, capsys)
     code = main(["quantize", f"{src}:build", "--calib", str(calib), "--out", str(out), "--target", "onnxruntime-cpu"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
-    assert "output 'output_1' of the model (GraphModule) is None" in err[-1] and "Traceback" not in "".join(err)
+    assert "output 'output_1' of the model (TwoHeads) is None" in err[-1] and "Traceback" not in "".join(err)
 
 
 def test_the_float_file_names_its_outputs_as_the_int8_file(dict_file, tmp_path):

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import torch
 
-from quantship.errors import DataRefused, cause
+from quantship.errors import DataRefused, QuantshipError, cause
 from quantship.export.data import forward_arguments, forward_inputs, npz_keys, read_held_out, split_held_out
 from quantship.export.judged import file_outputs
 from quantship.fidelity import HELD_OUT_MAX
@@ -96,6 +96,8 @@ def read_calibration(model: Any, calib: str | None, *, batch_size: int, max_samp
     first = torch_batches[0]
     try:
         output_arrays(model, [first])
+    except QuantshipError:
+        raise  # quantship's own refusal of the model's outputs says what to do: not wrapped, not cut
     except Exception as exc:  # the user's model on the user's data: its failure is bad input
         shapes = {n: list(batches[0][n].shape) for n in names}
         raise DataRefused(f"{type(model).__name__} cannot run on a calibration batch {shapes}: {cause(exc)}") from None
