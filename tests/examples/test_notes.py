@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from quantship.cli.main import main
-from quantship.examples import notes
+from quantship.examples import digits, notes
 
 
 def test_clips_are_deterministic_with_one_to_three_notes_each():
@@ -72,7 +72,7 @@ def _quantize_onnx(files, out, *extra) -> None:
 @pytest.mark.slow
 def test_training_is_cached_and_the_float_file_does_the_task(files, held_out_and_fp32):
     model = notes.trained_model()  # the fixture trained it (about 40 s of one core) or loaded it
-    assert (notes.cache_dir() / f"notes_cqt_v{notes._CACHE_VERSION}.pt").is_file()
+    assert (digits.cache_dir() / f"notes_cqt_v{notes._CACHE_VERSION}.pt").is_file()
     again = notes.trained_model()
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
     clips, fp32 = held_out_and_fp32
