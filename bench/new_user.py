@@ -47,6 +47,7 @@ def row(line: str, command: str, check: Callable[[], tuple[bool, str]]) -> None:
         ok, said = check()
     except Exception as exc:  # a check that cannot run is a line not answered, said as such
         ok, said = False, f"the check failed: {type(exc).__name__}: {exc}"[:160]
+    ok = bool(ok)
     ROWS.append((line, command, said, ok))
     print(f"{'answered' if ok else 'OPEN    '} | {line} | {said}", flush=True)
 
