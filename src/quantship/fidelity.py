@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from quantship.errors import DataRefused
+from quantship.errors import DataRefused, FidelityMissed
 from quantship.intervals import wilson_interval
 
 if TYPE_CHECKING:
@@ -66,6 +66,14 @@ def own_loss_db(upstream_db: float, sqnr: float) -> float:
     """What one node loses itself: the SQNR of what it reads (capped at ``UPSTREAM_CAP_DB``) less its output's.
     The per-node reports of both paths rank the fidelity repair's candidates by it."""
     return min(upstream_db, UPSTREAM_CAP_DB) - sqnr
+
+
+def missed_in_runtime(literal: Fidelity, native: Fidelity, target: str) -> FidelityMissed:
+    """The refusal of a file that keeps the budget read literally in ONNX Runtime (the repair's reading) but not in
+    its target's own runtime (``native``), both readings named."""
+    return FidelityMissed(f"the file keeps the fidelity budget in ONNX Runtime read literally ({literal.describe()}) "
+                          f"but not in {native.runtime}, the {target} target's own runtime: {native.describe()}",
+                          {"runtime": native.as_dict()})
 
 
 def sqnr_db(signal_energy: float, noise_energy: float) -> float:

@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quantship.errors import FidelityMissed, QuantshipError, one_line
+from quantship.errors import QuantshipError, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
 from quantship.export.onnx_float import export_onnx
 from quantship.export.qdq import export_qdq
-from quantship.fidelity import METADATA_KEY, MISSED, Budget, Fidelity, measure
-from quantship.inspect.run.consumers import fidelity_reading, native_runtime, ort_session
+from quantship.fidelity import METADATA_KEY, MISSED, Budget, Fidelity, measure, missed_in_runtime
+from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.verify import MeasuredPath
@@ -104,7 +104,7 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
             per_feed = runner(path, feeds, onnx.load(str(path)))
         except Exception as exc:  # the runtime's own exception types: it does not run this file here
             raise QuantshipError(f"{runtime} could not run the file to measure its fidelity: {one_line(exc)}") from exc
-        outputs = [np.concatenate([o[k] for o in per_feed]) for k in range(len(per_feed[0]))]
+        outputs = joined(per_feed)
     n = sum(len(b[0]) for b in batches)
     return measure(names or [o.name for o in session.get_outputs()], reference, outputs, budget=budget,
                    data=f"{n} {data}", runtime=runtime)
@@ -207,9 +207,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             confirmed = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
                                    native=True)
             if budget is not None and confirmed.status == MISSED:
-                raise FidelityMissed(f"the file keeps the fidelity budget in ONNX Runtime read literally "
-                                     f"({fidelity.describe()}) but not in {confirmed.runtime}, the {target.target} "
-                                     f"target's own runtime: {confirmed.describe()}", {"runtime": confirmed.as_dict()})
+                raise missed_in_runtime(fidelity, confirmed, target.target)
             fidelity = confirmed
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
         reading = None

@@ -37,7 +37,7 @@ from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.feeds import Feed, as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
-from quantship.inspect.run.consumers import fidelity_reading, native_runtime, ort_optimized_ops, ort_session
+from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_optimized_ops, ort_session
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
@@ -176,8 +176,7 @@ def _session(model: onnx.ModelProto | Path, optimized: bool = False):
 
 def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
     """Every output over every feed, concatenated along the batch."""
-    outs = [session.run(None, feed) for feed in feeds]
-    return [np.concatenate([o[k] for o in outs]) if np.ndim(outs[0][k]) else outs[0][k] for k in range(len(outs[0]))]
+    return joined([session.run(None, feed) for feed in feeds])
 
 
 def read_both(path: Path, feeds: Sequence[Feed], what: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -397,8 +396,7 @@ def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | 
         per_feed = runner(path, feeds, quantized)
     except Exception as exc:  # the runtime's own exception types: it does not run this file here
         raise ExportRefused(f"{runtime} could not run the file to measure its fidelity: {cause(exc)}") from exc
-    outputs = [np.concatenate([o[k] for o in per_feed]) if np.ndim(per_feed[0][k]) else per_feed[0][k]
-               for k in range(len(names))]
+    outputs = joined(per_feed)
     n = sum(len(next(iter(f.values()))) for f in feeds)
     return measure_fidelity(names, reference, outputs, budget=budget, data=f"{n} {data}", runtime=runtime)
 

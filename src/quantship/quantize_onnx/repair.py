@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from quantship import targets
-from quantship.errors import FidelityMissed, QuantshipError, one_line
+from quantship.errors import QuantshipError, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.metadata import add_file_metadata
 from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
-from quantship.fidelity import MISSED, Budget
+from quantship.fidelity import MISSED, Budget, missed_in_runtime
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.profile_place import place_by_profile
@@ -141,9 +141,7 @@ def confirm_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fi
     if native is None:
         return
     if budget is not None and native.status == MISSED:
-        raise FidelityMissed(f"the file keeps the fidelity budget in ONNX Runtime read literally ({done.fp32.describe()}) "
-                             f"but not in {native.runtime}, the {done.target} target's own runtime: {native.describe()}",
-                             {"runtime": native.as_dict()})
+        raise missed_in_runtime(done.fp32, native, done.target)
     done.fp32 = native
     add_file_metadata(done.path, {FIDELITY_KEY: native.metadata()})
 

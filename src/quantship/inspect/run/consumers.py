@@ -247,6 +247,12 @@ def constant_reference(reference: list[list[np.ndarray]]) -> bool:
     return True
 
 
+def joined(per_feed: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Each output over every feed, concatenated along the batch (a 0-d output: the first feed's)."""
+    return [np.concatenate([o[k] for o in per_feed]) if np.ndim(per_feed[0][k]) else per_feed[0][k]
+            for k in range(len(per_feed[0]))]
+
+
 RUNTIME_NAMES = {"openvino-cpu": "OpenVINO (CPU, f32 inference precision)", "tigris-cli": "TiGrIS's host runtime"}
 
 
