@@ -9,9 +9,7 @@ NCHWc kernel and Reorders), both read at ONNX Runtime's default optimizations on
 
 from __future__ import annotations
 
-import json
 import tempfile
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +18,7 @@ import numpy as np
 import onnx
 
 from quantship.inspect.read.counts import COMPUTE_OPS
-from quantship.inspect.run.speed import KERNEL_SUFFIX, source_of, sources
-from quantship.inspect.run.timing import single_thread_session
+from quantship.inspect.run.speed import source_of, sources, traced_nodes
 
 RUNS = (3, 20)  # profiled runs of a file, at least and at most (a warm-up before, dropped)
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -81,33 +78,13 @@ def profiled_kernels(path: str | Path, feed: Mapping[str, np.ndarray], seconds: 
     """ONNX Runtime's profiler on ``path`` (one thread, default optimizations): each node of the optimized
     graph, median ms over the runs that fit in ``seconds`` of CPU time (within ``RUNS``) after a warm-up
     (dropped), with its tensors as the graph names them."""
-    import onnxruntime as ort
-
-    quiet = ort.RunOptions()
-    quiet.log_severity_level = 4  # a run that fails raises, one line, without ORT's own log on stderr
-    with tempfile.TemporaryDirectory(prefix="quantship-profile-") as folder:
+    with tempfile.TemporaryDirectory(prefix="quantship-optimized-") as folder:
         optimized = Path(folder) / "optimized.onnx"
-        session = single_thread_session(path, profile_prefix=Path(folder) / "trace", optimized_to=optimized)
-        session.run(None, dict(feed), quiet)
-        start, runs = time.thread_time(), 0
-        while runs < RUNS[0] or (runs < RUNS[1] and time.thread_time() - start < seconds):
-            session.run(None, dict(feed), quiet)
-            runs += 1
-        events = json.loads(Path(session.end_profiling()).read_text())
+        traced = traced_nodes(path, feed, RUNS, seconds, optimized_to=optimized)
         graph = onnx.load(str(optimized), load_external_data=False).graph
     wiring = {n.name: (tuple(n.input), tuple(n.output)) for n in graph.node}
-    times: dict[str, list[float]] = {}
-    first: dict[str, dict] = {}
-    for e in events:
-        name = str(e.get("name", ""))
-        if e.get("cat") != "Node" or not name.endswith(KERNEL_SUFFIX):
-            continue
-        name = name[:-len(KERNEL_SUFFIX)]
-        times.setdefault(name, []).append(float(e.get("dur", 0)) / 1e3)
-        first.setdefault(name, e.get("args", {}))
     out = []
-    for name, durations in times.items():
-        args = first[name]
+    for name, (durations, args) in traced.items():
         ins, outs = wiring.get(name, ((), ()))
         out.append(Kernel(name, str(args.get("op_name", "?")), float(np.median(durations[1:] or durations)),
                           _elements(args.get("input_type_shape")), _elements(args.get("output_type_shape")),

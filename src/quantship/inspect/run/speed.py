@@ -178,23 +178,37 @@ def measure_speed(int8_path: str | Path, float_path: str | Path, sample: Mapping
     return replace(reading, seconds=time.perf_counter() - started)
 
 
+def traced_nodes(path: str | Path, feed: Mapping[str, np.ndarray], runs: tuple[int, int], seconds: float = 0.0,
+                 optimized_to: str | Path | None = None) -> dict[str, tuple[list[float], dict]]:
+    """ONNX Runtime's profiler on ``path`` (one thread, default optimizations): each node of the optimized graph,
+    its ms in every profiled run (the warm-up's first: a reader drops it) and its first event's ``args``. At least
+    ``runs[0]`` runs after the warm-up, then more while they fit in ``seconds`` of CPU time, at most ``runs[1]``."""
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a run that fails raises, one line, without ORT's own log on stderr
+    with tempfile.TemporaryDirectory(prefix="quantship-profile-") as folder:
+        session = single_thread_session(path, profile_prefix=Path(folder) / "trace", optimized_to=optimized_to)
+        session.run(None, dict(feed), quiet)
+        start, done = time.thread_time(), 0
+        while done < runs[0] or (done < runs[1] and time.thread_time() - start < seconds):
+            session.run(None, dict(feed), quiet)
+            done += 1
+        events = json.loads(Path(session.end_profiling()).read_text())
+    nodes: dict[str, tuple[list[float], dict]] = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") != "Node" or not name.endswith(KERNEL_SUFFIX):
+            continue
+        nodes.setdefault(name[:-len(KERNEL_SUFFIX)], ([], e.get("args", {})))[0].append(float(e.get("dur", 0)) / 1e3)
+    return nodes
+
+
 def profile(path: str | Path, feed: Mapping[str, np.ndarray], runs: int) -> dict[str, tuple[str, float]]:
     """ONNX Runtime's profiler on ``path``: each node of the optimized graph, its op type and median ms per
     run over ``runs`` runs after a warm-up (dropped)."""
-    with tempfile.TemporaryDirectory(prefix="quantship-profile-") as folder:
-        session = single_thread_session(path, profile_prefix=Path(folder) / "trace")
-        for _ in range(runs + 1):
-            session.run(None, dict(feed))
-        events = json.loads(Path(session.end_profiling()).read_text())
-    seen: dict[str, list[float]] = {}
-    kinds: dict[str, str] = {}
-    for e in events:
-        if e.get("cat") != "Node" or not str(e.get("name", "")).endswith(KERNEL_SUFFIX):
-            continue
-        name = e["name"][:-len(KERNEL_SUFFIX)]
-        seen.setdefault(name, []).append(float(e.get("dur", 0)) / 1e3)
-        kinds[name] = str(e.get("args", {}).get("op_name", "?"))
-    return {n: (kinds[n], float(np.median(d[1:] or d))) for n, d in seen.items()}
+    return {n: (str(args.get("op_name", "?")), float(np.median(d[1:] or d)))
+            for n, (d, args) in traced_nodes(path, feed, (runs, runs)).items()}
 
 
 def sources(model: onnx.ModelProto) -> dict[str, str]:
