@@ -112,6 +112,30 @@ def test_generated_data_is_deterministic_and_stays_in_the_cache(fresh_cache):
     assert not set(a.paths) & set(b.paths)
 
 
+def test_a_cached_file_draw_that_names_a_vanished_file_is_drawn_again(fresh_cache, tmp_path):
+    """The cache folder outlives checkouts and package upgrades (CI failed on a draw naming files of an
+    earlier venv): a draw is reused only while every file it names exists."""
+    _need("magika")
+    import shutil
+    import sysconfig
+
+    from quantship.examples.real import magika_files
+
+    folder = tmp_path / "files"
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", folder)
+    first = magika_files.make_files(4, seed=3, where=[folder])
+    cached = list((fresh_cache[0] / "real" / "magika").glob("*.npz"))
+    assert len(cached) == 1
+    os.unlink(first.paths[0])
+    again = magika_files.make_files(4, seed=3, where=[folder])
+    assert first.paths[0] not in again.paths and all(os.path.isfile(p) for p in again.paths)
+    # another set of folders is another draw, never the cached one
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    moved = magika_files.make_files(4, seed=3, where=[other])
+    assert all(p.startswith(str(other)) for p in moved.paths)
+
+
 # FP32 accuracy of the orientation classifier on these 300 lines (seed 0), measured: 294/300 (98.0%, Wilson
 # [95.7, 99.1]); 588/600 on the bench's 600. The bound 0.90 leaves room for a few lines more or less with
 # another Pillow/FreeType, and fails a task that lost its ground truth: labels swapped score 6/300, lines

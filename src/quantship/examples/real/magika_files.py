@@ -133,11 +133,15 @@ def make_files(n: int, seed: int = 0, skip: int = 0, where: list[Path] | None = 
     ``where``: folders to look in instead of ``roots()``."""
     import hashlib
 
-    tag = "" if where is None else "_" + hashlib.sha256("\n".join(map(str, where)).encode()).hexdigest()[:8]
-    path = data_dir("magika") / f"files_v{_VERSION}_seed{seed}_skip{skip}_n{n}{tag}.npz"
+    # The cache is keyed by the folders searched (a new venv or checkout has other paths) and is used only
+    # while every file it names still exists: the cache folder outlives checkouts and upgraded packages.
+    tag = hashlib.sha256("\n".join(map(str, where or roots())).encode()).hexdigest()[:8]
+    path = data_dir("magika") / f"files_v{_VERSION}_seed{seed}_skip{skip}_n{n}_{tag}.npz"
     if path.exists():
         with np.load(path) as f:
-            return Files(f["x"], f["y"], [str(p) for p in f["paths"]])
+            cached = Files(f["x"], f["y"], [str(p) for p in f["paths"]])
+        if all(os.path.isfile(p) for p in cached.paths):
+            return cached
     rng = np.random.default_rng([seed, 25])
     pools = {label: [paths[i] for i in rng.permutation(len(paths))] for label, paths in candidates(where).items()}
     space = {label: i for i, label in enumerate(labels_space())}
