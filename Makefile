@@ -10,7 +10,7 @@ demo: $(STAMP)
 	$(VENV)/bin/quantship demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=25
 
 install: $(STAMP)
 
