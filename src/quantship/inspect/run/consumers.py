@@ -31,17 +31,19 @@ TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack
 
 
 def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
-                optimized_model_filepath: str | Path | None = None):
+                optimized_model_filepath: str | Path | None = None, config: dict[str, str] | None = None):
     """A CPU ONNX Runtime session: the file read literally (``ORT_DISABLE_ALL``) unless ``optimized``.
 
     ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
     kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
-    the graph ONNX Runtime builds.
+    the graph ONNX Runtime builds; ``config``: session config entries (``inspect.run.weight_only``'s readings).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )

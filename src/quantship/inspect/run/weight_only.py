@@ -1,0 +1,69 @@
+"""The two readings ONNX Runtime gives a weight-only file, and how far apart they are.
+
+At its default optimization level ONNX Runtime fuses a ``DequantizeLinear`` of a 4- or 8-bit
+weight and the ``MatMul`` reading it into its own ``MatMulNBits``, at the accuracy level the session
+option ``session.qdq_matmulnbits_accuracy_level`` names, 4 by default: the activations are then
+quantized to int8 inside the kernel (per block, at run time), so the default reading of a standard
+weight-only file is not the arithmetic the file writes. The option at ``0`` (unset: float
+activations) reads it exactly. A ``MatMulNBits`` node already in the file is run at its own
+``accuracy_level`` attribute, which the option does not change. Both readings are measured against
+the file read literally (no graph optimization), or against a torch model by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from quantship.inspect.run.consumers import Inputs, ort_session
+
+ACCURACY_OPTION = "session.qdq_matmulnbits_accuracy_level"
+ORT_DEFAULT_ACCURACY_LEVEL = 4  # what ONNX Runtime takes when the option is not set (int8 activations)
+WEIGHT_ONLY_RTOL = 2e-3  # max |reading - reference| / max |reference| a weight-only file is held to
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One way to open a session on the file: its name and its session config entries."""
+
+    name: str
+    options: tuple[tuple[str, str], ...]
+
+    def describe(self) -> str:
+        """``default session (session.qdq_matmulnbits_accuracy_level unset: 4)``: the options it ran with."""
+        set_ = ", ".join(f"{k}={v}" for k, v in self.options) or f"{ACCURACY_OPTION} unset: {ORT_DEFAULT_ACCURACY_LEVEL}"
+        return f"{self.name} session ({set_})"
+
+
+DEFAULT = Reading("default", ())  # what InferenceSession(path) gives a user
+EXACT = Reading("exact", ((ACCURACY_OPTION, "0"),))  # float activations in the MatMulNBits ORT fuses
+READINGS = (DEFAULT, EXACT)
+
+
+def relative_error(got: np.ndarray, reference: np.ndarray) -> float:
+    """max |got - reference| / max |reference|."""
+    ref = np.asarray(reference, np.float64)
+    return float(np.abs(np.asarray(got, np.float64).reshape(ref.shape) - ref).max() / max(np.abs(ref).max(), 1e-12))
+
+
+def worst_relative_error(got: list[list[np.ndarray]], reference: list[list[np.ndarray]]) -> float:
+    """The largest ``relative_error`` over every feed and every float output (outputs in graph order; NaN
+    when any output is not finite)."""
+    errors = [relative_error(out, ref) for outs, refs in zip(got, reference) for out, ref in zip(outs, refs)
+              if np.issubdtype(np.asarray(ref).dtype, np.floating)]
+    return float("nan") if any(np.isnan(errors)) else max(errors, default=0.0)
+
+
+def run_reading(model: str | Path | onnx.ModelProto, feeds: list[Inputs], reading: Reading) -> list[list[np.ndarray]]:
+    """Outputs (in graph order) for each feed, at ONNX Runtime's default optimization level with ``reading``'s
+    session options."""
+    session = ort_session(model, optimized=True, config=dict(reading.options))
+    return [session.run(None, feed) for feed in feeds]
+
+
+def read_both(model: str | Path | onnx.ModelProto, feeds: list[Inputs]) -> dict[str, list[list[np.ndarray]]]:
+    """Each reading's outputs, by reading name (``default``, ``exact``)."""
+    return {reading.name: run_reading(model, feeds, reading) for reading in READINGS}
