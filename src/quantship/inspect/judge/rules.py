@@ -145,8 +145,10 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "(AVX2, AVX-512 without VNNI) {consumer}'s u8s8 integer kernels can saturate their int16 "
          "intermediate sums, so its outputs drift from the QDQ graph by many LSB",
          "deploy on a CPU with VNNI/AMX, or quantize weights to 7 bits (reduce_range) for such CPUs",
+         # a weight-only file has no uint8 activation: nothing in it is the u8 operand of a u8s8 kernel
          lambda f, t: [f"{q.node} (|w| up to {q.max_abs_int})" for q in f.of_role("weight")
-                       if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63]),
+                       if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63
+                       and f.format != "weight-only"]),
     Rule("tigris_kernels", "operators in the forms TiGrIS has kernels for: Clip as ReLU (min 0) or ReLU6 (0, 6); "
          "ReduceSum/Mean/Max of a rank-3 input over one constant axis, or of a rank-4 one over H and W",
          "{n} operator(s) in a form {consumer} has no kernel for ({what}), so it compiles no plan",

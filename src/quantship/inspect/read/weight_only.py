@@ -107,22 +107,25 @@ class WeightOnlyFacts:
                 "weights": [asdict(w) for w in self.weights], "float_weights": [asdict(w) for w in self.float_weights]}
 
 
-def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+def _int_attributes(node: onnx.NodeProto) -> dict[str, int]:
+    """The node's integer attributes (one of another type is left out: its default stands, the rules judge it)."""
+    return {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
 
 
 def _matmul_nbits(node: onnx.NodeProto, label: str) -> LowBitWeight:
-    attrs = _attributes(node)
-    return LowBitWeight(label, "MatMul", MATMUL_NBITS, int(attrs.get("bits", 4)), int(attrs.get("block_size", 0)) or None,
-                        accuracy_level=int(attrs.get("accuracy_level", 0)))
+    attrs = _int_attributes(node)
+    block = attrs.get("block_size", 0)
+    return LowBitWeight(label, "MatMul", MATMUL_NBITS, attrs.get("bits", 4), block if block > 0 else None,
+                        accuracy_level=attrs.get("accuracy_level", 0))
 
 
 def _gather_block_quantized(view: GraphView, node: onnx.NodeProto, label: str) -> LowBitWeight:
-    attrs = _attributes(node)
+    attrs = _int_attributes(node)
     stored = dtype_name(view.elem_type.get(node.input[0], 0)) if node.input else "undefined"
-    bits = BITS_OF_DTYPE.get(stored, 8) if stored != "uint8" else int(attrs.get("bits", 4))  # uint8: packed codes
+    bits = BITS_OF_DTYPE.get(stored, 8) if stored != "uint8" else attrs.get("bits", 4)  # uint8: packed codes
     signed = stored.startswith("int") if stored in BITS_OF_DTYPE and stored != "uint8" else None
-    return LowBitWeight(label, "Gather", GATHER_BLOCK_QUANTIZED, bits, int(attrs.get("block_size", 128)), signed)
+    block = attrs.get("block_size", 128)
+    return LowBitWeight(label, "Gather", GATHER_BLOCK_QUANTIZED, bits, block if block > 0 else None, signed)
 
 
 def _readers(view: GraphView, tensor: str) -> list[tuple[onnx.NodeProto, int]]:
@@ -152,8 +155,8 @@ def _stored_dequantize(view: GraphView, node: onnx.NodeProto, label: str) -> lis
     stored = dtype_name(view.elem_type.get(source, 0))
     if stored not in BITS_OF_DTYPE:
         return []
-    attrs = _attributes(node)
-    block = int(attrs.get("block_size", 0)) or None
+    block = _int_attributes(node).get("block_size", 0)
+    block = block if block > 0 else None
     weights = []
     uses = [("Gather", gathered)] if gathered else [(reader.op_type, node_label(reader, view.producer.get(reader.output[0], 0)))
                                          for reader, index in _readers(view, node.output[0])
