@@ -138,3 +138,16 @@ def test_files_onnxruntimes_quantizer_writes(tmp_path, kwargs, description, quan
     assert report.as_dict()["weight_only"]["description"] == description
     if levels.get("4"):  # int8 activations written into the file: every reading quantizes them, and says so
         assert "carry accuracy_level 4" in report.runs[0].detail
+
+
+def test_openvino_run_measures_its_two_readings(ours):
+    """OpenVINO's CPU plugin quantizes a compressed weight's activations to int8 at run time unless
+    DYNAMIC_QUANTIZATION_GROUP_SIZE is 0: both readings measured, the exact one judged."""
+    pytest.importorskip("openvino")
+    report = check_file(ours["int4", "standard"], "openvino", run=True, n_inputs=2)
+    (run,) = report.runs
+    print(f"OpenVINO, int4 DequantizeLinear form vs ONNX Runtime literal: default {run.readings['default']:.1e}, "
+          f"exact {run.readings['exact']:.1e}")
+    assert report.verdict == "accepted" and run.readings["exact"] < WEIGHT_ONLY_RTOL
+    assert run.readings["default"] > 100 * run.readings["exact"]
+    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE=0" in run.detail

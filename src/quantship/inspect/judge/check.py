@@ -87,6 +87,10 @@ class CheckReport:
         ran = [r for r in self.runs if r.ran]
         if verdict == FAILED:
             run = next(r for r in ran if not r.ok and r.status != INCONCLUSIVE)
+            if run.readings:  # a weight-only file: the judged reading ("exact" where the runtime has two)
+                judged = consumer_runs.EXACT.name if consumer_runs.EXACT.name in run.readings else next(iter(run.readings))
+                return (f"failed: {run.consumer} {judged} reading {run.readings[judged]:.1e} > "
+                        f"{run.relative_tolerance:.0e} relative")
             if run.max_lsb is not None and run.tolerance_lsb is not None and run.max_lsb > run.tolerance_lsb:
                 where = f" ({run.worst_output})" if run.worst_output else ""
                 return f"failed: {run.consumer} {run.max_lsb:.1f} LSB{where} > tolerance {round(run.tolerance_lsb, 1):g}"

@@ -28,7 +28,7 @@ from quantship.inspect.run.weight_only import (
     ACCURACY_OPTION,
     DEFAULT,
     EXACT,
-    READINGS,
+    RUNTIME_READINGS,
     WEIGHT_ONLY_RTOL,
     read_both,
     worst_relative_error,
@@ -86,10 +86,9 @@ class RunResult:
             return f"{self.consumer}: not run ({self.detail})"
         head = f"{self.consumer}: {self.status}"
         if self.readings:
-            described = {r.name: r.describe() for r in READINGS}
             head += (f", max |difference| / max |output| vs ONNX Runtime read literally on {self.n_inputs} {self.inputs} "
                      f"input batch(es), tolerance {self.relative_tolerance:.0e}: " + ", ".join(
-                         f"{described.get(name, name)} {error:.1e}" for name, error in self.readings.items()))
+                         f"{name} {error:.1e}" for name, error in self.readings.items()))
         if self.max_lsb is not None:
             if self.tolerance_lsb is None:
                 judged = "(not judged)"
@@ -157,8 +156,8 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
         return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
                          status=FAILED, inputs=kind, inputs_detail=how)
     try:
-        if weight_only is not None and tgt.runtime_is_onnxruntime:
-            return _weight_only_result(tgt, weight_only, read_both(path, feeds), reference, n, kind, how)
+        if weight_only is not None and tgt.runner in RUNTIME_READINGS:
+            return _weight_only_result(tgt, weight_only, read_both(path, feeds, tgt.runner), reference, n, kind, how)
         outputs = RUNNERS[tgt.runner](path, feeds, model)
         if weight_only is not None:
             return _weight_only_result(tgt, weight_only, {tgt.consumer: outputs}, reference, n, kind, how)
@@ -190,12 +189,14 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
 
 def _weight_only_result(tgt: Target, facts: WeightOnlyFacts, readings: dict[str, list], reference: list, n: int,
                         kind: str, how: str) -> RunResult:
-    """The verdict on a weight-only file's run: ONNX Runtime's exact reading (or the consumer's one run) within
-    ``WEIGHT_ONLY_RTOL`` of the file read literally passes; the default reading is measured and reported beside
-    it, with the option that reads the file exactly when the default reading is further off."""
+    """The verdict on a weight-only file's run: the runtime's exact reading (``RUNTIME_READINGS``: ONNX Runtime,
+    OpenVINO; else the consumer's one run) within ``WEIGHT_ONLY_RTOL`` of the file read literally passes; the
+    default reading is measured and reported beside it, with the option that reads the file exactly when the
+    default reading is further off."""
     errors = {name: worst_relative_error(outputs, reference) for name, outputs in readings.items()}
     judged = errors.get(EXACT.name, next(iter(errors.values())))
-    notes = []
+    ways = {r.name: r for r in RUNTIME_READINGS.get(tgt.runner, ())}
+    notes = [f"{r.describe()}" for r in ways.values()]
     if tgt.runtime_is_onnxruntime and "DequantizeLinear" in facts.forms:
         notes.append(f"{ACCURACY_OPTION} is the activations' precision in the MatMulNBits ONNX Runtime fuses from "
                      "DequantizeLinear + MatMul (4: int8, quantized at run time; 0: float)")
@@ -203,9 +204,10 @@ def _weight_only_result(tgt: Target, facts: WeightOnlyFacts, readings: dict[str,
     if int8_nodes:
         notes.append(f"{int8_nodes} MatMulNBits node(s) of the file carry accuracy_level 4: their activations are "
                      "int8 in every reading, the literal one included, whatever the session option")
-    if errors.get(DEFAULT.name, 0.0) > WEIGHT_ONLY_RTOL:
-        notes.append(f"a default session reads this file {errors[DEFAULT.name]:.1e} from its arithmetic: open "
-                     f"sessions with {ACCURACY_OPTION}=0 to read it exactly")
+    if errors.get(DEFAULT.name, 0.0) > WEIGHT_ONLY_RTOL and EXACT.name in ways:
+        exact = ", ".join(f"{k}={v}" for k, v in ways[EXACT.name].options)
+        notes.append(f"{tgt.consumer} by default reads this file {errors[DEFAULT.name]:.1e} from its arithmetic "
+                     f"(int8 activations at run time): set {exact} to read it exactly")
     if not judged <= WEIGHT_ONLY_RTOL:  # NaN too
         status = FAILED
     elif constant_reference(reference):

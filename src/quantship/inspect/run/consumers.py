@@ -105,9 +105,10 @@ def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = F
     return [session.run(None, feed) for feed in feeds]
 
 
-def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]]:
-    """Compile on CPU with f32 inference precision and run each feed, in a child process (a crash
-    inside OpenVINO's plugin becomes an error here, not the end of this process)."""
+def run_openvino(path: str | Path, feeds: list[Inputs], properties: dict[str, str] | None = None) -> list[list[np.ndarray]]:
+    """Compile on CPU with f32 inference precision (and ``properties``, e.g. ``inspect.run.weight_only``'s
+    readings) and run each feed, in a child process (a crash inside OpenVINO's plugin becomes an error here,
+    not the end of this process)."""
     import importlib.util
 
     if importlib.util.find_spec("openvino") is None:
@@ -115,8 +116,9 @@ def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]
     with tempfile.TemporaryDirectory(prefix="quantship-ov-") as tmp:
         feeds_path, out_path = Path(tmp) / "feeds.npz", Path(tmp) / "outputs.npz"
         np.savez(feeds_path, **{f"{i}:{name}": array for i, feed in enumerate(feeds) for name, array in feed.items()})
+        extra = [json.dumps(properties)] if properties else []
         done = subprocess.run([sys.executable, "-m", "quantship.inspect.run.openvino_worker", str(path), str(feeds_path),
-                               str(out_path)], capture_output=True, text=True, timeout=1800)
+                               str(out_path), *extra], capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             if done.returncode < 0:
                 raise RuntimeError(f"OpenVINO crashed on this file (signal {-done.returncode}) while compiling or running it")

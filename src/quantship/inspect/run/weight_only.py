@@ -1,4 +1,4 @@
-"""The two readings ONNX Runtime gives a weight-only file, and how far apart they are.
+"""The two readings ONNX Runtime (and OpenVINO) give a weight-only file, and how far apart they are.
 
 At its default optimization level ONNX Runtime fuses a ``DequantizeLinear`` of a 4- or 8-bit
 weight and the ``MatMul`` reading it into its own ``MatMulNBits``, at the accuracy level the session
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from quantship.inspect.run.consumers import Inputs, ort_session
+from quantship.inspect.run.consumers import Inputs, ort_session, run_openvino
 
 ACCURACY_OPTION = "session.qdq_matmulnbits_accuracy_level"
 ORT_DEFAULT_ACCURACY_LEVEL = 4  # what ONNX Runtime takes when the option is not set (int8 activations)
@@ -27,20 +27,27 @@ WEIGHT_ONLY_RTOL = 2e-3  # max |reading - reference| / max |reference| a weight-
 
 @dataclass(frozen=True)
 class Reading:
-    """One way to open a session on the file: its name and its session config entries."""
+    """One way to open a session on the file: its name, its config entries, and what no entry means."""
 
     name: str
     options: tuple[tuple[str, str], ...]
+    unset: str = f"{ACCURACY_OPTION} unset: {ORT_DEFAULT_ACCURACY_LEVEL}"
 
     def describe(self) -> str:
         """``default session (session.qdq_matmulnbits_accuracy_level unset: 4)``: the options it ran with."""
-        set_ = ", ".join(f"{k}={v}" for k, v in self.options) or f"{ACCURACY_OPTION} unset: {ORT_DEFAULT_ACCURACY_LEVEL}"
-        return f"{self.name} session ({set_})"
+        return f"{self.name} session ({', '.join(f'{k}={v}' for k, v in self.options) or self.unset})"
 
 
 DEFAULT = Reading("default", ())  # what InferenceSession(path) gives a user
 EXACT = Reading("exact", ((ACCURACY_OPTION, "0"),))  # float activations in the MatMulNBits ORT fuses
 READINGS = (DEFAULT, EXACT)
+# OpenVINO's CPU plugin does the same to a compressed (low-bit) weight's MatMul: it quantizes the activations to
+# int8 in groups at run time unless DYNAMIC_QUANTIZATION_GROUP_SIZE is 0 (measured: an int4 file 8.1e-3 from
+# ONNX Runtime read literally by default, 2.7e-7 with 0)
+OV_DYNAMIC_QUANTIZATION = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
+OPENVINO_READINGS = (Reading("default", (), f"{OV_DYNAMIC_QUANTIZATION} unset: int8 activations in groups"),
+                     Reading("exact", ((OV_DYNAMIC_QUANTIZATION, "0"),)))
+RUNTIME_READINGS = {"onnxruntime-fused": READINGS, "openvino-cpu": OPENVINO_READINGS}  # by a target's runner
 
 
 def relative_error(got: np.ndarray, reference: np.ndarray) -> float:
@@ -57,13 +64,17 @@ def worst_relative_error(got: list[list[np.ndarray]], reference: list[list[np.nd
     return float("nan") if any(np.isnan(errors)) else max(errors, default=0.0)
 
 
-def run_reading(model: str | Path | onnx.ModelProto, feeds: list[Inputs], reading: Reading) -> list[list[np.ndarray]]:
-    """Outputs (in graph order) for each feed, at ONNX Runtime's default optimization level with ``reading``'s
-    session options."""
+def run_reading(model: str | Path | onnx.ModelProto, feeds: list[Inputs], reading: Reading,
+                runner: str = "onnxruntime-fused") -> list[list[np.ndarray]]:
+    """Outputs (in graph order) for each feed in ``runner``'s runtime with ``reading``'s options: ONNX Runtime at
+    its default optimization level, or OpenVINO on CPU (f32 inference precision)."""
+    if runner == "openvino-cpu":
+        return run_openvino(model, feeds, dict(reading.options))
     session = ort_session(model, optimized=True, config=dict(reading.options))
     return [session.run(None, feed) for feed in feeds]
 
 
-def read_both(model: str | Path | onnx.ModelProto, feeds: list[Inputs]) -> dict[str, list[list[np.ndarray]]]:
-    """Each reading's outputs, by reading name (``default``, ``exact``)."""
-    return {reading.name: run_reading(model, feeds, reading) for reading in READINGS}
+def read_both(model: str | Path | onnx.ModelProto, feeds: list[Inputs],
+              runner: str = "onnxruntime-fused") -> dict[str, list[list[np.ndarray]]]:
+    """Each reading's outputs in ``runner``'s runtime (``RUNTIME_READINGS``), by reading name (``default``, ``exact``)."""
+    return {reading.name: run_reading(model, feeds, reading, runner) for reading in RUNTIME_READINGS[runner]}
