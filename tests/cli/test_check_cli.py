@@ -139,7 +139,7 @@ def test_check_inputs_bad_input_exit_2(small_files, tmp_path, capsys, monkeypatc
 def _fake_run(status, max_lsb, detail=""):
     from quantship.inspect.judge.runs import RunResult
 
-    def run_consumer(path, target, n_inputs=20, seed=0, inputs=None):
+    def run_consumer(path, target, n_inputs=20, seed=0, inputs=None, weight_only=None):
         return RunResult("OpenVINO", True, status == "passed", detail, n_inputs, max_lsb, 0.5, 2.0, status)
     return run_consumer
 

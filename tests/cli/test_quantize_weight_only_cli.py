@@ -27,6 +27,18 @@ def test_int4_chooses_the_group_and_writes_matmul_nbits(hf_config, tmp_path, cap
     assert code == 0 and out.is_file() and "ORT vs torch" in text
     assert "group size: 32" in text and "[64, 96]" in text  # widths 64 and 96: 32 is the largest dividing both
     assert sum(n.op_type == "MatMulNBits" for n in onnx.load(str(out)).graph.node) == 8  # 7 per layer + lm_head
+    # both readings, each with the session option it ran with (the file's MatMulNBits carry no accuracy_level)
+    assert "default session" in text and "exact session" in text
+    assert "session.qdq_matmulnbits_accuracy_level=0" in text
+
+    # the file read back as a new user would: its format named, never "no quantization"
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "weight-only int4, MatMulNBits, group 32" in text and "8 of 9: 8 MatMul" in text
+    assert "lm.model.embed_tokens.weight" in text  # the one weight left float: the embedding table
+    assert main(["check", str(out), "--target", "onnxruntime-cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "weight-only int4, MatMulNBits, group 32 file" in text and "no quantization" not in text
 
 
 def test_int8_standard_form_as_json(hf_config, tmp_path, capsys):
@@ -37,6 +49,20 @@ def test_int8_standard_form_as_json(hf_config, tmp_path, capsys):
     assert code == 0 and report["label"] == "W8A16" and report["spec"]["qscheme"] == "per_channel"
     assert report["relative_error_vs_torch_float_activations"] < 2e-3 and report["size_bytes"] == out.stat().st_size
     assert report["relative_error_vs_torch"] < 5e-2  # ORT's own fusion runs the activations in 8 bits
+    default, exact = report["readings"]  # both measured, each named with its session options
+    assert default["reading"] == "default" and default["session_options"] == {}
+    assert exact["session_options"] == {"session.qdq_matmulnbits_accuracy_level": "0"}
+    assert default["relative_error_vs_torch"] == report["relative_error_vs_torch"]
+    assert exact["relative_error_vs_torch"] == report["relative_error_vs_torch_float_activations"]
+    # int8 activations in the default reading: measurably further from torch than the exact one
+    assert default["relative_error_vs_torch"] > 10 * exact["relative_error_vs_torch"]
+
+    assert main(["check", str(out), "--target", "onnxruntime-cpu", "--run", "--n", "2", "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert checked["format"] == "weight-only" and checked["verdict"] == "accepted"
+    assert checked["weight_only"]["description"] == "weight-only int8, DequantizeLinear, per channel"
+    (run,) = checked["runs"]
+    assert set(run["readings"]) == {"default", "exact"} and run["readings"]["exact"] < 2e-3
 
 
 def test_group_size_that_does_not_divide_lists_the_layers(hf_config, tmp_path, capsys):

@@ -227,3 +227,25 @@ def test_backend_chooses_the_group_when_the_spec_leaves_it_open():
     q = torchao_backend.quantize(model, spec, None, log=said.append)
     assert quant_spec(q).group_size == 32 and any("group_size=32" in s for s in said)
     assert tuple(q[2].weight.block_size) == (1, 32)
+
+
+@pytest.mark.parametrize("target", [None, "onnxruntime-cpu"])
+def test_a_model_output_forward_exports_with_its_field_names(tmp_path, target):
+    """A Hugging Face classifier returns a ``ModelOutput``: each field becomes a graph output named after it, as
+    on the static path (``named_outputs``), and the file matches torch's ``logits``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=32, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    nn.init.normal_(model.classifier.weight, std=0.5)  # small at init: the logits would hardly vary
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    q = Quantizer("torchao", method="int8_weight_only").quantize(model)
+    with torch.no_grad():
+        expected = q(ids)
+    assert type(expected).__name__ == "SequenceClassifierOutput"
+    path = export_qdq(q, ids, tmp_path / "cls.onnx", target=target)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["logits"]
+    (logits,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+    assert weight_only.relative_error(logits, expected.logits.numpy()) < weight_only.WEIGHT_ONLY_RTOL

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return code
     console = Console(highlight=False, soft_wrap=True)  # one line per finding: greppable
     colour = {"accepted": "green", "inconclusive": "yellow", "not run": "yellow"}.get(report.verdict, "red")
-    console.print(f"{report.path}: {report.format} file, {target.consumer}: "
+    console.print(f"{report.path}: {report.describe_format()} file, {target.consumer}: "
                   f"[{colour}]{report.summary()}[/]")
     for finding in report.findings:
         colour = "red" if finding.severity == "error" else "yellow"

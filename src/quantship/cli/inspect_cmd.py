@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     from quantship.inspect.read.float_ops import describe_float_ops
     from quantship.inspect.read.graph import inspect_file
+    from quantship.inspect.read.weight_only import describe_rows
 
     report = inspect_file(args.file)
     recorded = _recorded(args.file)
@@ -37,13 +38,18 @@ def run(args: argparse.Namespace) -> int:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("file", f"{report.path}  (opset {report.opset}, {report.producer or 'unknown producer'})")
-    table.add_row("format", report.format + (f", activations {'/'.join(report.activation_dtypes)}"
-                                             if report.activation_dtypes else ""))
+    if report.weight_only:
+        table.add_row("format", f"{report.weight_only['description']}, activations float")
+    else:
+        table.add_row("format", report.format + (f", activations {'/'.join(report.activation_dtypes)}"
+                                                 if report.activation_dtypes else ""))
     ops = ", ".join(f"{k} {v}" for k, v in sorted(report.operators.items(), key=lambda kv: -kv[1]))
     table.add_row("operators", f"{report.n_operators} ({report.n_compute_operators} compute): {ops}")
     table.add_row("tensors", f"{report.n_tensors} ({report.n_activations} activations, {report.n_weights} weights)")
     table.add_row("Q/DQ", f"{report.n_quantize} Q, {report.n_dequantize} DQ, {report.n_per_channel} per-channel")
     table.add_row("weights", _size(report.weight_bytes))
+    for row in describe_rows(report.weight_only) if report.weight_only else []:
+        table.add_row(*row)
     for tensor in report.inputs:
         table.add_row("input", f"{tensor.name}  {tensor.describe()}")
     for tensor in report.outputs:

@@ -32,15 +32,15 @@ from quantship import targets
 from quantship.export import artifact, capture
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
 from quantship.export.metadata import strip_source_metadata, write_metadata
-from quantship.export.named_outputs import SINGLE_OUTPUT_NAME
+from quantship.export.named_outputs import check_outputs_line_up, graph_output_names, reference_outputs
 from quantship.inspect.run.consumers import session_of
+from quantship.inspect.run.weight_only import WEIGHT_ONLY_RTOL, relative_error  # the one tolerance, the one measure
 from quantship.precision import QuantSpec
 from quantship.targets import Target
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 WEIGHT_ONLY_OPSET = 21  # block-wise DequantizeLinear and int4 tensors
 NBITS_FORM = "MatMulNBits"  # a Target's weight_only_form this exporter writes (com.microsoft)
-WEIGHT_ONLY_RTOL = 2e-3  # max |ONNX - torch| / max |torch| on the sample
 MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
 _MIN_NBITS_BLOCK = 16  # MatMulNBits: block_size a power of two, at least 16
@@ -309,12 +309,6 @@ def _check_exact(model: onnx.ModelProto, reference: list[np.ndarray], inputs: li
                                 f"(max abs difference {relative_error(got, ref) * np.abs(ref).max():.3g}); refused")
 
 
-def relative_error(got: np.ndarray, reference: np.ndarray) -> float:
-    """max |got - reference| / max |reference|."""
-    ref = reference.astype(np.float64)
-    return float(np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12))
-
-
 def _check_close(outputs: list[np.ndarray], reference: list[np.ndarray], what: str, against: str) -> float:
     worst = 0.0
     for i, (got, ref) in enumerate(zip(outputs, reference)):
@@ -352,8 +346,6 @@ def export_weight_only(
     The standard form declares opset ``max(opset_version, 21)`` (block-wise and int4 DequantizeLinear
     need 21). Refusals raise ``ValueError`` and leave nothing at ``path``.
     """
-    import torch
-
     artifact.refuse_unsafe_destination(path)
     check_targets(target)
     nbits_form = target is not None  # check_targets let through a target whose form is MatMulNBits only
@@ -362,11 +354,10 @@ def export_weight_only(
         for w in weights:
             nbits_block(w)  # refuse groups MatMulNBits cannot hold before any work
     inputs = capture.as_arrays(sample)
-    with torch.no_grad():
-        torch_out = model(*capture.as_inputs(sample))
-    if output_names is None and isinstance(torch_out, torch.Tensor):  # the float file's name for one tensor
-        output_names = [SINGLE_OUTPUT_NAME]
-    torch_out = [t.detach().float().numpy() for t in (torch_out if isinstance(torch_out, (tuple, list)) else [torch_out])]
+    # every output of the forward (a tensor, a tuple, a dict, a transformers ModelOutput), named as the static path
+    # names them
+    names, torch_out = reference_outputs(model, [sample], sample)
+    output_names = graph_output_names(names, torch_out, output_names)
     with artifact.atomic_destination(path) as staged:
         try:
             produced = capture.dynamo_export(float_twin(model, weights), sample, opset_version=capture.EXPORTER_OPSET,
@@ -375,6 +366,7 @@ def export_weight_only(
         except Exception as exc:  # the exporter raises many types; name the step and keep the cause
             raise ExportRefused(f"the dynamo ONNX exporter failed on {type(model).__name__}: "
                                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
+        check_outputs_line_up(produced, torch_out)
         reference = run_literal(produced, inputs)
         _check_close(reference, torch_out, "the float export", "the torch weight-only model")
 

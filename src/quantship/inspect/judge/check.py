@@ -87,6 +87,10 @@ class CheckReport:
         ran = [r for r in self.runs if r.ran]
         if verdict == FAILED:
             run = next(r for r in ran if not r.ok and r.status != INCONCLUSIVE)
+            if run.readings:  # a weight-only file: the judged reading ("exact" where the runtime has two)
+                judged = consumer_runs.EXACT.name if consumer_runs.EXACT.name in run.readings else next(iter(run.readings))
+                return (f"failed: {run.consumer} {judged} reading {run.readings[judged]:.1e} > "
+                        f"{run.relative_tolerance:.0e} relative")
             if run.max_lsb is not None and run.tolerance_lsb is not None and run.max_lsb > run.tolerance_lsb:
                 where = f" ({run.worst_output})" if run.worst_output else ""
                 return f"failed: {run.consumer} {run.max_lsb:.1f} LSB{where} > tolerance {round(run.tolerance_lsb, 1):g}"
@@ -99,18 +103,33 @@ class CheckReport:
             return f"inconclusive ({run.consumer}): {run.detail.removeprefix('inconclusive: ')}"
         measured = [f"{r.consumer} {r.max_lsb:.1f} LSB" + (f" <= {round(r.tolerance_lsb, 1):g}" if r.tolerance_lsb else "")
                     for r in ran if r.max_lsb is not None]
+        for r in (r for r in ran if r.readings):  # a weight-only file: the judged reading first ("exact" in ORT)
+            judged, *others = sorted(r.readings, key=lambda name: name != consumer_runs.EXACT.name)
+            measured.append(f"{r.consumer} {judged} {r.readings[judged]:.1e} <= {r.relative_tolerance:.0e} relative"
+                            + "".join(f", {name} session {r.readings[name]:.1e}" for name in others))
         return "accepted" + (f" (ran: {', '.join(measured)})" if measured else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "report": "quantship-check", "version": self.version, "path": self.path,
             "target": self.target, "verdict": self.verdict, "ok": self.ok, "format": self.format,
+            "weight_only": self._weight_only_summary(),
             "findings": [f.as_dict() for f in self.findings],
             "runs": [r.as_dict() for r in self.runs],
         }
 
     def to_json(self) -> str:
         return strict_json(self.as_dict())
+
+    def _weight_only_summary(self) -> dict[str, Any] | None:
+        """A weight-only file's format, bits, groups and counts (``inspect --json`` lists every weight)."""
+        low_bit = self.report.weight_only if self.report is not None else None
+        return {k: v for k, v in low_bit.items() if k not in ("weights", "float_weights")} if low_bit else None
+
+    def describe_format(self) -> str:
+        """The format in words: ``QDQ``, or a weight-only file's ``weight-only int4, MatMulNBits, group 32``."""
+        low_bit = self.report.weight_only if self.report is not None else None
+        return low_bit["description"] if low_bit else self.format
 
 
 def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Finding | None:
@@ -122,11 +141,12 @@ def _finding(rule_id: str, severity: str, facts: QuantFacts, tgt: Target) -> Fin
     # a warning means this target runs the file: the requirement is other runtimes'
     who = tgt.consumer if severity == "error" or rule_id == "weight_range_7bit" else \
         "portable runtimes (TensorRT, OpenVINO, TiGrIS)"
-    message = rule.message.format(consumer=who, n=len(offending), what=what,
+    message, fix = rule.words_for(facts)
+    message = message.format(consumer=who, n=len(offending), what=what,
                                   low=tgt.file_rules.opset[0], high=tgt.file_rules.opset[1])
     if severity == "warning":
         message = f"{tgt.consumer} runs this file, but: {message}"
-    return Finding(rule_id, severity, message, list(offending), rule.fix)
+    return Finding(rule_id, severity, message, list(offending), fix)
 
 
 def findings_for(facts: QuantFacts, tgt: Target) -> list[Finding]:
@@ -153,5 +173,6 @@ def check_file(path: str | Path | FileFacts, target: str | Target, run: bool = F
     if run:
 
         with step(f"check --run: {tgt.name}"):
-            report.runs.append(consumer_runs.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs))
+            report.runs.append(consumer_runs.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs,
+                                                          weight_only=facts.quant.weight_only))
     return report

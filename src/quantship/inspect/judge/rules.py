@@ -27,6 +27,15 @@ class Rule:
     message: str  # format fields: {consumer}, {n}, {what}
     fix: str
     offenders: Callable[[QuantFacts, Target], list[str]]
+    # a weight-only file breaks it by design, not by a quantizer's miss: what to say and do then ("": as above)
+    weight_only_message: str = ""
+    weight_only_fix: str = ""
+
+    def words_for(self, facts: QuantFacts) -> tuple[str, str]:
+        """(message, fix) for this file."""
+        if facts.format == "weight-only" and self.weight_only_message:
+            return self.weight_only_message, self.weight_only_fix
+        return self.message, self.fix
 
 
 def _opset_offenders(facts: QuantFacts, target: Target) -> list[str]:
@@ -48,6 +57,15 @@ def _dtype_offenders(role: str, allowed_of: Callable[[FileRules], tuple[str, ...
 def _domain_offenders(facts: QuantFacts, target: Target) -> list[str]:
     return [node for node, domain, local in facts.foreign_operators
             if domain not in target.file_rules.domains and not (local and target.file_rules.local_functions)]
+
+
+def _float_activation_offenders(facts: QuantFacts, target: Target) -> list[str]:
+    """Float activations of a file that quantizes some: a weight-only file keeps every activation float by
+    design, which matters only to a target that refuses float activations (not to one that runs them)."""
+    if facts.format in ("QDQ", "mixed") or (facts.format == "weight-only"
+                                             and "fully_quantized" in target.file_rules.errors):
+        return list(facts.float_tensors)
+    return []
 
 
 RULES: dict[str, Rule] = {r.id: r for r in (
@@ -92,7 +110,11 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "integer, which {consumer} cannot run as one INT8 plan",
          "quantize the operators that produce these tensors (usually ones the quantizer skipped or "
          "does not support); the fix is upstream in the quantizer",
-         lambda f, t: list(f.float_tensors) if f.format in ("QDQ", "mixed") else []),
+         _float_activation_offenders,
+         weight_only_message="the file quantizes weights only: its {n} activation(s) stay float ({what}), and "
+                             "{consumer} runs integer activations only",
+         weight_only_fix="quantize weights and activations for this target (quantship quantize --target T, "
+                         "static W8A8); a weight-only file is for ONNX Runtime (MatMulNBits) or OpenVINO"),
     Rule("per_tensor_activations", "activations quantized per tensor",
          "{n} activation Q/DQ node(s) are per-channel ({what}); {consumer} needs one scale per activation",
          "quantize activations per tensor (per-channel scales belong to weights only)",
@@ -123,8 +145,10 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "(AVX2, AVX-512 without VNNI) {consumer}'s u8s8 integer kernels can saturate their int16 "
          "intermediate sums, so its outputs drift from the QDQ graph by many LSB",
          "deploy on a CPU with VNNI/AMX, or quantize weights to 7 bits (reduce_range) for such CPUs",
+         # a weight-only file has no uint8 activation: nothing in it is the u8 operand of a u8s8 kernel
          lambda f, t: [f"{q.node} (|w| up to {q.max_abs_int})" for q in f.of_role("weight")
-                       if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63]),
+                       if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63
+                       and f.format != "weight-only"]),
     Rule("tigris_kernels", "operators in the forms TiGrIS has kernels for: Clip as ReLU (min 0) or ReLU6 (0, 6); "
          "ReduceSum/Mean/Max of a rank-3 input over one constant axis, or of a rank-4 one over H and W",
          "{n} operator(s) in a form {consumer} has no kernel for ({what}), so it compiles no plan",

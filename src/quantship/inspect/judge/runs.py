@@ -17,11 +17,21 @@ from quantship import targets
 from quantship.errors import cause
 from quantship.inspect.read.feeds import for_run
 from quantship.inspect.read.output_units import OutputUnit, output_units
+from quantship.inspect.read.weight_only import WeightOnlyFacts
 from quantship.inspect.run.consumers import (
     RUNNERS,
     constant_reference,
     lsb_between,
     run_onnxruntime,
+)
+from quantship.inspect.run.weight_only import (
+    ACCURACY_OPTION,
+    DEFAULT,
+    EXACT,
+    RUNTIME_READINGS,
+    WEIGHT_ONLY_RTOL,
+    read_both,
+    worst_relative_error,
 )
 from quantship.targets import Target
 
@@ -56,6 +66,10 @@ class RunResult:
     # ONNX Runtime's own fused kernels (default optimizations) vs its literal reading, same inputs, in LSB:
     # how far legitimate integer arithmetic drifts through this file's depth; added to the target's tolerance
     ort_fused_lsb: float | None = None
+    # a weight-only file (float outputs): each reading's max |difference| / max |output| against ONNX Runtime
+    # read literally, by reading (ONNX Runtime: "default" and "exact", ``run.weight_only``; else the consumer)
+    readings: dict[str, float] | None = None
+    relative_tolerance: float | None = None  # what the judged reading is held to ("exact" for ONNX Runtime)
 
     @property
     def worst_output(self) -> str | None:
@@ -71,6 +85,10 @@ class RunResult:
         if not self.ran:
             return f"{self.consumer}: not run ({self.detail})"
         head = f"{self.consumer}: {self.status}"
+        if self.readings:
+            head += (f", max |difference| / max |output| vs ONNX Runtime read literally on {self.n_inputs} {self.inputs} "
+                     f"input batch(es), tolerance {self.relative_tolerance:.0e}: " + ", ".join(
+                         f"{name} {error:.1e}" for name, error in self.readings.items()))
         if self.max_lsb is not None:
             if self.tolerance_lsb is None:
                 judged = "(not judged)"
@@ -115,13 +133,14 @@ def judge(consumer: str, max_lsb: float | None, mean_lsb: float | None, toleranc
 
 
 def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, seed: int = 0,
-                 inputs: Any = None) -> RunResult:
+                 inputs: Any = None, weight_only: WeightOnlyFacts | None = None) -> RunResult:
     """Run ``target``'s consumer on ``path`` if it can run here, and compare with ONNX Runtime.
 
     ``inputs``: the data of the run, read by the one loader (``feeds.for_run``: a path, an array, a dict
     by input name or a list of batches, cut at the file's batch size, at most ``n_inputs`` batches);
     None: data generated for each input's dtype and range. The reference is ONNX Runtime reading the
-    file literally.
+    file literally. ``weight_only``: the low-bit weights of a weight-only file (float outputs, no LSB), whose
+    readings are measured by their relative error instead (``_weight_only_result``).
     """
     tgt = targets.get(target)  # a name or alias is resolved here; a Target passes
     model = onnx.load(str(path), load_external_data=False)
@@ -137,7 +156,11 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
         return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
                          status=FAILED, inputs=kind, inputs_detail=how)
     try:
+        if weight_only is not None and tgt.runner in RUNTIME_READINGS:
+            return _weight_only_result(tgt, weight_only, read_both(path, feeds, tgt.runner), reference, n, kind, how)
         outputs = RUNNERS[tgt.runner](path, feeds, model)
+        if weight_only is not None:
+            return _weight_only_result(tgt, weight_only, {tgt.consumer: outputs}, reference, n, kind, how)
     except ModuleNotFoundError as exc:
         return RunResult(tgt.consumer, False, False, f"{exc.name} is not installed", status=NOT_RUN, inputs=kind,
                          inputs_detail=how)
@@ -162,6 +185,39 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
     result = judge(tgt.consumer, max_lsb, mean_lsb, tgt.file_rules.lsb_tolerance, n, constant_reference(reference), kind,
                    detail="; ".join(notes), ort_fused_lsb=fused)
     return RunResult(**{**result.as_dict(), "per_output": each or None, "inputs_detail": how})
+
+
+def _weight_only_result(tgt: Target, facts: WeightOnlyFacts, readings: dict[str, list], reference: list, n: int,
+                        kind: str, how: str) -> RunResult:
+    """The verdict on a weight-only file's run: the runtime's exact reading (``RUNTIME_READINGS``: ONNX Runtime,
+    OpenVINO; else the consumer's one run) within ``WEIGHT_ONLY_RTOL`` of the file read literally passes; the
+    default reading is measured and reported beside it, with the option that reads the file exactly when the
+    default reading is further off."""
+    errors = {name: worst_relative_error(outputs, reference) for name, outputs in readings.items()}
+    judged = errors.get(EXACT.name, next(iter(errors.values())))
+    ways = {r.name: r for r in RUNTIME_READINGS.get(tgt.runner, ())}
+    notes = [f"{r.describe()}" for r in ways.values()]
+    if tgt.runtime_is_onnxruntime and "DequantizeLinear" in facts.forms:
+        notes.append(f"{ACCURACY_OPTION} is the activations' precision in the MatMulNBits ONNX Runtime fuses from "
+                     "DequantizeLinear + MatMul (4: int8, quantized at run time; 0: float)")
+    int8_nodes = facts.accuracy_levels.get(4, 0)
+    if int8_nodes:
+        notes.append(f"{int8_nodes} MatMulNBits node(s) of the file carry accuracy_level 4: their activations are "
+                     "int8 in every reading, the literal one included, whatever the session option")
+    if errors.get(DEFAULT.name, 0.0) > WEIGHT_ONLY_RTOL and EXACT.name in ways:
+        exact = ", ".join(f"{k}={v}" for k, v in ways[EXACT.name].options)
+        notes.append(f"{tgt.consumer} by default reads this file {errors[DEFAULT.name]:.1e} from its arithmetic "
+                     f"(int8 activations at run time): set {exact} to read it exactly")
+    if not judged <= WEIGHT_ONLY_RTOL:  # NaN too
+        status = FAILED
+    elif constant_reference(reference):
+        status = INCONCLUSIVE
+        notes.append("the reference output is the same for every input, so agreement proves nothing; pass real "
+                     "inputs (check --run --inputs real.npy, or a trained model)")
+    else:
+        status = PASSED
+    return RunResult(tgt.consumer, True, status == PASSED, "; ".join(notes), n, status=status, inputs=kind,
+                     inputs_detail=how, readings=errors, relative_tolerance=WEIGHT_ONLY_RTOL)
 
 
 def units_note(units: dict[str, OutputUnit]) -> list[str]:

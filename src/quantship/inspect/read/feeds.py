@@ -342,8 +342,9 @@ def id_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
                 continue
             seen.add(tensor)
             for node in consumers.get(tensor, []):
-                if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == tensor:
-                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                if node.op_type in ("Gather", "GatherBlockQuantized") and len(node.input) > 1 \
+                        and node.input[1] == tensor:  # GatherBlockQuantized: a table stored blocked (com.microsoft)
+                    axis = next((a.i for a in node.attribute if a.name in ("axis", "gather_axis")), 0)
                     rows = _table_rows(model, node.input[0], producers, axis)
                     if rows and (value.name not in found or rows < found[value.name][0]):
                         found[value.name] = (rows, node.input[0])

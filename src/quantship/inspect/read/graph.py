@@ -84,6 +84,8 @@ class FileReport:
     quant_spec: dict[str, Any] | None = None
     # the compute ops left in float, by module path (``float_ops``: the list ``quantize`` prints)
     float_ops: dict[str, Any] = field(default_factory=dict)
+    # a weight-only file: its low-bit weights and the weights left float (``WeightOnlyFacts.as_dict``); else None
+    weight_only: dict[str, Any] | None = None
     version: int = REPORT_VERSION
 
     def as_dict(self) -> dict[str, Any]:
@@ -149,6 +151,7 @@ def report_of(file: FileFacts) -> FileReport:
     inputs, outputs = boundaries(view)
     weight_bytes = sum(len(t.raw_data) or _elements(t) * _itemsize(t) for t in model.graph.initializer)
     names = {n for node in view.nodes for n in [*node.input, *node.output] if n} | set(view.initializers)
+    activations_quantized = facts.format not in ("float", "weight-only")  # else every activation is float
     return FileReport(
         path=path, format=facts.format, opset=facts.opset,
         producer=f"{model.producer_name} {model.producer_version}".strip(),
@@ -163,9 +166,10 @@ def report_of(file: FileFacts) -> FileReport:
         inputs=inputs, outputs=outputs,
         memory=MemoryReport(stored.peak_bytes, stored.largest, folded.peak_bytes, folded.largest,
                             list(stored.unknown_shapes)),
-        float_tensors=list(facts.float_tensors) if facts.format != "float" else [],
+        float_tensors=list(facts.float_tensors) if activations_quantized else [],
         quant_spec=file.spec,
-        float_ops=float_ops(file) if facts.format != "float" else {},
+        float_ops=float_ops(file) if activations_quantized else {},
+        weight_only=facts.weight_only.as_dict() if facts.weight_only is not None else None,
     )
 
 

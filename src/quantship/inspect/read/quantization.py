@@ -21,6 +21,7 @@ from quantship.inspect.read.islands import (
 )
 from quantship.inspect.read.parameters import foreign_operators, parameter_problems
 from quantship.inspect.read.view import DEQUANTIZE, QUANTIZE, SHAPE_ONLY, GraphView, dtype_name, node_label
+from quantship.inspect.read.weight_only import WeightOnlyFacts, weight_only_facts
 
 # ONNX Runtime's operator-oriented format: integer kernels with the scales as inputs
 QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "QOrderedMatMul",
@@ -29,7 +30,8 @@ QOPERATOR_OPS = frozenset({"QGemm", "QAttention", "QEmbedLayerNormalization", "Q
 DYNAMIC_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM",
                          "MatMulIntegerToFloat"})
 NOT_COMPUTE = frozenset({QUANTIZE, DEQUANTIZE, "Constant"}) | SHAPE_ONLY
-FORMATS = ("QDQ", "QOperator", "dynamic", "float", "mixed")
+# "weight-only": low-bit weights (``read.weight_only``) and no activation quantized
+FORMATS = ("QDQ", "QOperator", "dynamic", "float", "mixed", "weight-only")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class QuantFacts:
     foreign_operators: list[tuple[str, str, bool]] = field(default_factory=list)  # (node, domain, local function)
     # (node, form) of ops in a form some runtimes have no kernel for (``read.forms``: Clip bounds, reductions)
     operator_forms: list[tuple[str, str]] = field(default_factory=list)
+    # the low-bit weights of a weight-only file (format "weight-only"); None for every other format
+    weight_only: WeightOnlyFacts | None = None
 
     def of_role(self, role: str) -> list[QDQNode]:
         return [q for q in self.qdq if q.role == role]
@@ -220,4 +224,7 @@ def quant_facts(view: GraphView) -> QuantFacts:
         facts.format = "mixed"
     else:
         facts.format = "QDQ"
+    low_bit = weight_only_facts(view)
+    if low_bit is not None and not (facts.of_role("activation") or facts.qoperator_nodes or facts.dynamic_nodes):
+        facts.format, facts.weight_only = "weight-only", low_bit
     return facts

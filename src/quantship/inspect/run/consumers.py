@@ -31,17 +31,19 @@ TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack
 
 
 def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
-                optimized_model_filepath: str | Path | None = None):
+                optimized_model_filepath: str | Path | None = None, config: dict[str, str] | None = None):
     """A CPU ONNX Runtime session: the file read literally (``ORT_DISABLE_ALL``) unless ``optimized``.
 
     ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
     kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
-    the graph ONNX Runtime builds.
+    the graph ONNX Runtime builds; ``config``: session config entries (``inspect.run.weight_only``'s readings).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
@@ -103,9 +105,10 @@ def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = F
     return [session.run(None, feed) for feed in feeds]
 
 
-def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]]:
-    """Compile on CPU with f32 inference precision and run each feed, in a child process (a crash
-    inside OpenVINO's plugin becomes an error here, not the end of this process)."""
+def run_openvino(path: str | Path, feeds: list[Inputs], properties: dict[str, str] | None = None) -> list[list[np.ndarray]]:
+    """Compile on CPU with f32 inference precision (and ``properties``, e.g. ``inspect.run.weight_only``'s
+    readings) and run each feed, in a child process (a crash inside OpenVINO's plugin becomes an error here,
+    not the end of this process)."""
     import importlib.util
 
     if importlib.util.find_spec("openvino") is None:
@@ -113,8 +116,9 @@ def run_openvino(path: str | Path, feeds: list[Inputs]) -> list[list[np.ndarray]
     with tempfile.TemporaryDirectory(prefix="quantship-ov-") as tmp:
         feeds_path, out_path = Path(tmp) / "feeds.npz", Path(tmp) / "outputs.npz"
         np.savez(feeds_path, **{f"{i}:{name}": array for i, feed in enumerate(feeds) for name, array in feed.items()})
+        extra = [json.dumps(properties)] if properties else []
         done = subprocess.run([sys.executable, "-m", "quantship.inspect.run.openvino_worker", str(path), str(feeds_path),
-                               str(out_path)], capture_output=True, text=True, timeout=1800)
+                               str(out_path), *extra], capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             if done.returncode < 0:
                 raise RuntimeError(f"OpenVINO crashed on this file (signal {-done.returncode}) while compiling or running it")

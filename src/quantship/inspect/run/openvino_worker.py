@@ -13,7 +13,11 @@ import numpy as np
 
 
 def main(argv: list[str]) -> int:
-    model_path, feeds_path, out_path = argv
+    """argv: model, feeds (.npz), outputs (.npz), and optionally a JSON object of CPU properties to add."""
+    import json
+
+    model_path, feeds_path, out_path, *extra = argv
+    properties = {"INFERENCE_PRECISION_HINT": "f32", **(json.loads(extra[0]) if extra else {})}
     import openvino as ov
 
     with np.load(feeds_path, allow_pickle=False) as archive:
@@ -22,7 +26,7 @@ def main(argv: list[str]) -> int:
             index, _, name = key.partition(":")
             feeds.setdefault(int(index), {})[name] = archive[key]
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(model_path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = core.compile_model(core.read_model(model_path), "CPU", properties)
     request = compiled.create_infer_request()
     results = {}
     for index in sorted(feeds):
