@@ -122,6 +122,25 @@ def cached_decoder(model: Any) -> Any:
     return CachedDecoder().eval()
 
 
+def probe_cache(model: Any, layout: DecoderLayout) -> None:
+    """Run the torch model once with a cache as the file will: refused if it returns no cache of the layout's shape."""
+    import torch
+
+    batch, new, past = _TRACE
+    name = type(causal_lm_of(model)).__name__
+    try:
+        with torch.no_grad():
+            out = cached_decoder(model)(*trace_sample(layout))
+    except Exception as exc:  # the model's own code: any failure means it cannot run with a cache
+        raise ModelRefused(f"{name} does not run with a key/value cache ({type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:200]}): it cannot be a decoder file") from None
+    expected = (batch, layout.kv_heads, past + new, layout.head_dim)
+    shapes = [tuple(t.shape) for t in out[1:]]
+    if len(shapes) != 2 * layout.layers or any(s != expected for s in shapes):
+        raise ModelRefused(f"{name} returns a key/value cache of shapes {sorted(set(shapes))[:2]}, not {expected} "
+                           f"per layer: its attention is not a decoder's with a cache")
+
+
 def trace_sample(layout: DecoderLayout, batch: int = _TRACE[0], new: int = _TRACE[1], past: int = _TRACE[2],
                  seed: int = 0) -> tuple:
     """Token ids, a mask with left padding in the first row, and random past keys/values, as torch tensors."""
@@ -217,6 +236,7 @@ def export_decoder(
     if target is not None:
         for w in weights:
             wo.nbits_block(w)
+    probe_cache(model, layout)
     reference_decoder = cached_decoder(model)
     sample = trace_sample(layout)
     inputs = [t.numpy() for t in sample]
@@ -277,7 +297,7 @@ def read_layout(path: str | Path) -> DecoderLayout:
 def genai_config(layout: DecoderLayout, filename: str, *, eos_token_id: int | None = None,
                  pad_token_id: int = 0, max_length: int | None = None) -> dict:
     """onnxruntime-genai's genai_config.json for the file: its decoder section and greedy search."""
-    eos = layout.vocab if eos_token_id is None else eos_token_id  # none: an id the model never produces
+    eos = pad_token_id if eos_token_id is None else eos_token_id  # genai needs one inside the vocabulary
     return {
         "model": {
             "type": layout.model_type, "context_length": layout.context, "vocab_size": layout.vocab,

@@ -18,7 +18,14 @@ import numpy as np
 
 from quantship.errors import DataRefused
 from quantship.export.decoder import (
-    ATTENTION_MASK, INPUT_IDS, PAST_KEY, PAST_VALUE, DecoderLayout, causal_lm_of, read_layout)
+    ATTENTION_MASK,
+    INPUT_IDS,
+    PAST_KEY,
+    PAST_VALUE,
+    DecoderLayout,
+    causal_lm_of,
+    read_layout,
+)
 
 PAD_ID = 0  # left padding: masked out, its value never read
 
