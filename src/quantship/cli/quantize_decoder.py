@@ -9,6 +9,7 @@ prompts of different lengths in ONNX Runtime and with the torch weight-only mode
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from quantship.cli import common
 from quantship.cli.usage import UsageError
@@ -44,12 +45,12 @@ def check_request(args: argparse.Namespace) -> None:
         raise UsageError(f"--check-tokens {args.check_tokens}: give 0 (skip) or a positive number of tokens")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
+    """``choose_group_size``: the weight-only command's own choice of group size (one rule for both files)."""
     # imported when the command runs (torch, onnx behind these), so --help answers at once
     import warnings
 
     from quantship import Quantizer, quant_spec, targets
-    from quantship.cli.quantize_weight_only import choose_group_size
     from quantship.export.decoder import export_decoder, layout_of, probe_cache, write_genai_config
     from quantship.export.decoder_check import check_greedy
     from quantship.inspect.read.loading import file_size

@@ -91,7 +91,7 @@ def choose_group_size(model, method: str, given: int | None, ui: common.Output) 
 
 def run(args: argparse.Namespace) -> int:
     if args.decoder:  # a decoder file for generation (KV cache, dynamic lengths): its own writer
-        return quantize_decoder.run(args)
+        return quantize_decoder.run(args, choose_group_size)
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
 
