@@ -45,6 +45,7 @@ def test_decoder_folder_and_report(configs, tmp_path, capsys):
     ("llama", ["--context", "97"], "takes at most 96 positions"),
     ("llama", ["--check-tokens", "90"], "exceed the context of 96"),
     ("llama", ["--method", "static"], "--decoder writes weight-only files"),
+    ("llama", ["--accuracy-level", "4", "--weight-format", "standard"], "--accuracy-level is a MatMulNBits attribute"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(configs, tmp_path, capsys, model, extra, message):
     args = ["quantize", f"hf:{configs / model}", "--method", "int8_weight_only", "--decoder",

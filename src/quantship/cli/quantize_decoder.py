@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="--decoder: the longest total sequence the file is declared for (default: the model's "
                              "max_position_embeddings; more is refused)")
+    parser.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
+                        help="--decoder, MatMulNBits form: the nodes' accuracy_level (0 float activations, ORT's "
+                             "default; 4 int8 activations: INT8 weights run far faster, see docs/decoder.md)")
     parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
 
@@ -31,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_request(args: argparse.Namespace) -> None:
     """Refuse --decoder where it does not apply, before any model work."""
     if not getattr(args, "decoder", False):
-        if args.context is not None:
-            raise UsageError("--context applies to --decoder files; add --decoder or drop --context")
+        if args.context is not None or args.accuracy_level is not None:
+            raise UsageError("--context and --accuracy-level apply to --decoder files; add --decoder or drop them")
         return
     if args.method == "static":
         raise UsageError("--decoder writes weight-only files: give --method int8_weight_only or int4_weight_only")
@@ -41,6 +44,8 @@ def check_request(args: argparse.Namespace) -> None:
                          f"not {args.model}")
     if args.gptq:
         raise UsageError("--decoder does not take --gptq yet: round to nearest, or write the non-decoder file")
+    if args.accuracy_level is not None and args.weight_format != "matmulnbits":
+        raise UsageError("--accuracy-level is a MatMulNBits attribute: drop it or use --weight-format matmulnbits")
     if args.check_tokens < 0:
         raise UsageError(f"--check-tokens {args.check_tokens}: give 0 (skip) or a positive number of tokens")
 
@@ -74,7 +79,8 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
         warnings.simplefilter("ignore")
         qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(model, None)
         spec = quant_spec(qmodel)
-        path = export_decoder(qmodel, args.out, spec=spec, target=target, context=args.context)
+        path = export_decoder(qmodel, args.out, spec=spec, target=target, context=args.context,
+                              accuracy_level=args.accuracy_level)
     config = write_genai_config(path)
     check = None
     if args.check_tokens:
@@ -83,7 +89,8 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
             warnings.simplefilter("ignore")
             check = check_greedy(path, qmodel, prompts, args.check_tokens)
     size = file_size(path)
-    form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
+    form = "int + DequantizeLinear (opset 21)" if target is None else "MatMulNBits" + (
+        f", accuracy_level {args.accuracy_level}" if args.accuracy_level is not None else "")
     result = {"version": 1, "model": args.model, "path": args.out, "genai_config": str(config),
               "spec": spec.as_dict(), "label": spec.label, "size_bytes": size, "form": form,
               "layout": layout.as_dict(), "greedy_check": None if check is None else check.as_dict()}
