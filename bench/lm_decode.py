@@ -141,6 +141,9 @@ def interleaved_ms(sessions: list, inputs: dict, rounds: int, budget_s: float) -
 
 
 def perplexity_of(path: Path, windows) -> float:
+    """Held-out perplexity through the file: each window one prefill from an empty cache."""
+    import numpy as np
+
     from quantship.examples import lm
     from quantship.export.decoder import read_layout
     from quantship.export.decoder_check import onnx_session
@@ -149,8 +152,7 @@ def perplexity_of(path: Path, windows) -> float:
     session = onnx_session(path)
 
     def logits(ids):
-        return session.run(None, {**feed(layout, len(ids), 0, 0), "input_ids": ids,
-                                  "attention_mask": __import__("numpy").ones_like(ids)})[0]
+        return session.run(None, {**feed(layout, len(ids), 0, 0), "input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
     return lm.perplexity(lm.file_nll(logits, windows)).value
 
 
