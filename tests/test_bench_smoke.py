@@ -89,6 +89,10 @@ RUNS = {
         "Smoke run", "Held-out: 4 files", "| FP32 (torch) |", "| W4A16 g128 (torch) |",
         "| W8A16 (DequantizeLinear file, ORT) |", "| W4A16 g32 (MatMulNBits file, ORT) |",
         "| W4A16 g128 + GPTQ (torch) |", "| W4A16 g128 + GPTQ (MatMulNBits file, ORT) |")}),
+    "lm_decode": Smoke(("--out", "{tmp}/lm_decode_results.md"), files={"lm_decode_results.md": (
+        "Smoke run", "## smoke: Llama from a config", "| FP32 | - | ", "| quantship INT8 per channel | 4 | ",
+        "| quantship INT4 g32 | 0 | ", "| ORT MatMulNBitsQuantizer INT4 g32 | 4 | ", "decode @64, b4 ms",
+        "tokens/s b1 @16 (x FP32)")}),
     "lm_static": Smoke(("--out", "{tmp}/BENCHMARKS-LM-static.md"), files={"BENCHMARKS-LM-static.md": (
         "Smoke run", "Held-out: 4 files", "| Llama | FP32 (torch) |", "| Llama | W8A8 (QDQ file, ORT) |",
         "| GPT-2 | W8A8 (torch) |", "| GPT-2 | W8A8 (QDQ file, ORT) |", "LSB literal / fused", "GPT-2: 5 QGemm")}),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from quantship import targets
-from quantship.cli import common
+from quantship.cli import common, quantize_decoder
 from quantship.cli.usage import UsageError
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
@@ -32,10 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gptq", action="store_true",
                         help="int4_weight_only: round the weights with GPTQ on the --calib batches (token ids "
                              "[N, T] for an hf: model) instead of to nearest")
+    quantize_decoder.add_arguments(parser)
 
 
 def check_request(args: argparse.Namespace) -> None:
-    """Refuse --gptq where it does not apply, before any model or data work."""
+    """Refuse --gptq and --decoder where they do not apply, before any model or data work."""
+    quantize_decoder.check_request(args)
     if getattr(args, "gptq", False):
         if args.method != "int4_weight_only":
             raise UsageError(f"--gptq applies to --method int4_weight_only (grouped int4 weights), not --method "
@@ -88,6 +90,8 @@ def choose_group_size(model, method: str, given: int | None, ui: common.Output) 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.decoder:  # a decoder file for generation (KV cache, dynamic lengths): its own writer
+        return quantize_decoder.run(args, choose_group_size)
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
 

@@ -1,0 +1,112 @@
+"""``quantship quantize hf:... --method int8_weight_only|int4_weight_only --decoder``: a decoder file for generation.
+
+The file takes ``input_ids``, ``attention_mask`` and ``past_key_values.N.key/value`` and returns ``logits`` and
+``present.N.key/value`` (any batch, any length up to ``--context``); ``genai_config.json`` is written beside it,
+so the folder is what onnxruntime-genai loads. The run then greedy-decodes ``--check-tokens`` tokens for two
+prompts of different lengths in ONNX Runtime and with the torch weight-only model, and reports the match.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from quantship.cli import common
+from quantship.cli.usage import UsageError
+
+_PROMPTS = (b"def main(argv):\n    ", b"import os\nimport sys\n\n\nclass Reader:\n    def ")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decoder", action="store_true",
+                        help="weight-only hf: models: write a decoder file for generation (attention mask, past/present "
+                             "key-values, dynamic batch and length) and genai_config.json beside it")
+    parser.add_argument("--context", type=int, default=None, metavar="N",
+                        help="--decoder: the longest total sequence the file is declared for (default: the model's "
+                             "max_position_embeddings; more is refused)")
+    parser.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
+                        help="--decoder, MatMulNBits form: the nodes' accuracy_level (0 float activations, ORT's "
+                             "default; 4 int8 activations: INT8 weights run far faster, see docs/decoder.md)")
+    parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
+                        help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
+
+
+def check_request(args: argparse.Namespace) -> None:
+    """Refuse --decoder where it does not apply, before any model work."""
+    if not getattr(args, "decoder", False):
+        if args.context is not None or args.accuracy_level is not None:
+            raise UsageError("--context and --accuracy-level apply to --decoder files; add --decoder or drop them")
+        return
+    if args.method == "static":
+        raise UsageError("--decoder writes weight-only files: give --method int8_weight_only or int4_weight_only")
+    if not args.model.startswith("hf:"):
+        raise UsageError(f"--decoder needs a Hugging Face causal LM (hf:reference, hf:DIR or hf:config.json), "
+                         f"not {args.model}")
+    if args.gptq:
+        raise UsageError("--decoder does not take --gptq yet: round to nearest, or write the non-decoder file")
+    if args.accuracy_level is not None and args.weight_format != "matmulnbits":
+        raise UsageError("--accuracy-level is a MatMulNBits attribute: drop it or use --weight-format matmulnbits")
+    if args.check_tokens < 0:
+        raise UsageError(f"--check-tokens {args.check_tokens}: give 0 (skip) or a positive number of tokens")
+
+
+def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
+    """``choose_group_size``: the weight-only command's own choice of group size (one rule for both files)."""
+    # imported when the command runs (torch, onnx behind these), so --help answers at once
+    import warnings
+
+    from quantship import Quantizer, quant_spec, targets
+    from quantship.export.decoder import export_decoder, layout_of, probe_cache, write_genai_config
+    from quantship.export.decoder_check import check_greedy
+    from quantship.inspect.read.loading import file_size
+    from quantship.sources import load_model
+
+    ui = common.Output(args)
+    target = targets.get("onnxruntime-cpu") if args.weight_format == "matmulnbits" else None
+    if args.target and targets.get(args.target).weight_only_form is None:
+        raise UsageError(f"--target {args.target}: a decoder file is written for onnxruntime-cpu")
+    model = load_model(args.model, args.weights)
+    layout = layout_of(model, args.context)  # refuses a model without a causal-LM head, or a context it cannot take
+    probe_cache(model, layout)  # a model whose attention takes no cache (an encoder's) is refused here
+    if args.check_tokens and max(map(len, _PROMPTS)) + args.check_tokens > layout.context:
+        raise UsageError(f"--check-tokens {args.check_tokens}: the check's prompts plus the new tokens exceed the "
+                         f"context of {layout.context}; give fewer tokens or 0")
+    group = choose_group_size(model, args.method, args.group_size, ui)
+    kwargs = {"group_size": group}
+    if args.method == "int8_weight_only" and group is not None:
+        kwargs["qscheme"] = "per_group"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(model, None)
+        spec = quant_spec(qmodel)
+        path = export_decoder(qmodel, args.out, spec=spec, target=target, context=args.context,
+                              accuracy_level=args.accuracy_level)
+    config = write_genai_config(path)
+    check = None
+    if args.check_tokens:
+        prompts = [[b % layout.vocab for b in p] for p in _PROMPTS]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check = check_greedy(path, qmodel, prompts, args.check_tokens)
+    size = file_size(path)
+    form = "int + DequantizeLinear (opset 21)" if target is None else "MatMulNBits" + (
+        f", accuracy_level {args.accuracy_level}" if args.accuracy_level is not None else "")
+    result = {"version": 1, "model": args.model, "path": args.out, "genai_config": str(config),
+              "spec": spec.as_dict(), "label": spec.label, "size_bytes": size, "form": form,
+              "layout": layout.as_dict(), "greedy_check": None if check is None else check.as_dict()}
+    rows = [
+        ("file", f"{args.out} ({size / 1e6:.2f} MB), {config.name} beside it"),
+        ("precision", f"{spec.label} {spec.method}, " + (f"groups of {spec.group_size}" if spec.qscheme == "per_group"
+                                                         else "per output channel")),
+        ("form", form),
+        ("layout", f"{layout.layers} layers, {layout.kv_heads} key/value heads x {layout.head_dim}, vocabulary "
+                   f"{layout.vocab}, context {layout.context}; any batch and length"),
+    ]
+    if check is not None:
+        d = check.divergence
+        verdict = (f"{args.check_tokens} tokens x {len(check.onnx_tokens)} prompts equal to the torch model's" if d is None
+                   else f"diverges at token {d.step} of prompt {d.row} (ONNX {d.onnx_token}, torch {d.torch_token}; "
+                        f"torch margin {d.torch_margin:.3g})")
+        rows.append(("greedy decode vs torch", verdict))
+    ui.report(result, rows)
+    return 0

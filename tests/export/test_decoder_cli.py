@@ -1,0 +1,57 @@
+"""``quantship quantize hf:... --method ..._weight_only --decoder``: a decoder file, genai_config.json, the greedy
+check in the report; and the bad input it refuses in one line, exit 2, with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from quantship.cli.main import main
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("configs")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                             tie_word_embeddings=False).save_pretrained(folder / "llama")
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64).save_pretrained(folder / "vit")
+    transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64).save_pretrained(folder / "bert")
+    return folder
+
+
+def test_decoder_folder_and_report(configs, tmp_path, capsys):
+    out = tmp_path / "model.onnx"
+    code = main(["quantize", f"hf:{configs / 'llama'}", "--method", "int4_weight_only", "--decoder",
+                 "--context", "80", "--check-tokens", "8", "--out", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["greedy_check"]["matches"] and report["greedy_check"]["rows"] == 2
+    assert report["layout"]["context"] == 80 and report["layout"]["kv_heads"] == 2
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    assert config["model"]["context_length"] == 80 and config["model"]["decoder"]["filename"] == "model.onnx"
+    assert [i.name for i in onnx.load(str(out)).graph.input][:3] == ["input_ids", "attention_mask",
+                                                                    "past_key_values.0.key"]
+
+
+@pytest.mark.parametrize("model, extra, message", [
+    ("vit", [], "Unrecognized configuration class"),
+    ("bert", [], "does not run with a key/value cache"),
+    ("llama", ["--context", "97"], "takes at most 96 positions"),
+    ("llama", ["--check-tokens", "90"], "exceed the context of 96"),
+    ("llama", ["--method", "static"], "--decoder writes weight-only files"),
+    ("llama", ["--accuracy-level", "4", "--weight-format", "standard"], "--accuracy-level is a MatMulNBits attribute"),
+])
+def test_bad_input_one_line_exit_2_nothing_written(configs, tmp_path, capsys, model, extra, message):
+    args = ["quantize", f"hf:{configs / model}", "--method", "int8_weight_only", "--decoder",
+            "--out", str(tmp_path / "m.onnx")]
+    code = main(args + extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("quantship quantize: error:") and message in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    assert list(tmp_path.iterdir()) == []
