@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from quantship import targets
 from quantship.errors import DataRefused, one_line
-from quantship.export import artifact, capture, weight_only
+from quantship.export import artifact, capture, target_forms, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
     ExactPass,
@@ -133,6 +133,25 @@ class KernelShapePass(ExactPass):
         return write_kernel_shapes(model)
 
 
+class TargetFormsPass(ExactPass):
+    """The target's rewrites that apply to a quantized graph (``target_forms.exported_forms``: the ONNX path's
+    PRelu written out for ONNX Runtime; a hard sigmoid's Clip(0, 1) as Relu6 for TiGrIS); ensured by
+    onnx.checker and an identical ORT run."""
+
+    def __init__(self, ctx: ExportContext):
+        super().__init__(ctx)
+        self.forms = target_forms.exported_forms(ctx.target) if ctx.target is not None else ()
+        self.what = f"rewriting for {ctx.target.target}" if ctx.target is not None else "target rewrites"
+        self.counts: dict[str, int] = {}
+
+    def rewrite(self, model: ir.Model) -> int:
+        self.counts = {form.name: form.run(model) for form in self.forms}
+        return sum(self.counts.values())
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, f"{self.what} ({', '.join(f'{k}: {v}' for k, v in self.counts.items() if v)})")
+
+
 class ActivationDtypePass(ExactPass):
     """uint8 activations when asked; ensured by a node-by-node read-back, onnx.checker and identity.
 
@@ -208,7 +227,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass, BinaryConstantDtypePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
     ReluRequantizePass,
 )
 

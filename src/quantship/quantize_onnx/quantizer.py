@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from quantship import targets
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
-from quantship.export import artifact
+from quantship.export import artifact, target_forms
 from quantship.export.checks import run_passes
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import ALGORITHMS_KEY, add_file_metadata, algorithms_summary, write_metadata
@@ -42,7 +42,7 @@ from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, recurrent, selection, target_forms
+from quantship.quantize_onnx import calibrate, normalize, place, recurrent, selection
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing

@@ -1,0 +1,84 @@
+"""The target's rewrites on the PyTorch path's file (``export.qdq.TargetFormsPass``, the ONNX path's
+``target_forms`` reused): a hard sigmoid's Clip(0, 1) runs as TiGrIS's Relu6, PRelu is written out for
+ONNX Runtime, each proven byte-identical on the sample."""
+
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from quantship import Quantizer, export_qdq
+from quantship.export import target_forms
+from quantship.inspect.judge.check import check_file
+from quantship.targets import get as get_target
+
+
+class GatedConv(torch.nn.Module):
+    """Conv -> ReLU -> a squeeze-excite gate written as onnx2torch converts Paddle's HardSigmoid
+    (``clamp(0.2 x + 0.5, 0, 1)``), then a second Conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gate = torch.nn.Conv2d(8, 8, 1)
+        self.conv2 = torch.nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        g = torch.clamp(0.2 * self.gate(y.mean((2, 3), keepdim=True)) + 0.5, 0.0, 1.0)
+        return self.conv2(y * g)
+
+
+class PReluNet(torch.nn.Module):
+    """Conv -> PReLU on a tensor above ``PRELU_MIN_VALUES`` values per sample, as MTCNN's nets are."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.prelu = torch.nn.PReLU(16, init=0.25)
+        self.conv2 = torch.nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(self.prelu(self.conv1(x)))
+
+
+def _data(shape):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g) for _ in range(3)], torch.randn(*shape, generator=g)
+
+
+def _clips(path) -> list[float]:
+    model = onnx.load(str(path))
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return [float(init[n.input[2]].reshape(-1)[0]) for n in model.graph.node if n.op_type == "Clip"]
+
+
+@pytest.mark.slow
+def test_tigris_file_of_a_hard_sigmoid_model_is_written_and_accepted(tmp_path):
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    qmodel = Quantizer.for_target("tigris").quantize(GatedConv().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "tigris.onnx", target="tigris")  # refused before: Clip 0..1
+    assert _clips(path) == [6.0]  # the gate's Clip(0, 1) now runs as Relu6
+    report = check_file(path, "tigris")
+    assert report.ok, [f.message for f in report.findings]
+    assert path.readings.literal_lsb <= 3.0  # the file still reads as the torch model does
+
+
+@pytest.mark.slow
+def test_onnxruntime_file_writes_prelu_out_as_the_onnx_path_does(tmp_path):
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 24, 24))  # 16 x 24 x 24 = 9,216 values per sample: above the threshold
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(PReluNet().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "ort.onnx", target="onnxruntime-cpu")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "PRelu" not in ops and ops.count("Max") == 1  # slopes <= 1: Max(x, x * slope), two kernels
+    assert path.readings.literal_lsb <= 3.0
+
+
+def test_exported_forms_follow_the_target_fields():
+    names = {t: [p.name for p in target_forms.exported_forms(get_target(t))]
+             for t in ("onnxruntime-cpu", "tigris", "openvino", "tensorrt")}
+    assert names == {"onnxruntime-cpu": ["prelu_written_out"], "tigris": ["clip_as_relu6"],
+                     "openvino": [], "tensorrt": []}
+    assert all(p.proof == "exact" for t in names for p in target_forms.exported_forms(get_target(t)))
