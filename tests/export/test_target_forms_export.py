@@ -82,3 +82,75 @@ def test_exported_forms_follow_the_target_fields():
     assert names == {"onnxruntime-cpu": ["prelu_written_out"], "tigris": ["clip_as_relu6"],
                      "openvino": [], "tensorrt": []}
     assert all(p.proof == "exact" for t in names for p in target_forms.exported_forms(get_target(t)))
+
+
+class DepthwiseNet(torch.nn.Module):
+    """Conv 3x3 -> ReLU -> depthwise 5x5 -> ReLU -> Conv 1x1: ONNX Runtime's float rule keeps the 5x5 float
+    (its weight too: with a dequantized weight between quantized neighbours ONNX Runtime would fuse it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(16, 16, 5, padding=2, groups=16)
+        self.conv2 = torch.nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.depthwise(torch.relu(self.conv1(x)))))
+
+
+@pytest.mark.slow
+def test_onnxruntime_placement_keeps_the_same_weighted_op_float_on_both_paths(tmp_path):
+    from quantship import export_onnx
+    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+    from quantship.inspect.run.consumers import ort_optimized_ops
+
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    model = DepthwiseNet().eval()
+    float_path = export_onnx(model, sample, tmp_path / "float.onnx", dynamic_batch=True)
+    onnx_path = quantize_onnx_file(float_path, tmp_path / "onnx_path.onnx", [c.numpy() for c in calib],
+                                   target="onnxruntime-cpu")
+    assert list(onnx_path.plan["kept_float"].values()) == [
+        next(r.why for r in get_target("onnxruntime-cpu").float_rules if r.id == "depthwise_over_3x3")]
+    quantizer = Quantizer.for_target("onnxruntime-cpu")
+    qmodel = quantizer.quantize(model, calib)
+    assert list(quantizer.report.kept_float.values()) == list(onnx_path.plan["kept_float"].values())
+    torch_path = export_qdq(qmodel, sample, tmp_path / "torch_path.onnx", target="onnxruntime-cpu")
+    for path in (onnx_path.path, torch_path):
+        graph = onnx.load(str(path)).graph
+        stored = {t.name: t.data_type for t in graph.initializer}
+        depthwise = [n for n in graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i == 16 for a in n.attribute)]
+        others = [n for n in graph.node if n.op_type == "Conv" and n not in depthwise]
+        assert len(depthwise) == 1 and stored.get(depthwise[0].input[1]) == onnx.TensorProto.FLOAT, path.name
+        assert all(n.input[1] not in stored for n in others), path.name  # the 3x3 and the 1x1 read int8 weights
+    assert ort_optimized_ops(onnx_path.path) == ort_optimized_ops(torch_path)  # ONNX Runtime runs the same kernels
+
+
+class WrittenOutHardSwish(torch.nn.Module):
+    """Conv -> ``x * clamp(x + 3, 0, 6) / 6`` (a hard swish as Paddle exports it and onnx2torch converts it) -> Conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv1(x)
+        return self.conv2(y * torch.clamp(y + 3.0, 0.0, 6.0) / 6.0)
+
+
+@pytest.mark.slow
+def test_onnxruntime_file_writes_a_hard_swish_as_one_op_as_the_onnx_path_does(tmp_path):
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(WrittenOutHardSwish().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "ort.onnx", target="onnxruntime-cpu")
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("HardSwish") == 1 and not {"Clip", "Div", "Mul", "Add"} & set(ops), ops
+    swish = next(n for n in graph.node if n.op_type == "HardSwish")
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    readers = [n.op_type for n in graph.node if swish.output[0] in n.input]
+    assert producers[swish.input[0]] == "DequantizeLinear" and readers == ["QuantizeLinear"]  # between two pairs
+    # two roundings fewer than the torch model: a step apart at most where a value sat on a rounding edge
+    assert path.readings.literal_lsb <= 3.0

@@ -133,6 +133,36 @@ class KernelShapePass(ExactPass):
         return write_kernel_shapes(model)
 
 
+class HardSwishPass(ir.passes.InPlacePass):
+    """For a runtime that runs a hard swish faster as one op (``Target.hard_swish_faster_as_one_op``): the
+    PyTorch path's written-out hard swish, a Q/DQ pair after its ops, becomes one HardSwish between x's pair and
+    the output's, as the ONNX path writes it (``target_forms.hard_swish_one_op_quantized``). Its inner roundings
+    go, so it is not exact: ensured by onnx.checker and an ORT run; the graph it leaves is the reference the
+    later passes are proven against, the file's readings measure it against the torch model, and the CLI's
+    fidelity judgement holds it to FP32."""
+
+    def __init__(self, ctx: ExportContext):
+        self.ctx = ctx
+        self.count = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        target = self.ctx.target
+        if target is not None and target.hard_swish_faster_as_one_op and self.ctx.opset_version >= 14:
+            self.count = target_forms.hard_swish_one_op_quantized(model)
+        return ir.passes.PassResult(model, modified=self.count > 0)
+
+    def ensures(self, model: ir.Model) -> None:
+        if not self.count:
+            return
+        what = f"writing {self.count} hard swish(es) as one HardSwish"
+        with step(f"export check: {what}"):
+            proto = ir.to_proto(model)
+            check_model(proto, what)
+            self.ctx.produced, self.ctx._reference, self.ctx.checked = proto, None, None
+            self.ctx.reference  # noqa: B018  (runs it: refused here when ORT cannot)
+            self.ctx.checked = proto
+
+
 class TargetFormsPass(ExactPass):
     """The target's rewrites that apply to a quantized graph (``target_forms.exported_forms``: the ONNX path's
     PRelu written out for ONNX Runtime; a hard sigmoid's Clip(0, 1) as Relu6 for TiGrIS); ensured by
@@ -227,7 +257,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, HardSwishPass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
     ReluRequantizePass,
 )
 

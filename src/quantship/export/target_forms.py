@@ -29,6 +29,10 @@ produced (``exported_forms``; proven byte-identical by ``export.qdq.TargetFormsP
   (TiGrIS): the PyTorch path exports a hard sigmoid as ``Clip(a x + b, 0, 1)`` between a
   DequantizeLinear and a QuantizeLinear; read at 6 times both scales, the same integers go through
   ``Clip(0, 6)``. An exact pass (the integers, not the scales, are what the next node reads).
+- ``hard_swish_one_op_quantized``, for a QDQ graph and ONNX Runtime: the PyTorch path exports a hard swish
+  written out with a Q/DQ pair after its ops; found with ``hard_swish_one_op``'s matcher on a view of the
+  graph without its activation pairs, it becomes one ``HardSwish`` between x's pair and the output's, as
+  the ONNX path writes it. The inner roundings go: not exact (``export.qdq.HardSwishPass`` says how it is held).
 - ``batch_norm_written_out``, for a runtime that runs BatchNormalization only folded into a Conv
   (TiGrIS): one that follows something else (PP-OCRv4's detector has one after a residual Add)
   becomes a per-channel ``Mul`` and ``Add``. A float pass.
@@ -408,6 +412,67 @@ def clip_as_relu6(model: ir.Model) -> int:
         clip.replace_input_with(2, fresh_initializer(graph, f"{clip.name}/six", 6.0))
         for q in readers:
             q.replace_input_with(1, fresh_initializer(graph, f"{q.name}/scale_x{k:g}", k * _scalar_scale(q)))
+        n += 1
+    if n:
+        graph.remove([d for d in graph if d.op_type == "DequantizeLinear" and not any(o.uses() for o in d.outputs)
+                      and not any(o.is_graph_output() for o in d.outputs)], safe=True)
+        drop_unused_initializers(graph)
+    return n
+
+
+def _without_activation_pairs(model: ir.Model) -> ir.Model:
+    """A copy of a QDQ graph with every activation Q -> DQ pair read through and every DequantizeLinear of a
+    stored tensor replaced by its float values (what a float matcher reads); node names are kept."""
+    view = ir.from_proto(ir.to_proto(model))
+    graph = view.graph
+    for dq in [n for n in graph if n.op_type == "DequantizeLinear" and not n.outputs[0].is_graph_output()]:
+        q = dq.inputs[0].producer()
+        if q is not None and q.op_type == "QuantizeLinear":
+            dq.outputs[0].replace_all_uses_with(q.inputs[0])
+        elif all(v is None or v.const_value is not None for v in dq.inputs) and len(dq.inputs) == 3:
+            stored, scale, zero = (v.const_value.numpy() for v in dq.inputs)
+            if stored.size == 1 and scale.size == 1:  # a scalar operand (a weight keeps its DequantizeLinear)
+                values = (stored.astype(np.int32) - zero.astype(np.int32)).astype(np.float32) * scale
+                dq.outputs[0].replace_all_uses_with(fresh_initializer(graph, f"{dq.name}/value", values))
+    graph.remove([n for n in graph if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                  and not any(o.uses() or o.is_graph_output() for o in n.outputs)], safe=True)
+    graph.remove([n for n in graph if n.op_type == "QuantizeLinear"
+                  and not any(o.uses() or o.is_graph_output() for o in n.outputs)], safe=True)
+    return view
+
+
+def hard_swish_one_op_quantized(model: ir.Model) -> int:
+    """Each hard swish ``hard_swish_one_op`` finds in the graph read without its activation pairs becomes one
+    ``HardSwish`` reading the DequantizeLinear its first op read, writing the value its last op wrote (read
+    by that op's QuantizeLinear); the pairs between its ops are dropped."""
+    if default_opset(model) < HARD_SWISH_OPSET:
+        return 0
+    found = _hard_swishes(_without_activation_pairs(model).graph)
+    if not found:
+        return 0
+    graph = model.graph
+    by_name = {n.name: n for n in graph}
+    n = 0
+    for end, x, nodes in found:
+        real = [by_name.get(v.name) for v in nodes]
+        first = next((r for r, v in zip(real, nodes) if r is not None and x in v.inputs), None)
+        if any(r is None for r in real) or first is None:
+            continue
+        x_real = first.inputs[list(next(v for v in nodes if v.name == first.name).inputs).index(x)]
+        last = by_name[end.name]
+        inner = {id(o) for r in real if r is not last for o in r.outputs}
+        pairs = [u.node for r in real if r is not last for o in r.outputs for u in o.uses()
+                 if u.node.op_type == "QuantizeLinear"]
+        pairs += [u.node for q in pairs for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"]
+        readers = {id(u.node) for r in real if r is not last for o in r.outputs for u in o.uses()}
+        if readers - {id(r) for r in real} - {id(q) for q in pairs} or any(id(o) in inner for o in graph.outputs):
+            continue  # an inner value is read outside the hard swish: left as it is
+        if any(u.node not in real for q in pairs if q.op_type == "DequantizeLinear" for u in q.outputs[0].uses()):
+            continue
+        swish = ir.node("HardSwish", [x_real], name=f"{last.name}/hardswish")
+        graph.insert_before(last, swish)
+        _take_over(last.outputs[0], swish.outputs[0])
+        graph.remove([*real, *pairs], safe=True)
         n += 1
     if n:
         graph.remove([d for d in graph if d.op_type == "DequantizeLinear" and not any(o.uses() for o in d.outputs)
