@@ -101,8 +101,8 @@ class DepthwiseNet(torch.nn.Module):
 @pytest.mark.slow
 def test_onnxruntime_placement_keeps_the_same_weighted_op_float_on_both_paths(tmp_path):
     from quantship import export_onnx
-    from quantship.quantize_onnx.quantizer import quantize_onnx_file
     from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.quantize_onnx.quantizer import quantize_onnx_file
 
     torch.manual_seed(0)
     calib, sample = _data((2, 3, 16, 16))
@@ -154,3 +154,47 @@ def test_onnxruntime_file_writes_a_hard_swish_as_one_op_as_the_onnx_path_does(tm
     assert producers[swish.input[0]] == "DequantizeLinear" and readers == ["QuantizeLinear"]  # between two pairs
     # two roundings fewer than the torch model: a step apart at most where a value sat on a rounding edge
     assert path.readings.literal_lsb <= 3.0
+
+
+class SwishDepthwiseNet(torch.nn.Module):
+    """Conv -> hard swish (written out) -> depthwise 5x5 -> hard swish -> Conv 1x1, a PP-OCR block's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(16, 16, 5, padding=2, groups=16)
+        self.conv2 = torch.nn.Conv2d(16, 8, 1)
+
+    @staticmethod
+    def swish(y):
+        return y * torch.clamp(y + 3.0, 0.0, 6.0) / 6.0
+
+    def forward(self, x):
+        return self.conv2(self.swish(self.depthwise(self.swish(self.conv1(x)))))
+
+
+def _neighbours(path, op_type="Conv", group=16) -> tuple[str, list[str]]:
+    """What writes the input of the Conv of ``group`` and what reads its output."""
+    graph = onnx.load(str(path)).graph
+    conv = next(n for n in graph.node if n.op_type == op_type and any(a.name == "group" and a.i == group
+                                                                       for a in n.attribute))
+    producer = next(n.op_type for n in graph.node if conv.input[0] in n.output)
+    return producer, [n.op_type for n in graph.node if conv.output[0] in n.input]
+
+
+@pytest.mark.slow
+def test_onnxruntime_pairs_between_float_ops_are_dropped_as_the_onnx_path_never_places_them(tmp_path):
+    from quantship import export_onnx
+    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    model = SwishDepthwiseNet().eval()
+    float_path = export_onnx(model, sample, tmp_path / "float.onnx", dynamic_batch=True)
+    onnx_path = quantize_onnx_file(float_path, tmp_path / "onnx_path.onnx", [c.numpy() for c in calib],
+                                   target="onnxruntime-cpu").path
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calib)
+    torch_path = export_qdq(qmodel, sample, tmp_path / "torch_path.onnx", target="onnxruntime-cpu")
+    # the float depthwise Conv reads the HardSwish and feeds the next one directly, on both paths
+    assert _neighbours(onnx_path) == _neighbours(torch_path) == ("HardSwish", ["HardSwish"])
+    assert torch_path.readings.literal_lsb <= 3.0

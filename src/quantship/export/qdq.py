@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from quantship import targets
 from quantship.errors import DataRefused, one_line
-from quantship.export import artifact, capture, target_forms, weight_only
+from quantship.export import artifact, capture, float_pairs, target_forms, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
     ExactPass,
@@ -133,28 +133,31 @@ class KernelShapePass(ExactPass):
         return write_kernel_shapes(model)
 
 
-class HardSwishPass(ir.passes.InPlacePass):
-    """For a runtime that runs a hard swish faster as one op (``Target.hard_swish_faster_as_one_op``): the
-    PyTorch path's written-out hard swish, a Q/DQ pair after its ops, becomes one HardSwish between x's pair and
-    the output's, as the ONNX path writes it (``target_forms.hard_swish_one_op_quantized``). Its inner roundings
-    go, so it is not exact: ensured by onnx.checker and an ORT run; the graph it leaves is the reference the
-    later passes are proven against, the file's readings measure it against the torch model, and the CLI's
-    fidelity judgement holds it to FP32."""
+class PlacementPass(ir.passes.InPlacePass):
+    """For a runtime that runs mixed graphs, the ONNX path's placement on the PyTorch path's file: a hard swish
+    written out with a Q/DQ pair after its ops becomes one HardSwish between x's pair and the output's
+    (``target_forms.hard_swish_one_op_quantized``, for ``Target.hard_swish_faster_as_one_op``), then the pairs
+    no integer kernel reads are dropped (``float_pairs``, by the ONNX path's role table). Roundings go, so it is
+    not exact: ensured by onnx.checker and an ORT run; the graph it leaves is the reference the later passes
+    are proven against, the file's readings measure it against the torch model, and the CLI's fidelity
+    judgement holds it to FP32."""
 
     def __init__(self, ctx: ExportContext):
         self.ctx = ctx
-        self.count = 0
+        self.counts: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         target = self.ctx.target
         if target is not None and target.hard_swish_faster_as_one_op and self.ctx.opset_version >= 14:
-            self.count = target_forms.hard_swish_one_op_quantized(model)
-        return ir.passes.PassResult(model, modified=self.count > 0)
+            self.counts["hard swish(es) as one HardSwish"] = target_forms.hard_swish_one_op_quantized(model)
+        if target is not None and target.runs_mixed_graphs:
+            self.counts["pair(s) between float ops dropped"] = float_pairs.drop_float_pairs(model)
+        return ir.passes.PassResult(model, modified=any(self.counts.values()))
 
     def ensures(self, model: ir.Model) -> None:
-        if not self.count:
+        if not any(self.counts.values()):
             return
-        what = f"writing {self.count} hard swish(es) as one HardSwish"
+        what = "placing pairs as the ONNX path does (" + ", ".join(f"{v} {k}" for k, v in self.counts.items() if v) + ")"
         with step(f"export check: {what}"):
             proto = ir.to_proto(model)
             check_model(proto, what)
@@ -257,7 +260,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, HardSwishPass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, PlacementPass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
     ReluRequantizePass,
 )
 

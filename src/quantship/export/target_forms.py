@@ -32,7 +32,7 @@ produced (``exported_forms``; proven byte-identical by ``export.qdq.TargetFormsP
 - ``hard_swish_one_op_quantized``, for a QDQ graph and ONNX Runtime: the PyTorch path exports a hard swish
   written out with a Q/DQ pair after its ops; found with ``hard_swish_one_op``'s matcher on a view of the
   graph without its activation pairs, it becomes one ``HardSwish`` between x's pair and the output's, as
-  the ONNX path writes it. The inner roundings go: not exact (``export.qdq.HardSwishPass`` says how it is held).
+  the ONNX path writes it. The inner roundings go: not exact (``export.qdq.PlacementPass`` says how it is held).
 - ``batch_norm_written_out``, for a runtime that runs BatchNormalization only folded into a Conv
   (TiGrIS): one that follows something else (PP-OCRv4's detector has one after a residual Add)
   becomes a per-channel ``Mul`` and ``Add``. A float pass.

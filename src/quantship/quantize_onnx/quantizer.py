@@ -28,6 +28,7 @@ from quantship.export.metadata import ALGORITHMS_KEY, add_file_metadata, algorit
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
+from quantship.export.roles import Placement
 from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
 from quantship.fidelity import Budget, Fidelity
 from quantship.fidelity import measure as measure_fidelity
@@ -47,7 +48,6 @@ from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.memory import refuse_if_too_large
-from quantship.quantize_onnx.roles import Placement
 from quantship.targets import Target
 from quantship.targets.target import wide_dtype
 
