@@ -2,7 +2,7 @@
 
 The PyTorch path's annotator quantizes every op it has a rule for; the ONNX path places a pair only where an
 integer kernel reads or writes it (``roles``: weighted ops with an int8 weight, data movement, the ops ONNX
-Runtime has integer kernels for when every input is quantized, a Relu/Clip folded into the weighted op before
+Runtime has integer kernels for when every input is quantized, a Relu/Clip folded into the integer op before
 it). A pair between two ops that both run in float (a hard swish feeding a depthwise Conv a target's float
 rule keeps float) only adds a rounding and two kernels: ``drop_float_pairs`` reads it through, judged by that
 role table, node by node on the exported graph. Not exact: a rounding goes (``export.qdq.FloatPairsPass``).
@@ -31,7 +31,8 @@ def _integer(node: ir.Node) -> bool:
         return len(node.inputs) > 1 and _dequantized(node.inputs[1])
     if role == "fused_activation":
         producer = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
-        return producer is not None and role_of(producer.op_type, producer.domain) == "weighted" and _integer(producer)
+        return producer is not None and role_of(producer.op_type, producer.domain) in ("weighted", "integer_capable") \
+            and _integer(producer)  # the integer kernel clamps: the pair after it is the kernel's output
     if role in INTEGER_ROLES:
         return all(v is None or _dequantized(v) for v in node.inputs[:1 if role == "shared" else None])
     return False
