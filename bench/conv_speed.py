@@ -1,6 +1,6 @@
 """One Conv in ONNX Runtime: its float NCHWc kernel against the QLinearConv its QDQ form fuses into.
 
-The evidence behind the ``onnxruntime-cpu`` float rules for Convs (``quantize_onnx.roles.FLOAT_RULES``):
+The evidence behind the ``onnxruntime-cpu`` float rules for Convs (``export.roles, read from the target's float_rules``):
 for each shape, a float file (the Conv with its float weight) and a QDQ file (uint8 activation pair on
 the input, int8 per-channel weight, uint8 pair on the output: what ``quantize-onnx`` writes around a
 Conv between two quantized layers) are timed in the same process, interleaved run by run, one

@@ -10,9 +10,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from quantship.export import target_forms
 from quantship.inspect.run.consumers import tigris_executable
 from quantship.precision import resolve_target
-from quantship.quantize_onnx import target_forms
 from quantship.quantize_onnx.quantizer import quantize_onnx_file
 from tests.quantize_onnx import graphs
 from tests.quantize_onnx.real_nets import mtcnn_file

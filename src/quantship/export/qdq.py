@@ -21,7 +21,7 @@ import onnx_ir as ir
 
 from quantship import targets
 from quantship.errors import DataRefused, one_line
-from quantship.export import artifact, capture, weight_only
+from quantship.export import artifact, capture, float_pairs, target_forms, weight_only
 from quantship.export.activations import check_read_back, to_uint8_activations
 from quantship.export.checks import (
     ExactPass,
@@ -133,6 +133,58 @@ class KernelShapePass(ExactPass):
         return write_kernel_shapes(model)
 
 
+class PlacementPass(ir.passes.InPlacePass):
+    """For a runtime that runs mixed graphs, the ONNX path's placement on the PyTorch path's file: a hard swish
+    written out with a Q/DQ pair after its ops becomes one HardSwish between x's pair and the output's
+    (``target_forms.hard_swish_one_op_quantized``, for ``Target.hard_swish_faster_as_one_op``), then the pairs
+    no integer kernel reads are dropped (``float_pairs``, by the ONNX path's role table). Roundings go, so it is
+    not exact: ensured by onnx.checker and an ORT run; the graph it leaves is the reference the later passes
+    are proven against, the file's readings measure it against the torch model, and the CLI's fidelity
+    judgement holds it to FP32."""
+
+    def __init__(self, ctx: ExportContext):
+        self.ctx = ctx
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        target = self.ctx.target
+        if target is not None and target.hard_swish_faster_as_one_op and self.ctx.opset_version >= 14:
+            self.counts["hard swish(es) as one HardSwish"] = target_forms.hard_swish_one_op_quantized(model)
+        if target is not None and target.runs_mixed_graphs:
+            self.counts["pair(s) between float ops dropped"] = float_pairs.drop_float_pairs(model)
+        return ir.passes.PassResult(model, modified=any(self.counts.values()))
+
+    def ensures(self, model: ir.Model) -> None:
+        if not any(self.counts.values()):
+            return
+        what = "placing pairs as the ONNX path does (" + ", ".join(f"{v} {k}" for k, v in self.counts.items() if v) + ")"
+        with step(f"export check: {what}"):
+            proto = ir.to_proto(model)
+            check_model(proto, what)
+            self.ctx.produced, self.ctx._reference, self.ctx.checked = proto, None, None
+            self.ctx.reference  # noqa: B018  (runs it: refused here when ORT cannot)
+            self.ctx.checked = proto
+
+
+class TargetFormsPass(ExactPass):
+    """The target's rewrites that apply to a quantized graph (``target_forms.exported_forms``: the ONNX path's
+    PRelu written out for ONNX Runtime; a hard sigmoid's Clip(0, 1) as Relu6 for TiGrIS); ensured by
+    onnx.checker and an identical ORT run."""
+
+    def __init__(self, ctx: ExportContext):
+        super().__init__(ctx)
+        self.forms = target_forms.exported_forms(ctx.target) if ctx.target is not None else ()
+        self.what = f"rewriting for {ctx.target.target}" if ctx.target is not None else "target rewrites"
+        self.counts: dict[str, int] = {}
+
+    def rewrite(self, model: ir.Model) -> int:
+        self.counts = {form.name: form.run(model) for form in self.forms}
+        return sum(self.counts.values())
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, f"{self.what} ({', '.join(f'{k}: {v}' for k, v in self.counts.items() if v)})")
+
+
 class ActivationDtypePass(ExactPass):
     """uint8 activations when asked; ensured by a node-by-node read-back, onnx.checker and identity.
 
@@ -208,7 +260,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, ActivationDtypePass, BinaryConstantDtypePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, PlacementPass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
     ReluRequantizePass,
 )
 

@@ -49,6 +49,7 @@ from quantship.quantize.decompose import (
     scalars_as_constants,
 )
 from quantship.quantize.histogram_search import HistogramSearchObserver
+from quantship.targets import FloatRule
 
 aten = torch.ops.aten
 WEIGHT_BOUND = 127  # int8 weights in [-127, 127]: symmetric, zero-point 0
@@ -182,6 +183,7 @@ class AnnotationReport:
     n_float_select: int = 0
     skipped_nodes: list[str] = field(default_factory=list)
     float_ops: list[FloatOp] = field(default_factory=list)
+    kept_float: dict[str, str] = field(default_factory=dict)  # weighted node -> the target's float rule (why)
 
     @property
     def unannotated_ops(self) -> dict[str, int]:
@@ -202,14 +204,16 @@ class AnnotationReport:
 
     def as_dict(self) -> dict:
         return {"n_weighted": self.n_weighted, "n_add": self.n_add, "n_skipped_conv_add": self.n_skipped_conv_add,
-                "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module()}
+                "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module(),
+                "kept_float": dict(self.kept_float)}
 
 
 class QuantshipQuantizer(Quantizer):
     """A torchao pt2e ``Quantizer`` that applies one exportable ``QuantSpec`` (W8A8)."""
 
-    def __init__(self, spec: QuantSpec, *, is_qat: bool = False):
+    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, float_rules: tuple[FloatRule, ...] = ()):
         super().__init__()
+        self.float_rules = float_rules  # the target's: weighted ops its runtime runs faster in float
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
         self.spec = spec
@@ -373,8 +377,24 @@ class QuantshipQuantizer(Quantizer):
                 self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
         return model
 
+    def _float_rule(self, node: Node) -> FloatRule | None:
+        """The target's float rule for a conv (the ONNX path's ``FloatRule`` read on the same facts: op
+        type, group, weight shape), or None."""
+        w = node.args[1] if len(node.args) > 1 else None
+        shape = getattr(getattr(w, "meta", {}).get("val"), "shape", None)
+        if not self.float_rules or node.target not in CONV_OPS or shape is None:
+            return None
+        group = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+        return next((r for r in self.float_rules if r.applies("Conv", {"group": int(group)}, tuple(shape))), None)
+
     def _annotate_weighted(self, node: Node, cleared: set[Node]) -> None:
         chain = self._weighted_partition(node)
+        rule = self._float_rule(node)
+        if rule is not None:  # float as the ONNX path keeps it: weight and activations (a runtime fuses a conv whose
+            self.report.kept_float[node.name] = rule.why  # weight and input are dequantized into an integer kernel)
+            for later in chain:
+                self._mark(later, {}, None)
+            return
         skipped = self._skipped(node)
         x, w = node.args[0], node.args[1]
         # Order matters: torchao's QAT conv-bn fusion re-keys this map by position

@@ -7,7 +7,7 @@ linear, or that produced no integer weight, is an error rather than a silent suc
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch.fx import GraphModule
@@ -60,6 +60,7 @@ def quantize_pt2e(
     bias_correction: bool = False,
     seq_mse: bool = False,
     adaround_iterations: int = 0,
+    float_rules: tuple = (),
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``.
 
@@ -68,6 +69,8 @@ def quantize_pt2e(
     corrected against the calibrated float graph (``quantize.bias_correction``), recorded on the result.
     ``seq_mse`` / ``adaround_iterations`` (> 0): each conv / linear weight's scale searched / rounding learned
     against the same float graph (``quantize.rounding``), before bias correction; recorded the same way.
+    ``float_rules``: the target's (``Target.float_rules``, for a runtime that runs mixed graphs): a conv one
+    applies to keeps float activations, as the ONNX path keeps that op float.
     """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -77,7 +80,7 @@ def quantize_pt2e(
     with step("quantize: capture (torch.export)"):
         captured = capture_untouched(model, batches[0], log=log)
     check_batch_sizes(captured, batches)
-    quantizer = QuantshipQuantizer(spec)
+    quantizer = QuantshipQuantizer(spec, float_rules=float_rules)
     with step("quantize: insert observers (prepare_pt2e)"):
         prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
@@ -96,7 +99,7 @@ def quantize_pt2e(
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
     unshare(converted, model)
-    check_converted(converted)
+    check_converted(converted, quantizer.report.kept_float)
     algorithms: dict[str, dict] = {}
     if rounds:
         with step("quantize: weight rounding"):
@@ -239,11 +242,12 @@ def report_placement(quantizer: QuantshipQuantizer, spec: QuantSpec, log: Callab
         log(f"pt2e: left in float (no INT8 rule), by module: {describe_float_ops(report)}")
 
 
-def check_converted(graph: GraphModule) -> dict[str, int]:
-    """Count quantized weights; refuse a graph in which a conv/linear still reads a float weight."""
+def check_converted(graph: GraphModule, kept_float: Collection[str] = ()) -> dict[str, int]:
+    """Count quantized weights; refuse a graph in which a conv/linear still reads a float weight, other than
+    those the target's float rules keep float (``kept_float``: node names)."""
     n_quantized, float_ops = 0, []
     for node in graph.graph.nodes:
-        if node.op == "call_function" and node.target in WEIGHTED_OPS:
+        if node.op == "call_function" and node.target in WEIGHTED_OPS and node.name not in kept_float:
             w = node.args[1]
             if getattr(w, "op", None) == "call_function" and w.target in DEQUANT_WEIGHT_OPS:
                 n_quantized += 1
@@ -260,7 +264,8 @@ def check_converted(graph: GraphModule) -> dict[str, int]:
 
 
 def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False, seq_mse=False,
-             adaround_iterations=0):
+             adaround_iterations=0, float_rules=()):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
     return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict,
-                         bias_correction=bias_correction, seq_mse=seq_mse, adaround_iterations=adaround_iterations)
+                         bias_correction=bias_correction, seq_mse=seq_mse, adaround_iterations=adaround_iterations,
+                         float_rules=float_rules)

@@ -195,6 +195,8 @@ class Quantizer:
             extra["seq_mse"] = True
         if self.adaround_iterations:
             extra["adaround_iterations"] = self.adaround_iterations
+        if spec.backend == "pt2e" and self.preset is not None and self.preset.runs_mixed_graphs:
+            extra["float_rules"] = self.preset.float_rules  # the ONNX path's placement rules, for the same target
 
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)

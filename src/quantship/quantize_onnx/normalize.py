@@ -11,32 +11,24 @@ graph input or output, drops a dynamic dimension or removes an output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import numpy as np
-import onnx
 import onnx_ir as ir
 
+from quantship.export.ir_edit import (  # noqa: F401  (the passes' shared edits; front-end modules import them from here)
+    DEFAULT_DOMAINS,
+    Pass,
+    batch_norm_statistics,
+    convert_opset,
+    default_opset,
+    drop_unused_initializers,
+    fresh_initializer,
+    replace_model,
+)
+
 MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (`axis`) arrived in opset 13
-DEFAULT_DOMAINS = ("", "ai.onnx")
 FLOAT_TOLERANCE = 1e-4  # relative to the output's largest magnitude, for the "float" passes
 # data-movement ops a constant can be pushed through with numpy, bit for bit
 _FOLDABLE = ("Reshape", "Unsqueeze", "Squeeze", "Transpose", "Identity", "Flatten")
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One rewrite of the float model: ``run(model) -> number of changes`` (0: nothing to do)."""
-
-    name: str
-    run: Callable[[ir.Model], int]
-    proof: str  # "exact": byte-identical outputs; "float": within FLOAT_TOLERANCE
-    why: str
-
-
-def default_opset(model: ir.Model) -> int:
-    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
 
 
 def _constant_tensor(node: ir.Node) -> ir.TensorProtocol | None:
@@ -147,12 +139,6 @@ def _move(node: ir.Node, values: list[np.ndarray]) -> np.ndarray | None:
     return None
 
 
-def drop_unused_initializers(graph: ir.Graph) -> None:
-    for name in [n for n, v in graph.initializers.items() if not v.uses() and not v.is_graph_output()
-                 and not v.is_graph_input()]:
-        del graph.initializers[name]
-
-
 def dynamic_dims(model: ir.Model) -> int:
     """Graph input/output dims declared ``-1`` or ``0`` become named symbolic dims (ONNX Runtime reads
     a negative dim as dynamic already; ``0`` would only take empty tensors)."""
@@ -174,42 +160,9 @@ def dynamic_dims(model: ir.Model) -> int:
     return n
 
 
-def convert_opset(model: ir.Model, version: int) -> int:
-    """A model below ``version`` of the default domain converted to it in place (``onnx.version_converter``);
-    1 if it was converted, 0 if it was there already."""
-    if default_opset(model) >= version:
-        return 0
-    replace_model(model, ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), version)))
-    return 1
-
-
 def upgrade_opset(model: ir.Model) -> int:
     """Files below opset 13 are converted to 13 (``onnx.version_converter``): per-channel Q/DQ needs it."""
     return convert_opset(model, MIN_OPSET)
-
-
-def fresh_initializer(graph: ir.Graph, base: str, array: float | np.ndarray) -> ir.Value:
-    """A float32 initializer holding ``array`` (a scalar, or an array as given) under ``base``, or ``base_1``, ``base_2``... when a tensor of
-    the graph already has that name."""
-    used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
-    name, k = base, 0
-    while name in used:
-        k += 1
-        name = f"{base}_{k}"
-    array = np.asarray(array, dtype=np.float32)
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
-def replace_model(model: ir.Model, new: ir.Model) -> None:
-    """Move ``new``'s graph and opsets into ``model`` (passes mutate the model they were given)."""
-    opsets = dict(new.opset_imports)
-    model.graph = new.graph  # the model's opset imports are its graph's
-    model.ir_version = new.ir_version
-    model.opset_imports.clear()
-    model.opset_imports.update(opsets)
 
 
 def _single_use(value: ir.Value) -> bool:
@@ -245,20 +198,6 @@ def _conv_bias(conv: ir.Node, channels: int) -> np.ndarray | None:
         const = conv.inputs[2].const_value
         return None if const is None else const.numpy().astype(np.float64)
     return np.zeros(channels, dtype=np.float64)
-
-
-def batch_norm_statistics(bn: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(factor, beta, mean) in float64 of an inference-form BatchNormalization, which computes
-    ``factor * (x - mean) + beta`` with ``factor = gamma / sqrt(var + epsilon)``; None when a statistic
-    is not a stored constant."""
-    params = [v.const_value.numpy().astype(np.float64) if v is not None and v.const_value is not None else None
-              for v in bn.inputs[1:5]]
-    if len(params) != 4 or any(p is None for p in params):
-        return None
-    gamma, beta, mean, var = params
-    eps_attr = bn.attributes.get("epsilon")
-    eps = float(eps_attr.value) if eps_attr is not None else 1e-5
-    return gamma / np.sqrt(var + eps), beta, mean
 
 
 def fold_batch_norm(model: ir.Model) -> int:

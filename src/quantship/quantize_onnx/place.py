@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from quantship.export.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
 from quantship.inspect.read.islands import Op, detection_postprocess, normalisation_statistics, polynomial_interiors
 from quantship.quantize_onnx.calibrate import QMIN, TensorInfo, TensorObserver, shared_qparams
 from quantship.quantize_onnx.float_islands import (
@@ -31,7 +32,6 @@ from quantship.quantize_onnx.float_islands import (
     range_ratio,
     release_split_range_outputs,
 )
-from quantship.quantize_onnx.roles import Placement, data_inputs, role_of, runs_faster_in_float, weight_axis
 from quantship.quantize_onnx.selection import node_label
 from quantship.quantize_onnx.tables import TABLE_BOUND, read_table, tie_to_tables, write_tables
 

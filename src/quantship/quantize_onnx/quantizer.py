@@ -21,13 +21,14 @@ import onnx_ir as ir
 
 from quantship import targets
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
-from quantship.export import artifact
+from quantship.export import artifact, target_forms
 from quantship.export.checks import run_passes
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import ALGORITHMS_KEY, add_file_metadata, algorithms_summary, write_metadata
 from quantship.export.ort_quantize import refuse_quantized
 from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
+from quantship.export.roles import Placement
 from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
 from quantship.fidelity import Budget, Fidelity
 from quantship.fidelity import measure as measure_fidelity
@@ -42,12 +43,11 @@ from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, recurrent, selection, target_forms
+from quantship.quantize_onnx import calibrate, normalize, place, recurrent, selection
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.memory import refuse_if_too_large
-from quantship.quantize_onnx.roles import Placement
 from quantship.targets import Target
 from quantship.targets.target import wide_dtype
 

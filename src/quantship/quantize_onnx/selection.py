@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from quantship.errors import SpecRefused
-from quantship.quantize_onnx.roles import CONCAT_OPS
+from quantship.export.roles import CONCAT_OPS
 
 
 def resolve_shared_scale(nodes: list[ir.Node], patterns: Iterable[str]) -> set[int]:

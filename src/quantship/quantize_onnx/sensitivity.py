@@ -27,6 +27,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused
+from quantship.export.roles import role_of
 from quantship.fidelity import own_loss_db, sqnr_db
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
@@ -34,7 +35,6 @@ from quantship.quantize.algorithms.sensitivity import LayerError, LayerErrorRepo
 from quantship.quantize_onnx import calibrate, place, recurrent, selection
 from quantship.quantize_onnx.calibrate import MEMORY_BUDGET, Feed
 from quantship.quantize_onnx.quantizer import feeds_for, placement_for, prepare, quantize_onnx_file, refuse_unusable
-from quantship.quantize_onnx.roles import role_of
 from quantship.targets import Target
 
 MEASURE = "accumulated"  # each figure includes the error of every quantized node upstream (quantize.layer_error's)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from quantship.export.roles import TABLE_OPS
 from quantship.quantize_onnx.calibrate import QMAX, QMIN, TensorObserver
-from quantship.quantize_onnx.roles import TABLE_OPS
 
 __all__ = ["MIN_TABLE_VALUES", "TABLE_BOUND", "read_table", "table_scale", "tie_to_tables", "write_tables"]
 

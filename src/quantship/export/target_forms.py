@@ -1,7 +1,9 @@
-"""Rewrites a target needs before quantization: what its runtime cannot read, put in a form it can.
+"""Rewrites a target needs: what its runtime cannot read (or reads slowly), put in a form it can.
 
-They run after ``normalize.PASSES``, through the same proof (``quantizer.normalise``), and only for
-the targets that need them (``passes_for``, reading the ``Target``'s fields):
+The ONNX path runs them on the float file after ``normalize.PASSES``, through the same proof
+(``quantizer.normalise``), for the targets that need them (``passes_for``, reading the ``Target``'s fields).
+The PyTorch path runs the exact ones that also apply to a quantized graph on the file ``export_qdq``
+produced (``exported_forms``; proven byte-identical by ``export.qdq.TargetFormsPass``):
 
 - ``static_shapes``, for a preset whose file serves one batch (``Preset.dynamic_batch`` False:
   TiGrIS plans a fixed memory layout and refuses a symbolic dim). Every dynamic dim of a graph input
@@ -23,6 +25,14 @@ the targets that need them (``passes_for``, reading the ``Target``'s fields):
   the same values bit for bit. ONNX Runtime 1.32's PRelu kernel spent 46% of MTCNN ONet's time (FP32
   and INT8 alike); written out, the INT8 files of RNet and ONet ran at or above FP32's speed (they
   were 0.80x and 0.86x). An exact pass.
+- ``clip_as_relu6``, for a QDQ graph and a runtime without ``HardSigmoid`` whose only Clip is Relu6
+  (TiGrIS): the PyTorch path exports a hard sigmoid as ``Clip(a x + b, 0, 1)`` between a
+  DequantizeLinear and a QuantizeLinear; read at 6 times both scales, the same integers go through
+  ``Clip(0, 6)``. An exact pass (the integers, not the scales, are what the next node reads).
+- ``hard_swish_one_op_quantized``, for a QDQ graph and ONNX Runtime: the PyTorch path exports a hard swish
+  written out with a Q/DQ pair after its ops; found with ``hard_swish_one_op``'s matcher on a view of the
+  graph without its activation pairs, it becomes one ``HardSwish`` between x's pair and the output's, as
+  the ONNX path writes it. The inner roundings go: not exact (``export.qdq.PlacementPass`` says how it is held).
 - ``batch_norm_written_out``, for a runtime that runs BatchNormalization only folded into a Conv
   (TiGrIS): one that follows something else (PP-OCRv4's detector has one after a residual Add)
   becomes a per-channel ``Mul`` and ``Add``. A float pass.
@@ -37,7 +47,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
 
-from quantship.quantize_onnx.normalize import (
+from quantship.export.ir_edit import (
     DEFAULT_DOMAINS,
     Pass,
     batch_norm_statistics,
@@ -361,4 +371,124 @@ def passes_for(target: Target, sample: Feed | None, run_outputs) -> tuple[Pass, 
     if not target.has_hard_sigmoid:
         passes.append(Pass("hard_sigmoid_written_out", hard_sigmoid_written_out, "float",
                            f"{target.name} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
+    return tuple(passes)
+
+
+def _scalar_scale(q_or_dq: ir.Node) -> float | None:
+    """The per-tensor scale of a QuantizeLinear/DequantizeLinear stored as a constant (None otherwise)."""
+    if len(q_or_dq.inputs) < 2 or q_or_dq.inputs[1] is None or q_or_dq.inputs[1].const_value is None:
+        return None
+    scale = q_or_dq.inputs[1].const_value.numpy()
+    return float(scale.reshape(-1)[0]) if scale.size == 1 else None
+
+
+def _clip_bounds(clip: ir.Node) -> tuple[float, float] | None:
+    if clip.op_type != "Clip" or clip.domain not in DEFAULT_DOMAINS or len(clip.inputs) != 3:
+        return None
+    low, high = _scalar(clip.inputs[1]), _scalar(clip.inputs[2])
+    return None if low is None or high is None else (low, high)
+
+
+def clip_as_relu6(model: ir.Model) -> int:
+    """In a QDQ graph, ``Clip(DQ(q; s, z), 0, c) -> Q(s', z')`` with ``c`` other than 6 becomes ``Clip(DQ(q; k s,
+    z), 0, 6) -> Q(k s', z')`` with ``k = 6 / c``: the same integers in and out, through a Relu6."""
+    graph = model.graph
+    n = 0
+    for clip in list(graph):
+        bounds = _clip_bounds(clip)
+        if bounds is None or bounds[0] != 0.0 or bounds[1] <= 0.0 or bounds[1] == 6.0:
+            continue
+        dq, out = clip.inputs[0].producer(), clip.outputs[0]
+        readers = [u.node for u in out.uses()]
+        if dq is None or dq.op_type != "DequantizeLinear" or _scalar_scale(dq) is None or out.is_graph_output() \
+                or not readers or any(r.op_type != "QuantizeLinear" or _scalar_scale(r) is None for r in readers):
+            continue
+        k = 6.0 / bounds[1]
+        wide = ir.node("DequantizeLinear", [dq.inputs[0], fresh_initializer(graph, f"{clip.name}/scale_in", k * _scalar_scale(dq)),
+                                            *dq.inputs[2:]], name=f"{clip.name}/dequantize_x{k:g}")
+        graph.insert_before(clip, wide)
+        wide.outputs[0].dtype, wide.outputs[0].shape = ir.DataType.FLOAT, clip.inputs[0].shape
+        clip.replace_input_with(0, wide.outputs[0])
+        clip.replace_input_with(2, fresh_initializer(graph, f"{clip.name}/six", 6.0))
+        for q in readers:
+            q.replace_input_with(1, fresh_initializer(graph, f"{q.name}/scale_x{k:g}", k * _scalar_scale(q)))
+        n += 1
+    if n:
+        graph.remove([d for d in graph if d.op_type == "DequantizeLinear" and not any(o.uses() for o in d.outputs)
+                      and not any(o.is_graph_output() for o in d.outputs)], safe=True)
+        drop_unused_initializers(graph)
+    return n
+
+
+def _without_activation_pairs(model: ir.Model) -> ir.Model:
+    """A copy of a QDQ graph with every activation Q -> DQ pair read through and every DequantizeLinear of a
+    stored tensor replaced by its float values (what a float matcher reads); node names are kept."""
+    view = ir.from_proto(ir.to_proto(model))
+    graph = view.graph
+    for dq in [n for n in graph if n.op_type == "DequantizeLinear" and not n.outputs[0].is_graph_output()]:
+        q = dq.inputs[0].producer()
+        if q is not None and q.op_type == "QuantizeLinear":
+            dq.outputs[0].replace_all_uses_with(q.inputs[0])
+        elif all(v is None or v.const_value is not None for v in dq.inputs) and len(dq.inputs) == 3:
+            stored, scale, zero = (v.const_value.numpy() for v in dq.inputs)
+            if stored.size == 1 and scale.size == 1:  # a scalar operand (a weight keeps its DequantizeLinear)
+                values = (stored.astype(np.int32) - zero.astype(np.int32)).astype(np.float32) * scale
+                dq.outputs[0].replace_all_uses_with(fresh_initializer(graph, f"{dq.name}/value", values))
+    graph.remove([n for n in graph if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+                  and not any(o.uses() or o.is_graph_output() for o in n.outputs)], safe=True)
+    graph.remove([n for n in graph if n.op_type == "QuantizeLinear"
+                  and not any(o.uses() or o.is_graph_output() for o in n.outputs)], safe=True)
+    return view
+
+
+def hard_swish_one_op_quantized(model: ir.Model) -> int:
+    """Each hard swish ``hard_swish_one_op`` finds in the graph read without its activation pairs becomes one
+    ``HardSwish`` reading the DequantizeLinear its first op read, writing the value its last op wrote (read
+    by that op's QuantizeLinear); the pairs between its ops are dropped."""
+    if default_opset(model) < HARD_SWISH_OPSET:
+        return 0
+    found = _hard_swishes(_without_activation_pairs(model).graph)
+    if not found:
+        return 0
+    graph = model.graph
+    by_name = {n.name: n for n in graph}
+    n = 0
+    for end, x, nodes in found:
+        real = [by_name.get(v.name) for v in nodes]
+        first = next((r for r, v in zip(real, nodes) if r is not None and x in v.inputs), None)
+        if any(r is None for r in real) or first is None:
+            continue
+        x_real = first.inputs[list(next(v for v in nodes if v.name == first.name).inputs).index(x)]
+        last = by_name[end.name]
+        inner = {id(o) for r in real if r is not last for o in r.outputs}
+        pairs = [u.node for r in real if r is not last for o in r.outputs for u in o.uses()
+                 if u.node.op_type == "QuantizeLinear"]
+        pairs += [u.node for q in pairs for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"]
+        readers = {id(u.node) for r in real if r is not last for o in r.outputs for u in o.uses()}
+        if readers - {id(r) for r in real} - {id(q) for q in pairs} or any(id(o) in inner for o in graph.outputs):
+            continue  # an inner value is read outside the hard swish: left as it is
+        if any(u.node not in real for q in pairs if q.op_type == "DequantizeLinear" for u in q.outputs[0].uses()):
+            continue
+        swish = ir.node("HardSwish", [x_real], name=f"{last.name}/hardswish")
+        graph.insert_before(last, swish)
+        _take_over(last.outputs[0], swish.outputs[0])
+        graph.remove([*real, *pairs], safe=True)
+        n += 1
+    if n:
+        graph.remove([d for d in graph if d.op_type == "DequantizeLinear" and not any(o.uses() for o in d.outputs)
+                      and not any(o.is_graph_output() for o in d.outputs)], safe=True)
+        drop_unused_initializers(graph)
+    return n
+
+
+def exported_forms(target: Target) -> tuple[Pass, ...]:
+    """The exact rewrites ``target`` needs that also apply to a quantized (QDQ) graph, in order: what
+    ``export_qdq`` runs on the PyTorch path's file (the float passes need the float graph: the ONNX path's)."""
+    passes = []
+    if target.prelu_slower_than_written_out:
+        passes.append(Pass("prelu_written_out", prelu_written_out, "exact",
+                           f"{target.name}'s PRelu kernel is slower than Max(x, x * slope) or Relu(x) + Min(x, 0) * slope"))
+    if not target.has_hard_sigmoid:
+        passes.append(Pass("clip_as_relu6", clip_as_relu6, "exact",
+                           f"{target.name} runs Clip(0, 6) (Relu6) and no other Clip: a hard sigmoid's Clip(0, 1) at 6x scale"))
     return tuple(passes)

@@ -1,0 +1,80 @@
+"""Small onnx_ir edits shared by the ONNX front-end's passes and the export's: a pass record, opset
+reading and conversion, fresh initializers, the statistics of a BatchNormalization."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One rewrite of the float model: ``run(model) -> number of changes`` (0: nothing to do)."""
+
+    name: str
+    run: Callable[[ir.Model], int]
+    proof: str  # "exact": byte-identical outputs; "float": within FLOAT_TOLERANCE
+    why: str
+
+
+def default_opset(model: ir.Model) -> int:
+    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+
+
+def drop_unused_initializers(graph: ir.Graph) -> None:
+    for name in [n for n, v in graph.initializers.items() if not v.uses() and not v.is_graph_output()
+                 and not v.is_graph_input()]:
+        del graph.initializers[name]
+
+
+def convert_opset(model: ir.Model, version: int) -> int:
+    """A model below ``version`` of the default domain converted to it in place (``onnx.version_converter``);
+    1 if it was converted, 0 if it was there already."""
+    if default_opset(model) >= version:
+        return 0
+    replace_model(model, ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), version)))
+    return 1
+
+
+def fresh_initializer(graph: ir.Graph, base: str, array: float | np.ndarray) -> ir.Value:
+    """A float32 initializer holding ``array`` (a scalar, or an array as given) under ``base``, or ``base_1``, ``base_2``... when a tensor of
+    the graph already has that name."""
+    used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
+    name, k = base, 0
+    while name in used:
+        k += 1
+        name = f"{base}_{k}"
+    array = np.asarray(array, dtype=np.float32)
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def replace_model(model: ir.Model, new: ir.Model) -> None:
+    """Move ``new``'s graph and opsets into ``model`` (passes mutate the model they were given)."""
+    opsets = dict(new.opset_imports)
+    model.graph = new.graph  # the model's opset imports are its graph's
+    model.ir_version = new.ir_version
+    model.opset_imports.clear()
+    model.opset_imports.update(opsets)
+
+
+def batch_norm_statistics(bn: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(factor, beta, mean) in float64 of an inference-form BatchNormalization, which computes
+    ``factor * (x - mean) + beta`` with ``factor = gamma / sqrt(var + epsilon)``; None when a statistic
+    is not a stored constant."""
+    params = [v.const_value.numpy().astype(np.float64) if v is not None and v.const_value is not None else None
+              for v in bn.inputs[1:5]]
+    if len(params) != 4 or any(p is None for p in params):
+        return None
+    gamma, beta, mean, var = params
+    eps_attr = bn.attributes.get("epsilon")
+    eps = float(eps_attr.value) if eps_attr is not None else 1e-5
+    return gamma / np.sqrt(var + eps), beta, mean

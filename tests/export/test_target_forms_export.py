@@ -1,0 +1,200 @@
+"""The target's rewrites on the PyTorch path's file (``export.qdq.TargetFormsPass``, the ONNX path's
+``target_forms`` reused): a hard sigmoid's Clip(0, 1) runs as TiGrIS's Relu6, PRelu is written out for
+ONNX Runtime, each proven byte-identical on the sample."""
+
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from quantship import Quantizer, export_qdq
+from quantship.export import target_forms
+from quantship.inspect.judge.check import check_file
+from quantship.targets import get as get_target
+
+
+class GatedConv(torch.nn.Module):
+    """Conv -> ReLU -> a squeeze-excite gate written as onnx2torch converts Paddle's HardSigmoid
+    (``clamp(0.2 x + 0.5, 0, 1)``), then a second Conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gate = torch.nn.Conv2d(8, 8, 1)
+        self.conv2 = torch.nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        g = torch.clamp(0.2 * self.gate(y.mean((2, 3), keepdim=True)) + 0.5, 0.0, 1.0)
+        return self.conv2(y * g)
+
+
+class PReluNet(torch.nn.Module):
+    """Conv -> PReLU on a tensor above ``PRELU_MIN_VALUES`` values per sample, as MTCNN's nets are."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.prelu = torch.nn.PReLU(16, init=0.25)
+        self.conv2 = torch.nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(self.prelu(self.conv1(x)))
+
+
+def _data(shape):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g) for _ in range(3)], torch.randn(*shape, generator=g)
+
+
+def _clips(path) -> list[float]:
+    model = onnx.load(str(path))
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return [float(init[n.input[2]].reshape(-1)[0]) for n in model.graph.node if n.op_type == "Clip"]
+
+
+@pytest.mark.slow
+def test_tigris_file_of_a_hard_sigmoid_model_is_written_and_accepted(tmp_path):
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    qmodel = Quantizer.for_target("tigris").quantize(GatedConv().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "tigris.onnx", target="tigris")  # refused before: Clip 0..1
+    assert _clips(path) == [6.0]  # the gate's Clip(0, 1) now runs as Relu6
+    report = check_file(path, "tigris")
+    assert report.ok, [f.message for f in report.findings]
+    assert path.readings.literal_lsb <= 3.0  # the file still reads as the torch model does
+
+
+@pytest.mark.slow
+def test_onnxruntime_file_writes_prelu_out_as_the_onnx_path_does(tmp_path):
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 24, 24))  # 16 x 24 x 24 = 9,216 values per sample: above the threshold
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(PReluNet().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "ort.onnx", target="onnxruntime-cpu")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "PRelu" not in ops and ops.count("Max") == 1  # slopes <= 1: Max(x, x * slope), two kernels
+    assert path.readings.literal_lsb <= 3.0
+
+
+def test_exported_forms_follow_the_target_fields():
+    names = {t: [p.name for p in target_forms.exported_forms(get_target(t))]
+             for t in ("onnxruntime-cpu", "tigris", "openvino", "tensorrt")}
+    assert names == {"onnxruntime-cpu": ["prelu_written_out"], "tigris": ["clip_as_relu6"],
+                     "openvino": [], "tensorrt": []}
+    assert all(p.proof == "exact" for t in names for p in target_forms.exported_forms(get_target(t)))
+
+
+class DepthwiseNet(torch.nn.Module):
+    """Conv 3x3 -> ReLU -> depthwise 5x5 -> ReLU -> Conv 1x1: ONNX Runtime's float rule keeps the 5x5 float
+    (its weight too: with a dequantized weight between quantized neighbours ONNX Runtime would fuse it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(16, 16, 5, padding=2, groups=16)
+        self.conv2 = torch.nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.depthwise(torch.relu(self.conv1(x)))))
+
+
+@pytest.mark.slow
+def test_onnxruntime_placement_keeps_the_same_weighted_op_float_on_both_paths(tmp_path):
+    from quantship import export_onnx
+    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    model = DepthwiseNet().eval()
+    float_path = export_onnx(model, sample, tmp_path / "float.onnx", dynamic_batch=True)
+    onnx_path = quantize_onnx_file(float_path, tmp_path / "onnx_path.onnx", [c.numpy() for c in calib],
+                                   target="onnxruntime-cpu")
+    assert list(onnx_path.plan["kept_float"].values()) == [
+        next(r.why for r in get_target("onnxruntime-cpu").float_rules if r.id == "depthwise_over_3x3")]
+    quantizer = Quantizer.for_target("onnxruntime-cpu")
+    qmodel = quantizer.quantize(model, calib)
+    assert list(quantizer.report.kept_float.values()) == list(onnx_path.plan["kept_float"].values())
+    torch_path = export_qdq(qmodel, sample, tmp_path / "torch_path.onnx", target="onnxruntime-cpu")
+    for path in (onnx_path.path, torch_path):
+        graph = onnx.load(str(path)).graph
+        stored = {t.name: t.data_type for t in graph.initializer}
+        depthwise = [n for n in graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i == 16 for a in n.attribute)]
+        others = [n for n in graph.node if n.op_type == "Conv" and n not in depthwise]
+        assert len(depthwise) == 1 and stored.get(depthwise[0].input[1]) == onnx.TensorProto.FLOAT, path.name
+        assert all(n.input[1] not in stored for n in others), path.name  # the 3x3 and the 1x1 read int8 weights
+    assert ort_optimized_ops(onnx_path.path) == ort_optimized_ops(torch_path)  # ONNX Runtime runs the same kernels
+
+
+class WrittenOutHardSwish(torch.nn.Module):
+    """Conv -> ``x * clamp(x + 3, 0, 6) / 6`` (a hard swish as Paddle exports it and onnx2torch converts it) -> Conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv1(x)
+        return self.conv2(y * torch.clamp(y + 3.0, 0.0, 6.0) / 6.0)
+
+
+@pytest.mark.slow
+def test_onnxruntime_file_writes_a_hard_swish_as_one_op_as_the_onnx_path_does(tmp_path):
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(WrittenOutHardSwish().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "ort.onnx", target="onnxruntime-cpu")
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("HardSwish") == 1 and not {"Clip", "Div", "Mul", "Add"} & set(ops), ops
+    swish = next(n for n in graph.node if n.op_type == "HardSwish")
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    readers = [n.op_type for n in graph.node if swish.output[0] in n.input]
+    assert producers[swish.input[0]] == "DequantizeLinear" and readers == ["QuantizeLinear"]  # between two pairs
+    # two roundings fewer than the torch model: a step apart at most where a value sat on a rounding edge
+    assert path.readings.literal_lsb <= 3.0
+
+
+class SwishDepthwiseNet(torch.nn.Module):
+    """Conv -> hard swish (written out) -> depthwise 5x5 -> hard swish -> Conv 1x1, a PP-OCR block's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(16, 16, 5, padding=2, groups=16)
+        self.conv2 = torch.nn.Conv2d(16, 8, 1)
+
+    @staticmethod
+    def swish(y):
+        return y * torch.clamp(y + 3.0, 0.0, 6.0) / 6.0
+
+    def forward(self, x):
+        return self.conv2(self.swish(self.depthwise(self.swish(self.conv1(x)))))
+
+
+def _neighbours(path, op_type="Conv", group=16) -> tuple[str, list[str]]:
+    """What writes the input of the Conv of ``group`` and what reads its output."""
+    graph = onnx.load(str(path)).graph
+    conv = next(n for n in graph.node if n.op_type == op_type and any(a.name == "group" and a.i == group
+                                                                       for a in n.attribute))
+    producer = next(n.op_type for n in graph.node if conv.input[0] in n.output)
+    return producer, [n.op_type for n in graph.node if conv.output[0] in n.input]
+
+
+@pytest.mark.slow
+def test_onnxruntime_pairs_between_float_ops_are_dropped_as_the_onnx_path_never_places_them(tmp_path):
+    from quantship import export_onnx
+    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    model = SwishDepthwiseNet().eval()
+    float_path = export_onnx(model, sample, tmp_path / "float.onnx", dynamic_batch=True)
+    onnx_path = quantize_onnx_file(float_path, tmp_path / "onnx_path.onnx", [c.numpy() for c in calib],
+                                   target="onnxruntime-cpu").path
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calib)
+    torch_path = export_qdq(qmodel, sample, tmp_path / "torch_path.onnx", target="onnxruntime-cpu")
+    # the float depthwise Conv reads the HardSwish and feeds the next one directly, on both paths
+    assert _neighbours(onnx_path) == _neighbours(torch_path) == ("HardSwish", ["HardSwish"])
+    assert torch_path.readings.literal_lsb <= 3.0
