@@ -366,8 +366,7 @@ def passes_for(target: Target, sample: Feed | None, run_outputs) -> tuple[Pass, 
         passes.append(Pass("hard_swish_one_op", hard_swish_one_op, "float",
                            f"{target.name} runs a hard swish faster as one HardSwish than written out"))
     if target.prelu_slower_than_written_out:
-        passes.append(Pass("prelu_written_out", prelu_written_out, "exact",
-                           f"{target.name}'s PRelu kernel is slower than Max(x, x * slope) or Relu(x) + Min(x, 0) * slope"))
+        passes.append(_prelu_pass(target))
     if not target.has_hard_sigmoid:
         passes.append(Pass("hard_sigmoid_written_out", hard_sigmoid_written_out, "float",
                            f"{target.name} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
@@ -481,13 +480,18 @@ def hard_swish_one_op_quantized(model: ir.Model) -> int:
     return n
 
 
+def _prelu_pass(target: Target) -> Pass:
+    """The one PRelu rewrite, on the float graph (ONNX path) and on the exported QDQ graph (PyTorch path)."""
+    return Pass("prelu_written_out", prelu_written_out, "exact",
+                f"{target.name}'s PRelu kernel is slower than Max(x, x * slope) or Relu(x) + Min(x, 0) * slope")
+
+
 def exported_forms(target: Target) -> tuple[Pass, ...]:
     """The exact rewrites ``target`` needs that also apply to a quantized (QDQ) graph, in order: what
     ``export_qdq`` runs on the PyTorch path's file (the float passes need the float graph: the ONNX path's)."""
     passes = []
     if target.prelu_slower_than_written_out:
-        passes.append(Pass("prelu_written_out", prelu_written_out, "exact",
-                           f"{target.name}'s PRelu kernel is slower than Max(x, x * slope) or Relu(x) + Min(x, 0) * slope"))
+        passes.append(_prelu_pass(target))
     if not target.has_hard_sigmoid:
         passes.append(Pass("clip_as_relu6", clip_as_relu6, "exact",
                            f"{target.name} runs Clip(0, 6) (Relu6) and no other Clip: a hard sigmoid's Clip(0, 1) at 6x scale"))
