@@ -8,7 +8,6 @@ from pathlib import Path
 
 from quantship.cli import common
 
-
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
