@@ -582,7 +582,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     ir.external_data.load_to_model(model)  # what stays float (biases, norms) is read from the mapped file now
     unmap(on_disk)
     final = ir.to_proto(model)
-    del model
+    plan = {**layout.as_dict(), "recurrent": recurrent_plan.as_dict()}
+    del model, layout, nodes  # the plan's nodes hold the whole graph: freed before the file is read back
     memory.give_back()
     with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
@@ -609,7 +610,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         verdict.path = str(Path(out_path).expanduser().resolve())
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
-        plan={**layout.as_dict(), "recurrent": recurrent_plan.as_dict()}, counts=counts, qdq_stats=stats,
+        plan=plan, counts=counts, qdq_stats=stats,
         readings=readings, fidelity=fidelity,
         census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened,
         fp32=fp32)
