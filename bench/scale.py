@@ -175,6 +175,12 @@ def exponent(rows: list[dict], key: str) -> float | None:
     return float(np.polyfit(xs, ys, 1)[0])
 
 
+def line_fit(rows: list[dict], key: str) -> tuple[float, float]:
+    """(intercept, slope) of ``key`` against the float bytes: what does not grow with the model, and what does."""
+    slope, intercept = np.polyfit([r["float_bytes"] for r in rows], [r[key] for r in rows], 1)
+    return float(intercept), float(slope)
+
+
 def render(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [*_smoke.banner(args), *_smoke.cpu_lines("quantize-onnx cost against model size (bench/scale.py)"),
              "A fresh process per size and method, measured by `os.wait4` (wall time, the child's user + system CPU "
@@ -198,11 +204,16 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
                          f"{r['peak_rss_bytes'] / r['float_bytes']:.2f} | {goal / 1e9:.2f} GB {met} | "
                          f"{r['out_bytes']:,} | {', '.join(r['out_files'])} | {r.get('integer_kernels')} / "
                          f"{r.get('float_kernels')} | {sqnr} | {r.get('verdict')} |")
+        lines.append("")
         for key, what_of in (("cpu_s", "CPU time"), ("wall_s", "wall time"), ("peak_rss_bytes", "peak RSS")):
             slope = exponent(mine, key)
-            lines.append("")
-            lines.append(f"Fitted exponent of {what_of} against float size: "
+            lines.append(f"- fitted exponent of {what_of} against float size: "
                          + (f"{slope:.2f}" if slope is not None else "n/a (one size)"))
+        if len(mine) >= 2:
+            fixed, per_byte = line_fit(mine, "peak_rss_bytes")
+            seconds, per_gb = line_fit(mine, "cpu_s")
+            lines.append(f"- least-squares line: peak RSS = {fixed / 1e9:.2f} GB + {per_byte:.2f} x float weights; "
+                         f"CPU time = {seconds:.1f} s + {per_gb * 1e9:.1f} s per GB of float weights")
     return "\n".join(lines) + "\n"
 
 
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                              "record in it (sizes measured by earlier runs included)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
     args = _smoke.parse_args(parser, argv, sizes="0.002,0.006")
-    sizes = sorted(float(s) for s in args.sizes.split(","))
+    sizes = sorted(float(s) for s in args.sizes.split(",") if s)  # none: only render --records
     methods = [m for m in args.methods.split(",") if m]
     rows = []
     with tempfile.TemporaryDirectory(prefix="quantship-scale-") as tmp:

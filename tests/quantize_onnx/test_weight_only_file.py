@@ -45,6 +45,7 @@ def test_an_external_data_file_becomes_matmul_nbits_that_onnx_runtime_runs(tmp_p
     ops = [n.op_type for n in written.graph.node]
     # six weighted MatMuls (q, k, v, o, the two of the feed-forward); the head is a Gemm and stays float
     assert done.n_matmul_nbits == 6 and ops.count("MatMulNBits") == 6 and ops.count("MatMul") == 2
+    assert done.kept_float == []  # the two attention MatMuls read no weight: nothing was left float
     got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     ref = ort.InferenceSession(str(float_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     sqnr = 10 * np.log10(np.sum(ref ** 2) / np.sum((ref - got) ** 2))

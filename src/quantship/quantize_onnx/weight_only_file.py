@@ -44,7 +44,7 @@ class WeightOnlyResult:
     bits: int
     group: int
     n_matmul_nbits: int
-    kept_float: list[str]  # MatMuls left float (weight not a stored 2-D tensor, or K not a multiple of group)
+    kept_float: list[str]  # weighted MatMuls left float (weight not 2-D float, shared, or K not a multiple of group)
     fp32: Fidelity
 
     def as_dict(self) -> dict:
@@ -89,8 +89,10 @@ def quantize_weight_only_file(float_path: str | Path, out_path: str | Path, samp
             continue
         value = node.inputs[1]
         tensor = value.const_value
-        if (tensor is None or value.name not in model.graph.initializers or tensor.dtype != ir.DataType.FLOAT
-                or len(tensor.shape) != 2 or tensor.shape[0] % group or len(value.uses()) != 1):
+        if tensor is None or value.name not in model.graph.initializers:
+            continue  # activation x activation (attention scores): no weight to store
+        if (tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2 or tensor.shape[0] % group
+                or len(value.uses()) != 1):
             kept.append(node.name or value.name)
             continue
         weight = quantize_rows(tensor.numpy(), bits, group)
