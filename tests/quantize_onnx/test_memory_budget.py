@@ -12,7 +12,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -125,11 +124,11 @@ def test_the_estimate_is_at_least_the_peak_a_fresh_process_measures(encoder, tmp
     np.save(tmp_path / "cal.npy", x)
     estimate = memory.refuse_if_too_large(external, [{"x": x}], max_memory=1 << 40)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "quantship", "quantize-onnx", str(external), "--calib",
-                              str(tmp_path / "cal.npy"), "--out", str(tmp_path / "q.onnx"), "--no-speed"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    _, status, usage = os.wait4(child.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and time.perf_counter() - start < 300
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        child = subprocess.Popen([sys.executable, "-m", "quantship", "quantize-onnx", str(external), "--calib",
+                                  str(tmp_path / "cal.npy"), "--out", str(tmp_path / "q.onnx"), "--no-speed"],
+                                 stdout=subprocess.DEVNULL, stderr=errors, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, (tmp_path / "stderr.txt").read_text()
     peak = usage.ru_maxrss * 1024
     assert peak <= estimate.total, (peak, estimate.describe())
