@@ -207,12 +207,12 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append("")
         for key, what_of in (("cpu_s", "CPU time"), ("wall_s", "wall time"), ("peak_rss_bytes", "peak RSS")):
             slope = exponent(mine, key)
-            lines.append(f"- fitted exponent of {what_of} against float size: "
+            lines.append(f"- Fitted exponent of {what_of} against float size: "
                          + (f"{slope:.2f}" if slope is not None else "n/a (one size)"))
         if len(mine) >= 2:
             fixed, per_byte = line_fit(mine, "peak_rss_bytes")
             seconds, per_gb = line_fit(mine, "cpu_s")
-            lines.append(f"- least-squares line: peak RSS = {fixed / 1e9:.2f} GB + {per_byte:.2f} x float weights; "
+            lines.append(f"- Least-squares line: peak RSS = {fixed / 1e9:.2f} GB + {per_byte:.2f} x float weights; "
                          f"CPU time = {seconds:.1f} s + {per_gb * 1e9:.1f} s per GB of float weights")
     return "\n".join(lines) + "\n"
 
