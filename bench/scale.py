@@ -39,60 +39,104 @@ def config(size_gb: float) -> tuple[int, int]:
     return width, layers
 
 
-def build(width: int, layers: int, seed: int = 0) -> onnx.ModelProto:
-    """A pre-norm encoder: LayerNorm, single-head attention, residual, LayerNorm, ReLU MLP, residual."""
+def build(width: int, layers: int, folder: Path, seed: int = 0) -> tuple[Path, int]:
+    """A pre-norm encoder (LayerNorm, single-head attention, residual, LayerNorm, ReLU MLP, residual) written as
+    ``float.onnx`` plus ``float.onnx.data``, one weight at a time (this process never holds the model); returns
+    the graph's path and the float weights' bytes."""
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
+    data_path = folder / "float.onnx.data"
+    written = 0
 
-    def weight(name: str, *shape: int) -> str:
-        inits.append(numpy_helper.from_array((rng.standard_normal(shape, dtype=np.float32) / math.sqrt(shape[0])), name))
-        return name
+    with open(data_path, "wb") as data:
+        def weight(name: str, *shape: int) -> str:
+            nonlocal written
+            array = rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[0]))
+            data.write(b"\0" * (-data.tell() % 4096))
+            offset = data.tell()
+            data.write(array.tobytes())
+            tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape,
+                                 data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", data_path.name), ("offset", offset), ("length", array.nbytes)):
+                tensor.external_data.add(key=key, value=str(value))
+            inits.append(tensor)
+            written += array.nbytes
+            return name
 
-    def op(kind: str, inputs: list[str], out: str, **attrs) -> str:
-        nodes.append(helper.make_node(kind, inputs, [out], name=out, **attrs))
-        return out
+        def op(kind: str, inputs: list[str], out: str, **attrs) -> str:
+            nodes.append(helper.make_node(kind, inputs, [out], name=out, **attrs))
+            return out
 
-    inits += [numpy_helper.from_array(np.ones(width, np.float32), "gamma"),
-              numpy_helper.from_array(np.zeros(width, np.float32), "beta"),
-              numpy_helper.from_array(np.array(math.sqrt(width), np.float32), "root_d")]
-    x = "x"
-    for i in range(layers):
-        p = f"l{i}_"
-        h = op("LayerNormalization", [x, "gamma", "beta"], p + "ln1", axis=-1)
-        q, k, v = (op("MatMul", [h, weight(p + f"w{n}", width, width)], p + n) for n in "qkv")
-        kt = op("Transpose", [k], p + "kt", perm=[0, 2, 1])
-        scores = op("Div", [op("MatMul", [q, kt], p + "qk"), "root_d"], p + "scaled")
-        attn = op("MatMul", [op("Softmax", [scores], p + "softmax", axis=-1), v], p + "attn")
-        o = op("Add", [op("MatMul", [attn, weight(p + "wo", width, width)], p + "o"), weight(p + "bo", width)], p + "ob")
-        x = op("Add", [x, o], p + "res1")
-        h = op("LayerNormalization", [x, "gamma", "beta"], p + "ln2", axis=-1)
-        up = op("Add", [op("MatMul", [h, weight(p + "w1", width, 4 * width)], p + "up"), weight(p + "b1", 4 * width)],
-                p + "upb")
-        down = op("MatMul", [op("Relu", [up], p + "relu"), weight(p + "w2", 4 * width, width)], p + "down")
-        x = op("Add", [x, op("Add", [down, weight(p + "b2", width)], p + "downb")], p + "res2")
+        inits += [numpy_helper.from_array(np.ones(width, np.float32), "gamma"),
+                  numpy_helper.from_array(np.zeros(width, np.float32), "beta"),
+                  numpy_helper.from_array(np.array(math.sqrt(width), np.float32), "root_d")]
+        x = "x"
+        for i in range(layers):
+            p = f"l{i}_"
+            h = op("LayerNormalization", [x, "gamma", "beta"], p + "ln1", axis=-1)
+            q, k, v = (op("MatMul", [h, weight(p + f"w{n}", width, width)], p + n) for n in "qkv")
+            kt = op("Transpose", [k], p + "kt", perm=[0, 2, 1])
+            scores = op("Div", [op("MatMul", [q, kt], p + "qk"), "root_d"], p + "scaled")
+            attn = op("MatMul", [op("Softmax", [scores], p + "softmax", axis=-1), v], p + "attn")
+            o = op("Add", [op("MatMul", [attn, weight(p + "wo", width, width)], p + "o"), weight(p + "bo", width)],
+                   p + "ob")
+            x = op("Add", [x, o], p + "res1")
+            h = op("LayerNormalization", [x, "gamma", "beta"], p + "ln2", axis=-1)
+            up = op("Add", [op("MatMul", [h, weight(p + "w1", width, 4 * width)], p + "up"),
+                            weight(p + "b1", 4 * width)], p + "upb")
+            down = op("MatMul", [op("Relu", [up], p + "relu"), weight(p + "w2", 4 * width, width)], p + "down")
+            x = op("Add", [x, op("Add", [down, weight(p + "b2", width)], p + "downb")], p + "res2")
     nodes[-1].output[0] = "y"
     graph = helper.make_graph(nodes, "encoder", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", SEQ, width])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", SEQ, width])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    return model
+    path = folder / "float.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path, written + sum(t.ByteSize() for t in inits if not t.external_data)
 
 
-def measure(size_gb: float, work: Path) -> dict:
+def quantize_command(method: str, float_path: Path, calib: Path, out: Path) -> list[str]:
+    """The CLI call that quantizes ``float_path`` by ``method`` (``METHODS``)."""
+    if method == "int8":
+        return [sys.executable, "-m", "quantship", "quantize-onnx", str(float_path), "--calib", str(calib), "--out",
+                str(out), "--batch-size", str(BATCH), "--no-speed", "--json"]
+    if method == "int4":  # no CLI for it yet: the public API in a fresh process, its result as JSON
+        code = ("import json, sys; import numpy as np; "
+                "from quantship.quantize_onnx.weight_only_file import quantize_weight_only_file; "
+                "r = quantize_weight_only_file(sys.argv[1], sys.argv[2], np.load(sys.argv[3]), bits=4); "
+                "print(json.dumps(r.as_dict()))")
+        return [sys.executable, "-c", code, str(float_path), str(out), str(calib)]
+    raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
+
+
+METHODS = {"int8": "INT8 static (`quantize-onnx --no-speed`: normalise, calibrate, write, post-conditions, both ORT "
+                   "readings, fidelity to FP32, `check --run`)",
+           "int4": "INT4 weight-only (`quantize_onnx.weight_only_file`: each weighted MatMul as MatMulNBits, 4 bits, "
+                   "group 128, symmetric; run in ORT against FP32; no QDQ check applies)"}
+
+
+def build_size(size_gb: float, work: Path) -> dict:
+    """The float file and calibration data of one size, written once and reused by every method."""
     width, layers = config(size_gb)
     folder = work / f"{size_gb:g}gb"
     folder.mkdir(parents=True, exist_ok=True)
-    float_path = folder / "float.onnx"
-    model = build(width, layers)
-    float_bytes = sum(t.ByteSize() for t in model.graph.initializer)
-    onnx.save_model(model, str(float_path), save_as_external_data=True, location="float.onnx.data",
-                    size_threshold=1024)
-    del model
-    calib = folder / "calib.npy"
-    np.save(calib, np.random.default_rng(1).standard_normal((SAMPLES, SEQ, width), dtype=np.float32))
-    out = folder / "int8.onnx"
-    command = [sys.executable, "-m", "quantship", "quantize-onnx", str(float_path), "--calib", str(calib), "--out",
-               str(out), "--batch-size", str(BATCH), "--no-speed", "--json"]
+    float_path, calib = folder / "float.onnx", folder / "calib.npy"
+    if float_path.is_file() and calib.is_file():
+        float_bytes = sum(t.ByteSize() if not t.external_data else int(t.external_data[2].value)
+                          for t in onnx.load(str(float_path), load_external_data=False).graph.initializer)
+    else:
+        float_path, float_bytes = build(width, layers, folder)
+        np.save(calib, np.random.default_rng(1).standard_normal((SAMPLES, SEQ, width), dtype=np.float32))
+    return {"size_gb": size_gb, "width": width, "layers": layers, "float_bytes": float_bytes, "folder": folder,
+            "float_path": float_path, "calib": calib}
+
+
+def measure(size_gb: float, work: Path, method: str = "int8") -> dict:
+    built = build_size(size_gb, work)
+    folder = built["folder"]
+    out = folder / f"{method}.onnx"
+    command = quantize_command(method, built["float_path"], built["calib"], out)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         child = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
@@ -103,12 +147,23 @@ def measure(size_gb: float, work: Path) -> dict:
         stderr.seek(0)
         report, errors = stdout.read(), stderr.read()
     if child.returncode != 0:
-        raise SystemExit(f"quantize-onnx exited {child.returncode} at {size_gb:g} GB: {errors.strip()[-2000:]}")
-    fidelity = json.loads(report).get("fidelity_fp32") or {}
-    files = sorted(p.name for p in folder.iterdir() if p.name.startswith("int8.onnx"))
-    return {"size_gb": size_gb, "width": width, "layers": layers, "float_bytes": float_bytes, "wall_s": wall,
-            "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "int8_bytes": file_size(out), "int8_files": files, "sqnr_db": fidelity.get("sqnr_db")}
+        raise SystemExit(f"{method} exited {child.returncode} at {size_gb:g} GB: {errors.strip()[-2000:]}")
+    result = json.loads(report)
+    fidelity = result.get("fidelity_fp32") or {}
+    census = result.get("census") or {}
+    files = sorted(p.name for p in folder.iterdir() if p.name.startswith(out.name))
+    return {"method": method, "size_gb": size_gb, "width": built["width"], "layers": built["layers"],
+            "float_bytes": built["float_bytes"], "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "out_bytes": file_size(out), "out_files": files,
+            "sqnr_db": fidelity.get("sqnr_db"),
+            "verdict": result.get("verdict", "runs in ORT" if method == "int4" else None),
+            "integer_kernels": census.get("n_integer", result.get("n_matmul_nbits")),
+            "float_kernels": census.get("n_float", len(result.get("kept_float", [])))}
+
+
+def goal_bytes(float_bytes: int) -> float:
+    """Issue 40's goal for peak RSS: 1.5 x the float weights plus 2 GB."""
+    return 1.5 * float_bytes + 2e9
 
 
 def exponent(rows: list[dict], key: str) -> float | None:
@@ -120,36 +175,72 @@ def exponent(rows: list[dict], key: str) -> float | None:
     return float(np.polyfit(xs, ys, 1)[0])
 
 
+def line_fit(rows: list[dict], key: str) -> tuple[float, float]:
+    """(intercept, slope) of ``key`` against the float bytes: what does not grow with the model, and what does."""
+    slope, intercept = np.polyfit([r["float_bytes"] for r in rows], [r[key] for r in rows], 1)
+    return float(intercept), float(slope)
+
+
 def render(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [*_smoke.banner(args), *_smoke.cpu_lines("quantize-onnx cost against model size (bench/scale.py)"),
-             f"INT8 static (`quantize-onnx --no-speed`, fidelity measured, `check --run`), a fresh process per size; "
-             f"float files with external data; calibration {SAMPLES} x {SEQ} tokens, batch {BATCH}.", "",
-             "| float weights | layers x width | wall s | CPU s | peak RSS | RSS / float | INT8 bytes | INT8 files | "
-             "SQNR vs FP32 |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        sqnr = f"{r['sqnr_db']:.1f} dB" if r["sqnr_db"] is not None else "n/a"
-        lines.append(f"| {r['float_bytes'] / 1e9:.3f} GB | {r['layers']} x {r['width']} | {r['wall_s']:.1f} | "
-                     f"{r['cpu_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | "
-                     f"{r['peak_rss_bytes'] / r['float_bytes']:.2f} | {r['int8_bytes']:,} | "
-                     f"{', '.join(r['int8_files'])} | {sqnr} |")
-    for key, what in (("cpu_s", "CPU time"), ("peak_rss_bytes", "peak RSS")):
-        slope = exponent(rows, key)
+             "A fresh process per size and method, measured by `os.wait4` (wall time, the child's user + system CPU "
+             "time, its peak RSS); random-weight pre-norm encoders written with external data; calibration "
+             f"{SAMPLES} x {SEQ} tokens, batch {BATCH}. Goal (issue 40): peak RSS <= 1.5 x float weights + 2 GB.",
+             "The machine was shared with other jobs while this ran."]
+    for method, what in METHODS.items():
+        mine = sorted((r for r in rows if r.get("method", "int8") == method), key=lambda r: r["float_bytes"])
+        if not mine:
+            continue
+        lines += ["", f"## {what}", "",
+                  "| float weights | layers x width | wall s | CPU s | peak RSS | RSS / float | goal | output bytes | "
+                  "output files | low-bit / float weighted ops | SQNR vs FP32 | check --run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            sqnr = f"{r['sqnr_db']:.1f} dB" if r.get("sqnr_db") is not None else "n/a"
+            goal = goal_bytes(r["float_bytes"])
+            met = "met" if r["peak_rss_bytes"] <= goal else "missed"
+            lines.append(f"| {r['float_bytes'] / 1e9:.3f} GB | {r['layers']} x {r['width']} | {r['wall_s']:.1f} | "
+                         f"{r['cpu_s']:.1f} | {r['peak_rss_bytes'] / 1e9:.2f} GB | "
+                         f"{r['peak_rss_bytes'] / r['float_bytes']:.2f} | {goal / 1e9:.2f} GB {met} | "
+                         f"{r['out_bytes']:,} | {', '.join(r['out_files'])} | {r.get('integer_kernels')} / "
+                         f"{r.get('float_kernels')} | {sqnr} | {r.get('verdict')} |")
         lines.append("")
-        lines.append(f"Fitted exponent of {what} against float size: "
-                     + (f"{slope:.2f}" if slope is not None else "n/a (one size)"))
+        for key, what_of in (("cpu_s", "CPU time"), ("wall_s", "wall time"), ("peak_rss_bytes", "peak RSS")):
+            slope = exponent(mine, key)
+            lines.append(f"- Fitted exponent of {what_of} against float size: "
+                         + (f"{slope:.2f}" if slope is not None else "n/a (one size)"))
+        if len(mine) >= 2:
+            fixed, per_byte = line_fit(mine, "peak_rss_bytes")
+            seconds, per_gb = line_fit(mine, "cpu_s")
+            lines.append(f"- Least-squares line: peak RSS = {fixed / 1e9:.2f} GB + {per_byte:.2f} x float weights; "
+                         f"CPU time = {seconds:.1f} s + {per_gb * 1e9:.1f} s per GB of float weights")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0.1,0.5", help="float weights per model, GB, comma-separated")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
     parser.add_argument("--work", type=Path, default=None, help="folder for the files (default: a temporary one)")
+    parser.add_argument("--records", type=Path, default=None,
+                        help="JSON-lines file each measurement is appended to as it ends; the table covers every "
+                             "record in it (sizes measured by earlier runs included)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
     args = _smoke.parse_args(parser, argv, sizes="0.002,0.006")
-    sizes = sorted(float(s) for s in args.sizes.split(","))
+    sizes = sorted(float(s) for s in args.sizes.split(",") if s)  # none: only render --records
+    methods = [m for m in args.methods.split(",") if m]
+    rows = []
     with tempfile.TemporaryDirectory(prefix="quantship-scale-") as tmp:
         work = args.work or Path(tmp)
-        rows = [measure(size, work) for size in sizes]
+        for size in sizes:
+            for method in methods:
+                row = measure(size, work, method)
+                rows.append(row)
+                if args.records is not None:
+                    with open(args.records, "a") as records:
+                        records.write(json.dumps(row) + "\n")
+    if args.records is not None:
+        rows = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
     table = render(rows, args)
     print(table)
     if args.out is not None:

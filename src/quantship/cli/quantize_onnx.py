@@ -24,6 +24,7 @@ from quantship import targets
 from quantship.cli import common, options, quantize_onnx_dynamic, quantize_onnx_ort, quantize_onnx_static
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli import speed as speed_cli
+from quantship.cli.onnx_input import memory_size
 from quantship.cli.usage import UsageError
 
 ENGINES = ("quantship", "ort")
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaround", nargs="?", const="default", default=None, metavar="STEPS",
                         help="learn each weight's rounding up or down (AdaRound, on the calibration data); STEPS "
                              "per layer (default 300)")
+    parser.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                        help="memory the run may use, e.g. 6G (default: what the kernel says is available): "
+                             "calibration is sliced to stay under it; below what the weights and one layer need, "
+                             "refused before anything is written")
     parser.add_argument("--keep-refused", action="store_true",
                         help="--engine ort: keep the file even when the target's check refuses it")
     parser.add_argument("--eval", metavar="LABELLED",
@@ -101,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     speed_cli.refuse(args, targets.get(args.target), not_timed="--engine ort" if args.engine == "ort" else
                      "--activations dynamic" if args.activations == "dynamic" else None)
+    if args.max_memory is not None and (args.engine == "ort" or args.activations == "dynamic" or args.speed_search
+                                        or args.max_drop is not None):
+        raise UsageError("--max-memory bounds quantship's engine with static activations in one quantization: drop "
+                         "--engine ort, --activations dynamic, --speed-search or --max-drop")
     if args.activations == "dynamic":
         quantize_onnx_dynamic.refuse_combinations(args)
         with common.writing(args) as out:

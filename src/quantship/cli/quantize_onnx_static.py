@@ -23,13 +23,13 @@ def run(args: argparse.Namespace, out) -> int:
 
     ui = common.Output(args)
     target = targets.get(args.target)
-    model, inputs = read_float_file(args.float_model)
+    model, inputs = read_float_file(args.float_model, args.max_memory)
     batches, held, held_said = read_held_out(
         args.calib, inputs, batch_size=args.batch_size, max_samples=args.max_samples, key=args.key,
         preprocessing=common.preprocessing(args), fidelity_data=args.fidelity_data, judged=not args.no_fidelity,
         multiple=fixed_batch(inputs) or 1)
     del model
-    check_memory(args.float_model, batches)
+    check_memory(args.float_model, batches, args.max_memory)
     labelled = quantize_onnx_eval.labelled(args, inputs)
     placement, _, _ = placement_for(target.target, per_tensor=args.per_tensor)
     n = sum(len(next(iter(b.values()))) for b in batches)
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, out) -> int:
                 bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
                 smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say,
                 speed=not args.no_speed, require_faster=args.require_faster,
-                profile_placement=not args.plain_placement)
+                profile_placement=not args.plain_placement, max_memory=args.max_memory)
         except SpeedMissed as slower:
             return speed_cli.missed("quantize-onnx", ui, slower, {"version": 1, "input": args.float_model,
                                                                   "engine": "quantship", "target": target.target})

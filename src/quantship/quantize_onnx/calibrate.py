@@ -4,14 +4,16 @@
 shape inference could not tell on the Paddle and YOLO files comes from this run). ``observe`` runs
 the calibration batches with the tensors to quantize exposed, feeding quantship's activation
 observers (the PyTorch path's, through ``torch.from_numpy``) one batch at a time: a batch whose
-exposed tensors would exceed ``MEMORY_BUDGET`` is run in shorter slices, so memory stays bounded
-whatever the batch size.
+exposed tensors would exceed the budget (``MEMORY_BUDGET``, or what ``--max-memory`` leaves) is run in
+shorter slices, and tensors whose one sample together exceeds it are exposed a group at a time (one session
+per group), so memory stays bounded whatever the batch size and the number of tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -39,11 +41,12 @@ class TensorInfo:
 Feed = dict[str, np.ndarray]
 
 
-def exposing_session(model: onnx.ModelProto, exposed: Sequence[str]):
+def exposing_session(model: onnx.ModelProto, exposed: Sequence[str], base_dir: str | Path | None = None):
     """An ONNX Runtime session of ``model`` with every tensor of ``exposed`` also a graph output, read literally.
 
     The outputs are added to ``model`` for the session's creation and removed after it (no copy of the
-    weights: ``model`` is as it was when this returns or raises)."""
+    weights: ``model`` is as it was when this returns or raises). ``base_dir``: where ``model``'s external
+    tensors live (ONNX Runtime maps them from there)."""
     import onnxruntime as ort
 
     outputs = model.graph.output
@@ -55,7 +58,7 @@ def exposing_session(model: onnx.ModelProto, exposed: Sequence[str]):
     # basic level: constant folding and redundant-node removal only; no fusion touches an exposed tensor
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
-        return session_of(model, options)
+        return session_of(model, options, base_dir)
     finally:
         del outputs[n_declared:]
 
@@ -64,11 +67,12 @@ def _first_sample(feed: Feed) -> Feed:
     return {k: v[:1] for k, v in feed.items()}
 
 
-def probe(model: onnx.ModelProto, feed: Feed, *, one_sample: bool = True) -> dict[str, TensorInfo]:
+def probe(model: onnx.ModelProto, feed: Feed, *, one_sample: bool = True,
+          base_dir: str | Path | None = None) -> dict[str, TensorInfo]:
     """Dtype and shape of every node output (and input), read off one run of one sample (of the whole
     batch when the file's batch dimension is fixed: ``one_sample=False``)."""
     names = [o for n in model.graph.node for o in n.output if o]
-    session = exposing_session(model, names)
+    session = exposing_session(model, names, base_dir)
     wanted = [o.name for o in session.get_outputs()]
     fed = _first_sample(feed) if one_sample else feed
     outs = session.run(wanted, fed)
@@ -171,29 +175,47 @@ def observer_factory(name: str):
     return activation_observer(name)
 
 
+def tensor_groups(names: Sequence[str], info: dict[str, TensorInfo], budget: int) -> list[list[str]]:
+    """``names`` in order, cut into groups whose exposed bytes for one sample fit ``budget`` (a tensor larger
+    than the budget alone is a group of its own)."""
+    groups: list[list[str]] = []
+    held = 0
+    for name in names:
+        size = info[name].bytes_per_sample if name in info else 0
+        if not groups or held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size
+    return groups
+
+
 def observe(model: onnx.ModelProto, batches: Sequence[Feed], tensors: Sequence[str], info: dict[str, TensorInfo],
-            *, observer: str, symmetric: bool) -> dict[str, TensorObserver]:
-    """Run every batch with ``tensors`` exposed; one ``TensorObserver`` per tensor."""
+            *, observer: str, symmetric: bool, budget: int = MEMORY_BUDGET,
+            base_dir: str | Path | None = None) -> dict[str, TensorObserver]:
+    """Run every batch with ``tensors`` exposed, at most ``budget`` bytes of them held at once; one
+    ``TensorObserver`` per tensor. ``base_dir``: where ``model``'s external tensors live."""
     import torch
 
     qscheme = torch.per_tensor_symmetric if symmetric else torch.per_tensor_affine
     make = observer_factory(observer)
     observers = {name: TensorObserver(make, qscheme) for name in tensors}
     computed = [name for name in tensors if name not in batches[0]]
-    session = exposing_session(model, computed) if computed else None
-    per_sample = sum(info[n].bytes_per_sample for n in computed if n in info) or 1
-    rows = max(1, MEMORY_BUDGET // per_sample)
     for feed in batches:
         for name, value in feed.items():
             if name in observers:
                 observers[name](value)
-        if session is None:
-            continue
-        n = len(next(iter(feed.values())))
-        for start in range(0, n, rows):
-            part = {k: v[start:start + rows] for k, v in feed.items()}
-            outs = session.run(computed, part)
-            for name, value in zip(computed, outs):
-                observers[name](value)
-            del outs
+    for group in tensor_groups(computed, info, budget) if computed else []:
+        session = exposing_session(model, group, base_dir)
+        per_sample = sum(info[n].bytes_per_sample for n in group if n in info) or 1
+        rows = max(1, budget // per_sample)
+        for feed in batches:
+            n = len(next(iter(feed.values())))
+            for start in range(0, n, rows):
+                part = {k: v[start:start + rows] for k, v in feed.items()}
+                outs = session.run(group, part)
+                for name, value in zip(group, outs):
+                    observers[name](value)
+                del outs
+        del session
     return observers

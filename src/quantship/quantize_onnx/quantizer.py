@@ -43,11 +43,11 @@ from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
 from quantship.quantize_onnx import bias_correction as bias_correcting
-from quantship.quantize_onnx import calibrate, normalize, place, recurrent, selection
+from quantship.quantize_onnx import calibrate, memory, normalize, place, recurrent, selection
 from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
-from quantship.quantize_onnx.memory import refuse_if_too_large
+from quantship.quantize_onnx.memory import refuse_if_too_large, slice_budget
 from quantship.targets import Target
 from quantship.targets.target import wide_dtype
 
@@ -169,9 +169,23 @@ def refuse_weight_inputs(model: onnx.ModelProto, path: str | Path) -> None:
             "quantize again")
 
 
-def _session(model: onnx.ModelProto | Path, optimized: bool = False):
+def _session(model: onnx.ModelProto | Path, optimized: bool = False, base_dir: str | None = None):
 
-    return ort_session(model, optimized=optimized)
+    return ort_session(model, optimized=optimized, base_dir=base_dir)
+
+
+def external_dir(model: ir.Model) -> str | None:
+    """The folder ``model``'s weights are mapped from when it was read lazily (``ir.load`` of a file with
+    external data); None when every weight is in memory."""
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            return value.const_value.base_dir
+    return None
+
+
+def _ir_session(model: ir.Model):
+    """A literal session of ``model`` as it is now; weights still on disk are mapped by ONNX Runtime, not copied."""
+    return _session(ir.to_proto(model), base_dir=external_dir(model))
 
 
 def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
@@ -225,7 +239,7 @@ class ProvenPass(ir.passes.InPlacePass):
             self.records.append(PassRecord(name, 0, self.p.proof, None))
             return
         try:
-            after = _run(_session(ir.to_proto(model)), self.proof["feeds"])
+            after = _run(_ir_session(model), self.proof["feeds"])
         except Exception as exc:
             raise ExportRefused(f"normalisation pass {name} broke the file (ONNX Runtime cannot run it: "
                                 f"{cause(exc)})") from exc
@@ -251,7 +265,7 @@ def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize
     """Run ``passes`` (``normalize.PASSES``, then a target's ``target_forms``) in order with onnx-ir's pass
     manager, each proven in its ``ensures()`` (``ProvenPass``); a refusal surfaces as itself."""
     proof = {"feeds": first_feeds(feeds)}
-    proof["before"] = _run(_session(ir.to_proto(model)), proof["feeds"])
+    proof["before"] = _run(_ir_session(model), proof["feeds"])
     records: list[PassRecord] = []
     run_passes([ProvenPass(p, proof, records) for p in (normalize.PASSES if passes is None else passes)], model)
     return records
@@ -276,27 +290,47 @@ class Prepared:
     layout: place.Plan
     recurrent_plan: recurrent.RecurrentPlan  # the LSTM/GRU/RNN nodes: which run as integer kernels, why others stay float
     smoother: smoothing.Smoother | None = None  # what SmoothQuant did, when it ran
+    base_dir: str | None = None  # where ``normal``'s external tensors are mapped from (None: all in memory)
 
 
-def prepare(proto: onnx.ModelProto, inputs: Sequence[Any], feeds: Sequence[Feed], p: Target, placement: Placement,
+def prepare(proto: onnx.ModelProto | ir.Model, inputs: Sequence[Any], feeds: Sequence[Feed], p: Target, placement: Placement,
             exclude: Iterable[str] = (), *, equalize: bool = False, int16: bool = False,
             smooth_quant: float | None = None, shared_scale: Iterable[str] = ()) -> Prepared:
     """Normalise ``proto`` for ``p`` (``normalize.PASSES``, cross-layer equalization if asked, then the
     target's ``target_forms``, then opset 21 if ``int16``), probe it on the first feed and plan its Q/DQ
-    pairs; ``feeds`` as ``feeds_for`` gives them."""
-    model = ir.from_proto(proto)
-    forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_session(ir.to_proto(m)), feeds[:1]))
+    pairs; ``feeds`` as ``feeds_for`` gives them. An ``ir.Model`` read lazily (``ir.load``) keeps its
+    unchanged weights on disk: the sessions map them from there."""
+    model = proto if isinstance(proto, ir.Model) else ir.from_proto(proto)
+    forms = target_forms.passes_for(p, feeds[0], lambda m: _run(_ir_session(m), feeds[:1]))
     smoother = smoothing.Smoother(smooth_quant, feeds) if smooth_quant is not None else None
     extra = (((equalizing.PASS,) if equalize else ()) + ((smoothing.smoothing_pass(smoother),) if smoother else ())
              + forms + ((sixteen.OPSET_PASS,) if int16 else ()))
     records = normalise(model, feeds, (*normalize.PASSES, recurrent.FOLD_PASS, *extra))
     normal = ir.to_proto(model)
+    base_dir = external_dir(model)
     fixed_batch = not p.dynamic_batch or any(i.dims and i.dims[0] is not None for i in inputs)
-    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch)
+    info = calibrate.probe(normal, feeds[0], one_sample=not fixed_batch, base_dir=base_dir)
     excluded = selection.resolve_excludes(list(model.graph), exclude)
     shared = selection.resolve_shared_scale(list(model.graph), shared_scale)
     layout = place.plan(model, info, placement, excluded, shared)
-    return Prepared(model, normal, records, info, excluded, layout, recurrent.plan(layout.nodes, excluded, p), smoother)
+    return Prepared(model, normal, records, info, excluded, layout, recurrent.plan(layout.nodes, excluded, p), smoother,
+                    base_dir)
+
+
+def unmap(tensors: Sequence[ir.ExternalTensor]) -> None:
+    """Close the mappings of the float file's weights (their pages leave the resident set); a tensor a view
+    still reads keeps its mapping until that view goes."""
+    for tensor in tensors:
+        try:
+            tensor.release()
+        except BufferError:
+            pass
+
+
+def largest_tensor(names: Sequence[str], info: dict) -> tuple[int, str]:
+    """(bytes, name) of the largest of ``names`` for one sample: the smallest calibration slice possible."""
+    sizes = [(info[n].bytes_per_sample, n) for n in names if n in info]
+    return max(sizes, default=(0, ""))
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -407,7 +441,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                        bias_correction: bool = False, smooth_quant: float | None = None, seq_mse: bool = False,
                        adaround: bool | int = False, int16: Iterable[str] = (),
                        shared_scale: Iterable[str] = (), metadata: Mapping[str, str] | None = None,
-                       fidelity_data: Any = None, budget: Budget | None = None) -> OnnxQuantizeResult:
+                       fidelity_data: Any = None, budget: Budget | None = None,
+                       max_memory: int | None = None) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -431,6 +466,12 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     out from calibration) or else on the calibration samples the file is read on (said so); it is judged
     by ``budget`` when given (``result.fp32.status``) and stored in the file's metadata. This single pass
     never refuses a file for it: ``quantize_onnx.repair.quantize_onnx`` does, after trying to repair it.
+
+    ``max_memory``: bytes the run may use (default: ``MemAvailable``); the calibration slices are sized to stay
+    under it, and a budget below what the weights and one layer's output need is refused before anything is
+    written (``memory``). A file whose weights are in external data is mapped from disk, not read whole,
+    unless an algorithm that rewrites weights from activations (SmoothQuant, equalization, bias correction,
+    seq-MSE, AdaRound) is asked for.
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -442,9 +483,12 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         smoothing.check_alpha(smooth_quant)
     src = Path(float_path).expanduser()
     artifact.refuse_unsafe_destination(out_path, (src,))
-    if src.is_file():
-        refuse_if_too_large(src)  # before reading it: the figure and the way out, not an allocation failure
-    proto = load_onnx(src)
+    rewrites_weights = smooth_quant is not None or equalize or bias_correction or seq_mse or bool(learn_steps)
+    mapped = False
+    if src.is_file():  # before reading it: the figure and the way out, not an allocation failure
+        refuse_if_too_large(src, max_memory=max_memory)
+        mapped = memory.is_mapped(src) and not rewrites_weights
+    proto = load_onnx(src, external_data=not mapped)  # mapped: the graph alone, its data checked
     refuse_unusable(proto, float_path)
     inputs = model_inputs(proto)
     float_outputs = [o.name for o in proto.graph.output]
@@ -454,30 +498,41 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if wide:
         sixteen.refuse_unless_runs(p)
     feeds = feeds_for(p, feeds)
+    needed = refuse_if_too_large(src, feeds, max_memory=max_memory) if src.is_file() else None
     read_on = first_feeds(feeds, READING_SAMPLES)
     held_out = feeds_for(p, as_feeds(fidelity_data, inputs)) if fidelity_data is not None else None
     try:
-        reference = _run(_session(proto, optimized=True), read_on)  # FP32 as users run it
-        held_reference = _run(_session(proto, optimized=True), held_out) if held_out is not None else None
+        float_file = src if mapped else proto  # by path, ONNX Runtime maps the external data itself
+        reference = _run(_session(float_file, optimized=True), read_on)  # FP32 as users run it
+        held_reference = _run(_session(float_file, optimized=True), held_out) if held_out is not None else None
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
-
-    ready = prepare(proto, inputs, feeds, p, placement, exclude, equalize=equalize, int16=bool(wide),
-                    smooth_quant=smooth_quant, shared_scale=shared_scale)
-    del proto
+    memory.give_back()
+    float_model = ir.load(src) if mapped else proto
+    on_disk = [v.const_value for v in float_model.graph.initializers.values()
+               if isinstance(v.const_value, ir.ExternalTensor)] if mapped else []
+    ready = prepare(float_model, inputs, feeds, p, placement, exclude, equalize=equalize,
+                    int16=bool(wide), smooth_quant=smooth_quant, shared_scale=shared_scale)
+    del proto, float_model
+    memory.give_back()
     model, normal, records, info, excluded, layout = (ready.model, ready.normal, ready.records, ready.info,
                                                       ready.excluded, ready.layout)
+    smoother, recurrent_plan, base_dir = ready.smoother, ready.recurrent_plan, ready.base_dir
+    del ready  # ``model`` and ``normal`` are dropped below as soon as each is done with
+    slices = memory.MEMORY_BUDGET if needed is None else slice_budget(needed, memory.Room.of(max_memory),
+                                                                       *largest_tensor(layout.tensors, info))
     nodes = layout.nodes
     algorithms: dict[str, dict] = {}
     if equalize:
         done = next(r for r in records if r.name == equalizing.PASS.name)
         algorithms["equalize"] = {"pairs_changed": done.changes, "max_abs_diff": done.max_abs_diff}
-    if ready.smoother is not None:
+    if smoother is not None:
         done = next(r for r in records if r.name == "smooth_quant")
-        algorithms["smooth_quant"] = {**ready.smoother.record(), "max_abs_diff": done.max_abs_diff}
+        algorithms["smooth_quant"] = {**smoother.record(), "max_abs_diff": done.max_abs_diff}
     act_observer = observer or base_spec.act_observer or "histogram"
     observers = calibrate.observe(normal, feeds, layout.tensors, info, observer=act_observer,
-                                  symmetric=placement.symmetric)
+                                  symmetric=placement.symmetric, budget=slices, base_dir=base_dir)
+    memory.give_back()
     qparams = place.group_qparams(layout, observers, placement.symmetric)
     chosen = sixteen.chosen_tensors(layout, wide, excluded) if wide else []  # read before insert rewires inputs
     float_weights = sixteen.keep_float_weights(layout, chosen) if chosen else []
@@ -488,7 +543,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     if chosen:
         counts["float_weights_of_int16_readers"] = len(float_weights)
         counts["int16_pairs"] = len(widened)
-    integer_recurrent = recurrent.integer_indices(nodes, ready.recurrent_plan)
+    integer_recurrent = recurrent.integer_indices(nodes, recurrent_plan)
     if layout.weighted == [] and layout.roles.get("matmul", 0) == 0 and not integer_recurrent:
         widened_note = f" (--int16 leaves the weights of {', '.join(float_weights)} float)" if float_weights else ""
         raise ExportRefused(f"{src.name}: no Conv, ConvTranspose, Gemm, MatMul or LSTM reads a float activation and a "
@@ -504,7 +559,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
             model, normal, [layout.nodes[i] for i in layout.weighted], first_feeds(feeds, BIAS_SAMPLES),
             info).as_dict()
     del normal
-    recurrent.rewrite(model, nodes, ready.recurrent_plan, per_channel=placement.per_channel,
+    recurrent.rewrite(model, nodes, recurrent_plan, per_channel=placement.per_channel,
                       weight_bound=placement.weight_bound)
     counts["integer_recurrent"] = len(integer_recurrent)
     counts["kernel_shape_written"] = write_kernel_shapes(model)
@@ -524,8 +579,12 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     for key, value in (metadata or {}).items():
         model.metadata_props[key] = value
     opset = int(model.opset_imports.get("", 0))
+    ir.external_data.load_to_model(model)  # what stays float (biases, norms) is read from the mapped file now
+    unmap(on_disk)
     final = ir.to_proto(model)
-    del model
+    plan = {**layout.as_dict(), "recurrent": recurrent_plan.as_dict()}
+    del model, layout, nodes  # the plan's nodes hold the whole graph: freed before the file is read back
+    memory.give_back()
     with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
         del final
@@ -535,6 +594,7 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
         check_target(facts, p)
         del facts
         literal, fused = read_both(staged, read_on, "quantized")
+        memory.give_back()
 
         scales = output_scales(staged)  # every graph output, by name, in order: each read in its own LSB
         names = list(scales)
@@ -545,11 +605,12 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                                  (read_on, reference, literal, fused), budget)
         add_file_metadata(staged, {FIDELITY_KEY: fp32.metadata()})
         kernels = census(staged)
+        memory.give_back()
         verdict = check_file(staged, p, run=run_check, inputs=read_on)
         verdict.path = str(Path(out_path).expanduser().resolve())
     return OnnxQuantizeResult(
         path=Path(out_path).expanduser().resolve(), target=p.target, placement=placement, normalised=records,
-        plan={**layout.as_dict(), "recurrent": ready.recurrent_plan.as_dict()}, counts=counts, qdq_stats=stats,
+        plan=plan, counts=counts, qdq_stats=stats,
         readings=readings, fidelity=fidelity,
         census=kernels, verdict=verdict, spec=spec, excluded=skipped, algorithms=algorithms, int16=widened,
         fp32=fp32)

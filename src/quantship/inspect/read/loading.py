@@ -24,8 +24,10 @@ def file_size(path: str | Path) -> int:
     return path.stat().st_size + sum(p.stat().st_size for p in data if p.is_file())
 
 
-def load_onnx(path: str | Path) -> onnx.ModelProto:
-    """Read ``path`` as a complete ONNX model (external weights included) or refuse it in one line."""
+def load_onnx(path: str | Path, *, external_data: bool = True) -> onnx.ModelProto:
+    """Read ``path`` as a complete ONNX model (external weights included) or refuse it in one line.
+    ``external_data=False``: the graph alone, its external data checked (present, inside the folder, long
+    enough) but left on disk (the quantizer maps it tensor by tensor)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
@@ -54,6 +56,8 @@ def load_onnx(path: str | Path) -> onnx.ModelProto:
         onnx.checker.check_model(str(path) if external else model)
     except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
         raise FileRefused(f"{path} is not a valid ONNX model (truncated or corrupt?): {one_line(exc)}") from None
+    if not external_data:
+        return model
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # onnx raises OSError, ValueError or its own ValidationError here

@@ -31,12 +31,14 @@ TIGRIS_MEMORY = "64M"  # a pool large enough that compiling never fails for lack
 
 
 def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
-                optimized_model_filepath: str | Path | None = None, config: dict[str, str] | None = None):
+                optimized_model_filepath: str | Path | None = None, config: dict[str, str] | None = None,
+                base_dir: str | Path | None = None):
     """A CPU ONNX Runtime session: the file read literally (``ORT_DISABLE_ALL``) unless ``optimized``.
 
     ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
     kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
     the graph ONNX Runtime builds; ``config``: session config entries (``inspect.run.weight_only``'s readings).
+    ``base_dir``: as ``session_of``'s.
     """
     import onnxruntime as ort
 
@@ -47,19 +49,26 @@ def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
+    if not optimized:
+        # read literally, every weight's DequantizeLinear is ready at the first step and ORT runs them early: its
+        # arena would keep that float copy (and the arena's growth margin) after the run; without it, it is freed
+        options.enable_cpu_mem_arena = False
     if optimized_model_filepath is not None:
         options.optimized_model_filepath = str(optimized_model_filepath)
-    return session_of(model, options)
+    return session_of(model, options, base_dir)
 
 
-def session_of(model: str | Path | onnx.ModelProto, options):
+def session_of(model: str | Path | onnx.ModelProto, options, base_dir: str | Path | None = None):
     """A CPU ONNX Runtime session of a file (by path: ONNX Runtime finds its external data beside it) or of
     an in-memory model. A model too large for one protobuf goes through a temporary folder, graph plus one
-    data file (``save_with_external_data``: one tensor at a time, the model unchanged)."""
+    data file (``save_with_external_data``: one tensor at a time, the model unchanged). ``base_dir``: the
+    folder an in-memory model's external tensors are relative to (ONNX Runtime maps them from there)."""
     import onnxruntime as ort
 
     if not isinstance(model, onnx.ModelProto):
         return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    if base_dir is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base_dir))
     if external.fits_one_file(model):
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="quantship-session-") as tmp:
