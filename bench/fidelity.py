@@ -39,7 +39,8 @@ from quantship.fidelity import Budget
 HELD = 64  # evaluation samples fidelity is measured on
 RECORD = Path(__file__).resolve().parent / "fidelity_results.md"
 KEEPS_ANY = Budget(0.0, 0.0)
-DEFAULT_BUDGET = Budget()  # the default call's (--min-sqnr)  # a budget every real file keeps: fidelity measured and judged, never repaired
+DEFAULT_BUDGET = Budget()  # the default call's (--min-sqnr)
+HELD_FROM_CALIB = False  # --held calib: the ONNX path's default call holds out of the calibration set as the CLI does  # a budget every real file keeps: fidelity measured and judged, never repaired
 FIDELITY_HEAD = ("| model | path | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions "
                  "(rule) | default budget (margin) | task metric |")
 COST_HEAD = ("| model | path | target | quantize s, --no-fidelity (wall / CPU) | default (wall / CPU) | "
@@ -85,6 +86,12 @@ def onnx_call(task, target: str, out: Path, mode: str):
 
     calibration = batched(task.calib, task.calib_batch)
     held = task.eval_x[:min(HELD, len(task.eval_x))]
+    if HELD_FROM_CALIB and mode != "off":  # as quantize-onnx holds out of --calib (export.data.split_held_out)
+        from quantship.export.data import split_held_out
+
+        kept, held_out, _ = split_held_out({"x": task.calib}, len(task.calib))
+        if held_out is not None:
+            calibration, held = batched(kept["x"], task.calib_batch), held_out["x"]
     if mode == "off":
         return lambda: quantize_onnx(task.float_path, out, calibration, target=target, budget=None)
     budget = DEFAULT_BUDGET if mode == "default" else KEEPS_ANY
@@ -188,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-sqnr", type=float, default=Budget().min_sqnr_db,
                         help="the default call's budget in dB (the library's default unless given: a higher one "
                              "makes the repair run, e.g. in the smoke run)")
+    parser.add_argument("--held", choices=("eval", "calib"), default="eval",
+                        help="what fidelity is judged on: eval (the first 64 evaluation samples, beside calibration) "
+                             "or calib (ONNX path: held out of the calibration set as quantize-onnx does, the last "
+                             "fifth, at most 64)")
     parser.add_argument("--record", action="store_true",
                         help="rewrite bench/fidelity_results.md's tables (REAL.md's fidelity section) with this run's")
     args = _smoke.parse_args(parser, argv, models="mtcnn_pnet", targets="onnxruntime-cpu", repeats=1)
-    global DEFAULT_BUDGET
-    DEFAULT_BUDGET = Budget(args.min_sqnr)
+    global DEFAULT_BUDGET, HELD_FROM_CALIB
+    DEFAULT_BUDGET, HELD_FROM_CALIB = Budget(args.min_sqnr), args.held == "calib"
     print("\n".join(_smoke.cpu_lines("Fidelity to FP32 and its cost")), flush=True)
     fidelity_rows, cost_rows = [], []
     with tempfile.TemporaryDirectory(prefix="quantship-fidelity-") as tmp:
