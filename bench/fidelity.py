@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     global DEFAULT_BUDGET, HELD_FROM_CALIB
     DEFAULT_BUDGET, HELD_FROM_CALIB = Budget(args.min_sqnr), args.held == "calib"
     print("\n".join(_smoke.cpu_lines("Fidelity to FP32 and its cost")), flush=True)
+    print("Judged on: " + ("the ONNX path's held-out set taken out of the calibration set as quantize-onnx does (the "
+                           "last fifth, at most 64; the PyTorch path: 64 evaluation samples)" if HELD_FROM_CALIB else
+                           f"the first {HELD} evaluation samples (none calibrated on)") + "\n", flush=True)
     fidelity_rows, cost_rows = [], []
     with tempfile.TemporaryDirectory(prefix="quantship-fidelity-") as tmp:
         work = Path(tmp)
