@@ -38,9 +38,9 @@ from quantship.fidelity import Budget
 
 HELD = 64  # evaluation samples fidelity is measured on
 RECORD = Path(__file__).resolve().parent / "fidelity_results.md"
-KEEPS_ANY = Budget(0.0, 0.0)
+KEEPS_ANY = Budget(0.0, 0.0)  # a budget every real file keeps: fidelity measured and judged, never repaired
 DEFAULT_BUDGET = Budget()  # the default call's (--min-sqnr)
-HELD_FROM_CALIB = False  # --held calib: the ONNX path's default call holds out of the calibration set as the CLI does  # a budget every real file keeps: fidelity measured and judged, never repaired
+HELD_FROM_CALIB = False  # --held calib: the ONNX path holds out of the calibration set as quantize-onnx does
 FIDELITY_HEAD = ("| model | path | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions "
                  "(rule) | default budget (margin) | task metric |")
 COST_HEAD = ("| model | path | target | quantize s, --no-fidelity (wall / CPU) | default (wall / CPU) | "
