@@ -13,6 +13,7 @@ children: what the call itself used, whatever else runs on the machine).
 
     python bench/fidelity.py                                  # every model, onnxruntime-cpu and tigris, both paths
     python bench/fidelity.py --models ocr_cls --targets onnxruntime-cpu --paths onnx --repeats 1
+    python bench/fidelity.py --models ocr_det --paths onnx --held calib   # judged on quantize-onnx's own held-out split
     python bench/fidelity.py --record                         # ... and rewrite bench/fidelity_results.md's tables
     python bench/fidelity.py --smoke                          # tiny sizes, one repeat
 """
