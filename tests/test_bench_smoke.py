@@ -53,10 +53,14 @@ RUNS = {
                                 "| bias_correction+int16_worst1 | ",
                                 "16-bit activations for the 1 worst-SQNR node(s) of the bias_correction file's "
                                 "report on 16 calibration samples", " tensors 16-bit, 0 weights left float")),
+    # both paths, one preset: the fidelity row and the cost row (with and without the judgement) of each file
     "fidelity": Smoke(stdout=(
-        "| model | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions (rule) | "
-        "default budget (margin) | task metric | quantize s |",
-        "| mtcnn_pnet | onnxruntime-cpu | ")),
+        "| model | path | target | output SQNR (dB, worst part) | each part: SQNR, agreement of decisions (rule) | "
+        "default budget (margin) | task metric |",
+        "| model | path | target | quantize s, --no-fidelity (wall / CPU) | default (wall / CPU) | "
+        "default / --no-fidelity (CPU) |", "| mtcnn_pnet | onnx | onnxruntime-cpu | ",
+        "| mtcnn_pnet | pytorch | onnxruntime-cpu | "),
+        lines=(r"\| mtcnn_pnet \| onnx \| onnxruntime-cpu \| [\d.]+ / [\d.]+ \(x1\) \| [\d.]+ / [\d.]+ \| [\d.]+ \| .*",)),
     "placement": Smoke(stdout=("| model | plain | profile | search | profile / search |", "| mtcnn_pnet | ",
                                "mtcnn_pnet profile: ")),
     "int16": Smoke(stdout=("| file | accuracy | agrees with FP32 | output SQNR vs FP32, dB | ORT ms b1 |",

@@ -68,3 +68,39 @@ def test_the_pytorch_path_confirms_in_the_runtime_too(tmp_path, monkeypatch, cap
     assert code == 0, report
     stored = json.loads({p.key: p.value for p in onnx.load(tmp_path / "q.onnx").metadata_props}[METADATA_KEY])
     assert RUNTIMES[target] in stored["runtime"], stored
+
+
+def test_tigris_compiles_the_written_file_once_and_its_plan_runs_the_same(float_file, tmp_path, monkeypatch):
+    """The runtime check and the fidelity confirmation read the same bytes: one ``tigris compile`` for both
+    (the confirmation cost a second compile, about a quarter of an MTCNN ONet quantize); a file whose bytes
+    differ (the confirmation's record added to the written file) is compiled again, and a reused plan gives the
+    outputs its compile gave."""
+    if native_runtime(get("tigris")) is None:
+        pytest.skip("TiGrIS is not installed here")
+    import numpy as np
+
+    from quantship.inspect.run import consumers
+
+    compiled = []
+    real = consumers._tigris
+
+    def counting(*args):  # the real CLI, counted
+        compiled.extend(args[:1])
+        return real(*args)
+
+    monkeypatch.setattr(consumers, "_tigris", counting)
+    x = graphs.images(40)
+    quantize_onnx(float_file, tmp_path / "q.onnx", x[:32], target="tigris", fidelity_data=x[32:])
+    assert compiled.count("compile") == 1
+    model = onnx.load(tmp_path / "q.onnx")
+    feeds = [{model.graph.input[0].name: x[k:k + 1]} for k in range(4)]
+    fresh = consumers.run_tigris(tmp_path / "q.onnx", feeds, model)  # the confirmation's reading is in its metadata
+    assert compiled.count("compile") == 2
+    reused = consumers.run_tigris(tmp_path / "q.onnx", feeds, model)
+    assert compiled.count("compile") == 2
+    model.metadata_props.add(key="other", value="bytes")
+    onnx.save(model, tmp_path / "other.onnx")
+    consumers.run_tigris(tmp_path / "other.onnx", feeds, model)
+    assert compiled.count("compile") == 3
+    for a, b in zip(reused, fresh):
+        np.testing.assert_array_equal(a[0], b[0])
