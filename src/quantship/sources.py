@@ -168,12 +168,16 @@ def load_hf_model(name: str, weights: str | None = None):
             config = transformers.AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True)
             has_weights = path.is_dir() and any(p.suffix in (".safetensors", ".bin") for p in path.iterdir())
             auto = transformers.AutoModelForCausalLM
-            inner = (auto.from_pretrained(str(path), local_files_only=True) if has_weights
-                     else auto.from_config(config))
+            if has_weights:
+                inner = auto.from_pretrained(str(path), local_files_only=True)
+            else:
+                with torch.random.fork_rng():  # seeded: two runs on one config give the same model and file
+                    torch.manual_seed(0)
+                    inner = auto.from_config(config)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelRefused(f"hf:{name}: {str(exc).strip().splitlines()[0]}") from None
         if not has_weights:
-            print(f"hf:{name}: no weights beside the config: random initial weights", file=sys.stderr)
+            print(f"hf:{name}: no weights beside the config: random initial weights (seed 0)", file=sys.stderr)
         model = lm.CausalLMLogits(inner)
     if weights:
         try:

@@ -39,6 +39,25 @@ def test_decoder_folder_and_report(configs, tmp_path, capsys):
                                                                     "past_key_values.0.key"]
 
 
+def test_int8_matmulnbits_decoder_defaults_to_the_fast_accuracy_level(configs, tmp_path, capsys):
+    """ONNX Runtime's 8-bit MatMulNBits kernel at accuracy_level 0 decodes slower than FP32 (docs/decoder.md):
+    the INT8 file is written at level 4 unless the user names a level, and the report says which."""
+    out = tmp_path / "model.onnx"
+    code = main(["quantize", f"hf:{configs / 'llama'}", "--method", "int8_weight_only", "--decoder",
+                 "--check-tokens", "4", "--out", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and "accuracy_level 4" in report["form"]
+    levels = [a.i for n in onnx.load(str(out)).graph.node if n.op_type == "MatMulNBits"
+              for a in n.attribute if a.name == "accuracy_level"]
+    assert levels and set(levels) == {4}
+    named = tmp_path / "named.onnx"
+    assert main(["quantize", f"hf:{configs / 'llama'}", "--method", "int8_weight_only", "--decoder",
+                 "--accuracy-level", "0", "--check-tokens", "0", "--out", str(named), "--json"]) == 0
+    capsys.readouterr()
+    assert {a.i for n in onnx.load(str(named)).graph.node if n.op_type == "MatMulNBits"
+            for a in n.attribute if a.name == "accuracy_level"} == {0}
+
+
 @pytest.mark.parametrize("model, extra, message", [
     ("vit", [], "Unrecognized configuration class"),
     ("bert", [], "does not run with a key/value cache"),

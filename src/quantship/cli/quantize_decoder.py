@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--decoder: the longest total sequence the file is declared for (default: the model's "
                              "max_position_embeddings; more is refused)")
     parser.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
-                        help="--decoder, MatMulNBits form: the nodes' accuracy_level (0 float activations, ORT's "
-                             "default; 4 int8 activations: INT8 weights run far faster, see docs/decoder.md)")
+                        help="--decoder, MatMulNBits form: the nodes' accuracy_level (0 float activations, the INT4 "
+                             "default; 4 int8 activations, the INT8 default: INT8 weights run far faster, "
+                             "see docs/decoder.md)")
     parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
 
@@ -71,6 +72,11 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
     if args.check_tokens and max(map(len, _PROMPTS)) + args.check_tokens > layout.context:
         raise UsageError(f"--check-tokens {args.check_tokens}: the check's prompts plus the new tokens exceed the "
                          f"context of {layout.context}; give fewer tokens or 0")
+    level = args.accuracy_level
+    if level is None and target is not None and args.method == "int8_weight_only":
+        # ONNX Runtime's 8-bit MatMulNBits kernel with float activations (level 0) decodes far slower than FP32;
+        # level 4 (int8 activations) is its fast one (bench/lm_decode_results.md); INT4's level 0 is kept exact
+        level = 4
     group = choose_group_size(model, args.method, args.group_size, ui)
     kwargs = {"group_size": group}
     if args.method == "int8_weight_only" and group is not None:
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
         qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(model, None)
         spec = quant_spec(qmodel)
         path = export_decoder(qmodel, args.out, spec=spec, target=target, context=args.context,
-                              accuracy_level=args.accuracy_level)
+                              accuracy_level=level)
     config = write_genai_config(path)
     check = None
     if args.check_tokens:
@@ -90,7 +96,9 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
             check = check_greedy(path, qmodel, prompts, args.check_tokens)
     size = file_size(path)
     form = "int + DequantizeLinear (opset 21)" if target is None else "MatMulNBits" + (
-        f", accuracy_level {args.accuracy_level}" if args.accuracy_level is not None else "")
+        "" if level is None else f", accuracy_level {level}" + (
+            " (INT8's default: ONNX Runtime's level-0 8-bit kernel is its slow one, docs/decoder.md)"
+            if args.accuracy_level is None else ""))
     result = {"version": 1, "model": args.model, "path": args.out, "genai_config": str(config),
               "spec": spec.as_dict(), "label": spec.label, "size_bytes": size, "form": form,
               "layout": layout.as_dict(), "greedy_check": None if check is None else check.as_dict()}
