@@ -144,7 +144,7 @@ def test_onnxruntime_file_writes_a_hard_swish_as_one_op_as_the_onnx_path_does(tm
     torch.manual_seed(0)
     calib, sample = _data((2, 3, 16, 16))
     qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(WrittenOutHardSwish().eval(), calib)
-    path = export_qdq(qmodel, sample, tmp_path / "ort.onnx", target="onnxruntime-cpu")
+    path = export_qdq(qmodel, sample, tmp_path / "ort.onnx", target="onnxruntime-cpu", place_as_onnx=True)
     graph = onnx.load(str(path)).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("HardSwish") == 1 and not {"Clip", "Div", "Mul", "Add"} & set(ops), ops
@@ -194,7 +194,7 @@ def test_onnxruntime_pairs_between_float_ops_are_dropped_as_the_onnx_path_never_
     onnx_path = quantize_onnx_file(float_path, tmp_path / "onnx_path.onnx", [c.numpy() for c in calib],
                                    target="onnxruntime-cpu").path
     qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calib)
-    torch_path = export_qdq(qmodel, sample, tmp_path / "torch_path.onnx", target="onnxruntime-cpu")
+    torch_path = export_qdq(qmodel, sample, tmp_path / "torch_path.onnx", target="onnxruntime-cpu", place_as_onnx=True)
     # the float depthwise Conv reads the HardSwish and feeds the next one directly, on both paths
     assert _neighbours(onnx_path) == _neighbours(torch_path) == ("HardSwish", ["HardSwish"])
     assert torch_path.readings.literal_lsb <= 3.0

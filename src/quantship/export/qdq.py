@@ -66,6 +66,7 @@ class ExportContext:
     checked: onnx.ModelProto | None = None  # the last graph an ensures() ran, while nothing changed it since
     probe: list[np.ndarray] | None = None  # a smaller input the graph states are compared on (None: ``inputs``)
     algorithms: dict | None = None  # the post-training algorithms the model went through (Quantizer's record)
+    place_as_onnx: bool = False  # PlacementPass runs (not exact: opt-in, ``export_qdq(place_as_onnx=True)``)
     _reference: list[np.ndarray] | None = field(default=None, repr=False)
 
     @property
@@ -147,7 +148,7 @@ class PlacementPass(ir.passes.InPlacePass):
         self.counts: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        target = self.ctx.target
+        target = self.ctx.target if self.ctx.place_as_onnx else None
         if target is not None and target.hard_swish_faster_as_one_op and self.ctx.opset_version >= 14:
             self.counts["hard swish(es) as one HardSwish"] = target_forms.hard_swish_one_op_quantized(model)
         if target is not None and target.runs_mixed_graphs:
@@ -391,8 +392,14 @@ def export_qdq(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     target: str | Target | None = None,
+    place_as_onnx: bool = False,
 ) -> Path:
     """Export a pt2e-quantized model to QDQ ONNX at ``path``, keeping its scales, zero-points and axes.
+
+    ``place_as_onnx``: also run ``PlacementPass`` (the ONNX path's hard swish as one op and its dropped pairs
+    between float ops, for a target that runs mixed graphs): faster on such graphs, but the file then differs
+    from the quantized torch model by the roundings it removes (up to 4 LSB measured on a small Llama), so
+    it is asked for, never the default: by default the file is the quantized model, exactly.
 
     ``activation_dtype``: ``'int8'`` (default; zero-point as quantized) or ``'uint8'`` (activation
     zero-points shifted by 128, same scales; weights stay int8). ``target`` takes the activation
@@ -449,7 +456,7 @@ def export_qdq(
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
                             inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs),
-                            algorithms=getattr(model, ALGORITHMS_ATTRIBUTE, None))
+                            algorithms=getattr(model, ALGORITHMS_ATTRIBUTE, None), place_as_onnx=place_as_onnx)
         model_ir = ir.from_proto(produced)
         run_passes([make(ctx) for make in PASSES], model_ir)
         final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
