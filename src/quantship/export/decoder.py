@@ -38,7 +38,6 @@ PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
 LAYOUT_KEY = "quantship.decoder_layout"  # file metadata: the DecoderLayout as JSON
 GENAI_CONFIG = "genai_config.json"
-DECODER_RTOL = wo.WEIGHT_ONLY_RTOL  # max |ONNX - torch| / max |torch|, per output, on the trace sample
 _TRACE = (2, 5, 3)  # batch, new tokens, past tokens of the traced sample: none of them 0 or 1 (export specialises those)
 
 
@@ -182,19 +181,6 @@ def _torch_outputs(decoder: Any, sample: tuple) -> list[np.ndarray]:
         return [t.detach().float().numpy() for t in decoder(*sample)]
 
 
-def _check_close(got: list[np.ndarray], reference: list[np.ndarray], names: list[str], what: str, against: str) -> float:
-    worst = 0.0
-    for name, g, r in zip(names, got, reference):
-        if g.shape != r.shape:
-            raise ExportRefused(f"{what}: output {name} has shape {g.shape}, {against} {r.shape}")
-        error = wo.relative_error(g, r)
-        if not error <= DECODER_RTOL:
-            raise ExportRefused(f"{what}: output {name} differs from {against} by {error:.2e} (relative to its largest "
-                                f"value), above {DECODER_RTOL:g}; nothing was written")
-        worst = max(worst, error)
-    return worst
-
-
 def holds_quantized_weights(model: Any) -> bool:
     """Whether any parameter of ``model`` is a torchao tensor (a weight-only model), rather than plain float."""
     from torchao.utils import TorchAOBaseTensor
@@ -250,7 +236,7 @@ def export_decoder(
             raise ExportRefused(f"the dynamo ONNX exporter failed on {type(causal_lm_of(model)).__name__} with a "
                                 f"key/value cache: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
         reference = wo.run_literal(produced, inputs)
-        _check_close(reference, torch_out, names, "the float export", "the torch model")
+        wo.check_close(reference, torch_out, "the float export", "the torch model", names)
         fmt = "float"
         final = ir.from_proto(produced)
         if weights:
@@ -272,7 +258,7 @@ def export_decoder(
                 proto = ir.to_proto(final)
                 check_model(proto, "replacing MatMul/Gemm by MatMulNBits")
                 if accuracy_level in (None, 0):  # float activations: as close as the standard form
-                    _check_close(wo.run_literal(proto, inputs), torch_out, names, "the MatMulNBits form", "the torch model")
+                    wo.check_close(wo.run_literal(proto, inputs), torch_out, "the MatMulNBits form", "the torch model", names)
         strip_source_metadata(final)
         if spec is not None:
             write_metadata(final, spec, activation_dtype="float32", target=target.target if target else None)

@@ -309,15 +309,20 @@ def _check_exact(model: onnx.ModelProto, reference: list[np.ndarray], inputs: li
                                 f"(max abs difference {relative_error(got, ref) * np.abs(ref).max():.3g}); refused")
 
 
-def _check_close(outputs: list[np.ndarray], reference: list[np.ndarray], what: str, against: str) -> float:
+def check_close(outputs: list[np.ndarray], reference: list[np.ndarray], what: str, against: str,
+                names: list[str] | None = None) -> float:
+    """Each output within ``WEIGHT_ONLY_RTOL`` of ``reference`` (relative to its largest value), else refused
+    naming the output (``names``, default its index); the worst error."""
     worst = 0.0
     for i, (got, ref) in enumerate(zip(outputs, reference)):
+        name = names[i] if names is not None else i
         if got.shape != ref.shape:
-            raise ExportRefused(f"{what}: output {i} has shape {got.shape}, {against} {ref.shape}")
-        worst = max(worst, relative_error(got, ref))
-    if not worst <= WEIGHT_ONLY_RTOL:
-        raise ExportRefused(f"{what}: outputs differ from {against} by {worst:.2e} (relative to the largest output), "
-                            f"above the {WEIGHT_ONLY_RTOL:g} the exporter guarantees; nothing was written")
+            raise ExportRefused(f"{what}: output {name} has shape {got.shape}, {against} {ref.shape}")
+        error = relative_error(got, ref)
+        if not error <= WEIGHT_ONLY_RTOL:  # a NaN error is refused too
+            raise ExportRefused(f"{what}: output {name} differs from {against} by {error:.2e} (relative to its largest "
+                                f"value), above the {WEIGHT_ONLY_RTOL:g} the exporter guarantees; nothing was written")
+        worst = max(worst, error)
     return worst
 
 
@@ -368,7 +373,7 @@ def export_weight_only(
                                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}") from exc
         check_outputs_line_up(produced, torch_out)
         reference = run_literal(produced, inputs)
-        _check_close(reference, torch_out, "the float export", "the torch weight-only model")
+        check_close(reference, torch_out, "the float export", "the torch weight-only model")
 
         standard = ir.from_proto(produced)
         to_dequantize_linear(standard, locate(standard, weights))
@@ -383,10 +388,10 @@ def export_weight_only(
             final_proto = ir.to_proto(nbits)
             check_model(final_proto, "replacing MatMul/Gemm by MatMulNBits")
             got = run_literal(final_proto, inputs)
-            _check_close(got, reference, "the MatMulNBits form", "the standard form")
+            check_close(got, reference, "the MatMulNBits form", "the standard form")
         else:
             final_ir, fmt, got = standard, "DequantizeLinear", reference
-        _check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
+        check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
         strip_source_metadata(final_ir)  # the exporter's stack traces (local paths); module scopes stay
         write_metadata(final_ir, spec, activation_dtype="float32", target=target.target if nbits_form else None)
         final_ir.metadata_props[FORMAT_KEY] = fmt
