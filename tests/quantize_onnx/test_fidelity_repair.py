@@ -152,3 +152,27 @@ def test_the_pytorch_path_judges_a_faithful_file_and_says_so(files, capsys):
     fid = json.loads(capsys.readouterr().out)["fidelity_fp32"]
     assert fid["status"] == "met" and fid["sqnr_db"] > 30.0 and "held out from calibration" in fid["data"]
     assert json.loads(_props(out)[METADATA_KEY])["status"] == "met"
+
+
+def test_the_float_reference_is_run_once_for_every_file_a_call_makes(files):
+    """The repair's steps share one reading of the float file (``FloatReference``): the second file costs no float
+    run, judges exactly as a call that ran the float file itself, and other samples are run afresh, never stale."""
+    from quantship.quantize_onnx.quantizer import FloatReference
+
+    cal = np.load(files / "cal.npy")
+    front = onnx.load(str(files / "float.onnx")).graph.node[0].name  # the filter bank: float, the collapse repaired
+    shared = FloatReference()
+    first = quantize_onnx_file(files / "float.onnx", files / "s0.onnx", cal[:32], target="onnxruntime-cpu",
+                               fidelity_data=cal[32:], budget=Budget(), float_reference=shared)
+    assert shared.runs == 2  # the read samples and the held-out ones
+    second = quantize_onnx_file(files / "float.onnx", files / "s1.onnx", cal[:32], target="onnxruntime-cpu",
+                                fidelity_data=cal[32:], budget=Budget(), exclude=(front,), float_reference=shared)
+    assert shared.runs == 2
+    alone = quantize_onnx_file(files / "float.onnx", files / "s2.onnx", cal[:32], target="onnxruntime-cpu",
+                               fidelity_data=cal[32:], budget=Budget(), exclude=(front,))
+    assert second.fp32.as_dict() == alone.fp32.as_dict() and first.fp32.as_dict() != second.fp32.as_dict()
+    other = cal[32:].copy()
+    other[0, 0, 0, 0] += 1.0  # the same shape, other values: another key
+    quantize_onnx_file(files / "float.onnx", files / "s3.onnx", cal[:32], target="onnxruntime-cpu",
+                       fidelity_data=other, budget=Budget(), float_reference=shared)
+    assert shared.runs == 4

@@ -63,6 +63,53 @@ FLOAT_KERNELS = ("Conv", "FusedConv", "ConvTranspose", "MatMul", "FusedMatMul", 
                  "RNN")
 
 
+@dataclass
+class FloatReference:
+    """The float file's outputs on the samples a quantize call reads (``read``) and holds out (``held``): run once
+    per call and shared by every file the call makes (the repair's steps, placement by profile, the runtime's
+    confirmation), each of which would otherwise run the float file on the same samples again. ``key`` names
+    the float file and the sample counts it was run on; another key is run afresh, never served stale."""
+
+    key: tuple | None = None
+    read: list | None = None
+    held: list | None = None
+    runs: int = 0  # float sessions run to fill it (what sharing it saves is counted by the tests)
+
+    def outputs(self, key: tuple, float_file: Any, read_on: Sequence[Feed],
+                held_out: Sequence[Feed] | None) -> tuple[list, list | None]:
+        """The float outputs on ``read_on`` and ``held_out`` for ``key``, run only when not already held."""
+        if self.key != key:
+            self.key, self.read, self.held = key, None, None
+        if self.read is None:
+            self.read = _run(_session(float_file, optimized=True), read_on)  # FP32 as users run it
+            self.runs += 1
+        if held_out is not None and self.held is None:
+            self.held = _run(_session(float_file, optimized=True), held_out)
+            self.runs += 1
+        return self.read, (self.held if held_out is not None else None)
+
+    def held_for(self, src: Path, feeds: Sequence[Feed], held_out: bool) -> list | None:
+        """The outputs already run on ``feeds`` (the held-out samples, or else the read ones) of ``src``, or None."""
+        if self.key is None:
+            return None
+        key = reference_key(src, [] if held_out else feeds, feeds if held_out else None)
+        same = key[:2] == self.key[:2] and (key[3] == self.key[3] if held_out else key[2] == self.key[2])
+        return (self.held if held_out else self.read) if same else None
+
+
+def reference_key(src: Path, read_on: Sequence[Feed], held_out: Sequence[Feed] | None) -> tuple:
+    """What a ``FloatReference`` is valid for: the float file as it is on disk, and the samples (each array's
+    name, shape, dtype and sum: another draw of the same shape is another key)."""
+    stat = src.stat() if src.is_file() else None
+    return (str(src.resolve()), stat and (stat.st_size, stat.st_mtime_ns), _fingerprint(read_on),
+            _fingerprint(held_out) if held_out is not None else None)
+
+
+def _fingerprint(feeds: Sequence[Feed]) -> tuple:
+    return tuple(tuple((k, v.shape, str(v.dtype), float(np.sum(v, dtype=np.float64))) for k, v in f.items())
+                 for f in feeds)
+
+
 @dataclass(frozen=True)
 class PassRecord:
     """One normalisation pass as it ran: changes made, its proof, the largest output difference."""
@@ -404,11 +451,13 @@ def fidelity_to_float(path: Path, p: Target, names: list[str], held: tuple[list[
 
 
 def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | Target, calibration: Any,
-                        fidelity_data: Any = None, budget: Budget | None = None) -> Fidelity | None:
+                        fidelity_data: Any = None, budget: Budget | None = None,
+                        float_reference: FloatReference | None = None) -> Fidelity | None:
     """The file at ``path`` judged against the float file in its target's own runtime (OpenVINO, TiGrIS's host
     runtime), where that runtime is not ONNX Runtime and runs here (``consumers.native_runtime``); None
     elsewhere. The same samples as ``quantize_onnx_file``'s reading: ``fidelity_data`` when given, else the
-    calibration samples the file is read on. A runtime that cannot run the file raises ``ExportRefused``."""
+    calibration samples the file is read on (``float_reference``: the call's float outputs on them, when held).
+    A runtime that cannot run the file raises ``ExportRefused``."""
     p = targets.get(target)
     native = native_runtime(p)
     if native is None:
@@ -422,7 +471,9 @@ def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | 
     else:
         feeds = first_feeds(feeds_for(p, as_feeds(calibration, inputs)), READING_SAMPLES)
         data = "calibration sample(s) (in-sample: none held out)"
-    reference = _run(_session(proto, optimized=True), feeds)
+    held = float_reference.held_for(Path(float_path).expanduser(), feeds, fidelity_data is not None) \
+        if float_reference is not None else None
+    reference = held if held is not None else _run(_session(proto, optimized=True), feeds)
     del proto
     quantized = load_onnx(path)
     names = [o.name for o in quantized.graph.output]
@@ -442,7 +493,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                        adaround: bool | int = False, int16: Iterable[str] = (),
                        shared_scale: Iterable[str] = (), metadata: Mapping[str, str] | None = None,
                        fidelity_data: Any = None, budget: Budget | None = None,
-                       max_memory: int | None = None) -> OnnxQuantizeResult:
+                       max_memory: int | None = None, float_reference: FloatReference | None = None,
+                       ) -> OnnxQuantizeResult:
     """Quantize the float ONNX file at ``float_path`` for ``target`` and write ``out_path``.
 
     ``calibration``: an array (one input), a dict {input name: array}, or an iterable of either, one
@@ -471,7 +523,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     under it, and a budget below what the weights and one layer's output need is refused before anything is
     written (``memory``). A file whose weights are in external data is mapped from disk, not read whole,
     unless an algorithm that rewrites weights from activations (SmoothQuant, equalization, bias correction,
-    seq-MSE, AdaRound) is asked for.
+    seq-MSE, AdaRound) is asked for. ``float_reference``: the float outputs a calling loop shares between the
+    files it makes (``FloatReference``; the same calibration and fidelity data on every call).
     """
 
     if observer is not None and observer not in ACT_OBSERVERS:
@@ -503,8 +556,9 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     held_out = feeds_for(p, as_feeds(fidelity_data, inputs)) if fidelity_data is not None else None
     try:
         float_file = src if mapped else proto  # by path, ONNX Runtime maps the external data itself
-        reference = _run(_session(float_file, optimized=True), read_on)  # FP32 as users run it
-        held_reference = _run(_session(float_file, optimized=True), held_out) if held_out is not None else None
+        shared = float_reference if float_reference is not None else FloatReference()
+        reference, held_reference = shared.outputs(reference_key(src, read_on, held_out), float_file, read_on,
+                                                   held_out)
     except Exception as exc:  # ORT's own exception types: the float file does not run on this data
         raise ExportRefused(f"the float file does not run in ONNX Runtime on the calibration data: {cause(exc)}") from exc
     memory.give_back()

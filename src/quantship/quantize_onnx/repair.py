@@ -27,7 +27,13 @@ from quantship.fidelity import MISSED, Budget, missed_in_runtime
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.profile_place import place_by_profile
-from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, fidelity_in_runtime, placement_for, quantize_onnx_file
+from quantship.quantize_onnx.quantizer import (
+    FloatReference,
+    OnnxQuantizeResult,
+    fidelity_in_runtime,
+    placement_for,
+    quantize_onnx_file,
+)
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.quantize_onnx.speed import calibration_sample, timing_feeds
 from quantship.repair_loop import Repair
@@ -75,6 +81,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
     if budget is None and not timed:
         return quantize_onnx_file(src, final, calibration, target=target, exclude=base, int16=base_wide, wait=wait,
                                   fidelity_data=fidelity_data, **options), None
+    shared = FloatReference()  # the float file run once on the call's samples, for every file made below
     placement, _, _ = placement_for(p, per_tensor=bool(options.get("per_tensor")))
     profiled = profile_placement and timed and placement.mode != "full"
     numbers = itertools.count()
@@ -84,7 +91,8 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
             k = next(numbers)
             try:
                 done = quantize_onnx_file(src, scratch / f"step{k}.onnx", calibration, target=p, exclude=excluded,
-                                          int16=wide, fidelity_data=fidelity_data, budget=budget, wait=wait, **opts)
+                                          int16=wide, fidelity_data=fidelity_data, budget=budget, wait=wait,
+                                          float_reference=shared, **opts)
             except QuantshipError as exc:
                 if not k:
                     raise  # the file as asked cannot be made: the caller's refusal, not a repair's
@@ -102,7 +110,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
             with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
                 chosen, done.profile = place_by_profile(src, done, feeds, lambda names: quantize_onnx_file(
                     src, scratch / "profile.onnx", calibration, target=p, exclude=(*excluded, *names), int16=wide,
-                    fidelity_data=fidelity_data, budget=budget, wait=wait, **opts), log=log)
+                    fidelity_data=fidelity_data, budget=budget, wait=wait, float_reference=shared, **opts), log=log)
             chosen.profile = done.profile
             add_file_metadata(chosen.path, done.profile.metadata())
             return chosen
@@ -115,9 +123,9 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
 
         if budget is None:  # measured, not judged: one file, timed below
             done = quantize_onnx_file(src, scratch / "step0.onnx", calibration, target=p, exclude=base, int16=base_wide,
-                                      wait=wait, fidelity_data=fidelity_data, **options)
+                                      wait=wait, fidelity_data=fidelity_data, float_reference=shared, **options)
             made[done.path] = (options, base, base_wide)
-            confirm_in_runtime(done, src, calibration, fidelity_data, None)
+            confirm_in_runtime(done, src, calibration, fidelity_data, None, shared)
             return _speed_and_move(by_profile(done), src, final, calibration, timed, require_faster, wait), None
         refusal = (None if placement.mode != "full" else
                    f"{p.target} runs a fully integer graph (no float node, no 16-bit activations): no node can be "
@@ -127,17 +135,17 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                                   sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
         done = by_profile(done)
         add_file_metadata(done.path, record.metadata())
-        confirm_in_runtime(done, src, calibration, fidelity_data, budget)
+        confirm_in_runtime(done, src, calibration, fidelity_data, budget, shared)
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
 
 
 def confirm_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fidelity_data: Any,
-                       budget: Budget | None) -> None:
+                       budget: Budget | None, float_reference: FloatReference | None = None) -> None:
     """The chosen file measured again in its target's own runtime where that is not ONNX Runtime and runs here
     (the repair's steps are read in ONNX Runtime, literally): that reading becomes the file's fidelity, in
     ``done.fp32`` and its metadata; a file that keeps the budget in ONNX Runtime but not in its runtime is
     refused (``FidelityMissed``, nothing written)."""
-    native = fidelity_in_runtime(done.path, src, done.target, calibration, fidelity_data, budget)
+    native = fidelity_in_runtime(done.path, src, done.target, calibration, fidelity_data, budget, float_reference)
     if native is None:
         return
     if budget is not None and native.status == MISSED:

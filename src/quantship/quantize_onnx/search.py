@@ -30,7 +30,7 @@ from quantship.export import artifact
 from quantship.inspect.run.consumers import ort_session
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
-from quantship.quantize_onnx.quantizer import OnnxQuantizeResult, quantize_onnx_file
+from quantship.quantize_onnx.quantizer import FloatReference, OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search, metric_step
 from quantship.targets import Target
@@ -115,11 +115,12 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
     with progress_step(f"accuracy search: {name} of the float file"):
         result = MetricSearch(name, score(src), float(max_drop))
     base, files = (tuple(exclude), tuple(int16)), itertools.count()
+    shared = FloatReference()  # the float file read once on the calibration samples, for every step's file
     with artifact.workdir_beside(final) as scratch:
         def attempt(what: str, _: dict, excluded: tuple, wide: tuple) -> tuple[OnnxSearchStep, OnnxQuantizeResult] | None:
             try:
                 done = quantize_onnx_file(src, scratch / f"step{next(files)}.onnx", calibration,
-                                          exclude=excluded, int16=wide, **options)
+                                          exclude=excluded, int16=wide, float_reference=shared, **options)
             except (ExportRefused, SpecRefused) as exc:  # step 0's refusal is the user's; later: no such file
                 if what == "as asked" or (what.startswith("float") and not isinstance(exc, ExportRefused)):
                     raise

@@ -48,6 +48,7 @@ from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.quantizer import (
+    FloatReference,
     OnnxQuantizeResult,
     feeds_for,
     first_feeds,
@@ -260,9 +261,12 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         normal, step_feeds = normalised_file(src, calibration, target, scratch / "normalised.onnx", options)
         structural = {k: v for k, v in options.items() if k in STRUCTURAL}
 
+        shared = FloatReference()  # the normalised file read once on the steps' samples
+
         def quantized(excluded: tuple[str, ...]) -> OnnxQuantizeResult:
             return quantize_onnx_file(normal, scratch / f"step{len(search.steps)}.onnx", step_feeds, target=target,
-                                      exclude=excluded, wait=wait, run_check=False, **structural)
+                                      exclude=excluded, wait=wait, run_check=False, float_reference=shared,
+                                      **structural)
 
         sessions: dict[Path, Any] = {}
 
