@@ -67,10 +67,10 @@ def test_the_one_channel_stem_is_the_candidate(stem):
     (bench/conv_speed.py): the profile names the stem, and the wide Convs after it stay integer."""
     path, x, plain = stem
     weighted = ["stem", "body1", "body2", "head"]
-    costs, crossing = profile_costs(path, plain, weighted, {1: {"x": x[:1]}, 8: {"x": x[:8]}}, seconds=0.2)
+    costs, crossing, fixed = profile_costs(path, plain, weighted, {1: {"x": x[:1]}, 8: {"x": x[:8]}}, seconds=0.2)
     by = {c.node: c for c in costs}
     assert all(by["stem"].int_ms[b] > by["stem"].float_ms[b] for b in (1, 8)), by["stem"]
-    candidates, estimated = choose(costs, crossing, *neighbours(onnx.load(str(plain)), weighted))
+    candidates, estimated = choose(costs, crossing, *neighbours(onnx.load(str(plain)), weighted), fixed)
     assert "stem" in candidates and "body2" not in candidates, costs
     assert all(estimated["stem"][b] > by["stem"].float_ms[b] for b in (1, 8))  # its output must cross back
 
@@ -153,3 +153,22 @@ def test_the_report_names_what_was_kept_float_and_plain_placement_skips_it(stem,
         else:
             said = report["placement_by_profile"]
             assert "stem" in said["candidates"] and said["nodes"] and said["verified_ms"]["plain"]
+
+
+def test_a_crossing_is_priced_as_a_fixed_part_and_a_part_per_element():
+    """Q/DQ nodes of 100 and 10,000 elements taking 5 us and 15 us: 5 us per node whatever its size, and 1 ns
+    per element beyond it. Priced per element alone (20 us / 10,100 elements), the small node would be charged
+    0.2 us; priced as the average of a few small nodes' total, a crossing of a tiny input is charged many times
+    what the whole node costs (MTCNN's PNet at 12 x 12: 30 ns per element at batch 1, no candidate found)."""
+    from quantship.inspect.run.node_costs import fixed_and_per_element
+
+    fixed, ns = fixed_and_per_element([(0.005, 100), (0.015, 10_000)])
+    assert fixed == pytest.approx(0.005) and ns == pytest.approx(1.0, rel=0.02)
+    assert fixed_and_per_element([]) == (0.0, None)
+    # one node kept float on a small input: crossing out costs 5 us + 1,000 x 1 ns, not 1,000 x 30 ns
+    costs = [NodeCost("a", {1: 0.04}, {1: 0.02}, {1: 400}, {1: 1000}), NodeCost("b", {1: 0.01}, {1: 0.03}, {1: 1000},
+                                                                              {1: 100})]
+    before, after = {"a": set(), "b": {"a"}}, {"a": {"b"}, "b": set()}
+    assert choose(costs, {1: 30.0}, before, after) == ((), {})  # the per-element price of a small run's average
+    kept, estimated = choose(costs, {1: 1.0}, before, after, {1: 0.005})
+    assert kept == ("a",) and estimated["a"][1] == pytest.approx(0.02 + 0.005 + 0.001)

@@ -5,8 +5,8 @@ once by timing the whole file.
 ``inspect.run.node_costs`` charges each run's time to the weighted nodes: in the INT8 file a node's
 integer kernel with the Q/DQ and layout nodes ORT runs around it, in the float file its float kernel. A
 node kept float must cross back to the integer path where a weighted neighbour stays integer: a
-DequantizeLinear on its input, a QuantizeLinear and a layout change on its output, priced per element at
-what those nodes cost in the INT8 run. Adjacent candidates share their crossings (a stem of small Convs
+DequantizeLinear on its input, a QuantizeLinear and a layout change on its output, priced as those nodes
+cost in the INT8 run: a fixed part per node and a part per element (``node_costs.fixed_and_per_element``). Adjacent candidates share their crossings (a stem of small Convs
 kept float together crosses once), so the candidates are found as a fixed point: every node whose
 integer cost exceeds its float kernel's, then, until nothing changes, only those whose integer cost
 still exceeds their float cost with the crossings the current set leaves them (geometric mean over the
@@ -68,6 +68,7 @@ class ProfilePlacement:
     batches: tuple[int, ...]
     costs: list[NodeCost] = field(default_factory=list)
     crossing_ns: dict[int, float] = field(default_factory=dict)  # ns per element to enter or leave the integer path
+    crossing_fixed_ms: dict[int, float] = field(default_factory=dict)  # and ms per crossing whatever its size
     candidates: tuple[str, ...] = ()
     estimated_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # candidate -> its float cost, crossings
     verified_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "plain" / "profile" -> batch -> ms
@@ -107,6 +108,7 @@ class ProfilePlacement:
     def as_dict(self) -> dict:
         return {"method": "profile", "cpu": self.cpu, "batches": list(self.batches),
                 "nodes": [c.as_dict() for c in self.costs], "crossing_ns_per_element": _keyed(self.crossing_ns),
+                "crossing_fixed_ms": _keyed(self.crossing_fixed_ms),
                 "candidates": list(self.candidates), "kept_float": list(self.kept_float),
                 "estimated_float_ms": {n: _keyed(v) for n, v in self.estimated_ms.items()},
                 "verified_ms": {k: _keyed(v) for k, v in self.verified_ms.items()},
@@ -155,15 +157,19 @@ def neighbours(model: onnx.ModelProto, weighted: Iterable[str]) -> tuple[dict[st
 
 
 def choose(costs: Iterable[NodeCost], crossing_ns: Mapping[int, float], before: Mapping[str, set[str]],
-           after: Mapping[str, set[str]]) -> tuple[tuple[str, ...], dict[str, dict[int, float]]]:
+           after: Mapping[str, set[str]], crossing_fixed_ms: Mapping[int, float] | None = None
+           ) -> tuple[tuple[str, ...], dict[str, dict[int, float]]]:
     """The candidates (module docstring's fixed point), in the order given, and each one's estimated float
-    cost with the crossings the set leaves it."""
+    cost with the crossings the set leaves it: each crossing ``crossing_fixed_ms`` plus ``crossing_ns`` per
+    element (per batch)."""
     costs = list(costs)
+    fixed = crossing_fixed_ms or {}
 
     def float_cost(c: NodeCost, kept: set[str]) -> dict[int, float]:
         enters = bool(before.get(c.node, set()) - kept)
         leaves = bool(after.get(c.node, set()) - kept)
-        return {b: c.float_ms[b] + (enters * c.in_elements[b] + leaves * c.out_elements[b]) * crossing_ns[b] / 1e6
+        return {b: c.float_ms[b] + (enters + leaves) * fixed.get(b, 0.0)
+                + (enters * c.in_elements[b] + leaves * c.out_elements[b]) * crossing_ns[b] / 1e6
                 for b in c.float_ms}
 
     def loses(c: NodeCost, float_ms: Mapping[int, float]) -> bool:
@@ -182,12 +188,14 @@ def choose(costs: Iterable[NodeCost], crossing_ns: Mapping[int, float], before: 
 
 
 def profile_costs(float_path: Path, int8_path: Path, weighted: list[str], feeds: Mapping[int, Mapping[str, np.ndarray]],
-                  seconds: float = PROFILE_SECONDS) -> tuple[list[NodeCost], dict[int, float]]:
+                  seconds: float = PROFILE_SECONDS
+                  ) -> tuple[list[NodeCost], dict[int, float], dict[int, float]]:
     """Each weighted node's integer and float cost per batch (nodes the float run does not name are left
-    out), and the per-element price of a crossing per batch."""
+    out), and the price of a crossing per batch: ns per element, and ms per crossing."""
     per_batch = {b: (run_costs(int8_path, feed, seconds, weighted), run_costs(float_path, feed, seconds, weighted))
                  for b, feed in feeds.items()}
     crossing = {b: (i.qdq_ns_per_element or 0.0) + (i.layout_ns_per_element or 0.0) for b, (i, _) in per_batch.items()}
+    fixed = {b: i.qdq_fixed_ms + i.layout_fixed_ms for b, (i, _) in per_batch.items()}
     out = []
     for node in weighted:
         if all(node in i.weighted and node in f.weighted for i, f in per_batch.values()):
@@ -195,7 +203,7 @@ def profile_costs(float_path: Path, int8_path: Path, weighted: list[str], feeds:
                                 {b: f.weighted[node].ms for b, (_, f) in per_batch.items()},
                                 {b: f.weighted[node].in_elements for b, (_, f) in per_batch.items()},
                                 {b: f.weighted[node].out_elements for b, (_, f) in per_batch.items()}))
-    return out, crossing
+    return out, crossing, fixed
 
 
 def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[str, np.ndarray]],
@@ -208,12 +216,14 @@ def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[s
     record = ProfilePlacement(cpu_line(), tuple(feeds))
     weighted = list(plain.plan["weighted_nodes"])
     try:
-        record.costs, record.crossing_ns = profile_costs(float_path, plain.path, weighted, feeds, seconds)
+        record.costs, record.crossing_ns, record.crossing_fixed_ms = profile_costs(float_path, plain.path, weighted,
+                                                                                 feeds, seconds)
         before, after = neighbours(onnx.load(str(plain.path), load_external_data=False), weighted)
     except Exception as exc:  # ORT's own types, a trace it could not write: the plain file stays, said so
         record.not_run = f"the profile could not run ({one_line(exc)})"
         return plain, record
-    record.candidates, record.estimated_ms = choose(record.costs, record.crossing_ns, before, after)
+    record.candidates, record.estimated_ms = choose(record.costs, record.crossing_ns, before, after,
+                                                    record.crossing_fixed_ms)
     if not record.candidates:
         record.not_run = f"no weighted op of {len(record.costs)} profiled costs more as an integer kernel here"
         return plain, record

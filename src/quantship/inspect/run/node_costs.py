@@ -59,12 +59,28 @@ class WeightedCost:
 @dataclass(frozen=True)
 class RunCosts:
     """One profiled run of a file: each weighted node's cost, the whole run's node time, and what a
-    QuantizeLinear/DequantizeLinear and a layout node cost per element in it (None: none ran)."""
+    QuantizeLinear/DequantizeLinear and a layout node cost in it: a fixed part per node (the cheapest such
+    node's time: what running one costs whatever its size) and a part per element beyond it (None: none ran).
+    On a small input the fixed part dominates; priced per element alone, a crossing of a few hundred
+    elements would be charged as if each cost what the whole node did."""
 
     weighted: dict[str, WeightedCost]
     total_ms: float
     qdq_ns_per_element: float | None
     layout_ns_per_element: float | None
+    qdq_fixed_ms: float = 0.0
+    layout_fixed_ms: float = 0.0
+
+
+def fixed_and_per_element(kernels: Iterable[tuple[float, int]]) -> tuple[float, float | None]:
+    """(ms per node, ns per element beyond it) of nodes given as (ms, elements): the cheapest node's ms is the
+    fixed part, what each spends beyond it is spread over the elements."""
+    kernels = list(kernels)
+    if not kernels:
+        return 0.0, None
+    fixed = min(ms for ms, _ in kernels)
+    elements = sum(n for _, n in kernels)
+    return fixed, (sum(ms - fixed for ms, _ in kernels) * 1e6 / elements if elements else 0.0)
 
 
 def _elements(shapes: object) -> int:
@@ -161,13 +177,11 @@ def run_costs(path: str | Path, feed: Mapping[str, np.ndarray], seconds: float, 
         return None
 
     costs: dict[str, dict] = {}
-    qdq = [0.0, 0]
-    layout = [0.0, 0]
+    qdq: list[tuple[float, int]] = []
+    layout: list[tuple[float, int]] = []
     for k in kernels:
         if k.name in glue:
-            tally = qdq if k.op_type in QDQ_OPS else layout
-            tally[0] += k.ms
-            tally[1] += k.in_elements
+            (qdq if k.op_type in QDQ_OPS else layout).append((k.ms, k.in_elements))
             node = owner[k.name] if owner[k.name] in wanted else charged(k.name)
             key = "qdq_ms" if k.op_type in QDQ_OPS else "layout_ms"
         else:
@@ -178,5 +192,6 @@ def run_costs(path: str | Path, feed: Mapping[str, np.ndarray], seconds: float, 
         c[key] += k.ms
         if key == "kernel_ms" and "in_elements" not in c:
             c["in_elements"], c["out_elements"] = k.in_elements, k.out_elements
+    (qdq_fixed, qdq_ns), (layout_fixed, layout_ns) = fixed_and_per_element(qdq), fixed_and_per_element(layout)
     return RunCosts({n: WeightedCost(n, **c) for n, c in costs.items()}, sum(k.ms for k in kernels),
-                    qdq[0] * 1e6 / qdq[1] if qdq[1] else None, layout[0] * 1e6 / layout[1] if layout[1] else None)
+                    qdq_ns, layout_ns, qdq_fixed, layout_fixed)
