@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
                      "quantship.report_json", "quantship.intervals"), 1),
     "quantship.precision": 2,
     "quantship.fidelity": 2,  # the one judgement of outputs against FP32: numpy, errors and intervals only
+    "quantship.recipe": 3,  # one algorithm request (Algorithms) for every entry point: errors and precision only
     "quantship.search_engine": 2,  # one greedy search for the repair, the accuracy and the speed search: no front-end
     "quantship.targets": 3,  # one module per runtime: precision only
     "quantship.repair_loop": 3,  # the fidelity repair, once for both front-ends: fidelity and the search engine

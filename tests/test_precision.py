@@ -173,3 +173,43 @@ def test_quantizer_signature_lists_every_precision_keyword():
     assert {"max_accuracy_drop", "verbose", "strict"} <= set(shown)
     with pytest.raises(TypeError, match="weight_bitz"):
         Quantizer(weight_bitz=8)
+
+
+def test_one_algorithm_request_serves_every_entry_point(tmp_path):
+    """``Algorithms`` is validated once, taken as ``algorithms=`` by both front-ends (the same file as the separate
+    keywords), refused where a keyword says the same thing twice or the front-end cannot run a field."""
+    import numpy as np
+    import onnx
+
+    from quantship import Algorithms, Quantizer, SpecRefused
+    from quantship.quantize_onnx import quantize_onnx_file
+    from tests.quantize_onnx import graphs
+
+    for bad in ({"smooth_quant": 1.5}, {"adaround": 0}, {"observer": "nope"}, {"equalize": "yes"},
+                {"exclude": "conv0"}):
+        with pytest.raises(SpecRefused):
+            Algorithms(**bad)
+    asked = Algorithms(bias_correction=True, observer="minmax", exclude=["relu0"])
+    assert asked.exclude == ("relu0",) and asked.asked() == {"bias_correction": True, "observer": "minmax",
+                                                              "exclude": ("relu0",)}
+    path = graphs.save(graphs.model(
+        [onnx.helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+         onnx.helper.make_node("Relu", ["c0"], ["y"], name="relu0")],
+        [graphs.value("x", ["n", 4, 8, 8])], [graphs.value("y", ["n", 8, 8, 8])], [graphs.weight(8, 4, 3, 3, name="w0")]),
+        tmp_path / "f.onnx")
+    x = np.random.default_rng(0).random((8, 4, 8, 8)).astype(np.float32)
+    one = quantize_onnx_file(path, tmp_path / "a.onnx", x, target="onnxruntime-cpu", algorithms=asked, run_check=False)
+    two = quantize_onnx_file(path, tmp_path / "b.onnx", x, target="onnxruntime-cpu", bias_correction=True,
+                             observer="minmax", exclude=["relu0"], run_check=False)
+    assert onnx.load(str(one.path)).graph == onnx.load(str(two.path)).graph
+    untimed = [{k: v for k, v in r.algorithms["bias_correction"].items() if k != "seconds"} for r in (one, two)]
+    assert untimed[0] == untimed[1] and one.excluded == two.excluded == ["relu0"]
+    with pytest.raises(SpecRefused, match="given both"):
+        quantize_onnx_file(path, tmp_path / "c.onnx", x, target="onnxruntime-cpu", algorithms=asked, observer="mse")
+    with pytest.raises(SpecRefused, match="ONNX path"):
+        Quantizer(algorithms=Algorithms(int16=("conv0",)))
+    q = Quantizer(algorithms=Algorithms(equalize=True, observer="minmax", exclude=("fc",)))
+    assert q.spec.act_observer == "minmax" and list(q.spec.skip_activations) == ["fc"]
+    preset = Quantizer.for_target("onnxruntime-cpu", algorithms=Algorithms(observer="percentile"))
+    assert preset.spec.act_observer == "percentile" and preset.target == "onnxruntime-cpu"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx", "b.onnx", "f.onnx"]

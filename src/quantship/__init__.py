@@ -20,6 +20,7 @@ _PUBLIC: dict[str, str] = {
     "SUPPORT_MATRIX": "quantship.precision",
     "PRESETS": "quantship.targets",
     "Quantizer": "quantship.quantize",
+    "Algorithms": "quantship.recipe",
     "Inputs": "quantship.quantize.calibration",
     "QuantizeCallback": "quantship.quantize.callback",
     "state_dict_size": "quantship.quantize.sizes",

@@ -10,6 +10,14 @@ from quantship.cli import fidelity as fidelity_cli
 from quantship.cli import speed as speed_cli
 from quantship.cli.check import exit_code
 from quantship.cli.onnx_input import check_memory, read_float_file
+from quantship.recipe import Algorithms
+
+
+def algorithms_of(args: argparse.Namespace) -> Algorithms:
+    """The algorithm request ``quantize-onnx``'s flags make (validated once, by ``Algorithms``)."""
+    return Algorithms(equalize=bool(args.equalize), bias_correction=bool(args.bias_correction),
+                      smooth_quant=args.smooth_quant, seq_mse=bool(args.seq_mse), adaround=args.adaround or False,
+                      observer=args.observer, exclude=tuple(args.exclude or ()), int16=tuple(args.int16 or ()))
 
 
 def run(args: argparse.Namespace, out) -> int:
@@ -23,6 +31,7 @@ def run(args: argparse.Namespace, out) -> int:
 
     ui = common.Output(args)
     target = targets.get(args.target)
+    asked = algorithms_of(args)  # one request for whichever entry point runs below
     model, inputs = read_float_file(args.float_model, args.max_memory)
     batches, held, held_said = read_held_out(
         args.calib, inputs, batch_size=args.batch_size, max_samples=args.max_samples, key=args.key,
@@ -40,12 +49,9 @@ def run(args: argparse.Namespace, out) -> int:
         # late: --help answers before numpy, onnx and onnxruntime load
         from quantship.quantize_onnx.speed import speed_search_onnx
 
-        result, speed = speed_search_onnx(args.float_model, out, batches, target=target, exclude=args.exclude,
+        result, speed = speed_search_onnx(args.float_model, out, batches, target=target, algorithms=asked,
                                           max_steps=args.max_steps, wait=not args.no_wait, log=ui.say,
-                                          observer=args.observer, per_tensor=args.per_tensor, equalize=args.equalize,
-                                          bias_correction=args.bias_correction, seq_mse=args.seq_mse,
-                                          adaround=args.adaround, int16=args.int16, smooth_quant=args.smooth_quant,
-                                          shared_scale=args.shared_scale)
+                                          per_tensor=args.per_tensor, shared_scale=args.shared_scale)
         if labelled is not None:
             accuracy = quantize_onnx_eval.top1_of(args, labelled, result.path)
     elif args.max_drop is not None:
@@ -54,12 +60,9 @@ def run(args: argparse.Namespace, out) -> int:
 
         try:
             result, search = search_onnx(args.float_model, out, batches, target=target, max_drop=args.max_drop,
-                                         labelled=(labelled.x, labelled.y), exclude=args.exclude,
-                                         observer=args.observer, per_tensor=args.per_tensor,
-                                         max_steps=args.max_steps, batch_size=args.batch_size, equalize=args.equalize,
-                                         bias_correction=args.bias_correction, smooth_quant=args.smooth_quant,
-                                         seq_mse=args.seq_mse, adaround=args.adaround, int16=args.int16,
-                                         wait=not args.no_wait, log=ui.say)
+                                         labelled=(labelled.x, labelled.y), algorithms=asked,
+                                         per_tensor=args.per_tensor, max_steps=args.max_steps,
+                                         batch_size=args.batch_size, wait=not args.no_wait, log=ui.say)
         except OnnxBudgetMissed as missed:
             return quantize_onnx_eval.budget_missed(args, ui, missed)
         accuracy = {"float": search.float_step, "int8": search.chosen}
@@ -71,10 +74,8 @@ def run(args: argparse.Namespace, out) -> int:
         try:
             result, repair = quantize_onnx(
                 args.float_model, out, batches, target=target, budget=args.budget, fidelity_data=held,
-                repair=not args.no_repair, max_steps=args.max_steps, exclude=args.exclude, int16=args.int16,
-                observer=args.observer, per_tensor=args.per_tensor, wait=not args.no_wait, equalize=args.equalize,
-                bias_correction=args.bias_correction, seq_mse=args.seq_mse, adaround=args.adaround,
-                smooth_quant=args.smooth_quant, shared_scale=args.shared_scale, log=ui.say,
+                repair=not args.no_repair, max_steps=args.max_steps, algorithms=asked, per_tensor=args.per_tensor,
+                wait=not args.no_wait, shared_scale=args.shared_scale, log=ui.say,
                 speed=not args.no_speed, require_faster=args.require_faster,
                 profile_placement=not args.plain_placement, max_memory=args.max_memory)
         except SpeedMissed as slower:

@@ -26,6 +26,7 @@ from quantship.quantize.algorithms.rounding import iterations_of as adaround_ite
 from quantship.quantize.calibration import Inputs, collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
 from quantship.quantize.pt2e import annotation_report
+from quantship.recipe import takes_algorithms
 from quantship.targets import Target
 
 # backend -> module that implements it (one function `quantize(model, spec, batches, log=, verbose=)`)
@@ -50,6 +51,7 @@ class Quantizer:
     'W8A8'
     """
 
+    @takes_algorithms({"observer": "act_observer", "exclude": "skip_activations"}, absent=("int16",))
     def __init__(
         self,
         backend: str = "pt2e",
@@ -120,7 +122,11 @@ class Quantizer:
         """The deployment preset for ``target`` (a name, an alias, or its ``Target``; see
         ``quantship.targets``), with optional overrides."""
         p = targets.get(target)
-        kwargs = {**p.spec_kwargs, **overrides}
+        preset = dict(p.spec_kwargs)
+        asked = overrides.get("algorithms")
+        if asked is not None and getattr(asked, "observer", None) is not None:
+            preset.pop("act_observer", None)  # the request's observer replaces the preset's, as a keyword would
+        kwargs = {**preset, **overrides}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate
             q = cls(verbose=verbose, **kwargs)

@@ -48,6 +48,7 @@ from quantship.quantize_onnx import equalize as equalizing
 from quantship.quantize_onnx import int16 as sixteen
 from quantship.quantize_onnx import smooth_quant as smoothing
 from quantship.quantize_onnx.memory import refuse_if_too_large, slice_budget
+from quantship.recipe import takes_algorithms
 from quantship.targets import Target
 from quantship.targets.target import wide_dtype
 
@@ -486,6 +487,7 @@ def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | 
     return measure_fidelity(names, reference, outputs, budget=budget, data=f"{n} {data}", runtime=runtime)
 
 
+@takes_algorithms()
 def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                        exclude: Iterable[str] = (), observer: str | None = None, per_tensor: bool = False,
                        wait: bool = True, run_check: bool = True, equalize: bool = False,

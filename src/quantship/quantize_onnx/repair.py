@@ -36,6 +36,7 @@ from quantship.quantize_onnx.quantizer import (
 )
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.quantize_onnx.speed import calibration_sample, timing_feeds
+from quantship.recipe import takes_algorithms
 from quantship.repair_loop import Repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
@@ -50,6 +51,7 @@ DEFAULT_BUDGET = Budget()  # quantship.fidelity's defaults
 SENSITIVITY_OPTIONS = ("observer", "per_tensor", "equalize", "bias_correction", "seq_mse", "adaround", "smooth_quant")
 
 
+@takes_algorithms()
 def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                   budget: Budget | None = DEFAULT_BUDGET, fidelity_data: Any = None, repair: bool = True,
                   max_steps: int | None = None, exclude: Iterable[str] = (), int16: Iterable[str] = (),

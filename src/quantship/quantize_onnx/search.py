@@ -32,6 +32,7 @@ from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import FloatReference, OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
+from quantship.recipe import takes_algorithms
 from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search, metric_step
 from quantship.targets import Target
 
@@ -89,6 +90,7 @@ def scorer(labelled: tuple[np.ndarray, np.ndarray] | None, metric: Callable[[Run
     return (TOP1 if metric is None else getattr(metric, "__name__", "metric")), score
 
 
+@takes_algorithms()
 def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                 max_drop: float, labelled: tuple[np.ndarray, np.ndarray] | None = None,
                 metric: Callable[[Run], float] | None = None, exclude: Iterable[str] = (),

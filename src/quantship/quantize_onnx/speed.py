@@ -56,6 +56,7 @@ from quantship.quantize_onnx.quantizer import (
     prepare,
     quantize_onnx_file,
 )
+from quantship.recipe import takes_algorithms
 from quantship.search_engine import Engine
 from quantship.targets import Target
 
@@ -236,6 +237,7 @@ def refuse_unless_ort_cpu(target: str | Target) -> None:
                           "slow layers float with --exclude")
 
 
+@takes_algorithms()
 def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                       exclude: Iterable[str] = (), max_steps: int | None = None, batches: Iterable[int] = BATCHES,
                       seconds: float = SECONDS, wait: bool = True, log: Callable[[str], None] = lambda _: None,
