@@ -176,3 +176,25 @@ def test_the_float_reference_is_run_once_for_every_file_a_call_makes(files):
     quantize_onnx_file(files / "float.onnx", files / "s3.onnx", cal[:32], target="onnxruntime-cpu",
                        fidelity_data=other, budget=Budget(), float_reference=shared)
     assert shared.runs == 4
+
+
+def test_the_pytorch_path_runs_the_float_model_once_for_the_files_it_judges(files):
+    """``judge_file`` with the loop's dict: the float model runs on the held samples for the first file only, and
+    the judgement is the one a fresh run gives; other samples are run afresh."""
+    from quantship import Quantizer, export_qdq
+    from quantship.export.judged import judge_file
+    from quantship.targets import get
+
+    model, cal = Collapsing().eval(), torch.from_numpy(np.load(files / "cal.npy"))
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calibration_dl=[cal[:32]])
+    path = export_qdq(qmodel, cal[:2], files / "judged.onnx")
+    shared, held, target = {}, [cal[32:]], get("onnxruntime-cpu")
+    calls.clear()
+    first = judge_file(path, model, held, target, Budget(), "held out", float_outputs=shared)
+    again = judge_file(path, model, held, target, Budget(), "held out", float_outputs=shared)
+    assert len(calls) == 1 and again.as_dict() == first.as_dict()
+    assert judge_file(path, model, held, target, Budget(), "held out").as_dict() == first.as_dict()
+    judge_file(path, model, [cal[32:] + 1.0], target, Budget(), "held out", float_outputs=shared)
+    assert len(calls) == 3 and len(shared) == 2

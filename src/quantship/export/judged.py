@@ -66,12 +66,25 @@ def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) 
     return [np.concatenate(p) for p in parts]
 
 
+def _samples_key(batches: Sequence[tuple]) -> tuple | None:
+    """What the float model's outputs on ``batches`` depend on: each input's shape, dtype and sum (another draw
+    of the same shape is another key); None for inputs that are not arrays or tensors (not shared)."""
+    try:
+        return tuple(tuple((tuple(a.shape), str(a.dtype), float(np.sum(a, dtype=np.float64))) for a in as_arrays(b))
+                     for b in batches)
+    except Exception:  # an input form as_arrays does not read: the float model is run for this file
+        return None
+
+
 def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
-               data: str, fallback: Sequence[Any] = (), native: bool = False) -> Fidelity:
+               data: str, fallback: Sequence[Any] = (), native: bool = False,
+               float_outputs: dict | None = None) -> Fidelity:
     """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
     in the target's reading (``fidelity_reading``; ``native``: in the target's own runtime where it is not ONNX
     Runtime and runs here, ``consumers.native_runtime``). A fixed-batch file reads whole multiples of its batch;
-    when ``held`` cannot fill one, ``fallback`` (the calibration batches) is read instead, and said so."""
+    when ``held`` cannot fill one, ``fallback`` (the calibration batches) is read instead, and said so.
+    ``float_outputs``: a dict a calling loop keeps, the float model's outputs by the samples they were run on,
+    so that the loop's files (the repair's steps, the runtime's confirmation) run the float model once."""
     fused, runtime = fidelity_reading(target)
     in_runtime = native_runtime(target) if native else None
     session = ort_session(path, optimized=fused)
@@ -90,7 +103,13 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
             data = f"calibration sample(s) (in-sample: fewer held-out samples than the file's batch of {fixed})"
     if not batches:
         raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} sample(s)")
-    names, reference = output_arrays(float_model, batches)
+    key = _samples_key(batches) if float_outputs is not None else None
+    if key is not None and key in float_outputs:
+        names, reference = float_outputs[key]
+    else:
+        names, reference = output_arrays(float_model, batches)
+        if key is not None:
+            float_outputs[key] = (names, reference)
     if in_runtime is None:
         outputs = file_outputs(session, batches, fixed)
     else:
@@ -163,6 +182,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     held_batches = list(held) if held else list(batches)[:1]
     data = held_label if held else "calibration sample(s) (in-sample: none held out)"
     numbers = itertools.count()
+    shared: dict = {}  # the float model's outputs on the held samples, run once for every file made below
     base = tuple(overrides.get("skip_activations") or ())
     options = {k: v for k, v in overrides.items() if k != "skip_activations"}
     with artifact.workdir_beside(final) as scratch:
@@ -183,7 +203,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                     raise  # the file as asked cannot be made: the caller's refusal, not a repair's
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
-            fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches))
+            fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
+                                  float_outputs=shared)
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
             return fidelity, (qmodel, quantizer, path, fidelity)
 
@@ -205,7 +226,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
         qmodel, quantizer, path, fidelity = chosen
         if native_runtime(target) is not None:  # the repair read ONNX Runtime literally: confirm in the runtime
             confirmed = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
-                                   native=True)
+                                   native=True, float_outputs=shared)
             if budget is not None and confirmed.status == MISSED:
                 raise missed_in_runtime(fidelity, confirmed, target.target)
             fidelity = confirmed
