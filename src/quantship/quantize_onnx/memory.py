@@ -22,6 +22,9 @@ from pathlib import Path
 from quantship.errors import DataRefused, FileRefused
 from quantship.inspect.read.feeds import Feed
 from quantship.inspect.read.loading import file_size
+from quantship.inspect.run.literal import LITERAL_PART_BYTES, give_back
+
+__all__ = ["give_back", "literal_part_bytes"]  # give_back: the one definition is the literal reading's
 
 # Bytes of exposed tensors held at once at most (calibration, sensitivity, the weight passes slice to it). Here
 # and not in ``calibrate``: the refusal reads it before torch (which calibrate's observers need) loads.
@@ -34,20 +37,6 @@ MAPPED_COPIES = 3
 RUNTIME_BYTES = 700 << 20  # the process before any model: Python, numpy, torch, onnx, ONNX Runtime (0.62 GB here)
 MEMINFO = Path("/proc/meminfo")
 GRAPH_PARSED_BELOW = 64 << 20
-
-
-def give_back() -> None:
-    """Return the heap pages freed so far to the kernel (glibc's ``malloc_trim``; nothing elsewhere). ONNX
-    Runtime's sessions free megabytes of tensors at a time, which glibc otherwise keeps for reuse: the
-    process's resident size would stay at its largest session's."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def available_bytes() -> int | None:
@@ -148,6 +137,15 @@ def refuse_if_too_large(path: str | Path, feeds: Sequence[Feed] = (), *, availab
                if room.source == "--max-memory" else "free memory or quantize it on a machine with more")
     raise FileRefused(f"{path} is {gb(size)}: quantizing it needs {needed.describe()}, and {room.source} is "
                       f"{gb(room.bytes)}; {way_out}")
+
+
+def literal_part_bytes(needed: Estimate | None, room: Room) -> int:
+    """Bytes of weights (stored and dequantized) one literal session of the written file may hold
+    (``inspect.run.literal``): what ``room`` leaves after ``needed.fixed``, at most ``LITERAL_PART_BYTES``; a
+    file whose weights dequantize to more is read a few layers at a time."""
+    if needed is None or room.bytes is None:
+        return LITERAL_PART_BYTES
+    return max(1, min(LITERAL_PART_BYTES, room.bytes - needed.fixed))
 
 
 def slice_budget(needed: Estimate, room: Room, one_layer: int, largest: str) -> int:
