@@ -8,6 +8,9 @@ small ``--max-memory`` lowers (``memory.literal_part_bytes``).
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -103,6 +106,27 @@ def test_a_file_with_external_data_is_split_and_read_the_same(tmp_path):
         _same(run_onnxruntime(path, feeds), want)
         assert isinstance(ort_session(path, optimized=True), ort.InferenceSession)  # fused: no float copy to split
     assert isinstance(ort_session(path), ort.InferenceSession)  # the budget ends with its block
+
+
+def test_a_single_file_is_split_from_a_temporary_copy_of_its_weights_removed_with_the_session(tmp_path):
+    model = qdq_stack()
+    path = tmp_path / "q.onnx"
+    onnx.save_model(model, str(path))
+    feeds = _feeds()
+    want = [_whole(str(path)).run(None, feed) for feed in feeds]
+    split = literal.split_session(path, limit=2 * WEIGHT_BYTES)
+    assert split is not None and split.n_parts >= 2
+    folder = Path(split._base_dir)
+    assert folder != tmp_path and (folder / "model.onnx.data").stat().st_size >= LAYERS * WIDTH * WIDTH
+    assert not any(t.HasField("raw_data") and len(t.raw_data) >= 1024 for t in split._model.graph.initializer)
+    _same(split.run_feeds(feeds), want)
+    del split
+    gc.collect()
+    assert not folder.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx"]
+    light = literal.graph_only(path)  # what check --run keeps beside its sessions: dims and types, no values
+    assert {t.name: list(t.dims) for t in light.graph.initializer} == {
+        t.name: list(t.dims) for t in model.graph.initializer}
+    assert light.ByteSize() < model.ByteSize() - LAYERS * WIDTH * WIDTH
 
 
 def test_a_small_max_memory_chooses_the_split_and_a_large_one_does_not():

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.inspect.read import external
 from quantship.inspect.read.loading import file_size
 
 # at most this many bytes of weights (stored plus dequantized) in one literal session, unless a budget says less
@@ -213,8 +217,10 @@ class SplitSession:
     """A literal ONNX Runtime reading of a model, run part by part (``plan``): ``run`` and ``run_feeds`` as an
     ``InferenceSession``'s, ``get_inputs`` / ``get_outputs`` describe the whole graph."""
 
-    def __init__(self, model: onnx.ModelProto, cut: _Plan, base_dir: str | None):
+    def __init__(self, model: onnx.ModelProto, cut: _Plan, base_dir: str | None, folder: str | None = None):
         self._model, self._plan, self._base_dir = model, cut, base_dir
+        if folder is not None:  # the weights written out for the parts to map: removed with this session
+            weakref.finalize(self, shutil.rmtree, folder, True)
         stored = {t.name for t in model.graph.initializer}
         self._inputs = [_arg(i) for i in model.graph.input if i.name not in stored]
         self._outputs = [_arg(o) for o in model.graph.output]
@@ -303,7 +309,45 @@ def split_session(model: str | Path | onnx.ModelProto, base_dir: str | Path | No
     cut = plan(model.graph, limit)
     if cut is None or len(cut.parts) < 2:
         return None
-    return SplitSession(model, cut, None if base_dir is None else str(base_dir))
+    folder = None
+    if any(t.HasField("raw_data") and len(t.raw_data) >= external.EXTERNAL_TENSOR_MIN_BYTES
+           for t in model.graph.initializer):
+        model, folder = _weights_to_disk(model)  # every part maps its weights: none held here
+        base_dir = folder
+    return SplitSession(model, cut, None if base_dir is None else str(base_dir), folder)
+
+
+def _weights_to_disk(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    """``model``'s graph, its stored tensors written to a data file in a new temporary folder (one at a time,
+    page-aligned, so ONNX Runtime maps them), and that folder. Tensors a part session maps are file pages the
+    kernel can drop, where a copy held in this process would stay resident beside each session."""
+    folder = tempfile.mkdtemp(prefix="quantship-literal-")
+    try:
+        graph = Path(folder) / "model.onnx"
+        external.save_with_external_data(model, graph, "model.onnx.data")
+        return onnx.load(str(graph), load_external_data=False), folder
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def graph_only(path: str | Path) -> onnx.ModelProto:
+    """The file's model with its initializers' names, types and dims but not their values (external ones keep
+    their references): what reading feeds and outputs needs, without a copy of the weights held beside the
+    sessions that run it."""
+    model = onnx.load(str(path), load_external_data=False)
+    if not any(t.HasField("raw_data") and len(t.raw_data) >= external.EXTERNAL_TENSOR_MIN_BYTES
+               for t in model.graph.initializer):
+        return model
+    shell = onnx.ModelProto()
+    external._copy_fields(model, shell, skip="graph")
+    external._copy_fields(model.graph, shell.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        if tensor.HasField("raw_data") and len(tensor.raw_data) >= external.EXTERNAL_TENSOR_MIN_BYTES:
+            shell.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        else:
+            shell.graph.initializer.add().CopyFrom(tensor)
+    return shell
 
 
 def run_feeds(session, feeds: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
