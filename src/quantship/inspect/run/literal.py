@@ -247,10 +247,17 @@ class SplitSession:
         if unknown:
             raise ValueError(f"{unknown} are not outputs of the graph: {[o.name for o in self._outputs]}")
         values = [dict(feed) for feed in feeds]
+        if not values:
+            return []
+        missing = [i.name for i in self._inputs if any(i.name not in held for held in values)]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}: the graph's inputs are {[i.name for i in self._inputs]}")
         keep = set(wanted)
         for k in range(self.n_parts):
-            session = self._session(k, values[0] if values else {})
             names = self._plan.outputs[k]
+            if not names:  # nothing it makes is read later
+                continue
+            session = self._session(k, values[0])
             for held in values:
                 outs = session.run(names, {n: held[n] for n in self._plan.inputs[k]})
                 held.update(zip(names, outs))
