@@ -20,6 +20,7 @@ import pytest
 
 from quantship.errors import DataRefused
 from quantship.inspect.read.feeds import as_feeds, model_inputs
+from quantship.inspect.run import literal
 from quantship.quantize_onnx import calibrate, memory, quantize_onnx_file
 from tests.quantize_onnx import graphs
 
@@ -85,7 +86,7 @@ def test_calibration_in_one_tensor_groups_and_one_row_slices_gives_the_same_rang
         assert abs(scale_a - scale_b) <= 1e-6 * scale_a and zero_a == zero_b, name
 
 
-def test_a_budget_below_one_layer_is_refused_and_one_just_above_it_runs(encoder, tmp_path):
+def test_a_budget_below_one_layer_is_refused_and_one_just_above_it_runs(encoder, tmp_path, monkeypatch):
     _, external = encoder
     x = _tokens(16)
     before = _digest(external.parent)
@@ -96,10 +97,21 @@ def test_a_budget_below_one_layer_is_refused_and_one_just_above_it_runs(encoder,
         quantize_onnx_file(external, out, x, target="onnxruntime-cpu", run_check=False,
                            max_memory=needed.fixed + widest // 2)
     assert not out.exists() and not list(tmp_path.iterdir()) and _digest(external.parent) == before
-    # a budget that leaves room for one row of one tensor at a time: sliced, not refused
+    # a budget that leaves room for one row of one tensor at a time: sliced, not refused; the written file is
+    # read literally in parts (each of at most what the budget leaves: a weight and its float copy alone)
+    parts = []
+    whole_run = literal.SplitSession.run_feeds
+
+    def counted(session, feeds, output_names=None):
+        parts.append(session.n_parts)
+        return whole_run(session, feeds, output_names)
+
+    monkeypatch.setattr(literal.SplitSession, "run_feeds", counted)
     done = quantize_onnx_file(external, out, x, target="onnxruntime-cpu", run_check=False,
                               max_memory=needed.fixed + widest)
     assert done.path == out.resolve() and out.is_file()
+    assert parts and min(parts) > 4, parts  # the encoder's weights each in a part of its own (same bytes as one
+    # session: tests/inspect/test_literal_parts.py)
 
 
 def test_cli_max_memory_below_the_weights_exits_2_with_one_line_and_writes_nothing(encoder, tmp_path):

@@ -6,9 +6,10 @@ The working set of ``quantize_onnx_file``: the process itself (``RUNTIME_BYTES``
 copies of the weights alive at once, the calibration data held as arrays, and the exposed tensors of one
 calibration slice. A file read whole (one protobuf) holds ``MODEL_COPIES`` copies (the loaded proto, the onnx_ir
 model over it, the normalised proto, ONNX Runtime's session); a file whose weights are in external data is
-mapped from disk instead, tensor by tensor, and holds ``MAPPED_COPIES`` (ONNX Runtime's sessions, the mapped
-pages a pass read, and the literal reading of the written file, whose dequantized weights ONNX Runtime
-holds at once). What is left of the budget bounds the calibration slices
+mapped from disk instead, tensor by tensor, and holds ``MAPPED_COPIES`` (ONNX Runtime's sessions and the
+mapped pages a pass read). The written file is read literally a few layers at a time when its dequantized
+weights exceed what the budget leaves (``literal_part_bytes``, ``inspect.run.literal``), so that reading no
+longer holds a float copy of every weight. What is left of the budget bounds the calibration slices
 (``calibrate.observe``, at most ``MEMORY_BUDGET``); a budget that leaves less than one layer's output for one
 sample is refused before anything is read or written, with the figures and what to do.
 """
@@ -22,32 +23,22 @@ from pathlib import Path
 from quantship.errors import DataRefused, FileRefused
 from quantship.inspect.read.feeds import Feed
 from quantship.inspect.read.loading import file_size
+from quantship.inspect.run.literal import LITERAL_PART_BYTES, give_back
+
+__all__ = ["give_back", "literal_part_bytes"]  # give_back: the one definition is the literal reading's
 
 # Bytes of exposed tensors held at once at most (calibration, sensitivity, the weight passes slice to it). Here
 # and not in ``calibrate``: the refusal reads it before torch (which calibrate's observers need) loads.
 MEMORY_BUDGET = 768 << 20
 MODEL_COPIES = 4  # proto, onnx_ir model, normalised proto, ONNX Runtime's session (weights held once each)
-# external data: the weights are mapped, but ONNX Runtime's literal reading of the written file dequantizes every
-# weight to float before its first MatMul runs, beside the int8 file it holds: bench/scale.py measured peak RSS
-# = 0.65 GB + 2.58 x float weights from 0.1 to 4 GB (bench/scale_results.md), so 3 copies bound it
-MAPPED_COPIES = 3
+# external data: the weights are mapped, and the literal reading of the written file runs in parts
+# (``inspect.run.literal``): bench/scale.py measured peak RSS = 0.57 GB + 1.74 x float weights at 2 and 4 GB
+# (bench/scale_results.md; by its timing the peak is now while the float model is normalised and probed), so 2
+# copies bound it
+MAPPED_COPIES = 2
 RUNTIME_BYTES = 700 << 20  # the process before any model: Python, numpy, torch, onnx, ONNX Runtime (0.62 GB here)
 MEMINFO = Path("/proc/meminfo")
 GRAPH_PARSED_BELOW = 64 << 20
-
-
-def give_back() -> None:
-    """Return the heap pages freed so far to the kernel (glibc's ``malloc_trim``; nothing elsewhere). ONNX
-    Runtime's sessions free megabytes of tensors at a time, which glibc otherwise keeps for reuse: the
-    process's resident size would stay at its largest session's."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def available_bytes() -> int | None:
@@ -148,6 +139,15 @@ def refuse_if_too_large(path: str | Path, feeds: Sequence[Feed] = (), *, availab
                if room.source == "--max-memory" else "free memory or quantize it on a machine with more")
     raise FileRefused(f"{path} is {gb(size)}: quantizing it needs {needed.describe()}, and {room.source} is "
                       f"{gb(room.bytes)}; {way_out}")
+
+
+def literal_part_bytes(needed: Estimate | None, room: Room) -> int:
+    """Bytes of weights (stored and dequantized) one literal session of the written file may hold
+    (``inspect.run.literal``): what ``room`` leaves after ``needed.fixed``, at most ``LITERAL_PART_BYTES``; a
+    file whose weights dequantize to more is read a few layers at a time."""
+    if needed is None or room.bytes is None:
+        return LITERAL_PART_BYTES
+    return max(1, min(LITERAL_PART_BYTES, room.bytes - needed.fixed))
 
 
 def slice_budget(needed: Estimate, room: Room, one_layer: int, largest: str) -> int:

@@ -39,6 +39,7 @@ from quantship.inspect.read.feeds import Feed, as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.lsb import output_scales
 from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_optimized_ops, ort_session
+from quantship.inspect.run.literal import parts_of_at_most, run_feeds
 from quantship.inspect.run.verify import readings_of_outputs
 from quantship.precision import ACT_OBSERVERS, resolve_spec
 from quantship.quantize.algorithms.bias_correction import SAMPLES as BIAS_SAMPLES
@@ -238,7 +239,7 @@ def _ir_session(model: ir.Model):
 
 def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
     """Every output over every feed, concatenated along the batch."""
-    return joined([session.run(None, feed) for feed in feeds])
+    return joined(run_feeds(session, feeds))
 
 
 def read_both(path: Path, feeds: Sequence[Feed], what: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -641,7 +642,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
     plan = {**layout.as_dict(), "recurrent": recurrent_plan.as_dict()}
     del model, layout, nodes  # the plan's nodes hold the whole graph: freed before the file is read back
     memory.give_back()
-    with artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
+    reading = parts_of_at_most(memory.literal_part_bytes(needed, memory.Room.of(max_memory)))
+    with reading, artifact.atomic_destination(out_path, wait=wait, inputs=(src,)) as staged:
         artifact.save_model(final, staged)
         del final
         facts = read_file(staged)

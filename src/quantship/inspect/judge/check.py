@@ -171,8 +171,9 @@ def check_file(path: str | Path | FileFacts, target: str | Target, run: bool = F
     report = CheckReport(facts.path, tgt.name, facts.quant.format, findings_for(facts.quant, tgt),
                          report=report_of(facts))
     if run:
-
+        where, weight_only = facts.path, facts.quant.weight_only
+        del facts  # its model holds every weight: not kept beside the sessions of the run
         with step(f"check --run: {tgt.name}"):
-            report.runs.append(consumer_runs.run_consumer(facts.path, tgt, n_inputs=n_inputs, inputs=inputs,
-                                                          weight_only=facts.quant.weight_only))
+            report.runs.append(consumer_runs.run_consumer(where, tgt, n_inputs=n_inputs, inputs=inputs,
+                                                          weight_only=weight_only))
     return report

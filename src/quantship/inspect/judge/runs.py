@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from quantship import targets
 from quantship.errors import cause
 from quantship.inspect.read.feeds import for_run
@@ -24,6 +22,7 @@ from quantship.inspect.run.consumers import (
     lsb_between,
     run_onnxruntime,
 )
+from quantship.inspect.run.literal import graph_only
 from quantship.inspect.run.weight_only import (
     ACCURACY_OPTION,
     DEFAULT,
@@ -143,7 +142,7 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
     readings are measured by their relative error instead (``_weight_only_result``).
     """
     tgt = targets.get(target)  # a name or alias is resolved here; a Target passes
-    model = onnx.load(str(path), load_external_data=False)
+    model = graph_only(path)  # not the weights: the sessions below hold them
     if tgt.runner is None:
         return RunResult(tgt.consumer, False, False, f"{tgt.consumer} cannot run on this machine; checked "
                          "statically only", status=NOT_RUN)

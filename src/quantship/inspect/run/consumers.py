@@ -25,6 +25,7 @@ import onnx
 
 from quantship.inspect.read import external
 from quantship.inspect.read.lsb import lsb_error
+from quantship.inspect.run import literal
 from quantship.targets import Target
 
 Inputs = dict[str, np.ndarray]
@@ -39,9 +40,15 @@ def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
     ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
     kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
     the graph ONNX Runtime builds; ``config``: session config entries (``inspect.run.weight_only``'s readings).
-    ``base_dir``: as ``session_of``'s.
+    ``base_dir``: as ``session_of``'s. Read literally, a file whose dequantized weights exceed the part size
+    (``literal.part_bytes``) comes back as a ``literal.SplitSession``: run a few layers at a time.
     """
     import onnxruntime as ort
+
+    if not optimized and optimized_model_filepath is None and not config:
+        split = literal.split_session(model, base_dir)
+        if split is not None:
+            return split
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -111,8 +118,7 @@ def cpu_info() -> tuple[str, set[str]]:
 
 def run_onnxruntime(path: str | Path, feeds: list[Inputs], *, optimize: bool = False) -> list[list[np.ndarray]]:
     """Outputs (in graph order) for each feed; ``optimize=False`` runs the QDQ graph literally."""
-    session = ort_session(path, optimized=optimize)
-    return [session.run(None, feed) for feed in feeds]
+    return literal.run_feeds(ort_session(path, optimized=optimize), feeds)
 
 
 def run_openvino(path: str | Path, feeds: list[Inputs], properties: dict[str, str] | None = None) -> list[list[np.ndarray]]:
