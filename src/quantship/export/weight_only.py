@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,11 @@ NBITS_FORM = "MatMulNBits"  # a Target's weight_only_form this exporter writes (
 MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
 _MIN_NBITS_BLOCK = 16  # MatMulNBits: block_size a power of two, at least 16
+# MatMulNBits' accuracy_level written by default: 4 (activations quantized to int8 per block inside the kernel).
+# At 0 (float activations) ONNX Runtime's 8-bit kernel runs far slower than FP32 and its 4-bit one barely
+# faster on a forward over many tokens (bench/lm_decode_results.md, docs/weight-only.md)
+DEFAULT_ACCURACY_LEVEL = 4
+FLOAT_REFERENCE = "float_reference.onnx"  # the float export, saved beside the staged file for ``before_commit``
 
 
 def is_weight_only(spec: QuantSpec | None) -> bool:
@@ -345,15 +350,24 @@ def export_weight_only(
     dynamic_batch: bool = False,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
+    accuracy_level: int | None = None,
+    before_commit: Callable[[Path, Path], None] | None = None,
 ) -> Path:
     """Write a torchao weight-only model at ``path``: the standard form, or MatMulNBits for ONNX Runtime CPU.
 
     The standard form declares opset ``max(opset_version, 21)`` (block-wise and int4 DequantizeLinear
-    need 21). Refusals raise ``ValueError`` and leave nothing at ``path``.
+    need 21). ``accuracy_level`` (MatMulNBits only; None: the attribute unset, i.e. 0) is written on every
+    MatMulNBits node after the file is checked at level 0 (the codes and scales, within ``WEIGHT_ONLY_RTOL``
+    of torch). ``before_commit(staged, float_file)``: called on the checked file before it is moved into
+    place, with the float export (the same graph, float weights) saved beside it; what it raises aborts
+    the write. Refusals raise ``ValueError`` and leave nothing at ``path``.
     """
     artifact.refuse_unsafe_destination(path)
     check_targets(target)
     nbits_form = target is not None  # check_targets let through a target whose form is MatMulNBits only
+    if accuracy_level is not None and (not nbits_form or accuracy_level not in range(5)):
+        raise ValueError(f"export_qdq: accuracy_level={accuracy_level!r} is MatMulNBits' attribute, 0 to 4: give "
+                         "target='onnxruntime-cpu' (the MatMulNBits form) and a level from 0 to 4, or None")
     weights = read_weights(model)
     if nbits_form:
         for w in weights:
@@ -392,13 +406,33 @@ def export_weight_only(
         else:
             final_ir, fmt, got = standard, "DequantizeLinear", reference
         check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
+        if accuracy_level is not None:
+            from quantship.export.decoder import set_accuracy_level  # decoder imports this module: late
+
+            set_accuracy_level(final_ir, accuracy_level)
         strip_source_metadata(final_ir)  # the exporter's stack traces (local paths); module scopes stay
         write_metadata(final_ir, spec, activation_dtype="float32", target=target.target if nbits_form else None)
         final_ir.metadata_props[FORMAT_KEY] = fmt
         artifact.save_model(ir.to_proto(final_ir), staged)
         check_written(staged, weights, fmt)
         check_runs_optimized(staged, inputs, "the written file")
+        if before_commit is not None:
+            reference_path = staged.parent / FLOAT_REFERENCE
+            artifact.save_model(produced, reference_path)
+            before_commit(staged, reference_path)
     return Path(path).expanduser().resolve()
+
+
+def speed_hint(level: int | None) -> Callable[[list[str]], str]:
+    """What would help a weight-only file slower than FP32 (``export.speed_gate``'s ``hint``): the fast kernels'
+    level, or, at level 4 already, the regime where weight-only pays."""
+    def hint(_: list[str]) -> str:
+        if not level or level < DEFAULT_ACCURACY_LEVEL:
+            return (f"write accuracy_level {DEFAULT_ACCURACY_LEVEL} (--accuracy-level {DEFAULT_ACCURACY_LEVEL}: int8 "
+                    "activations, ONNX Runtime's fast MatMulNBits kernels)")
+        return ("ONNX Runtime's MatMulNBits kernels save little at this size on this CPU (weight-only pays where "
+                "reading the weights dominates: large layers, few tokens per call); keep the float file")
+    return hint
 
 
 def check_written(path: Path, weights: list[QuantizedWeight], fmt: str) -> None:
