@@ -29,18 +29,17 @@ def test_int4_chooses_the_group_and_writes_matmul_nbits(hf_config, tmp_path, cap
     assert "group size: 32" in text and "[64, 96]" in text  # widths 64 and 96: 32 is the largest dividing both
     nbits = [n for n in onnx.load(str(out)).graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 8  # 7 per layer + lm_head
-    # accuracy_level 4 by default (int8 activations: ONNX Runtime's fast kernels), on every node
-    assert all({a.name: a.i for a in n.attribute}["accuracy_level"] == 4 for n in nbits)
+    # INT4: accuracy_level 0 by default (float activations, the stored arithmetic), on every node
+    assert all({a.name: a.i for a in n.attribute}["accuracy_level"] == 0 for n in nbits)
     # both readings: the file as written, and the same file at level 0 (the arithmetic it stores)
     assert "default session" in text and "exact session" in text
-    assert "accuracy_level 4; int8 activations" in text and "accuracy_level 0: float activations" in text
 
     # the file read back as a new user would: its format named, never "no quantization"
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "weight-only int4, MatMulNBits, group 32" in text and "8 of 9: 8 MatMul" in text
     assert "lm.model.embed_tokens.weight" in text  # the one weight left float: the embedding table
-    assert "4 (int8) on 8 MatMulNBits" in text  # the level the file's nodes carry
+    assert "0 (unset: float) on 8 MatMulNBits" in text  # the level the file's nodes carry
     assert main(["check", str(out), "--target", "onnxruntime-cpu"]) == 0
     text = capsys.readouterr().out
     assert "weight-only int4, MatMulNBits, group 32 file" in text and "no quantization" not in text
@@ -97,14 +96,14 @@ def test_gptq_flag_writes_the_gptq_file(hf_config, tmp_path, capsys):
     np.save(ids, np.random.default_rng(0).integers(0, 256, size=(16, 16)).astype(np.int64))
     out = tmp_path / "gptq.onnx"
     code = main(["quantize", f"hf:{hf_config}", "--method", "int4_weight_only", "--gptq", "--calib", str(ids),
-                 "--seq-len", "16", "--out", str(out), "--json", "--no-speed", "--accuracy-level", "0"])
+                 "--seq-len", "16", "--out", str(out), "--json", "--no-speed", "--accuracy-level", "4"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["spec"]["weight_algorithm"] == "gptq" and report["spec"]["group_size"] == 32
-    # --accuracy-level 0 honoured: float activations, so the file as written is the exact reading
-    assert report["accuracy_level"] == 0 and report["form"] == "MatMulNBits, accuracy_level 0"
+    # --accuracy-level 4 honoured on INT4: int8 activations as written, the level-0 reading beside it
+    assert report["accuracy_level"] == 4 and report["form"] == "MatMulNBits, accuracy_level 4"
     default, exact = report["readings"]
-    assert default["relative_error_vs_torch"] == exact["relative_error_vs_torch"] < 2e-3
-    assert all({a.name: a.i for a in n.attribute}.get("accuracy_level") == 0
+    assert exact["relative_error_vs_torch"] < 2e-3 < default["relative_error_vs_torch"] < 5e-2
+    assert all({a.name: a.i for a in n.attribute}.get("accuracy_level") == 4
                for n in onnx.load(str(out)).graph.node if n.op_type == "MatMulNBits")
     meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
     assert json.loads(meta["quantship.spec"])["weight_algorithm"] == "gptq"  # the file's provenance
@@ -126,8 +125,8 @@ def test_gptq_refused_where_it_does_not_apply(tmp_path, capsys, extra, words):
 
 def test_the_file_is_timed_against_its_float_export(hf_config, tmp_path, capsys):
     """Speed on every weight-only quantize: the file against the float export of the same graph, batch 1 and 4,
-    in the report, the JSON and the file; --require-faster decides on that reading (timings not compared here:
-    this 1-layer model is measured slower, about 0.6-0.8x, and the verdict follows whatever was measured)."""
+    in the report, the JSON and the file (timings not compared here: this 1-layer model is measured slower, about
+    0.6-0.8x; --require-faster's verdict is tested on the ONNX file path, test_quantize_onnx_weight_only_cli)."""
     out = tmp_path / "w8.onnx"
     code = main(["quantize", f"hf:{hf_config}", "--method", "int8_weight_only", "--seq-len", "16", "--out", str(out),
                  "--json"])
@@ -136,6 +135,10 @@ def test_the_file_is_timed_against_its_float_export(hf_config, tmp_path, capsys)
     speed = report["speed"]
     assert code == 0 and speed["batches"] == [1, 4] and speed["not_measured"] is None and speed["threads"] == 1
     assert speed["cpu"] and isinstance(speed["flags"], list)  # the CPU and its int8 flags, with the figures
+    # INT8: level 4 by default; both readings, as written (int8 activations) and at level 0 (its stored arithmetic)
+    default, exact = report["readings"]
+    assert default["file_as"] == {"accuracy_level": 4} and exact["file_as"] == {"accuracy_level": 0}
+    assert exact["relative_error_vs_torch"] < 2e-3 < default["relative_error_vs_torch"] < 5e-2
     assert set(speed["speedup"]) == {"1", "4"} and all(v > 0 for v in speed["int8_ms"].values())
     recorded = json.loads({p.key: p.value for p in onnx.load(str(out)).metadata_props}["quantship.speed"])
     assert recorded["speedup"] == speed["speedup"]
@@ -146,18 +149,10 @@ def test_the_file_is_timed_against_its_float_export(hf_config, tmp_path, capsys)
 
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert session.run(None, {session.get_inputs()[0].name: np.ones((4, 16), np.int64)})[0].shape[0] == 4
-    if speed["slower"]:  # the first line says so, with what would help
-        assert captured.err.splitlines()[0].startswith("quantship quantize: warning: the INT8 file runs slower")
+    if speed["slower"]:  # stderr says so before the report (after the random-weights note), with what would help
+        assert any(line.startswith("quantship quantize: warning: the INT8 file runs slower")
+                   for line in captured.err.splitlines())
         assert "MatMulNBits kernels save little" in speed["hint"]
-
-    again = tmp_path / "again.onnx"
-    code = main(["quantize", f"hf:{hf_config}", "--method", "int8_weight_only", "--seq-len", "16",
-                 "--out", str(again), "--json", "--require-faster"])
-    verdict = json.loads(capsys.readouterr().out)
-    if code == 1:
-        assert verdict["verdict"] == "slower_than_fp32" and not again.exists() and verdict["speed"]["slower"]
-    else:
-        assert code == 0 and again.is_file() and not verdict["speed"]["slower"]
 
 
 @pytest.mark.parametrize("extra, words", [

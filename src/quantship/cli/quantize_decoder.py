@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--decoder: the longest total sequence the file is declared for (default: the model's "
                              "max_position_embeddings; more is refused)")
     parser.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
-                        help="weight-only MatMulNBits form: the nodes' accuracy_level (0 float activations; 4 int8 "
-                             "activations, the default, except INT4 --decoder files: 0; INT8 weights at 0 run far "
-                             "slower than FP32, see docs/weight-only.md)")
+                        help="weight-only MatMulNBits form: the nodes' accuracy_level (0 float activations, the INT4 "
+                             "default; 4 int8 activations, the INT8 default: INT8 weights run far faster, "
+                             "see docs/weight-only.md)")
     parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
 

@@ -3,8 +3,8 @@
 Every MatMul over a stored 2-D float weight becomes one com.microsoft ``MatMulNBits`` node
 (``quantize_onnx.weight_only_file``): no calibration, the weights alone are read. ``--calib`` is optional and
 only chooses what the file is read on (else inputs generated per input dtype and range). The report gives
-the fidelity to the float file as written (``--accuracy-level``, 4 by default: int8 activations) and at
-level 0 (float activations), and the speed against the float file on this CPU.
+the fidelity to the float file as written (``--accuracy-level``; by default 4, int8 activations, for INT8 and 0
+for INT4) and at level 0 (float activations), and the speed against the float file on this CPU.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only: weights per scale along K (default: the largest of 128/64/32 dividing "
                              "every weighted MatMul's K)")
     parser.add_argument("--accuracy-level", type=int, choices=range(5), default=None, metavar="{0..4}",
-                        help="weight-only: MatMulNBits' accuracy_level (default 4: int8 activations, ONNX "
-                             "Runtime's fast kernels; 0: float activations, exact but slower, see docs/weight-only.md)")
+                        help="weight-only: MatMulNBits' accuracy_level (default: 4, int8 activations, for INT8, "
+                             "whose level-0 kernel is far slower than FP32; 0, float activations, exact, for INT4; "
+                             "see docs/weight-only.md)")
 
 
 def refuse_combinations(args: argparse.Namespace) -> None:
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace, out) -> int:
     # late: --help answers before onnx, onnxruntime and numpy load
     from quantship.cli.onnx_input import read_feeds, read_float_file
     from quantship.errors import SpeedMissed
-    from quantship.export.weight_only import DEFAULT_ACCURACY_LEVEL
+    from quantship.export.weight_only import default_accuracy_level
     from quantship.inspect.read.feeds import generated
     from quantship.inspect.read.loading import file_size
     from quantship.quantize_onnx.weight_only_file import choose_group, quantize_weight_only_file
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace, out) -> int:
     del model
     bits = BITS[args.method]
     group = args.group_size or choose_group(args.float_model)
-    level = DEFAULT_ACCURACY_LEVEL if args.accuracy_level is None else args.accuracy_level
+    level = default_accuracy_level(bits) if args.accuracy_level is None else args.accuracy_level
     ui.say(f"quantizing with quantship: weight-only int{bits}, groups of {group} along K, MatMulNBits at "
            f"accuracy_level {level}; read on " + ("the --calib data" if args.calib else
                                                   "inputs generated per input dtype and range (no --calib)"))

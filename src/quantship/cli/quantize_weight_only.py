@@ -14,6 +14,7 @@ from quantship import targets
 from quantship.cli import common, quantize_decoder
 from quantship.cli import speed as speed_cli
 from quantship.cli.usage import UsageError
+from quantship.errors import SpeedMissed
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
@@ -96,8 +97,6 @@ LM_TIMING_BATCH = 4  # an hf: model's file is timed at batch 1 and this many row
 def run(args: argparse.Namespace) -> int:
     if args.decoder:  # a decoder file for generation (KV cache, dynamic lengths): its own writer
         return quantize_decoder.run(args, choose_group_size)
-    from quantship.errors import SpeedMissed
-
     ui = common.Output(args)
     try:
         return _write_and_report(args, ui)
@@ -106,13 +105,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def accuracy_level(args: argparse.Namespace, nbits_form: bool) -> int | None:
-    """--accuracy-level, else the MatMulNBits form's default (int8 activations: the fast kernels); the standard
-    form has no such attribute."""
-    from quantship.export.weight_only import DEFAULT_ACCURACY_LEVEL
+    """--accuracy-level, else the MatMulNBits form's default for its bits (``default_accuracy_level``: 4 for INT8,
+    0 for INT4); the standard form has no such attribute (None)."""
+    # imported when the command runs (onnx behind it), so --help answers at once
+    from quantship.export.weight_only import default_accuracy_level
 
     if not nbits_form:
         return None
-    return DEFAULT_ACCURACY_LEVEL if args.accuracy_level is None else args.accuracy_level
+    if args.accuracy_level is not None:
+        return args.accuracy_level
+    return default_accuracy_level(8 if args.method == "int8_weight_only" else 4)
 
 
 def _write_and_report(args: argparse.Namespace, ui: common.Output) -> int:

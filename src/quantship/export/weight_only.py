@@ -44,10 +44,7 @@ NBITS_FORM = "MatMulNBits"  # a Target's weight_only_form this exporter writes (
 MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
 _MIN_NBITS_BLOCK = 16  # MatMulNBits: block_size a power of two, at least 16
-# MatMulNBits' accuracy_level written by default: 4 (activations quantized to int8 per block inside the kernel).
-# At 0 (float activations) ONNX Runtime's 8-bit kernel runs far slower than FP32 and its 4-bit one barely
-# faster on a forward over many tokens (bench/lm_decode_results.md, docs/weight-only.md)
-DEFAULT_ACCURACY_LEVEL = 4
+FAST_ACCURACY_LEVEL = 4  # MatMulNBits' accuracy_level with int8 activations (quantized per block inside the kernel)
 FLOAT_REFERENCE = "float_reference.onnx"  # the float export, saved beside the staged file for ``before_commit``
 
 
@@ -290,6 +287,15 @@ def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value
     return n_nodes
 
 
+def set_accuracy_level(model: ir.Model, level: int) -> int:
+    """Set MatMulNBits' ``accuracy_level`` (0 float activations ... 4 int8 activations) on every such node (the
+    decoder files' writer uses it too)."""
+    nodes = [n for n in model.graph if n.op_type == "MatMulNBits"]
+    for node in nodes:
+        node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
+    return len(nodes)
+
+
 def run_literal(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """ORT with no graph optimization and no weight prepacking: a MatMul multiplies the same way whether
     its weight is an initializer or a DequantizeLinear output (prepacked GEMMs accumulate in another order)."""
@@ -407,8 +413,6 @@ def export_weight_only(
             final_ir, fmt, got = standard, "DequantizeLinear", reference
         check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
         if accuracy_level is not None:
-            from quantship.export.decoder import set_accuracy_level  # decoder imports this module: late
-
             set_accuracy_level(final_ir, accuracy_level)
         strip_source_metadata(final_ir)  # the exporter's stack traces (local paths); module scopes stay
         write_metadata(final_ir, spec, activation_dtype="float32", target=target.target if nbits_form else None)
@@ -423,13 +427,23 @@ def export_weight_only(
     return Path(path).expanduser().resolve()
 
 
+def default_accuracy_level(bits: int) -> int:
+    """MatMulNBits' accuracy_level a weight-only file is written at unless asked: 4 (int8 activations) for 8-bit
+    weights, whose level-0 kernel runs far slower than FP32 in ONNX Runtime (0.74x on the byte-level Llama's
+    128-token forward, 0.08x on a 124 M-parameter Llama's decode step); 0 (float activations, the stored
+    arithmetic, within ``WEIGHT_ONLY_RTOL`` of torch) for 4-bit weights, whose level-0 kernel is not slower
+    than FP32 there while level 4 moves the outputs about 1e-2 (docs/weight-only.md). The decoder files'
+    writer follows the same rule."""
+    return FAST_ACCURACY_LEVEL if bits == 8 else 0
+
+
 def speed_hint(level: int | None) -> Callable[[list[str]], str]:
     """What would help a weight-only file slower than FP32 (``export.speed_gate``'s ``hint``): the fast kernels'
     level, or, at level 4 already, the regime where weight-only pays."""
     def hint(_: list[str]) -> str:
-        if not level or level < DEFAULT_ACCURACY_LEVEL:
-            return (f"write accuracy_level {DEFAULT_ACCURACY_LEVEL} (--accuracy-level {DEFAULT_ACCURACY_LEVEL}: int8 "
-                    "activations, ONNX Runtime's fast MatMulNBits kernels)")
+        if not level or level < FAST_ACCURACY_LEVEL:
+            return (f"write accuracy_level {FAST_ACCURACY_LEVEL} (--accuracy-level {FAST_ACCURACY_LEVEL}: int8 "
+                    "activations in ONNX Runtime's MatMulNBits kernels, about 1e-2 from the exact outputs)")
         return ("ONNX Runtime's MatMulNBits kernels save little at this size on this CPU (weight-only pays where "
                 "reading the weights dominates: large layers, few tokens per call); keep the float file")
     return hint

@@ -4,8 +4,8 @@ float tensor becomes one ``com.microsoft.MatMulNBits`` node (codes packed low ni
 writes for the PyTorch path. No calibration: the weights alone are read, one at a time, from a mapping of
 the file's external data when it has some, so the float weights are never all held at once.
 
-The MatMulNBits nodes carry ``accuracy_level`` 4 by default (int8 activations inside the kernel: ONNX
-Runtime's fast ones; at 0 its 8-bit kernel runs far slower than FP32, ``export.weight_only``).
+The MatMulNBits nodes carry ``export.weight_only.default_accuracy_level`` unless asked: 4 for 8 bits (int8
+activations inside the kernel; at 0 ONNX Runtime's 8-bit kernel runs far slower than FP32), 0 for 4 bits.
 The written file is run in ONNX Runtime (default optimizations) on the given samples against the float
 file, its fidelity measured (``quantship.fidelity``) as written and at level 0 (float activations, the
 stored arithmetic) and stored in its metadata; with ``speed`` it is timed against the float file on this
@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused, cause
 from quantship.export import artifact, speed_gate
-from quantship.export.decoder import set_accuracy_level
 from quantship.export.metadata import add_file_metadata
 from quantship.export.weight_only import (
-    DEFAULT_ACCURACY_LEVEL,
     QuantizedWeight,
+    default_accuracy_level,
+    set_accuracy_level,
     speed_hint,
     to_matmul_nbits,
 )
@@ -60,7 +61,7 @@ class WeightOnlyResult:
     n_matmul_nbits: int
     kept_float: list[str]  # weighted MatMuls left float (weight not 2-D float, shared, or K not a multiple of group)
     fp32: Fidelity  # the file as written, against the float file
-    accuracy_level: int | None = None  # the MatMulNBits nodes' attribute (None: unset, read as 0)
+    accuracy_level: int = 0  # the MatMulNBits nodes' attribute
     exact: Fidelity | None = None  # the same file at accuracy_level 0 (None: it is written at 0)
     speed: Any = None  # inspect.run.speed.SpeedReading against the float file (None: not timed)
 
@@ -75,10 +76,6 @@ class WeightOnlyResult:
 def choose_group(float_path: str | Path) -> int:
     """The largest of ``GROUPS`` dividing the K of every MatMul over a stored 2-D float weight (the smallest
     when none divides them all: the others are kept float, and said)."""
-    import onnx
-
-    from quantship.inspect.read.loading import load_onnx
-
     graph = load_onnx(Path(float_path).expanduser(), external_data=False).graph
     shapes = {t.name: tuple(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     widths = {shapes[n.input[1]][0] for n in graph.node
@@ -99,11 +96,12 @@ def quantize_rows(weight: np.ndarray, bits: int, group: int) -> QuantizedWeight:
 
 
 def quantize_weight_only_file(float_path: str | Path, out_path: str | Path, samples: Any, *, bits: int = 4,
-                              group: int = GROUP, accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL,
+                              group: int = GROUP, accuracy_level: int | None = None,
                               speed: bool = False, require_faster: bool = False,
                               wait: bool = True) -> WeightOnlyResult:
     """Write ``out_path``: the float file at ``float_path`` with every MatMul over a stored 2-D weight whose K
-    is a multiple of ``group`` as MatMulNBits (``bits`` 4 or 8, ``accuracy_level`` on every node), and its
+    is a multiple of ``group`` as MatMulNBits (``bits`` 4 or 8, ``accuracy_level`` on every node; None:
+    ``export.weight_only.default_accuracy_level``, 4 for 8 bits, 0 for 4), and its
     fidelity to the float file measured on ``samples`` (the calibration grammar) in ONNX Runtime. ``speed``:
     timed against the float file on this CPU before it is moved into place; ``require_faster``: a slower (or
     untimed) file raises ``SpeedMissed`` and nothing is written."""
@@ -111,8 +109,10 @@ def quantize_weight_only_file(float_path: str | Path, out_path: str | Path, samp
         raise ValueError(f"bits={bits}: MatMulNBits weight-only writes 4 or 8 bits")
     if group < 16 or group & (group - 1):
         raise ValueError(f"group={group}: MatMulNBits needs a power of two, at least 16")
-    if accuracy_level is not None and accuracy_level not in range(5):
-        raise ValueError(f"accuracy_level={accuracy_level!r}: MatMulNBits takes 0 to 4, or None (unset: 0)")
+    if accuracy_level is None:
+        accuracy_level = default_accuracy_level(bits)
+    if accuracy_level not in range(5):
+        raise ValueError(f"accuracy_level={accuracy_level!r}: MatMulNBits takes 0 to 4, or None (the default)")
     if require_faster and not speed:
         raise ValueError("require_faster needs the speed reading: pass speed=True, or drop require_faster")
     src = Path(float_path).expanduser()
@@ -148,8 +148,7 @@ def quantize_weight_only_file(float_path: str | Path, out_path: str | Path, samp
                             f"{group}; there is nothing to store in {bits} bits")
     ir.external_data.load_to_model(model)  # what stays float (biases, norms) read from the mapping now
     unmap(on_disk)
-    if accuracy_level is not None:
-        set_accuracy_level(model, accuracy_level)
+    set_accuracy_level(model, accuracy_level)
     model.metadata_props[ENGINE_KEY] = ENGINE
     model.metadata_props[FORMAT_KEY] = f"MatMulNBits int{bits} group {group}"
     final = ir.to_proto(model)
