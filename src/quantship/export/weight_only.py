@@ -429,11 +429,10 @@ def export_weight_only(
 
 def default_accuracy_level(bits: int) -> int:
     """MatMulNBits' accuracy_level a weight-only file is written at unless asked: 4 (int8 activations) for 8-bit
-    weights, whose level-0 kernel runs far slower than FP32 in ONNX Runtime (0.74-0.79x on the byte-level Llama
-    architecture's 128-token forward, 0.50-0.72x on a 124 M-parameter Llama's, 0.08x on its decode step); 0 (float activations, the stored
+    weights, whose level-0 kernel runs slower than FP32 in ONNX Runtime; 0 (float activations, the stored
     arithmetic, within ``WEIGHT_ONLY_RTOL`` of torch) for 4-bit weights, whose level-0 kernel is not slower
-    than FP32 there while level 4 moves the outputs about 1e-2 (docs/weight-only.md). The decoder files'
-    writer follows the same rule."""
+    than FP32 on a full forward while level 4 moves the outputs about 1e-2. Measured: docs/weight-only.md
+    ("Speed and accuracy_level"), bench/lm_decode_results.md. The decoder files' writer follows the same rule."""
     return FAST_ACCURACY_LEVEL if bits == 8 else 0
 
 
