@@ -61,7 +61,7 @@ def build(name: str):
 def _with_accuracy_level(path: Path, level: int) -> Path:
     import onnx_ir as ir
 
-    from quantship.export.decoder import set_accuracy_level
+    from quantship.export.weight_only import set_accuracy_level
 
     model = ir.load(str(path))
     set_accuracy_level(model, level)

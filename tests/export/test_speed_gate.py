@@ -55,7 +55,7 @@ def test_require_faster_exits_1_and_writes_nothing(small, tmp_path, capsys):
     assert json.loads(captured.out)["verdict"] == "slower_than_fp32" and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("extra", [["--no-speed"], ["--target", "tensorrt"], ["--method", "int8_weight_only"]])
+@pytest.mark.parametrize("extra", [["--no-speed"], ["--target", "tensorrt"]])  # weight-only: test_quantize_weight_only_cli
 def test_require_faster_without_a_reading_is_refused(small, tmp_path, capsys, extra):
     model, calib = small
     code = main(["quantize", model, "--calib", str(calib), "--out", str(tmp_path / "q.onnx"), "--require-faster",

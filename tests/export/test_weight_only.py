@@ -249,3 +249,30 @@ def test_a_model_output_forward_exports_with_its_field_names(tmp_path, target):
     assert [o.name for o in session.get_outputs()] == ["logits"]
     (logits,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
     assert weight_only.relative_error(logits, expected.logits.numpy()) < weight_only.WEIGHT_ONLY_RTOL
+
+
+def test_accuracy_level_is_written_after_the_level_0_check_and_before_commit_sees_the_float_export(mlp, x, tmp_path):
+    from quantship import targets
+
+    q = Quantizer("torchao", method="int8_weight_only").quantize(mlp)
+    seen = {}
+
+    def before_commit(staged, float_file):  # the staged file and the float export of the same graph, beside it
+        seen["names"] = sorted(p.name for p in staged.parent.iterdir())
+        seen["float_ops"] = {n.op_type for n in onnx.load(str(float_file)).graph.node}
+        assert not (tmp_path / "w8.onnx").exists()  # not in place yet
+
+    path = weight_only.export_weight_only(q, x, tmp_path / "w8.onnx", quant_spec(q),
+                                          target=targets.get("onnxruntime-cpu"), accuracy_level=4,
+                                          before_commit=before_commit)
+    levels = [{a.name: a.i for a in n.attribute}["accuracy_level"]
+              for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
+    assert levels == [4, 4] and "MatMulNBits" not in seen["float_ops"] and seen["float_ops"] & {"MatMul", "Gemm"}
+    assert seen["names"] == sorted(["w8.onnx", weight_only.FLOAT_REFERENCE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w8.onnx"]  # the float export left with the scratch
+    # int8 activations: measurably off the torch model, within what ONNX Runtime's int8 kernels give
+    error = np.abs(run(path, x) - torch_out(q, x)).max() / np.abs(torch_out(q, x)).max()
+    assert 2e-4 < error < 5e-2
+    with pytest.raises(ValueError, match="accuracy_level=4 is MatMulNBits' attribute"):
+        weight_only.export_weight_only(q, x, tmp_path / "std.onnx", quant_spec(q), accuracy_level=4)
+    assert not (tmp_path / "std.onnx").exists()

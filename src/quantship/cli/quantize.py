@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quantize_weight_only.check_request(args)  # before the --out lock and any import
-    speed_cli.refuse(args, not_timed=f"--method {args.method}" if args.method != "static" else None)
+    speed_cli.refuse(args, not_timed="--decoder" if args.decoder else None)  # weight-only files are timed too
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
             import torch  # noqa: F401

@@ -25,18 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--decoder: the longest total sequence the file is declared for (default: the model's "
                              "max_position_embeddings; more is refused)")
     parser.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
-                        help="--decoder, MatMulNBits form: the nodes' accuracy_level (0 float activations, the INT4 "
+                        help="weight-only MatMulNBits form: the nodes' accuracy_level (0 float activations, the INT4 "
                              "default; 4 int8 activations, the INT8 default: INT8 weights run far faster, "
-                             "see docs/decoder.md)")
+                             "see docs/weight-only.md)")
     parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
 
 
 def check_request(args: argparse.Namespace) -> None:
     """Refuse --decoder where it does not apply, before any model work."""
+    if args.accuracy_level is not None and (args.method == "static" or args.weight_format != "matmulnbits"):
+        raise UsageError("--accuracy-level is a MatMulNBits attribute: give --method int8_weight_only or "
+                         "int4_weight_only with --weight-format matmulnbits, or drop it")
     if not getattr(args, "decoder", False):
-        if args.context is not None or args.accuracy_level is not None:
-            raise UsageError("--context and --accuracy-level apply to --decoder files; add --decoder or drop them")
+        if args.context is not None:
+            raise UsageError("--context applies to --decoder files; add --decoder or drop it")
         return
     if args.method == "static":
         raise UsageError("--decoder writes weight-only files: give --method int8_weight_only or int4_weight_only")
@@ -45,8 +48,6 @@ def check_request(args: argparse.Namespace) -> None:
                          f"not {args.model}")
     if args.gptq:
         raise UsageError("--decoder does not take --gptq yet: round to nearest, or write the non-decoder file")
-    if args.accuracy_level is not None and args.weight_format != "matmulnbits":
-        raise UsageError("--accuracy-level is a MatMulNBits attribute: drop it or use --weight-format matmulnbits")
     if args.check_tokens < 0:
         raise UsageError(f"--check-tokens {args.check_tokens}: give 0 (skip) or a positive number of tokens")
 

@@ -7,7 +7,8 @@ then the post-conditions, the target's rules, both ONNX Runtime readings, the ce
 kernels and the ``check --run`` verdict. ``--engine ort`` runs ONNX Runtime's ``quantize_static``
 with the preset's settings instead, for comparison. Calibration: ``.npy`` (one input), ``.npz``
 (one array per input, keyed by input name) of the dtype each input declares, or an image folder.
-The file appears only when every check passes.
+The file appears only when every check passes. ``--method int8_weight_only|int4_weight_only`` writes
+weight-only MatMulNBits instead (``cli.quantize_onnx_weight_only``: no calibration).
 
 ``--eval LABELLED`` scores top-1 of the float file and of the written file in ONNX Runtime (default
 optimizations, Wilson 95% intervals); with ``--max-drop POINTS`` the accuracy search
@@ -21,7 +22,14 @@ from __future__ import annotations
 import argparse
 
 from quantship import targets
-from quantship.cli import common, options, quantize_onnx_dynamic, quantize_onnx_ort, quantize_onnx_static
+from quantship.cli import (
+    common,
+    options,
+    quantize_onnx_dynamic,
+    quantize_onnx_ort,
+    quantize_onnx_static,
+    quantize_onnx_weight_only,
+)
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli import speed as speed_cli
 from quantship.cli.onnx_input import memory_size
@@ -97,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      help=".npy (one input), .npz keyed by the file's input names, or a folder of "
                                           "images; each input in its declared dtype (required unless --activations "
                                           "dynamic)")
+    quantize_onnx_weight_only.add_arguments(parser)  # --method int8_weight_only|int4_weight_only
     fidelity_cli.add_arguments(parser)
     speed_cli.add_arguments(parser)
     common.add_writer_arguments(parser)
@@ -104,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quantize_onnx_weight_only.refuse_combinations(args)
+    if args.method != "static":  # weight-only MatMulNBits: no calibration, its own writer
+        with common.writing(args) as out:
+            return quantize_onnx_weight_only.run(args, out)
     speed_cli.refuse(args, targets.get(args.target), not_timed="--engine ort" if args.engine == "ort" else
                      "--activations dynamic" if args.activations == "dynamic" else None)
     if args.max_memory is not None and (args.engine == "ort" or args.activations == "dynamic" or args.speed_search

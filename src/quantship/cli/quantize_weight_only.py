@@ -12,7 +12,9 @@ import argparse
 
 from quantship import targets
 from quantship.cli import common, quantize_decoder
+from quantship.cli import speed as speed_cli
 from quantship.cli.usage import UsageError
+from quantship.errors import SpeedMissed
 
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 
@@ -89,16 +91,41 @@ def choose_group_size(model, method: str, given: int | None, ui: common.Output) 
     return chosen
 
 
+LM_TIMING_BATCH = 4  # an hf: model's file is timed at batch 1 and this many rows of --seq-len tokens
+
+
 def run(args: argparse.Namespace) -> int:
     if args.decoder:  # a decoder file for generation (KV cache, dynamic lengths): its own writer
         return quantize_decoder.run(args, choose_group_size)
+    ui = common.Output(args)
+    try:
+        return _write_and_report(args, ui)
+    except SpeedMissed as slower:
+        return speed_cli.missed("quantize", ui, slower, {"version": 1, "model": args.model, "method": args.method})
+
+
+def accuracy_level(args: argparse.Namespace, nbits_form: bool) -> int | None:
+    """--accuracy-level, else the MatMulNBits form's default for its bits (``default_accuracy_level``: 4 for INT8,
+    0 for INT4); the standard form has no such attribute (None)."""
+    # imported when the command runs (onnx behind it), so --help answers at once
+    from quantship.export.weight_only import default_accuracy_level
+
+    if not nbits_form:
+        return None
+    if args.accuracy_level is not None:
+        return args.accuracy_level
+    return default_accuracy_level(8 if args.method == "int8_weight_only" else 4)
+
+
+def _write_and_report(args: argparse.Namespace, ui: common.Output) -> int:
     # imported when the command runs (torch, onnx, numpy behind these), so --help answers at once
     import warnings
 
     import onnx
 
     from quantship import Quantizer, quant_spec
-    from quantship.export import export_qdq
+    from quantship.export import speed_gate
+    from quantship.export.weight_only import export_weight_only, speed_hint
     from quantship.inspect.read.loading import file_size
     from quantship.inspect.run.outputs import output_arrays
     from quantship.inspect.run.weight_only import (
@@ -107,11 +134,11 @@ def run(args: argparse.Namespace) -> int:
         EXACT,
         READINGS,
         read_both,
+        run_reading,
+        without_accuracy_level,
         worst_relative_error,
     )
     from quantship.sources import load_model
-
-    ui = common.Output(args)
 
     chosen = targets.get(args.target or "onnxruntime-cpu")  # the runtime with a weight-only operator
     if chosen.weight_only_form is None:
@@ -120,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     target = chosen if args.weight_format == "matmulnbits" else None
     if args.qscheme:
         raise UsageError("--qscheme is for pt2e; weight-only granularity is per channel, or per group with --group-size")
+    level = accuracy_level(args, target is not None)
     model = load_model(args.model, args.weights)
     group = choose_group_size(model, args.method, args.group_size, ui)
     kwargs = {"group_size": group}
@@ -130,37 +158,65 @@ def run(args: argparse.Namespace) -> int:
     if args.gptq:
         kwargs["weight_algorithm"] = "gptq"
         calibration = gptq_batches(model, args)
+    form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
+    timed: dict = {}
+    batches = (1, LM_TIMING_BATCH if args.model.startswith("hf:") else len(sample))
+
+    def time_it(staged, float_file) -> None:  # the checked file against its float export, before it is moved into place
+        first = onnx.load(str(float_file), load_external_data=False).graph.input[0].name
+        timed["speed"] = speed_gate.gate(staged, float_file, {first: sample.numpy()}, batches,
+                                         require_faster=args.require_faster, hint=speed_hint(level))
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(
             model, calibration, max_calibration_samples=args.max_samples)
-        path = export_qdq(qmodel, sample, args.out, target=target)
+        spec = quant_spec(qmodel)
+        path = export_weight_only(qmodel, sample, args.out, spec, target=target, dynamic_batch=True,
+                                  accuracy_level=level,
+                                  before_commit=None if args.no_speed else time_it)
         _, expected = output_arrays(qmodel, [sample])
-    # both ways ONNX Runtime reads the file: a default session (it fuses the standard form's DequantizeLinear +
-    # MatMul into MatMulNBits with int8 activations) and the exact one (float activations)
+    # both ways ONNX Runtime reads the file: the standard form in a default session (it fuses DequantizeLinear +
+    # MatMul into MatMulNBits with int8 activations) and with float activations; the MatMulNBits form at the level
+    # its nodes carry, and at level 0 (float activations: the arithmetic the file stores, held to 2e-3 of torch)
     feeds = [{onnx.load(str(path), load_external_data=False).graph.input[0].name: sample.numpy()}]
-    errors = {name: worst_relative_error(outputs, [expected]) for name, outputs in read_both(path, feeds).items()}
-    spec = quant_spec(qmodel)
+    if target is None:
+        outputs = read_both(path, feeds)
+    else:
+        outputs = {DEFAULT.name: run_reading(path, feeds, DEFAULT),
+                   EXACT.name: run_reading(without_accuracy_level(path), feeds, DEFAULT)}
+    errors = {name: worst_relative_error(got, [expected]) for name, got in outputs.items()}
     size = file_size(path)
-    form = "MatMulNBits" if target else "int + DequantizeLinear (opset 21)"
-    readings = [{"reading": r.name, "session_options": dict(r.options), "relative_error_vs_torch": errors[r.name]}
-                for r in READINGS]
+    if target is not None:
+        form += f", accuracy_level {level}"
+    nbits_options = {DEFAULT.name: {"accuracy_level": level}, EXACT.name: {"accuracy_level": 0}}
+    readings = [{"reading": r.name, "session_options": dict(r.options) if target is None else {},
+                 **({"file_as": nbits_options[r.name]} if target is not None else {}),
+                 "relative_error_vs_torch": errors[r.name]} for r in READINGS]
+    speed = timed.get("speed")
     result = {
         "version": 1, "model": args.model, "target": target.target if target else "standard", "path": args.out, "spec": spec.as_dict(),
-        "label": spec.label, "size_bytes": size, "form": form, "readings": readings,
+        "label": spec.label, "size_bytes": size, "form": form, "accuracy_level": level, "readings": readings,
         "relative_error_vs_torch": errors[DEFAULT.name], "relative_error_vs_torch_float_activations": errors[EXACT.name],
+        "speed": speed.as_dict() if speed is not None else None,
     }
     granularity = f"groups of {spec.group_size}" if spec.qscheme == "per_group" else "per output channel"
     if spec.weight_algorithm == "gptq":
         granularity += f", rounded by GPTQ on {sum(len(b) for b in calibration)} calibration samples"
-    why = {DEFAULT.name: ("the MatMulNBits nodes carry no accuracy_level: float activations" if target else
-                          "ORT fuses DequantizeLinear + MatMul into MatMulNBits with int8 activations"),
-           EXACT.name: "float activations"}
+    if target is None:
+        why = {DEFAULT.name: f"{ACCURACY_OPTION} unset: 4; ORT fuses DequantizeLinear + MatMul into MatMulNBits with "
+                             "int8 activations",
+               EXACT.name: f"{ACCURACY_OPTION}=0; float activations"}
+    else:
+        why = {DEFAULT.name: f"the file as written: accuracy_level {level}" + (
+                   "; int8 activations" if level == 4 else "; float activations" if level == 0 else ""),
+               EXACT.name: "the same file at accuracy_level 0: float activations, the stored arithmetic"}
+    speed_cli.warn("quantize", speed, args.quiet)
     ui.report(result, [
+        *speed_cli.rows(speed),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("precision", f"{spec.label} {spec.method}, {granularity}"),
         ("form", form),
         ("ORT vs torch", f"max |difference| / max |output| on a sample of shape {tuple(sample.shape)}, in two readings:"),
-    ] + [(f"  {r.name} session", f"{errors[r.name]:.2e} ({', '.join(f'{k}={v}' for k, v in r.options) or f'{ACCURACY_OPTION} unset: 4'}; "
-                                 f"{why[r.name]})") for r in READINGS])
+    ] + [(f"  {r.name} session", f"{errors[r.name]:.2e} ({why[r.name]})") for r in READINGS])
     return 0

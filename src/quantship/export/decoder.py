@@ -188,14 +188,6 @@ def holds_quantized_weights(model: Any) -> bool:
     return any(isinstance(p, TorchAOBaseTensor) for p in model.parameters())
 
 
-def set_accuracy_level(model: ir.Model, level: int) -> int:
-    """Set MatMulNBits' ``accuracy_level`` (0 float activations ... 4 int8 activations) on every such node."""
-    nodes = [n for n in model.graph if n.op_type == "MatMulNBits"]
-    for node in nodes:
-        node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
-    return len(nodes)
-
-
 def export_decoder(
     model: Any,
     path: str | Path,
@@ -254,7 +246,7 @@ def export_decoder(
                 final, fmt = ir.from_proto(produced), "MatMulNBits"
                 wo.to_matmul_nbits(final, wo.locate(final, weights))
                 if accuracy_level is not None:
-                    set_accuracy_level(final, accuracy_level)
+                    wo.set_accuracy_level(final, accuracy_level)
                 proto = ir.to_proto(final)
                 check_model(proto, "replacing MatMul/Gemm by MatMulNBits")
                 if accuracy_level in (None, 0):  # float activations: as close as the standard form

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,8 @@ NBITS_FORM = "MatMulNBits"  # a Target's weight_only_form this exporter writes (
 MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
 _MIN_NBITS_BLOCK = 16  # MatMulNBits: block_size a power of two, at least 16
+FAST_ACCURACY_LEVEL = 4  # MatMulNBits' accuracy_level with int8 activations (quantized per block inside the kernel)
+FLOAT_REFERENCE = "float_reference.onnx"  # the float export, saved beside the staged file for ``before_commit``
 
 
 def is_weight_only(spec: QuantSpec | None) -> bool:
@@ -285,6 +287,15 @@ def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value
     return n_nodes
 
 
+def set_accuracy_level(model: ir.Model, level: int) -> int:
+    """Set MatMulNBits' ``accuracy_level`` (0 float activations ... 4 int8 activations) on every such node (the
+    decoder files' writer uses it too)."""
+    nodes = [n for n in model.graph if n.op_type == "MatMulNBits"]
+    for node in nodes:
+        node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
+    return len(nodes)
+
+
 def run_literal(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """ORT with no graph optimization and no weight prepacking: a MatMul multiplies the same way whether
     its weight is an initializer or a DequantizeLinear output (prepacked GEMMs accumulate in another order)."""
@@ -345,15 +356,24 @@ def export_weight_only(
     dynamic_batch: bool = False,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
+    accuracy_level: int | None = None,
+    before_commit: Callable[[Path, Path], None] | None = None,
 ) -> Path:
     """Write a torchao weight-only model at ``path``: the standard form, or MatMulNBits for ONNX Runtime CPU.
 
     The standard form declares opset ``max(opset_version, 21)`` (block-wise and int4 DequantizeLinear
-    need 21). Refusals raise ``ValueError`` and leave nothing at ``path``.
+    need 21). ``accuracy_level`` (MatMulNBits only; None: the attribute unset, i.e. 0) is written on every
+    MatMulNBits node after the file is checked at level 0 (the codes and scales, within ``WEIGHT_ONLY_RTOL``
+    of torch). ``before_commit(staged, float_file)``: called on the checked file before it is moved into
+    place, with the float export (the same graph, float weights) saved beside it; what it raises aborts
+    the write. Refusals raise ``ValueError`` and leave nothing at ``path``.
     """
     artifact.refuse_unsafe_destination(path)
     check_targets(target)
     nbits_form = target is not None  # check_targets let through a target whose form is MatMulNBits only
+    if accuracy_level is not None and (not nbits_form or accuracy_level not in range(5)):
+        raise ValueError(f"export_qdq: accuracy_level={accuracy_level!r} is MatMulNBits' attribute, 0 to 4: give "
+                         "target='onnxruntime-cpu' (the MatMulNBits form) and a level from 0 to 4, or None")
     weights = read_weights(model)
     if nbits_form:
         for w in weights:
@@ -392,13 +412,40 @@ def export_weight_only(
         else:
             final_ir, fmt, got = standard, "DequantizeLinear", reference
         check_close(got, torch_out, f"the {fmt} form", "the torch weight-only model")
+        if accuracy_level is not None:
+            set_accuracy_level(final_ir, accuracy_level)
         strip_source_metadata(final_ir)  # the exporter's stack traces (local paths); module scopes stay
         write_metadata(final_ir, spec, activation_dtype="float32", target=target.target if nbits_form else None)
         final_ir.metadata_props[FORMAT_KEY] = fmt
         artifact.save_model(ir.to_proto(final_ir), staged)
         check_written(staged, weights, fmt)
         check_runs_optimized(staged, inputs, "the written file")
+        if before_commit is not None:
+            reference_path = staged.parent / FLOAT_REFERENCE
+            artifact.save_model(produced, reference_path)
+            before_commit(staged, reference_path)
     return Path(path).expanduser().resolve()
+
+
+def default_accuracy_level(bits: int) -> int:
+    """MatMulNBits' accuracy_level a weight-only file is written at unless asked: 4 (int8 activations) for 8-bit
+    weights, whose level-0 kernel runs slower than FP32 in ONNX Runtime; 0 (float activations, the stored
+    arithmetic, within ``WEIGHT_ONLY_RTOL`` of torch) for 4-bit weights, whose level-0 kernel is not slower
+    than FP32 on a full forward while level 4 moves the outputs about 1e-2. Measured: docs/weight-only.md
+    ("Speed and accuracy_level"), bench/lm_decode_results.md. The decoder files' writer follows the same rule."""
+    return FAST_ACCURACY_LEVEL if bits == 8 else 0
+
+
+def speed_hint(level: int | None) -> Callable[[list[str]], str]:
+    """What would help a weight-only file slower than FP32 (``export.speed_gate``'s ``hint``): the fast kernels'
+    level, or, at level 4 already, the regime where weight-only pays."""
+    def hint(_: list[str]) -> str:
+        if not level or level < FAST_ACCURACY_LEVEL:
+            return (f"write accuracy_level {FAST_ACCURACY_LEVEL} (--accuracy-level {FAST_ACCURACY_LEVEL}: int8 "
+                    "activations in ONNX Runtime's MatMulNBits kernels, about 1e-2 from the exact outputs)")
+        return ("ONNX Runtime's MatMulNBits kernels save little at this size on this CPU (weight-only pays where "
+                "reading the weights dominates: large layers, few tokens per call); keep the float file")
+    return hint
 
 
 def check_written(path: Path, weights: list[QuantizedWeight], fmt: str) -> None:

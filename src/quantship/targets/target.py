@@ -26,6 +26,7 @@ class FileRules:
     lsb_tolerance: float | None = None  # a run this close to ONNX Runtime is accepted (None: not judged)
     domains: tuple[str, ...] = ()  # operator domains it runs besides the default ONNX one
     local_functions: bool = False  # runs ops a file defines as model-local functions (any domain)
+    operators: tuple[str, ...] = ()  # single operators of domains not in ``domains`` it runs ("domain::Op")
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,10 @@ def _dtype_offenders(role: str, allowed_of: Callable[[FileRules], tuple[str, ...
 
 
 def _domain_offenders(facts: QuantFacts, target: Target) -> list[str]:
+    runs = tuple(f"({op})" for op in target.file_rules.operators)  # foreign_operators' labels end "(domain::Op)"
     return [node for node, domain, local in facts.foreign_operators
-            if domain not in target.file_rules.domains and not (local and target.file_rules.local_functions)]
+            if domain not in target.file_rules.domains and not (local and target.file_rules.local_functions)
+            and not node.endswith(runs)]
 
 
 def _float_activation_offenders(facts: QuantFacts, target: Target) -> list[str]:

@@ -30,6 +30,7 @@ from quantship.inspect.run.weight_only import (
     RUNTIME_READINGS,
     WEIGHT_ONLY_RTOL,
     read_both,
+    without_accuracy_level,
     worst_relative_error,
 )
 from quantship.targets import Target
@@ -151,6 +152,10 @@ def run_consumer(path: str | Path, target: str | Target, n_inputs: int = 20, see
     n = len(feeds)
     try:
         reference = run_onnxruntime(path, feeds, optimize=False)
+        if weight_only is not None and not tgt.runtime_is_onnxruntime and set(weight_only.accuracy_levels) - {0}:
+            # accuracy_level is ONNX Runtime's choice of activation precision, not the file's arithmetic: another
+            # runtime is held to the codes and scales, read at level 0 (float activations)
+            reference = run_onnxruntime(without_accuracy_level(path), feeds, optimize=False)
     except Exception as exc:  # the reference itself fails: the file does not run at all
         return RunResult(tgt.consumer, True, False, f"ONNX Runtime could not run the file: {_first(exc)}", n,
                          status=FAILED, inputs=kind, inputs_detail=how)
@@ -200,7 +205,10 @@ def _weight_only_result(tgt: Target, facts: WeightOnlyFacts, readings: dict[str,
         notes.append(f"{ACCURACY_OPTION} is the activations' precision in the MatMulNBits ONNX Runtime fuses from "
                      "DequantizeLinear + MatMul (4: int8, quantized at run time; 0: float)")
     int8_nodes = facts.accuracy_levels.get(4, 0)
-    if int8_nodes:
+    if int8_nodes and not tgt.runtime_is_onnxruntime:
+        notes.append(f"{int8_nodes} MatMulNBits node(s) of the file carry accuracy_level 4 (ONNX Runtime's int8 "
+                     f"activations): {tgt.consumer} is held to the file read at level 0, its stored arithmetic")
+    elif int8_nodes:
         notes.append(f"{int8_nodes} MatMulNBits node(s) of the file carry accuracy_level 4: their activations are "
                      "int8 in every reading, the literal one included, whatever the session option")
     if errors.get(DEFAULT.name, 0.0) > WEIGHT_ONLY_RTOL and EXACT.name in ways:

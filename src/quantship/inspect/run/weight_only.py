@@ -64,6 +64,19 @@ def worst_relative_error(got: list[list[np.ndarray]], reference: list[list[np.nd
     return float("nan") if any(np.isnan(errors)) else max(errors, default=0.0)
 
 
+def without_accuracy_level(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """The file with every MatMulNBits node's ``accuracy_level`` removed (0: float activations), in memory: the
+    arithmetic its codes and scales store, which a file written at level 4 runs with int8 activations instead."""
+    proto = onnx.load(str(model)) if isinstance(model, (str, Path)) else onnx.ModelProto.FromString(
+        model.SerializeToString())
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    return proto
+
+
 def run_reading(model: str | Path | onnx.ModelProto, feeds: list[Inputs], reading: Reading,
                 runner: str = "onnxruntime-fused") -> list[list[np.ndarray]]:
     """Outputs (in graph order) for each feed in ``runner``'s runtime with ``reading``'s options: ONNX Runtime at
