@@ -191,3 +191,28 @@ def test_the_repair_tries_options_then_the_fewest_float_nodes_and_records_each_s
     with pytest.raises(FidelityMissed, match="max-steps 1 reached"):
         repair(attempt, budget=Budget(20.0, 0.5), options={"scale": 1.0}, max_steps=1,
                algorithm_steps=[("double", {"scale": 2.0})], order=lambda artifact, options: ["a"])
+
+
+def test_both_front_ends_read_the_one_table_of_algorithm_steps():
+    """repair_loop's table names recipe.Algorithms fields; each front-end spells them as its own keywords, the
+    same steps in the same order, the range observer first of the observers."""
+    import inspect
+
+    from quantship.export.judged import ALGORITHM_STEPS as TORCH_STEPS
+    from quantship.quantize import Quantizer
+    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+    from quantship.quantize_onnx.repair import ALGORITHM_STEPS as ONNX_STEPS
+    from quantship.recipe import FIELDS, Algorithms
+    from quantship.repair_loop import ALGORITHM_STEPS
+
+    assert all(field in FIELDS for _, field, _ in ALGORITHM_STEPS)
+    names = [name for name, _, _ in ALGORITHM_STEPS]
+    assert [n for n, _ in ONNX_STEPS] == [n for n, _ in TORCH_STEPS] == names
+    assert names.index("minmax observer") < names.index("percentile observer") < names.index("mse observer")
+    onnx_keys = inspect.signature(quantize_onnx_file).parameters
+    for (_, field, value), (_, onnx_opts), (_, torch_opts) in zip(ALGORITHM_STEPS, ONNX_STEPS, TORCH_STEPS):
+        Algorithms(**{field: value})  # a valid request
+        assert list(onnx_opts.values()) == list(torch_opts.values()) == [value]
+        assert all(k in onnx_keys for k in onnx_opts), onnx_opts
+        Quantizer(**torch_opts)  # the PyTorch path's keywords, accepted as they are
+    assert {k for _, opts in TORCH_STEPS for k in opts} == {"bias_correction", "equalize", "act_observer"}

@@ -10,13 +10,16 @@ margin: the file as asked; each algorithm step the front-end offers (``try_optio
 it changes; one that raises the margin is kept); where the target allows a mixed graph (``mixed_refusal`` is
 None), the fewest ranked nodes in 16-bit (``sixteen``) or in float that keep the budget (``fewest_nodes``).
 
+The algorithm steps are ``ALGORITHM_STEPS``, one table for both front-ends: each names a field of
+``recipe.Algorithms`` and its value, and a front-end spells the field as its own option (``algorithm_steps``).
+
 Imports no front-end: numpy-free, torch-free, onnx-free.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +28,26 @@ from quantship.fidelity import MET, MISSED, Budget, Fidelity
 from quantship.search_engine import Engine, fewest_nodes, try_options
 
 METADATA_KEY = "quantship.repair"  # the record a repaired file carries in its metadata_props
+# (name, recipe.Algorithms field, value), in the order tried; each costs one quantize of the whole file. The
+# range (min/max) observer comes first of the observers: the histogram observer (the presets') trades a
+# tensor's rare largest values for finer steps on the rest, and where those values carry the output (a
+# detector's high scores) only the full range keeps them; percentile and mse clip further.
+ALGORITHM_STEPS: tuple[tuple[str, str, Any], ...] = (
+    ("bias correction", "bias_correction", True),
+    ("equalization", "equalize", True),
+    ("minmax observer", "observer", "minmax"),
+    ("percentile observer", "observer", "percentile"),
+    ("mse observer", "observer", "mse"),
+)
 Attempt = Callable[[str, dict, tuple, tuple], "tuple[Fidelity, Any] | None"]
 Order = Callable[[Any, dict], list]
+
+
+def algorithm_steps(spelled: Mapping[str, str] | None = None) -> tuple[tuple[str, dict], ...]:
+    """``ALGORITHM_STEPS`` as a front-end's (name, options) pairs; ``spelled``: field -> the front-end's own
+    option key where it differs (the PyTorch path's ``act_observer``)."""
+    keys = spelled or {}
+    return tuple((name, {keys.get(field_name, field_name): value}) for name, field_name, value in ALGORITHM_STEPS)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ path (``repair_loop``), and write it only when it keeps the budget.
 Each step is a whole file: ``Quantizer.for_target`` with the step's options and modules kept float
 (``skip_activations``), ``export_qdq`` into a scratch folder beside the destination, then the file run in
 the target's reading (``fidelity_reading``) against the float model run in torch on the same inputs. The
-algorithm steps are ``ALGORITHM_STEPS``; the modules are ranked by the per-layer SQNR report's own loss on
-the best step's model (``quantize.accuracy.own_loss_order``: a layer that only carries an upstream loss
+algorithm steps are ``ALGORITHM_STEPS`` (``repair_loop``'s table); the modules are ranked by the per-layer
+SQNR report's own loss on the best step's model (``quantize.accuracy.own_loss_order``: a layer that only carries an upstream loss
 does not rank); the PyTorch path has no 16-bit activations, so that form is not tried. Only the chosen file is moved to the destination.
 """
 
@@ -38,16 +38,12 @@ from quantship.inspect.run.verify import MeasuredPath
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
 from quantship.quantize.calibration import Inputs
-from quantship.repair_loop import Repair
+from quantship.quantize.quantizer import RENAMED
+from quantship.repair_loop import Repair, algorithm_steps
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
-ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
-    ("bias correction", {"bias_correction": True}),
-    ("equalization", {"equalize": True}),
-    ("percentile observer", {"act_observer": "percentile"}),
-    ("mse observer", {"act_observer": "mse"}),
-)
+ALGORITHM_STEPS = algorithm_steps(RENAMED)  # repair_loop's table, in Quantizer's keywords (act_observer)
 
 
 def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) -> list[np.ndarray]:

@@ -41,6 +41,10 @@ _BACKEND_MODULES = {
 _NEEDS_CALIBRATION = {"static"}
 
 
+# recipe.Algorithms fields this class spells otherwise (its keywords predate the request object)
+RENAMED = {"observer": "act_observer", "exclude": "skip_activations"}
+
+
 class Quantizer:
     """A validated precision request and the verb that applies it.
 
@@ -51,7 +55,7 @@ class Quantizer:
     'W8A8'
     """
 
-    @takes_algorithms({"observer": "act_observer", "exclude": "skip_activations"}, absent=("int16",))
+    @takes_algorithms(RENAMED, absent=("int16",))
     def __init__(
         self,
         backend: str = "pt2e",

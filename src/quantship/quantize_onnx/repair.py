@@ -3,7 +3,7 @@ misses the budget, and write it only when it keeps the budget: the ONNX front-en
 
 Each step is a whole file from ``quantize_onnx_file``, its fidelity measured there (``quantship.fidelity``:
 each output's SQNR and agreement against the float file, on samples held out from calibration where
-given). The algorithm steps are ``ALGORITHM_STEPS``; the nodes are ranked by the per-node SQNR report's
+given). The algorithm steps are ``ALGORITHM_STEPS`` (``repair_loop``'s table); the nodes are ranked by the per-node SQNR report's
 own loss (``sensitivity.NodeSqnrReport.by_own_loss``: a node's inputs' SQNR less its output's, so a node
 that only carries an upstream loss does not rank); 16-bit first where the target runs it. The chosen file
 is moved to ``out_path`` with the repair's record in its metadata (``repair_loop.METADATA_KEY``); when none keeps the
@@ -37,16 +37,11 @@ from quantship.quantize_onnx.quantizer import (
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.quantize_onnx.speed import calibration_sample, timing_feeds
 from quantship.recipe import takes_algorithms
-from quantship.repair_loop import Repair
+from quantship.repair_loop import Repair, algorithm_steps
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
-ALGORITHM_STEPS: tuple[tuple[str, dict], ...] = (
-    ("bias correction", {"bias_correction": True}),
-    ("equalization", {"equalize": True}),
-    ("percentile observer", {"observer": "percentile"}),
-    ("mse observer", {"observer": "mse"}),
-)
+ALGORITHM_STEPS = algorithm_steps()  # repair_loop's table; this path's options are recipe.Algorithms' own names
 DEFAULT_BUDGET = Budget()  # quantship.fidelity's defaults
 SENSITIVITY_OPTIONS = ("observer", "per_tensor", "equalize", "bias_correction", "seq_mse", "adaround", "smooth_quant")
 
