@@ -16,7 +16,7 @@ WALL_MARK = " (wall)"  # after a latency figure measured by the older method
 FIDELITY_RECORD = Path(__file__).resolve().parent / "fidelity_results.md"  # written by bench/fidelity.py
 
 def _pct(k: int, n: int) -> str:
-    from quantship.intervals import wilson_interval
+    from quantship.inspect import wilson_interval
 
     if not n:
         return "0/0"
@@ -207,7 +207,7 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
     import onnxruntime as ort
     import torch
 
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     cpu, flags = cpu_info()
     int8_flags = sorted(f for f in flags if f in {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8",

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from quantship.inspect.run.timing import single_thread_session
+from quantship.inspect import single_thread_session
 
 STEADY = "1 thread, CPU time"
 WALL = "default threads, wall time"

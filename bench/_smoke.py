@@ -54,7 +54,7 @@ def cpu_lines(title: str) -> list[str]:
     """A table's heading and the CPU line under it: model, int8 extensions, cores, load at the start."""
     import os
 
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     cpu, flags = cpu_info()
     int8 = ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or "no int8 extension"
@@ -93,7 +93,7 @@ def stamp(script: str) -> tuple[str, str]:
     it (what this process runs); the CPU's name and which of its int8 extensions it has."""
     import subprocess
 
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,7 +162,8 @@ def entries(family: str) -> list[Entry]:
 
 
 class StageTimes:
-    """Seconds per stage of one quantize + export, from quantship's marked steps and the histogram search."""
+    """Seconds per stage of one quantize + export, from quantship's marked steps (the histogram search among them,
+    inside convert)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
@@ -178,32 +178,18 @@ class StageTimes:
                  "prepare" if label.startswith("quantize: insert observers") else
                  "calibrate" if label.startswith("quantize: calibrating") else
                  "convert" if label.startswith("quantize: convert") else
+                 "histogram search" if label.startswith("quantize: histogram range search") else
                  "checks" if label.startswith("export check:") else
                  "export" if label.startswith("export:") else "other")
         self.seconds[stage] += current.seconds
 
     @contextmanager
     def hooked(self):
-        """Listen to the marked steps and time the histogram observers' search, for the block."""
+        """Listen to the marked steps, for the block."""
         from quantship.progress import listening
-        from quantship.quantize.histogram_search import HistogramSearchObserver
 
-        original = HistogramSearchObserver._non_linear_param_search
-        times = self.seconds
-
-        def timed(observer):
-            start = time.perf_counter()
-            try:
-                return original(observer)
-            finally:
-                times["histogram search"] += time.perf_counter() - start
-
-        HistogramSearchObserver._non_linear_param_search = timed
-        try:
-            with listening(self.listener):
-                yield self
-        finally:
-            HistogramSearchObserver._non_linear_param_search = original
+        with listening(self.listener):
+            yield self
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 3) for k, v in self.seconds.items()}

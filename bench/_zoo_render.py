@@ -171,7 +171,7 @@ def render(records: dict[tuple[str, str], object], zoos: dict[str, list[str]], u
     import onnxruntime as ort
     import torchvision
 
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     cpu, flags = cpu_info()
     vnni = "VNNI" if {"avx512_vnni", "avx_vnni"} & flags else "no VNNI"

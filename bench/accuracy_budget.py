@@ -51,7 +51,7 @@ class Case:
 
 
 def _ort_top1(path: Path, x: np.ndarray, y: np.ndarray) -> str:
-    from quantship.inspect.run.consumers import ort_session
+    from quantship.inspect import ort_session
 
     session = ort_session(path, optimized=True)
     name = session.get_inputs()[0].name
@@ -60,7 +60,7 @@ def _ort_top1(path: Path, x: np.ndarray, y: np.ndarray) -> str:
 
 
 def _fused(path: Path) -> str:
-    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.inspect import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     return f"{ops.get('QLinearConv', 0)} QLinearConv, {ops.get('Conv', 0) + ops.get('FusedConv', 0)} float Conv"
@@ -69,11 +69,10 @@ def _fused(path: Path) -> str:
 def run_case(observer: str, budget: float, batches: list[int], runs: int, workdir: Path) -> Case:
     from latency import _time
 
-    from quantship import Quantizer, quant_spec
+    from quantship import BudgetMissed, Quantizer, quant_spec
     from quantship.examples import digits
     from quantship.export import export_qdq
-    from quantship.inspect.read.stats import qdq_stats
-    from quantship.quantize.accuracy import AccuracyBudgetMissed
+    from quantship.inspect import qdq_stats
 
     split = digits.load_noisy_split()
     model = digits.noisy_trained_model()
@@ -84,7 +83,7 @@ def run_case(observer: str, budget: float, batches: list[int], runs: int, workdi
     try:
         chosen = searcher.quantize(model, calib, labelled_data=labelled)
         search = searcher.accuracy_search
-    except AccuracyBudgetMissed as missed:  # the row shows the best set found, quantized again
+    except BudgetMissed as missed:  # the row shows the best set found, quantized again
         search = missed.search
         chosen = Quantizer.for_target("onnxruntime-cpu", act_observer=observer,
                                       skip_activations=list(search.chosen.excluded) or None).quantize(model, calib)

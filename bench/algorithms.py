@@ -144,8 +144,7 @@ def pt2e_file(task, model, out: Path, target: str, options: dict) -> tuple[float
 
 
 def run_model(name: str, target: str, smoke: bool, workdir: Path, settings: list[str], path: str = "onnx") -> list[str]:
-    from quantship.quantize_onnx import quantize_onnx_file
-    from quantship.quantize_onnx.int16 import runs_int16
+    from quantship.quantize_onnx import quantize_onnx_file, runs_int16
 
     task = real.make_task(name, smoke, workdir)
     model = task.torch_model() if path == "pt2e" else None
@@ -194,8 +193,7 @@ def worst_int16_file(task, out: Path, calibration: list, target: str, setting: s
     """A ``WORST_INT16`` setting's file: the base setting's file (the one this run wrote, else a new one inside the
     report), its per-node SQNR report on the calibration data, then the base options plus ``int16=`` its ``k``
     worst nodes. Seconds: end to end (base file + report + this file), what a user running the three pays."""
-    from quantship.quantize_onnx import quantize_onnx_file
-    from quantship.quantize_onnx.sensitivity import node_sqnr
+    from quantship.quantize_onnx import node_sqnr, quantize_onnx_file
 
     base, k = WORST_INT16[setting]
     options = SETTINGS[base]

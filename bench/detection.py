@@ -98,9 +98,8 @@ def run_model(name: str, workdir: Path, size: int, n_images: int, runs: int) -> 
     from zoo import float_compute_ops, prepare_untrained
 
     from quantship.examples.detection import Scores, build, detections, export_float, tiny_ssd
-    from quantship.inspect.run.consumers import ort_session
-    from quantship.inspect.run.detections import match_detections
-    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+    from quantship.inspect import match_detections, ort_session
+    from quantship.quantize_onnx import quantize_onnx_file
 
     model = tiny_ssd(size) if name == SMOKE_MODEL else build(name, size)
     gen = torch.Generator().manual_seed(1)
@@ -150,8 +149,8 @@ def run_model(name: str, workdir: Path, size: int, n_images: int, runs: int) -> 
 def render(records: dict[str, dict], banner: list[str] | None = None) -> str:
     from quantship import targets
     from quantship.examples.detection import DETECTIONS
-    from quantship.inspect.run.detections import MATCH_IOU
-    from quantship.quantize_onnx.float_islands import ISLAND_RULES
+    from quantship.inspect import MATCH_IOU
+    from quantship.quantize_onnx import ISLAND_RULES
 
     FLOAT_RULES = {r.id: (r.why, r.applies) for r in targets.get("onnxruntime-cpu").float_rules}
 

@@ -35,39 +35,48 @@ BS = 32
 N_BATCHES = 44  # 1,408 samples (the digits training split holds 1,437)
 
 
+CALIBRATING = "quantize: calibrating"  # the label of quantship's calibration steps (quantship.progress)
+
+
+class CalibrationClock:
+    """Listens to quantship's marked steps: from the first calibration step's start (after a barrier in a process
+    group, so the ranks begin together) to the last one's end, wall and CPU seconds."""
+
+    def __init__(self) -> None:
+        self.start = self.cpu = None
+        self.times: dict = {}
+
+    def __call__(self, event: str, current) -> None:
+        import torch.distributed as dist
+
+        from quantship.progress import END, START
+
+        if not current.label.startswith(CALIBRATING):
+            return
+        if event == START and self.start is None:
+            if dist.is_initialized():
+                dist.barrier()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
+        elif event == END:
+            self.times["calibrate_s"] = time.perf_counter() - self.start
+            self.times["calibrate_cpu_s"] = time.process_time() - self.cpu
+
+
 def timed_quantize(model: torch.nn.Module, batches: list[torch.Tensor], observer: str) -> dict:
-    """Quantize with pt2e; return the calibration and merge wall times (patched timers, same code path)."""
-    import quantship.quantize.distributed as distributed
-    import quantship.quantize.pt2e as pt2e
-    from quantship import Quantizer, ranks
+    """Quantize with pt2e; the calibration wall and CPU times (its marked steps) and the merge
+    (``Quantizer.merged``: seconds, observers, floats sent)."""
+    from quantship import Quantizer
+    from quantship.progress import listening
 
-    times: dict = {"merge_s": 0.0, "n_floats": 0, "n_observers": 0}
-    run_batches, merge = pt2e.run_batches, distributed.merge_observers
-
-    def run_timed(prepared, batches, **kwargs):
-        if ranks.world() is not None:
-            ranks.gather_texts("start", "bench: barrier before calibration")
-        start, cpu = time.perf_counter(), time.process_time()
-        run_batches(prepared, batches, **kwargs)
-        times["calibrate_s"] = time.perf_counter() - start
-        times["calibrate_cpu_s"] = time.process_time() - cpu
-
-    def merge_timed(model, **kwargs):
-        start = time.perf_counter()
-        report = merge(model, **kwargs)
-        times["merge_s"] = time.perf_counter() - start
-        if report is not None:
-            times["n_floats"], times["n_observers"] = report.n_floats, report.n_observers
-        return report
-
-    pt2e.run_batches, distributed.merge_observers = run_timed, merge_timed
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            Quantizer(backend="pt2e", act_observer=observer).quantize(model, batches, max_calibration_samples=10**6)
-    finally:
-        pt2e.run_batches, distributed.merge_observers = run_batches, merge
-    return times
+    clock = CalibrationClock()
+    quantizer = Quantizer(backend="pt2e", act_observer=observer)
+    with warnings.catch_warnings(), listening(clock):
+        warnings.simplefilter("ignore")
+        quantizer.quantize(model, batches, max_calibration_samples=10**6)
+    merged = quantizer.merged
+    if merged is None:
+        return {**clock.times, "merge_s": 0.0, "n_floats": 0, "n_observers": 0}
+    return {**clock.times, "merge_s": merged.seconds, "n_floats": merged.n_floats, "n_observers": merged.n_observers}
 
 
 def rank_main(rank: int, world: int, out: str, state: dict, batches: list[torch.Tensor]) -> None:
@@ -102,25 +111,23 @@ def qat_floats_per_step(model: torch.nn.Module, example: torch.Tensor) -> tuple[
     from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
     from quantship import Quantizer
-    from quantship.quantize.annotator import QuantshipQuantizer
-    from quantship.quantize.capture import capture
-    from quantship.quantize.conv_bn_fold import fuse_what_can_match
-    from quantship.quantize.distributed import observers
+    from quantship.quantize import QuantshipQuantizer
 
     spec = Quantizer(backend="pt2e").spec
-    graph = capture(model.train(), example).graph  # as QuantshipCallback prepares pt2e QAT
-    with fuse_what_can_match(graph):
-        prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(spec, is_qat=True))
+    graph = torch.export.export(model.train(), (example,), strict=False).module()  # a pt2e QAT capture
+    prepared = prepare_qat_pt2e(graph, QuantshipQuantizer(spec, is_qat=True))
     prepared(example)  # per-channel observers size their buffers on the first batch
-    found = observers(prepared)
-    return len(found), 2 * sum(obs.min_val.numel() for _, obs in found)
+    # what the per-step sync merges: every module with min_val / max_val buffers (observers, inside fake-quants too)
+    found = [m for m in prepared.modules()
+             if {"min_val", "max_val"} <= {name for name, _ in m.named_buffers(recurse=False)}]
+    return len(found), 2 * sum(obs.min_val.numel() for obs in found)
 
 
 def main(argv: list[str] | None = None) -> None:
     import _smoke
 
     from quantship.examples import digits
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=N_BATCHES, help=f"calibration batches of {BS} (default {N_BATCHES})")

@@ -25,8 +25,7 @@ def run(model_name: str, size: int, batches: list[int], targets: list[str], work
     import torchvision
 
     from quantship import Quantizer, export_qdq
-    from quantship.inspect.run.consumers import ort_optimized_ops
-    from quantship.inspect.run.verify import compare_logits
+    from quantship.inspect import compare_logits, ort_optimized_ops
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()

@@ -34,8 +34,7 @@ import _smoke
 import numpy as np
 from real import MODELS, batched, make_task, run_ort, static_batch
 
-from quantship.errors import QuantshipError, one_line
-from quantship.fidelity import Budget
+from quantship import Budget, QuantshipError, one_line
 
 HELD = 64  # evaluation samples fidelity is measured on
 RECORD = Path(__file__).resolve().parent / "fidelity_results.md"
@@ -83,12 +82,12 @@ def timed(call):
 
 def onnx_call(task, target: str, out: Path, mode: str):
     """The ONNX path's quantize call in one mode: ``off`` (--no-fidelity), ``default``, ``measured``."""
-    from quantship.quantize_onnx.repair import quantize_onnx
+    from quantship.quantize_onnx import quantize_onnx
 
     calibration = batched(task.calib, task.calib_batch)
     held = task.eval_x[:min(HELD, len(task.eval_x))]
     if HELD_FROM_CALIB and mode != "off":  # as quantize-onnx holds out of --calib (export.data.split_held_out)
-        from quantship.export.data import split_held_out
+        from quantship.export import split_held_out
 
         kept, held_out, _ = split_held_out({"x": task.calib}, len(task.calib))
         if held_out is not None:
@@ -104,7 +103,7 @@ def torch_call(task, target: str, out: Path, mode: str):
     import torch
 
     from quantship import Quantizer, targets
-    from quantship.export.judged import quantize_export_judged
+    from quantship.export import quantize_export_judged
 
     model = task.torch_model().eval()
     batches = [torch.from_numpy(b) for b in batched(task.calib, task.calib_batch)]

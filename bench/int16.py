@@ -56,10 +56,8 @@ def timed(paths: dict[str, Path], x, reps: int, threads: int = 0) -> dict[str, f
 
 
 def run_model(name: str, target: str, worst: int, reps: int, smoke: bool, workdir: Path) -> list[str]:
-    from quantship.errors import QuantshipError, one_line
-    from quantship.quantize.layer_error import sqnr_db
-    from quantship.quantize_onnx import quantize_onnx_file
-    from quantship.quantize_onnx.sensitivity import node_sqnr
+    from quantship import QuantshipError, one_line, sqnr_db
+    from quantship.quantize_onnx import node_sqnr, quantize_onnx_file
 
     task = real.make_task(name, smoke, workdir)
     calibration = real.batched(task.calib, task.calib_batch)

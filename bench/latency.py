@@ -50,7 +50,7 @@ class Row:
 
 def _census(path: Path) -> dict:
     """Count the kernels ONNX Runtime's optimized graph uses for this file."""
-    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.inspect import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     convs = ops["QLinearConv"] + ops["Conv"] + ops["FusedConv"]
@@ -77,7 +77,7 @@ def _ort_quantize(fp32: Path, out: Path, calib: list[np.ndarray], recipe: str) -
     from onnxruntime.quantization import QuantFormat, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from quantship.export.ort_quantize import CalibrationReader
+    from quantship.export import CalibrationReader
 
     pre = out.with_suffix(".pre.onnx")
     quant_pre_process(str(fp32), str(pre))
@@ -95,8 +95,7 @@ def _files_for(model_name: str, workdir: Path, calib_batches: int, size: int = 2
     """Every file of one model, written once: FP32 and ORT's files (any batch), quantship's presets."""
     import torchvision
 
-    from quantship import Quantizer, export_onnx, export_qdq
-    from quantship.precision import PRESETS
+    from quantship import PRESETS, Quantizer, export_onnx, export_qdq
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()
@@ -128,7 +127,7 @@ def _serves(path: Path, batch: int) -> bool:
 
 
 def _parity(qmodel: object, path: Path, batch: int, size: int = 224) -> str:
-    from quantship.inspect.run.verify import compare_logits
+    from quantship.inspect import compare_logits
 
     sample = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(2))
     literal = compare_logits(qmodel, path, sample).max_lsb
@@ -139,7 +138,7 @@ def _parity(qmodel: object, path: Path, batch: int, size: int = 224) -> str:
 def _time(files: dict[str, Path], batch: int, runs: int, warmup: int, size: int = 224,
           feed: np.ndarray | None = None) -> dict[str, list[float]]:
     x = np.random.default_rng(0).standard_normal((batch, 3, size, size)).astype(np.float32) if feed is None else feed
-    from quantship.inspect.run.consumers import ort_session
+    from quantship.inspect import ort_session
 
     sessions = {name: ort_session(path, optimized=True) for name, path in files.items()}
     feeds = {n: {s.get_inputs()[0].name: x} for n, s in sessions.items()}
@@ -206,8 +205,7 @@ def _lm_files(workdir: Path, ids: torch.Tensor, model: torch.nn.Module | None = 
 
     from quantship import Quantizer, export_onnx, export_qdq
     from quantship.examples import lm
-    from quantship.export.weight_only import relative_error
-    from quantship.inspect.run.verify import ort_session, run_session
+    from quantship.inspect import ort_session, relative_error, run_session
 
     if model is None:
         model = lm.trained_model(log=lambda m: print(f"  training the reference LM: {m}", flush=True))
@@ -276,7 +274,7 @@ def _header() -> str:
     import torchao
 
     import quantship
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     cpu, flags = cpu_info()
 
@@ -355,9 +353,7 @@ def u8u8_case(model_name: str, batch: int, runs: int, warmup: int, workdir: Path
     import torchvision
 
     from quantship import Quantizer, export_onnx, export_qdq
-    from quantship.inspect.read.lsb import lsb_error, output_scales
-    from quantship.inspect.run.consumers import ort_session, run_session
-    from quantship.inspect.run.verify import compare_logits
+    from quantship.inspect import compare_logits, lsb_error, ort_session, output_scales, run_session
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).eval()
@@ -470,7 +466,7 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     from quantship import Quantizer, export_onnx, export_qdq
-    from quantship.inspect.run.verify import compare_logits
+    from quantship.inspect import compare_logits
 
     model = _encoder_model(shape)
     gen = torch.Generator().manual_seed(1)
@@ -487,7 +483,7 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
     quantize_dynamic(str(files["FP32"]), str(dynamic), weight_type=QuantType.QInt8)
     files["ORT quantize_dynamic"] = dynamic
     # quantship's own dynamic-activation form of the same FP32 file, data-free (`--activations dynamic`)
-    from quantship.quantize_onnx.dynamic_file import quantize_dynamic_file
+    from quantship.quantize_onnx import quantize_dynamic_file
 
     files["quantship quantize-onnx --activations dynamic"] = quantize_dynamic_file(
         files["FP32"], f"{stem}_qs_onnx_dynamic.onnx", run_check=False).path
@@ -514,7 +510,7 @@ def _encoder_files(batch: int, workdir: Path, calib_batches: int, shape: Encoder
 
 
 def _encoder_census(path: Path) -> dict:
-    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.inspect import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     return {k: ops[k] for k in ("QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "MatMulInteger", "QAttention",
@@ -527,8 +523,8 @@ def run_encoder_case(batch: int, runs: int, warmup: int, workdir: Path, calib_ba
     ids = np.random.default_rng(0).integers(0, shape.vocab, (batch, shape.seq)).astype(np.int64)
     times = _time(files, batch, runs, warmup, feed=ids)
     fp32 = float(np.median(times["FP32"]))
-    from quantship.inspect.run.consumers import ort_session
-    from quantship.quantize_onnx.dynamic_file import sqnr_db
+    from quantship import output_sqnr_db as sqnr_db
+    from quantship.inspect import ort_session
 
     sessions = {n: ort_session(p, optimized=True) for n, p in files.items()}
     outputs = {n: s.run(None, {s.get_inputs()[0].name: ids})[0] for n, s in sessions.items()}

@@ -61,7 +61,7 @@ def build(name: str):
 def _with_accuracy_level(path: Path, level: int) -> Path:
     import onnx_ir as ir
 
-    from quantship.export.weight_only import set_accuracy_level
+    from quantship.export import set_accuracy_level
 
     model = ir.load(str(path))
     set_accuracy_level(model, level)
@@ -76,7 +76,7 @@ def write_files(model, folder: Path, groups: tuple[int, ...], log) -> list[tuple
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from quantship import Quantizer, quant_spec, targets
-    from quantship.export.decoder import export_decoder
+    from quantship.export import export_decoder
 
     nbits = targets.get("onnxruntime-cpu")
     fp32 = export_decoder(model, folder / "fp32.onnx")
@@ -113,7 +113,7 @@ def _copy(model):
 def feed(layout, batch: int, past: int, new: int, seed: int = 0) -> dict:
     import numpy as np
 
-    from quantship.export.decoder import ATTENTION_MASK, INPUT_IDS, PAST_KEY, PAST_VALUE
+    from quantship.export import ATTENTION_MASK, INPUT_IDS, PAST_KEY, PAST_VALUE
 
     rng = np.random.default_rng(seed)
     out = {INPUT_IDS: rng.integers(0, layout.vocab, (batch, new)).astype(np.int64),
@@ -145,8 +145,7 @@ def perplexity_of(path: Path, windows) -> float:
     import numpy as np
 
     from quantship.examples import lm
-    from quantship.export.decoder import read_layout
-    from quantship.export.decoder_check import onnx_session
+    from quantship.export import onnx_session, read_layout
 
     layout = read_layout(path)
     session = onnx_session(path)
@@ -159,8 +158,7 @@ def perplexity_of(path: Path, windows) -> float:
 def measure(name: str, args, log) -> list[str]:
     import os
 
-    from quantship.export.decoder import read_layout
-    from quantship.export.decoder_check import onnx_session
+    from quantship.export import onnx_session, read_layout
 
     model, description = build(name)
     lines = [f"## {name}: {description}", ""]

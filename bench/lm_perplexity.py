@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from quantship import Quantizer, export_qdq
     from quantship.examples import lm
-    from quantship.quantize import gptq
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-file", type=int, default=2, help="128-byte windows per held-out file")
@@ -104,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         "`quantship.examples.lm` (4 layers, hidden 256, trained briefly on this Python's standard library).",
         f"Held-out: {len(windows)} files (one in ten, by a hash of the path), {n_windows} windows of",
         f"{lm.SEQ_LEN} bytes. Perplexity per byte; intervals: 2,000 bootstrap resamples of the held-out files.",
-        f"GPTQ (`weight_algorithm='gptq'`, `quantship.quantize.gptq`): sequential per Linear, {gptq.DAMPING:.0%} damping,",
-        f"blocks of {gptq.BLOCK} columns, natural column order, calibrated on {n_calibration} random {lm.SEQ_LEN}-byte "
+        "GPTQ (`weight_algorithm='gptq'`; its damping and block width: src/quantship/quantize/gptq.py): sequential",
+        f"per Linear, natural column order, calibrated on {n_calibration} random {lm.SEQ_LEN}-byte "
         "windows of the",
         "training files. Quantize time: wall clock of `Quantizer.quantize` in this run (plain rows need no data).",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.cpu_count()} cores, load average "

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from quantship import Quantizer, export_qdq
     from quantship.examples import lm
-    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.inspect import ort_optimized_ops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-file", type=int, default=1, help="128-byte windows per held-out file")

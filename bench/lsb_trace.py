@@ -62,7 +62,7 @@ def torch_output(model, x: torch.Tensor, inject: tuple | None = None) -> np.ndar
 
 
 def file_output(path: Path, x: torch.Tensor) -> np.ndarray:
-    from quantship.inspect.run.consumers import ort_session, run_session
+    from quantship.inspect import ort_session, run_session
 
     return run_session(ort_session(path), [x.numpy()])[0]
 
@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import _smoke
 
-    from quantship.inspect.read.lsb import output_scales
-    from quantship.inspect.run.divergence import trace_divergence
+    from quantship.inspect import output_scales, trace_divergence
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["inception_v3", "regnet_x_32gf"])

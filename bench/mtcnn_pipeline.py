@@ -73,8 +73,7 @@ def quantize_nets(paths: dict[str, Path], calib: dict[str, np.ndarray], workdir:
     ``quantize-onnx --exclude`` would), or with ``speed`` through ``speed_search_onnx`` (as
     ``quantize-onnx --speed-search``: timed on the calibration crops' size, PNet's 48 x 48). Returns the
     files, the seconds each took and, with ``speed``, what each search kept float."""
-    from quantship.quantize_onnx import quantize_onnx_file
-    from quantship.quantize_onnx.speed import speed_search_onnx
+    from quantship.quantize_onnx import quantize_onnx_file, speed_search_onnx
 
     out, seconds, kept = {}, {}, {}
     for net, path in paths.items():
@@ -186,7 +185,7 @@ def pyramid_sizes(h: int, w: int) -> list[tuple[int, int]]:
 
 
 def run(images: list[np.ndarray], fp32: dict[str, Path], int8: dict[str, Path], threads: int, reps: int) -> dict:
-    from quantship import intervals
+    from quantship.inspect import wilson_interval
 
     sessions = {kind: {net: OrtNet(p, threads) for net, p in paths.items()}
                 for kind, paths in (("fp32", fp32), ("int8", int8))}
@@ -213,7 +212,7 @@ def run(images: list[np.ndarray], fp32: dict[str, Path], int8: dict[str, Path], 
     ms = {kind: {name: 1e3 * statistics.median(v) for name, v in per_net.items()} for kind, per_net in times.items()}
     for kind in ms:
         ms[kind]["total"] = 1e3 * statistics.median([sum(times[kind][n][i] for n in NETS) for i in range(len(images))])
-    found["interval"] = intervals.wilson_interval(found["reproduced"], found["fp32"]) if found["fp32"] else None
+    found["interval"] = wilson_interval(found["reproduced"], found["fp32"]) if found["fp32"] else None
     return {"ms": ms, "found": found}
 
 

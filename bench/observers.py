@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from quantship import Quantizer
-from quantship.cli.common import format_accuracy
-from quantship.quantize.layer_error import sqnr_db
+from quantship import Quantizer, sqnr_db
+from quantship.examples.real import Count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 OBSERVER_NAMES = ("minmax", "histogram", "percentile", "mse")
@@ -60,7 +59,7 @@ def digits_rows(n_calib: int = 128) -> list[str]:
         start = time.perf_counter()
         q = quantize(model, calib, name)
         k, _ = digits.evaluate(q, split.x_test, split.y_test, batch_size=32)
-        rows.append(f"| digits TinyResNet | {name} | {format_accuracy(fp_k, n)} | {format_accuracy(k, n)} | "
+        rows.append(f"| digits TinyResNet | {name} | {Count(fp_k, n)} | {Count(k, n)} | "
                     f"{k / fp_k:.4f} | {logit_sqnr(model, q, evals):.2f} | {time.perf_counter() - start:.1f} |")
     return rows
 

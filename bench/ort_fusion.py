@@ -1,21 +1,17 @@
-"""What ONNX Runtime fuses in the onnxruntime-cpu preset's files, before and after quantship's
-fusion-driven placements, on small models.
+"""What ONNX Runtime fuses in the onnxruntime-cpu preset's files, on small models.
 
-For each model, two files from the same untrained weights (``weights=None``, seed 0; parameters
-that hold one value everywhere, such as a zero classifier head or ConvNeXt's 1e-6 layer scale, are
-perturbed so that outputs and LSB figures are not vacuous):
+For each model, the INT8 file quantship writes (``Quantizer.for_target("onnxruntime-cpu")`` then
+``export_qdq``) and the FP32 file (``export_onnx``) from the same untrained weights (``weights=None``,
+seed 0; parameters that hold one value everywhere, such as a zero classifier head or ConvNeXt's 1e-6
+layer scale, are perturbed so that outputs and LSB figures are not vacuous).
 
-- ``before``: the placement as it was: Add/Mul constants stored int8 beside uint8 activations,
-  the attention scale and other number operands of mul/add float literals, batched-matmul einsums left as Einsum, Conv -> Relu -> Q
-  with the Relu's zero-point above the minimum left as it is;
-- ``after``: the current code (``export.ort_fusion``, ``decompose.decompose_einsum`` and the
-  stored attention scale of ``decompose.decompose_attention``).
-
-Printed per file: ONNX Runtime's integer kernels in its optimized graph (the census of
-``inspect.run.consumers.ort_optimized_ops``), the ops it still computes in float with the reason read
+Printed for the INT8 file: ONNX Runtime's integer kernels in its optimized graph (the census of
+``quantship.inspect.ort_optimized_ops``), the ops it still computes in float with the reason read
 off the graph, the max error vs the torch quantized model in output LSB (ORT literal / ORT default
-optimizations, on 4 seeded inputs), and the median latency at ORT's default optimizations (both
-files timed in one process, interleaved round by round, with ``bench/latency.py``'s loop).
+optimizations, on 4 seeded inputs); and the median latency of both files at ORT's default
+optimizations (timed in one process, interleaved round by round, with ``bench/latency.py``'s loop).
+The placement before quantship's fusion-driven rewrites (Add/Mul constants, the attention scale, einsums,
+Relu requantization) is no longer in the library, so it is not measured here.
 
     python bench/ort_fusion.py [--models vit convnext densenet maxvit_small maxvit] [--runs 50]
     python bench/ort_fusion.py --smoke   # the 2-layer ViT at 32x32, one run (bench/_smoke.py)
@@ -25,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -80,7 +75,7 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
 
 def float_leftovers(path: Path) -> collections.Counter:
     """(op, reason) -> count, for every node ONNX Runtime's optimized graph computes in float."""
-    from quantship.inspect.run.consumers import ort_session
+    from quantship.inspect import ort_session
 
     with tempfile.TemporaryDirectory() as tmp:
         saved = Path(tmp) / "optimized.onnx"
@@ -134,26 +129,10 @@ def float_leftovers(path: Path) -> collections.Counter:
     return found
 
 
-@contextlib.contextmanager
-def placement_before():
-    """The placement as it was before this change: no einsum rewrite, number operands of mul/add
-    (the attention scale among them) float literals, Add/Mul constants left int8, no requantization before a Relu."""
-    from quantship.export import qdq
-    from quantship.quantize import decompose
-
-    saved = qdq.PASSES, decompose.decompose_einsum, decompose._scalar_constant
-    qdq.PASSES = tuple(p for p in qdq.PASSES if p not in (qdq.BinaryConstantDtypePass, qdq.ReluRequantizePass))
-    decompose.decompose_einsum = lambda model: 0
-    decompose._scalar_constant = lambda model, value, like: value
-    try:
-        yield
-    finally:
-        qdq.PASSES, decompose.decompose_einsum, decompose._scalar_constant = saved
-
-
-def build_files(name: str, workdir: Path) -> tuple[dict, int]:
-    from quantship import Quantizer, export_qdq
-    from quantship.inspect.run.verify import measure_readings, torch_outputs
+def build_files(name: str, workdir: Path) -> tuple[Path, Path, object, int]:
+    """The FP32 file, the INT8 file, the INT8 file's readings against the torch quantized model, the input size."""
+    from quantship import Quantizer, export_onnx, export_qdq
+    from quantship.inspect import measure_readings, torch_outputs
 
     make, size = _models()[name]
     torch.manual_seed(0)
@@ -162,21 +141,18 @@ def build_files(name: str, workdir: Path) -> tuple[dict, int]:
     calib = [torch.randn(1, 3, size, size, generator=gen) for _ in range(2)]
     sample = torch.randn(1, 3, size, size, generator=gen)
     check = torch.randn(4, 3, size, size, generator=gen)
-    out = {}
-    for variant in ("before", "after"):
-        with placement_before() if variant == "before" else contextlib.nullcontext():
-            qmodel = Quantizer.for_target("onnxruntime-cpu", act_observer="minmax").quantize(model, calib)
-            path = export_qdq(qmodel, sample, workdir / f"{name}_{variant}.onnx", target="onnxruntime-cpu")
-        readings = measure_readings(path, [[check.numpy()]], torch_outputs(qmodel, [check]))
-        out[variant] = (path, readings)
-    return out, size
+    fp32 = export_onnx(model, sample, workdir / f"{name}_fp32.onnx")
+    qmodel = Quantizer.for_target("onnxruntime-cpu", act_observer="minmax").quantize(model, calib)
+    int8 = export_qdq(qmodel, sample, workdir / f"{name}_int8.onnx", target="onnxruntime-cpu")
+    readings = measure_readings(int8, [[check.numpy()]], torch_outputs(qmodel, [check]))
+    return fp32, int8, readings, size
 
 
 def main(argv: list[str] | None = None) -> int:
     import _smoke
     from latency import _time
 
-    from quantship.inspect.run.consumers import cpu_info, ort_optimized_ops
+    from quantship.inspect import cpu_info, ort_optimized_ops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["vit", "convnext", "densenet"], choices=sorted(_models()))
@@ -186,19 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu} ({'VNNI' if {'avx512_vnni', 'avx_vnni'} & flags else 'no VNNI'})")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            files, size = build_files(name, Path(tmp))
-            times = _time({v: p for v, (p, _) in files.items()}, 1, args.runs, 5, size=size)
+            fp32, int8, readings, size = build_files(name, Path(tmp))
+            times = _time({"FP32": fp32, "INT8": int8}, 1, args.runs, 5, size=size)
             print(f"\n## {name} (input {size}, batch 1)")
-            for variant, (path, readings) in files.items():
-                ops = ort_optimized_ops(path)
-                kernels = ", ".join(f"{k} {ops[k]}" for k in INTEGER_KERNELS if ops[k])
-                print(f"- {variant}: LSB literal {readings.literal_lsb:.0f} / fused {readings.fused_lsb:.0f}; "
-                      f"median {statistics.median(times[variant]):.3f} ms ({args.runs} interleaved runs)")
-                print(f"  integer kernels: {kernels}")
-                for (op, reason), n in sorted(float_leftovers(path).items()):
-                    print(f"  float: {n} x {op}: {reason}")
-            ratio = np.median(times["before"]) / np.median(times["after"])
-            print(f"- after is {ratio:.3f}x the speed of before")
+            ops = ort_optimized_ops(int8)
+            kernels = ", ".join(f"{k} {ops[k]}" for k in INTEGER_KERNELS if ops[k])
+            print(f"- INT8: LSB literal {readings.literal_lsb:.0f} / fused {readings.fused_lsb:.0f}; "
+                  f"median {statistics.median(times['INT8']):.3f} ms ({args.runs} interleaved runs)")
+            print(f"  integer kernels: {kernels}")
+            for (op, reason), n in sorted(float_leftovers(int8).items()):
+                print(f"  float: {n} x {op}: {reason}")
+            print(f"- FP32: median {statistics.median(times['FP32']):.3f} ms")
+            ratio = np.median(times["FP32"]) / np.median(times["INT8"])
+            print(f"- INT8 is {ratio:.3f}x the speed of FP32")
     return 0
 
 

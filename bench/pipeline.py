@@ -92,8 +92,9 @@ def run_raw(model_name: str, batch: int, size: int, target: str, clock: Clock, d
     import torchvision  # noqa: F401  (imported here, so that the "imports" stage times it)
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from quantship.precision import preset, resolve_spec
-    from quantship.quantize.annotator import QuantshipQuantizer
+    from quantship import resolve_spec
+    from quantship.quantize import QuantshipQuantizer
+    from quantship.targets import get as preset
 
     clock.lap("imports")
     model, calib = _float_model(model_name, batch, size)
@@ -126,18 +127,24 @@ def _example(sample, dynamic: bool):
     return torch.cat([sample, sample]) if dynamic and sample.shape[0] == 1 else sample
 
 
-def _timed(module, name: str, clock: Clock, stage: str, before: str | None = None) -> None:
-    """Wrap ``module.name`` so that its call closes ``stage`` on the clock (and ``before`` on entry)."""
-    real = getattr(module, name)
+# the steps quantship marks (quantship.progress) that are a stage of the raw path, by the start of their label
+STEP_STAGES = (("quantize: capture", "capture"), ("quantize: insert observers", "prepare"),
+               ("quantize: calibrating", "calibrate"), ("quantize: convert", "convert"),
+               ("export: torch.onnx.export", "export"))
 
-    def wrapper(*args, **kwargs):
-        if before:
-            clock.lap(before)
-        out = real(*args, **kwargs)
-        clock.lap(stage)
-        return out
 
-    setattr(module, name, wrapper)
+class StageListener:
+    """Listens to quantship's marked steps: a step's start closes ``gap`` on the clock, its end closes its stage."""
+
+    def __init__(self, clock: Clock, gap: str) -> None:
+        self.clock, self.gap = clock, gap
+
+    def __call__(self, event: str, current) -> None:
+        from quantship.progress import END, START
+
+        stage = next((s for prefix, s in STEP_STAGES if current.label.startswith(prefix)), None)
+        if stage is not None and event in (START, END):
+            self.clock.lap(self.gap if event == START else stage)
 
 
 def run_quantship(model_name: str, batch: int, size: int, target: str, clock: Clock) -> None:
@@ -150,19 +157,14 @@ def run_quantship(model_name: str, batch: int, size: int, target: str, clock: Cl
     clock.lap("imports")
     model, calib = _float_model(model_name, batch, size)
     clock.lap("model")
-    import torchao.quantization.pt2e.quantize_pt2e as torchao_pt2e
+    from quantship.progress import listening
 
-    import quantship.export.qdq as qdq
-    import quantship.quantize.pt2e as pt2e
-
-    _timed(pt2e, "capture", clock, "capture", before="quantize: copy, checks")
-    _timed(torchao_pt2e, "prepare_pt2e", clock, "prepare")
-    _timed(pt2e, "run_batches", clock, "calibrate", before="quantize: copy, checks")
-    _timed(torchao_pt2e, "convert_pt2e", clock, "convert")
-    _timed(qdq, "produce", clock, "export", before="checks")
-    qmodel = Quantizer.for_target(target).quantize(model, calib, max_calibration_samples=len(calib) * batch)
+    listener = StageListener(clock, "quantize: copy, checks")
+    with listening(listener):
+        qmodel = Quantizer.for_target(target).quantize(model, calib, max_calibration_samples=len(calib) * batch)
     clock.lap("quantize: copy, checks")
-    with tempfile.TemporaryDirectory() as tmp:
+    listener.gap = "checks"
+    with tempfile.TemporaryDirectory() as tmp, listening(listener):
         export_qdq(qmodel, calib[0], Path(tmp) / "model.onnx")
         clock.lap("checks")
 
@@ -248,7 +250,7 @@ def warm(args: argparse.Namespace) -> int:
     import pstats
 
     from quantship import Quantizer, export_qdq
-    from quantship.precision import preset
+    from quantship.targets import get as preset
 
     warnings.filterwarnings("ignore")
     spent = Spent()
@@ -388,7 +390,7 @@ def cold(args: argparse.Namespace) -> int:
     """Fresh processes per path, alternating; medians per stage, and the ratios quantship / raw."""
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
           f"medians of {args.repeat} fresh run(s) per path, runs alternating")
-    from quantship.precision import preset
+    from quantship.targets import get as preset
 
     paths = [p for p in PATHS if p != "raw, any batch" or preset(args.target).dynamic_batch]
     for name in args.models:

@@ -56,7 +56,7 @@ def _quantized(model, target: str | None, calib):
 
 
 def _consumer(path: Path, target: str, **kwargs) -> str:
-    from quantship.inspect.judge.runs import run_consumer
+    from quantship.inspect import run_consumer
 
     r = run_consumer(path, target, **kwargs)
     if not r.ran:
@@ -76,7 +76,7 @@ def _constant_output(model: torch.nn.Module, x: torch.Tensor) -> bool:
 
 def _distinct_recipes() -> dict[str | None, list[str]]:
     """The default recipe and the presets, one entry per distinct request (spec and activation dtype)."""
-    from quantship.precision import PRESETS, resolve_spec
+    from quantship import PRESETS, resolve_spec
 
     default = (resolve_spec(backend="pt2e"), "int8")
     groups: dict = {default: (None, ["default recipe"])}
@@ -174,7 +174,7 @@ def _table2(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import _smoke
 
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SIZES))

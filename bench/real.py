@@ -249,7 +249,7 @@ def static_batch(path: Path) -> int | None:
 
 
 def input_name(path: Path) -> str:
-    from quantship.inspect.run.consumers import ort_session
+    from quantship.inspect import ort_session
 
     return ort_session(path).get_inputs()[0].name
 
@@ -259,7 +259,7 @@ def batched(x: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def run_ort(path: Path, x: np.ndarray, batch: int, optimized: bool = True) -> np.ndarray:
-    from quantship.inspect.run.consumers import ort_session
+    from quantship.inspect import ort_session
 
     session = ort_session(path, optimized=optimized)
     name = session.get_inputs()[0].name
@@ -280,7 +280,7 @@ def run_torch(model, x: np.ndarray, batch: int) -> np.ndarray:
 def run_consumer(consumer: str, path: Path, x: np.ndarray, batch: int) -> np.ndarray:
     import onnx
 
-    from quantship.inspect.run.consumers import run_openvino, run_tigris
+    from quantship.inspect import run_openvino, run_tigris
 
     name = input_name(path)
     if consumer == "tigris":
@@ -441,7 +441,7 @@ def pt2e_quantize(task: Task, model, out: Path, preset: str):
     note = ""
     report = getattr(quantizer, "report", None)
     if report is not None and getattr(report, "float_ops", None):
-        from quantship.quantize.pt2e import describe_float_ops
+        from quantship.quantize import describe_float_ops
 
         note = f"kept in float (no role): {describe_float_ops(report)}"
     return qmodel, note

@@ -25,7 +25,7 @@ import _smoke
 
 
 def row(label: str, acc: tuple[int, int], sqnr: float | None, speed) -> str:
-    from quantship.intervals import wilson_interval
+    from quantship.inspect import wilson_interval
 
     k, n = acc
     low, high = wilson_interval(k, n)
@@ -41,12 +41,11 @@ def row(label: str, acc: tuple[int, int], sqnr: float | None, speed) -> str:
 def one_size(hidden: int, folder: Path, args: argparse.Namespace) -> list[str]:
     import torch
 
+    from quantship import output_sqnr_db as sqnr_db
     from quantship.examples import keywords
     from quantship.export import export_onnx
-    from quantship.inspect.run.consumers import ort_session
-    from quantship.inspect.run.speed import measure_speed
-    from quantship.quantize_onnx.dynamic_file import sqnr_db
-    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+    from quantship.inspect import measure_speed, ort_session
+    from quantship.quantize_onnx import quantize_onnx_file
 
     model = (keywords.train(hidden, epochs=1, n_train=args.train_samples) if args.train_samples
              else keywords.trained_model(hidden))
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _smoke.parse_args(parser, argv, hidden="64", budget=0.5, held_out=64, train_samples=128)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from quantship.examples import keywords
-    from quantship.inspect.run.timing import cpu_line
+    from quantship.inspect import cpu_line
 
     batch = keywords.N_CALIBRATION
     print(f"CPU: {cpu_line()}; ONNX Runtime, 1 thread, thread CPU time, interleaved, median; "

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from quantship.inspect.read.loading import file_size
+from quantship.inspect import file_size
 
 SEQ, BATCH, SAMPLES = 16, 4, 16  # calibration: 16 sequences of 16 tokens, in batches of 4
 FLOATS_PER_LAYER = 12  # x d*d: q, k, v, o projections (4) and the 4x MLP (8)
@@ -103,7 +103,7 @@ def quantize_command(method: str, float_path: Path, calib: Path, out: Path) -> l
                 str(out), "--batch-size", str(BATCH), "--no-speed", "--json"]
     if method == "int4":  # no CLI for it yet: the public API in a fresh process, its result as JSON
         code = ("import json, sys; import numpy as np; "
-                "from quantship.quantize_onnx.weight_only_file import quantize_weight_only_file; "
+                "from quantship.quantize_onnx import quantize_weight_only_file; "
                 "r = quantize_weight_only_file(sys.argv[1], sys.argv[2], np.load(sys.argv[3]), bits=4); "
                 "print(json.dumps(r.as_dict()))")
         return [sys.executable, "-c", code, str(float_path), str(out), str(calib)]

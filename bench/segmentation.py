@@ -56,9 +56,7 @@ def run_model(name: str, workdir: Path, size: int) -> dict:
     from zoo import float_compute_ops, prepare_untrained
 
     from quantship import Quantizer, export_qdq
-    from quantship.inspect.read.stats import qdq_stats
-    from quantship.inspect.run.consumers import ort_optimized_ops
-    from quantship.inspect.run.outputs import flatten_outputs
+    from quantship.inspect import flatten_outputs, ort_optimized_ops, qdq_stats
 
     torch.manual_seed(0)
     extra = {} if name.startswith("lraspp") else {"aux_loss": True}

@@ -97,7 +97,7 @@ def latency(float_path: Path, int8_path: Path, x: np.ndarray, reps: tuple[int, i
 def float_ops(path: Path) -> tuple[int, int, str]:
     """(float Conv/MatMul/Gemm kernels, ops of any kind neither integer kernel nor Q/DQ, the compute kernels
     listed) in ONNX Runtime's optimized graph."""
-    from quantship.inspect.run.consumers import ort_optimized_ops
+    from quantship.inspect import ort_optimized_ops
 
     ops = ort_optimized_ops(path)
     compute = sum(ops[k] for k in FLOAT_COMPUTE)
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     import _smoke
 
     from quantship.examples.real import nudenet_yolo
-    from quantship.intervals import wilson_interval
-    from quantship.quantize_onnx.quantizer import quantize_onnx_file
+    from quantship.inspect import wilson_interval
+    from quantship.quantize_onnx import quantize_onnx_file
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=200, help="evaluation crops (seed 0)")

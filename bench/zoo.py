@@ -161,10 +161,8 @@ IMAGE_FAMILIES = ("torchvision", "timm")  # the square-image classifiers the pre
 
 def run_model(entry: Entry, family: str, workdir: Path, observer: str | None) -> ZooRow:
     from quantship import Quantizer, export_qdq
-    from quantship.inspect.read.lsb import output_scales
-    from quantship.inspect.run.consumers import ort_optimized_ops
-    from quantship.inspect.run.verify import compare_logits
-    from quantship.quantize.pt2e import describe_float_ops
+    from quantship.inspect import compare_logits, ort_optimized_ops, output_scales
+    from quantship.quantize import describe_float_ops
 
     name = entry.name
     torch.manual_seed(0)
@@ -220,7 +218,7 @@ def run_model(entry: Entry, family: str, workdir: Path, observer: str | None) ->
     except ValueError as exc:
         row.status = f"LSB not measured: {exc}"
     if round(row.lsb_literal or 0) > 4:  # is it the file, or one rounding flip that the network amplifies?
-        from quantship.inspect.run.divergence import trace_divergence
+        from quantship.inspect import trace_divergence
 
         try:
             trace = trace_divergence(qmodel, path, sample)
@@ -358,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in chosen if m not in family]
     if unknown:
         parser.error(f"not in the {args.family} family: {unknown} (its models: {', '.join(family)})")
-    from quantship.inspect.run.consumers import cpu_info
+    from quantship.inspect import cpu_info
 
     commit = head_commit()
     with tempfile.TemporaryDirectory() as tmp:

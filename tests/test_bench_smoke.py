@@ -104,8 +104,8 @@ RUNS = {
                                "one-step change injected in torch")),
     "observers": Smoke(stdout=("| digits TinyResNet | minmax |", "| digits TinyResNet | mse |",
                                "| MobileNetV2 32px (BN-calibrated, untrained) | mse |")),
-    "ort_fusion": Smoke(stdout=("## vit (input 32, batch 1)", "- before: LSB literal", "- after: LSB literal",
-                                "  integer kernels: ", "x the speed of before")),
+    "ort_fusion": Smoke(stdout=("## vit (input 32, batch 1)", "- INT8: LSB literal", "- FP32: median",
+                                "  integer kernels: ", "x the speed of FP32")),
     "pipeline": Smoke(("--report", "{tmp}/BENCHMARKS-pipeline.md"), files={"BENCHMARKS-pipeline.md": (
         "Smoke run", "## Cold: one fresh process per run", "| capture |", "| **total** |",
         "quantship / raw, any batch:", "## Warm: export_qdq vs the raw exporter in one process, batch 1",

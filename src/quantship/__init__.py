@@ -35,6 +35,10 @@ _PUBLIC: dict[str, str] = {
     "quant_spec_of_file": "quantship.inspect",
     "quant_target": "quantship.precision",
     "target_names": "quantship.targets",
+    # fidelity to FP32: the budget a file must keep, SQNR from energies and between two arrays
+    "Budget": "quantship.fidelity",
+    "sqnr_db": "quantship.fidelity",
+    "output_sqnr_db": "quantship.fidelity",
     # the error vocabulary (quantship.errors): every one a ValueError
     "QuantshipError": "quantship.errors",
     "SpecRefused": "quantship.errors",
@@ -42,6 +46,8 @@ _PUBLIC: dict[str, str] = {
     "ExportRefused": "quantship.errors",
     "TargetRefused": "quantship.errors",
     "FileRefused": "quantship.errors",
+    "one_line": "quantship.errors",
+    "BudgetMissed": "quantship.search_engine",  # a search (accuracy, fidelity) found no file within its budget
 }
 
 __all__ = ["__version__", *_PUBLIC]

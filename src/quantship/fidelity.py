@@ -85,6 +85,14 @@ def sqnr_db(signal_energy: float, noise_energy: float) -> float:
     return 10.0 * math.log10(signal_energy / noise_energy)
 
 
+def output_sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
+    """``out``'s SQNR against ``reference``: ``sqnr_db`` of their energies, summed in float64."""
+    import numpy as np
+
+    ref = np.asarray(reference).astype(np.float64)
+    return sqnr_db(float((ref ** 2).sum()), float(((np.asarray(out).astype(np.float64) - ref) ** 2).sum()))
+
+
 @dataclass(frozen=True)
 class Budget:
     """The least fidelity a file must keep: output SQNR in dB and agreement in [0, 1], each output."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 START, ADVANCE, END = "start", "advance", "end"
 
+__all__ = ["ADVANCE", "END", "START", "Listener", "Step", "listening"]
+
 
 @dataclass
 class Step:

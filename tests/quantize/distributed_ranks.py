@@ -48,10 +48,11 @@ def calibrate_and_export(model: torch.nn.Module, shard: list[torch.Tensor], obse
                          path: Path) -> dict:
     from quantship import Quantizer, export_qdq
 
-    quantized = Quantizer(backend="pt2e", act_observer=observer).quantize(model, shard, max_calibration_samples=10**6)
+    quantizer = Quantizer(backend="pt2e", act_observer=observer)
+    quantized = quantizer.quantize(model, shard, max_calibration_samples=10**6)
     start = time.perf_counter()
     written = export_qdq(quantized, sample, path)
-    return {"path": str(written), "export_seconds": time.perf_counter() - start}
+    return {"path": str(written), "export_seconds": time.perf_counter() - start, "merged": quantizer.merged.as_dict()}
 
 
 def _start(rank: int, world: int, out: Path, state: dict, shards: list, sample: torch.Tensor):

@@ -126,6 +126,8 @@ def test_minmax_two_shards_byte_identical_to_one_process(task, ptq, tmp_path):
     for rank in range(2):
         assert case(records[rank], "minmax")["ok"], case(records[rank], "minmax")
         assert case(records[rank], "minmax")["path"] == str((out / "minmax.onnx").resolve())
+        merged = case(records[rank], "minmax")["merged"]  # Quantizer.merged: what the merge sent
+        assert merged["n_observers"] > 0 and merged["n_floats"] >= 2 * merged["n_observers"]  # a min and a max each, at least
     assert not list(out.glob(".minmax.onnx.*"))  # rank 0 wrote once, atomically
     single = one_process(model, shards, "minmax", tmp_path / "one.onnx", sample_of(split))
     assert (out / "minmax.onnx").read_bytes() == single.read_bytes()

@@ -77,3 +77,15 @@ def test_a_range_whose_error_underflows_or_overflows_is_searched_as_the_same_ran
         for a, b in zip(ours._non_linear_param_search(), unit._non_linear_param_search()):
             assert torch.equal(a, (b.double() * 2.0 ** power).float())
     assert ours.min_val == theirs.min_val and ours.max_val == theirs.max_val  # the observer is left as it was
+
+
+def test_the_range_search_is_a_marked_step():
+    """Inside convert it can take minutes on a large model: a listener (the CLI, bench/zoo.py) hears it."""
+    from quantship.progress import END, START, listening
+
+    heard = []
+    ours = HistogramSearchObserver(dtype=torch.int8, qscheme=torch.per_tensor_affine, quant_min=-128, quant_max=127)
+    ours(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
+    with listening(lambda event, step: heard.append((event, step.label))):
+        ours.calculate_qparams()
+    assert heard == [(START, "quantize: histogram range search"), (END, "quantize: histogram range search")]

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from quantship.examples.digits import cached_model, run_epochs
 from quantship.export import export_onnx
+from quantship.fidelity import output_sqnr_db  # noqa: F401  (notes.output_sqnr_db: what the note tests measure)
 from quantship.inspect.run.consumers import ort_session
-from quantship.quantize_onnx.dynamic_file import sqnr_db
 
 SAMPLE_RATE = 16_000
 CLIP_SAMPLES = 8_000  # 0.5 s
@@ -237,11 +237,6 @@ def run_file(path: str | Path, audio: np.ndarray | torch.Tensor, *, optimized: b
     padded = np.concatenate([audio, np.zeros((-n % batch_size, *audio.shape[1:]), np.float32)])
     return np.concatenate([session.run(None, {spec.name: padded[i:i + batch_size]})[0]
                            for i in range(0, len(padded), batch_size)])[:n]
-
-
-def output_sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
-    """The output's SQNR against the float reference, in dB, over every clip and note."""
-    return sqnr_db(np.asarray(reference), np.asarray(out))
 
 
 def front_end_nodes(path: str | Path) -> list[str]:

@@ -16,6 +16,18 @@ _PUBLIC = {
     "export_onnx": "quantship.export.onnx_float",
     "ONNXModel": "quantship.inspect.run.onnx_model",
     "verify_onnx": "quantship.inspect.run.onnx_model",
+    "quantize_export_judged": "quantship.export.judged",
+    "split_held_out": "quantship.export.data",
+    "CalibrationReader": "quantship.export.ort_quantize",
+    "set_accuracy_level": "quantship.export.weight_only",
+    # decoder files for generation (docs/decoder.md): the export, its layout, its input names, a session on it
+    "export_decoder": "quantship.export.decoder",
+    "read_layout": "quantship.export.decoder",
+    "INPUT_IDS": "quantship.export.decoder",
+    "ATTENTION_MASK": "quantship.export.decoder",
+    "PAST_KEY": "quantship.export.decoder",
+    "PAST_VALUE": "quantship.export.decoder",
+    "onnx_session": "quantship.export.decoder_check",
 }
 
 __all__ = list(_PUBLIC)

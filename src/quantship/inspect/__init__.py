@@ -38,6 +38,24 @@ _PUBLIC = {
     "CompareReport": "quantship.inspect.judge.compare",
     "trace_divergence": "quantship.inspect.run.divergence",
     "DivergenceReport": "quantship.inspect.run.divergence",
+    "file_size": "quantship.inspect.read.loading",
+    # running a file: an ONNX Runtime session (threads, optimization level), its outputs, the consumers' runtimes
+    "ort_session": "quantship.inspect.run.consumers",
+    "run_session": "quantship.inspect.run.consumers",
+    "ort_optimized_ops": "quantship.inspect.run.consumers",
+    "run_openvino": "quantship.inspect.run.consumers",
+    "run_tigris": "quantship.inspect.run.consumers",
+    "flatten_outputs": "quantship.inspect.run.outputs",
+    "torch_outputs": "quantship.inspect.run.verify",
+    "measure_readings": "quantship.inspect.run.verify",
+    "match_detections": "quantship.inspect.run.detections",
+    "MATCH_IOU": "quantship.inspect.run.detections",
+    # timing a file: the machine's CPU and int8 flags, one-thread sessions, per-node costs
+    "cpu_info": "quantship.inspect.run.consumers",
+    "cpu_line": "quantship.inspect.run.timing",
+    "single_thread_session": "quantship.inspect.run.timing",
+    "measure_speed": "quantship.inspect.run.speed",
+    "relative_error": "quantship.inspect.run.weight_only",
 }
 
 __all__ = list(_PUBLIC)

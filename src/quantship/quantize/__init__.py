@@ -13,7 +13,13 @@ from quantship.noise import silence_library_noise
 
 silence_library_noise()  # before torchao loads
 
-_PUBLIC = {"Quantizer": "quantship.quantize.quantizer"}
+_PUBLIC = {
+    "Quantizer": "quantship.quantize.quantizer",
+    # for a pt2e flow run by hand (torchao's prepare_pt2e / convert_pt2e): quantship's annotator, and the
+    # ops it left float named by module
+    "QuantshipQuantizer": "quantship.quantize.annotator",
+    "describe_float_ops": "quantship.quantize.pt2e",
+}
 
 __all__ = sorted(_PUBLIC)
 

@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from torchao.quantization.pt2e import HistogramObserver
 
+from quantship.progress import step
+
 _STEP = 1e-5  # torchao's quantile granularity
 _MAX_STEPS = 100_002  # alpha and beta meet after 1 / _STEP moves, one of them per step
 TINY = 2.0 ** -20  # a range inside +-TINY is searched scaled by a power of two (see above)
@@ -119,4 +121,5 @@ class HistogramSearchObserver(HistogramObserver):
     """torchao's ``HistogramObserver``, its range search run by ``search_range`` (same scales, bit for bit)."""
 
     def _non_linear_param_search(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return search_range(self)
+        with step("quantize: histogram range search"):  # inside convert; seconds to minutes on a large model
+            return search_range(self)

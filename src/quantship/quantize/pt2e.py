@@ -27,6 +27,7 @@ DEQUANT_WEIGHT_OPS = {qd.dequantize_per_channel.default, qd.dequantize_per_tenso
 QUANT_OPS = {qd.quantize_per_tensor.default, qd.quantize_per_channel.default,
              qd.quantize_per_tensor.tensor}
 REPORT_ATTRIBUTE = "_quantship_annotation"  # where a converted model carries its AnnotationReport
+MERGE_ATTRIBUTE = "_quantship_merge"  # ... and its observers' MergeReport, calibrated across ranks
 
 
 def annotation_report(model: object) -> AnnotationReport | None:
@@ -119,6 +120,8 @@ def quantize_pt2e(
     # users call .eval() on what they get back; make that a supported no-op-like switch
     allow_exported_model_train_eval(converted)
     setattr(converted, REPORT_ATTRIBUTE, quantizer.report)
+    if merged is not None:
+        setattr(converted, MERGE_ATTRIBUTE, merged)
     return converted
 
 

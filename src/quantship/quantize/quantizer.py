@@ -25,7 +25,7 @@ from quantship.quantize import smooth_quant as smoothing
 from quantship.quantize.algorithms.rounding import iterations_of as adaround_iterations
 from quantship.quantize.calibration import Inputs, collect_batches
 from quantship.quantize.distributed import agree_on_batches  # in a process group: a shard per rank
-from quantship.quantize.pt2e import annotation_report
+from quantship.quantize.pt2e import MERGE_ATTRIBUTE, annotation_report
 from quantship.recipe import takes_algorithms
 from quantship.targets import Target
 
@@ -49,7 +49,8 @@ class Quantizer:
     """A validated precision request and the verb that applies it.
 
     pt2e: ops the annotator has no INT8 rule for are quantized around and named, by module path, in
-    ``report`` after ``quantize`` (and in the verbose log); ``strict=True`` refuses such a model.
+    ``report`` after ``quantize`` (and in the verbose log); ``strict=True`` refuses such a model. In a
+    torch.distributed process group, ``merged`` is the observer merge across ranks (observers, floats sent, seconds).
 
     >>> Quantizer(backend='pt2e').spec.label
     'W8A8'
@@ -112,6 +113,7 @@ class Quantizer:
                               f"{self.spec.backend!r} does not use it: use backend='pt2e' or strict=False")
         self.strict = strict
         self.report = None  # pt2e: what the annotator did on the last quantize() (ops left float, by module)
+        self.merged = None  # pt2e in a process group: the last quantize()'s observer merge (MergeReport)
         self.preset: Target | None = None  # set by for_target: the model carries it to export_qdq
         if self.spec.backend == "pt2e" and not self.spec.symmetric:
             warnings.warn(
@@ -213,6 +215,7 @@ class Quantizer:
             if chosen.backend == "pt2e":
 
                 self.report = annotation_report(quantized)
+                self.merged = getattr(quantized, MERGE_ATTRIBUTE, None)
             # the backend's own records (seq_mse, adaround, bias_correction), after the ones run before capture
             self.algorithms.update(getattr(quantized, ALGORITHMS_ATTRIBUTE, None) or {})
             if self.algorithms:  # export_qdq writes them into the file's provenance

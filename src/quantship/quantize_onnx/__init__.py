@@ -31,6 +31,11 @@ _PUBLIC = {
     "quantize_onnx_file": "quantship.quantize_onnx.quantizer",
     "Repair": "quantship.quantize_onnx.repair",
     "quantize_onnx": "quantship.quantize_onnx.repair",
+    "quantize_weight_only_file": "quantship.quantize_onnx.weight_only_file",
+    "node_sqnr": "quantship.quantize_onnx.sensitivity",
+    "speed_search_onnx": "quantship.quantize_onnx.speed",
+    "runs_int16": "quantship.quantize_onnx.int16",
+    "ISLAND_RULES": "quantship.quantize_onnx.float_islands",
 }
 
 __all__ = sorted(_PUBLIC)

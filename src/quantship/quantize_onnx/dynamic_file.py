@@ -26,7 +26,7 @@ from quantship.errors import ExportRefused, SpecRefused, cause
 from quantship.export import artifact
 from quantship.export.metadata import ACTIVATION_DTYPE_KEY, TARGET_KEY, VERSION_KEY
 from quantship.export.postconditions import check_target
-from quantship.fidelity import sqnr_db as energy_sqnr_db
+from quantship.fidelity import output_sqnr_db
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.feeds import as_feeds, generated, model_inputs
@@ -92,12 +92,6 @@ def refuse_target(target: Any):
         raise SpecRefused(f"--activations dynamic: target {p.target} needs static scales stored in the file (no "
                           "run-time quantization kernel); use --activations static, or --target onnxruntime-cpu")
     return p
-
-
-def sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
-    """``out``'s SQNR against ``reference`` (``fidelity.sqnr_db`` of their energies, summed in float64)."""
-    ref = reference.astype(np.float64)
-    return energy_sqnr_db(float((ref ** 2).sum()), float(((out.astype(np.float64) - ref) ** 2).sum()))
 
 
 def check_dynamic_held(path: Path, plan: dynamic.DynamicPlan, weight_bound: int, opset: int) -> None:
@@ -192,7 +186,8 @@ def quantize_dynamic_file(float_path: str | Path, out_path: str | Path, inputs: 
         check_outputs_kept(float_outputs, names, reference, literal)
         readings = readings_of_outputs(names, scales, literal, fused, reference, against="the FP32 file")
         fidelity = fidelity_of_outputs(names, reference, literal, fused)
-        sqnr = {name: {"literal": sqnr_db(reference[k], literal[k]), "fused": sqnr_db(reference[k], fused[k])}
+        sqnr = {name: {"literal": output_sqnr_db(reference[k], literal[k]),
+                       "fused": output_sqnr_db(reference[k], fused[k])}
                 for k, name in enumerate(names) if reference[k].dtype.kind == "f"}
         kernels = census(staged)
         verdict = check_file(staged, p, run=run_check, inputs=read_on)
