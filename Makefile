@@ -4,13 +4,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.quantship-installed
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test bench-smoke install lint bench clean
 
 demo: $(STAMP)
 	$(VENV)/bin/quantship demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=25
+
+# every bench script end to end in its --smoke mode, each in a fresh process (30-60 min on 2 cores)
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m bench_smoke tests/test_bench_smoke.py
 
 install: $(STAMP)
 
