@@ -1,16 +1,20 @@
-# One command sets up and runs the demo; one sets up and runs every test.
+# One command sets up and runs the demo; one sets up and runs the tests CI runs (test-all: every test).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.quantship-installed
 
-.PHONY: demo test bench-smoke install lint bench clean
+.PHONY: demo test test-all bench-smoke install lint bench clean
 
 demo: $(STAMP)
 	$(VENV)/bin/quantship demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=25
+
+# everything: the slow end-to-end tests and the bench smoke runs too (hours on a slow 2-core machine)
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "" --durations=25
 
 # every bench script end to end in its --smoke mode, each in a fresh process (30-60 min on 2 cores)
 bench-smoke: $(STAMP)
