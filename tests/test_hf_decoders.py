@@ -93,6 +93,7 @@ def test_gpt2_fully_int8(exported):
     assert exported("gpt2")[0].report.n_weighted == 4 * 2 + 1
 
 
+@pytest.mark.slow
 def test_llama_gqa_fully_int8(exported):
     # per layer q, k, v, o, gate, up, down and 2 attention matmuls, x 2 layers; the lm_head. RMSNorm's
     # float32 cast, square and rsqrt and RoPE's rotate_half negation are unruled (their readers quantize)

@@ -167,6 +167,7 @@ def test_orientation_classifier_fp32_accuracy_with_its_interval():
 MAGIKA_LOWER_BOUND = 0.80
 
 
+@pytest.mark.slow
 def test_magika_fp32_accuracy_on_this_machines_files():
     _need("magika")
     from quantship.examples.real import magika_files

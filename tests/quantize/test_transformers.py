@@ -152,6 +152,7 @@ def test_swin_fully_int8(exported):
     _check_model(exported, "swin", 27)  # patch conv, 18 linears (4 x 4 blocks, 1 merge, head) + 8 attention matmuls
 
 
+@pytest.mark.slow
 def test_swin_v2_fully_int8(exported):
     # patch conv, 4 linears x 2 blocks, 1 merge, head; 2 attention matmuls x 2 blocks. The position-bias
     # MLPs compute on constants only: folded into the stored bias each attention adds, no Gemm left
