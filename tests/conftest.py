@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,18 @@ def _rank_key(nodeid: str) -> str:
     return unit.split("::", 1)[0] if unit.split("::", 1)[0] in PER_TEST_FILES else unit
 
 
+# Tests measured at 15 s or more on a slow machine join the slow tier (tests/slow_measured.txt): CI runs
+# `make test`, and with them in it could not finish inside its 90 minutes there.
+_MEASURED_SLOW = frozenset(line.split("\t", 1)[1].strip()
+                           for line in (Path(__file__).parent / "slow_measured.txt").read_text().splitlines()
+                           if line and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection reads the marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in _MEASURED_SLOW:
+            item.add_marker(pytest.mark.slow)
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         if _SESSION_MODELS & set(getattr(item, "fixturenames", ())) and path not in SESSION_MODEL_FILES:
