@@ -88,6 +88,49 @@ def test_too_few_decisions_are_reported_not_judged():
     judged = _judge(reference, reference[:, [1, 0, 2]], Budget())
     assert judged.worst.agreement == 0.0 and judged.worst.n_decisions == 8 < MIN_DECISIONS
     assert judged.status == MET
+    # ... and the verdict says so: met on SQNR, the agreement not judged, with what to do about it
+    assert "agreement NOT judged" in judged.describe() and "8 decision(s)" in judged.describe()
+    assert "--fidelity-data" in judged.describe() and judged.as_dict()["agreement_judged"] is False
+    assert "agreement NOT judged" not in _judge(LOGITS, LOGITS).describe()
+    assert _judge(LOGITS, LOGITS).as_dict()["agreement_judged"] is True
+
+
+def _near_ties(n, seed):
+    """n rows of two near-tied class scores on a large common offset: SQNR far above the budget, and every
+    argmax flipped by the INT8 output's column swap."""
+    top = 20.0 + np.random.default_rng(seed).standard_normal((n, 1))
+    return np.hstack([top, top - 0.001])
+
+
+def test_too_few_held_out_decisions_are_judged_with_the_calibration_samples():
+    """8 held-out rows cannot judge agreement; with the 32 calibration rows the collapse of the decisions is
+    certain, whatever the SQNR says (in-sample, and said so)."""
+    from quantship.fidelity import widened
+
+    held_ref, calib_ref = _near_ties(8, 1), _near_ties(32, 2)
+    held = _judge(held_ref, held_ref[:, ::-1])
+    assert held.status == MET and held.unjudged
+    judged = widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], ([calib_ref], [calib_ref[:, ::-1]], 32))
+    assert judged.worst.n_decisions == 40 and judged.worst.agreement == 0.0 and judged.sqnr_db > 60.0
+    assert judged.status == MISSED and not judged.unjudged
+    assert judged.data == ("test + 32 calibration sample(s) (in-sample: FP32's outputs on the held-out ones count 8 "
+                           "decision(s), fewer than 20 to judge agreement on)")
+    # FP32's decisions decide, not the file's: 10 positives in FP32, 30 in the file (a union of 30, judged on the
+    # held-out samples alone) still widen, so that every file a repair makes is judged on the same samples
+    probs = np.full((8, 8), 0.1)
+    probs.flat[:10] = 0.9
+    noisy = probs.copy()
+    noisy.flat[10:30] = 0.9
+    first = _judge(probs, noisy)
+    assert not first.unjudged and first.worst.n_decisions == 30
+    wide = widened(first, ["out"], [probs], [noisy], ([probs], [probs], 8))
+    assert wide is not first and "count 10 decision(s)" in wide.data and wide.worst.n_decisions == 40
+    # enough held-out decisions, no calibration outputs, or outputs of another shape: the held-out judgement
+    enough = _judge(LOGITS, LOGITS)
+    assert widened(enough, ["out"], [LOGITS], [LOGITS], ([calib_ref], [calib_ref], 32)) is enough
+    assert widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], None) is held
+    three = np.hstack([calib_ref, calib_ref[:, :1]])
+    assert widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], ([three], [three], 32)) is held
 
 
 def test_a_constant_reference_is_inconclusive_never_met():

@@ -169,6 +169,12 @@ class Fidelity:
         return min(o.sqnr_db for o in self.outputs)
 
     @property
+    def unjudged(self) -> list[OutputFidelity]:
+        """The outputs whose agreement counts fewer than ``MIN_DECISIONS`` decisions: reported, not judged (SQNR
+        alone decides for them), and said so in the verdict."""
+        return [o for o in self.outputs if o.agreement is not None and o.n_decisions < MIN_DECISIONS]
+
+    @property
     def inconclusive(self) -> bool:
         return all(o.constant_reference for o in self.outputs)
 
@@ -192,15 +198,23 @@ class Fidelity:
         """One line: the worst output's figures, where they were measured, the verdict."""
         w = self.worst
         where = f"{w.name}: " if len(self.outputs) > 1 else ""
-        verdict = {MET: f"within the budget ({self.budget.describe()})" if self.budget else "",
+        verdict = {MET: (self._met_on_sqnr_alone() if self.unjudged else f"within the budget ({self.budget.describe()})")
+                   if self.budget else "",
                    MISSED: f"MISSED the budget ({self.budget.describe()})" if self.budget else "",
                    INCONCLUSIVE: "inconclusive: the float output is the same for every input (give real inputs)",
                    NOT_JUDGED: "not judged (no budget)"}[self.status]
         return f"{where}{w.describe()}; {self.runtime}, {self.data}; {verdict}"
 
+    def _met_on_sqnr_alone(self) -> str:
+        few = min(self.unjudged, key=lambda o: o.n_decisions)
+        where = f"{few.name} counts" if len(self.outputs) > 1 else "it counts"
+        return (f"within the budget on SQNR (>= {self.budget.min_sqnr_db:g} dB, every output); agreement NOT "
+                f"judged: {where} {few.n_decisions} decision(s) ({few.rule}), fewer than {MIN_DECISIONS} (give more "
+                f"samples to judge on: --fidelity-data)")
+
     def as_dict(self) -> dict:
         return {"status": self.status, "sqnr_db": _finite(self.sqnr_db), "data": self.data, "runtime": self.runtime,
-                "n_samples": self.n_samples,
+                "n_samples": self.n_samples, "agreement_judged": not self.unjudged,
                 "budget": asdict(self.budget) if self.budget is not None else None,
                 "outputs": [{**asdict(o), "sqnr_db": _finite(o.sqnr_db)} for o in self.outputs], **self.extra}
 
@@ -295,6 +309,61 @@ def measure(names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequ
         n_samples = max(n_samples, ref.shape[0] if ref.ndim else 1)
         rows += [_judge_part(f"{name}{part}", ref[index], out[index]) for part, index in output_parts(ref)]
     return Fidelity(rows, data, runtime, budget, n_samples)
+
+
+def widened(held: Fidelity, names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray],
+            calibration: tuple[Sequence[np.ndarray], Sequence[np.ndarray], int] | None) -> Fidelity:
+    """``held`` (measured on held-out samples, ``reference`` and ``outputs``), or, when an agreement there counts
+    too few decisions to be judged (``too_few_decisions``: FP32's count decides, so that every step of a repair is
+    judged on the same samples), the judgement on the held-out samples and the
+    calibration samples together (``calibration``: the float and INT8 outputs on them, their count), said so in
+    its data line: in-sample, the ranges were set on part of it, but a collapse of the model's decisions shows
+    there as well, where a handful of held-out samples would let SQNR alone decide. ``held`` as it is when no
+    calibration outputs are given or their shapes do not join the held-out ones'."""
+    import numpy as np  # measuring only (module docstring)
+
+    if calibration is None or not too_few_decisions(held, reference):
+        return held
+    calib_reference, calib_outputs, n_calib = calibration
+    joined_reference, joined_outputs = [], []
+    for ref, out, c_ref, c_out in zip(reference, outputs, calib_reference, calib_outputs, strict=True):
+        ref, out, c_ref, c_out = (np.asarray(a) for a in (ref, out, c_ref, c_out))
+        if ref.ndim == 0 or ref.shape[1:] != c_ref.shape[1:] or out.shape[1:] != c_out.shape[1:]:
+            return held
+        joined_reference.append(np.concatenate([ref, c_ref]))
+        joined_outputs.append(np.concatenate([out, c_out]))
+    few = min(_reference_decisions(reference) or [o.n_decisions for o in held.unjudged])
+    data = (f"{held.data} + {n_calib} calibration sample(s) (in-sample: FP32's outputs on the held-out ones count "
+            f"{few} decision(s), fewer than {MIN_DECISIONS} to judge agreement on)")
+    return measure(names, joined_reference, joined_outputs, budget=held.budget, data=data, runtime=held.runtime)
+
+
+def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
+    """The decisions FP32's outputs count under each output part's rule (argmax: rows; positives: FP32's positive
+    elements; sign: the values counted), the least an INT8 file's agreement can count. The float outputs alone
+    decide, so every file a repair makes is judged on the same samples."""
+    import numpy as np  # measuring only (module docstring)
+
+    counts = []
+    for whole in reference:
+        whole = np.asarray(whole, dtype=np.float64)
+        for _, index in output_parts(whole):
+            ref = whole[index]
+            rule = agreement_rule(ref)
+            if rule == "argmax":
+                counts.append(int(np.prod(ref.shape[:-1])))
+            elif rule == POSITIVES:
+                counts.append(int((ref > 0.5).sum()))
+            elif rule == "sign":
+                counts.append(int((np.abs(ref) >= SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))).sum()))
+    return counts
+
+
+def too_few_decisions(held: Fidelity, reference: Sequence[np.ndarray]) -> bool:
+    """``held``'s agreement cannot be judged on its samples: an output's decisions, or FP32's (``reference``,
+    the same for every file a repair makes), count fewer than ``MIN_DECISIONS``."""
+    counts = _reference_decisions(reference)
+    return bool(held.unjudged) or (bool(counts) and min(counts) < MIN_DECISIONS)
 
 
 def _judge_part(name: str, ref: np.ndarray, out: np.ndarray) -> OutputFidelity:

@@ -1,6 +1,7 @@
 """A DistilBERT (``input_ids``, ``attention_mask``: two integer inputs) through every command that runs a
 file, from an ``.npz`` keyed by input name and with no data given: each command runs in a child process,
-exits as documented and prints no traceback. Bad data is one line, exit 2. (Issue 38, item 2.)"""
+exits as documented and prints no traceback. Bad data is one line, exit 2 (through the CLI's ``main`` in this
+process, one case in a child process too). (Issue 38, item 2.)"""
 
 from __future__ import annotations
 
@@ -101,18 +102,33 @@ def test_verify_qdq(bert, data):
     ("fractions for ids", {"input_ids": "fractions", "attention_mask": "mask"}, "32 value(s) with a fraction"),
     ("NaN", {"input_ids": "nan", "attention_mask": "mask"}, "1 NaN or infinite value(s)"),
 ])
-def test_bad_data_is_one_line_exit_2(bert, name, arrays, message):
+def test_bad_data_is_one_line_exit_2(bert, name, arrays, message, capsys, monkeypatch):
+    """Each command through the CLI's ``main`` in this process (a child process pays some 15 s of imports
+    before its one-line refusal); the first case also in a child process, for the exit code and stderr a shell
+    sees."""
+    from quantship.cli.main import main
+
+    bad = f"bad_{name.replace(' ', '_')}.npz"
     good = token_data(4)
     values = {"ids": good["input_ids"], "mask": good["attention_mask"], "text": np.full((4, 8), "a"),
               "fractions": good["input_ids"] + 0.5, "nan": good["input_ids"].astype(np.float64)}
     values["nan"][0, 0] = np.nan
-    np.savez(bert["dir"] / "bad.npz", **{key: values[v] for key, v in arrays.items()})
-    for argv in (["check", "int8.onnx", "--target", "onnxruntime-cpu", "--run", "--inputs", "bad.npz"],
-                 ["compare", "distilbert.onnx", "int8.onnx", "--target", "onnxruntime-cpu", "--inputs", "bad.npz"],
-                 ["sensitivity", "distilbert.onnx", "--calib", "bad.npz", "--out-dir", "sens_bad"]):
-        done = quantship(*argv, cwd=bert["dir"])
+    np.savez(bert["dir"] / bad, **{key: values[v] for key, v in arrays.items()})
+    monkeypatch.chdir(bert["dir"])
+    before = sorted(p.name for p in bert["dir"].iterdir())
+    commands = (["check", "int8.onnx", "--target", "onnxruntime-cpu", "--run", "--inputs", bad],
+                ["compare", "distilbert.onnx", "int8.onnx", "--target", "onnxruntime-cpu", "--inputs", bad],
+                ["sensitivity", "distilbert.onnx", "--calib", bad, "--out-dir", f"sens_{bad}"])
+    for argv in commands:
+        code = main(argv)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
+        assert "Traceback" not in lines[0]
+    assert sorted(p.name for p in bert["dir"].iterdir()) == before  # nothing written, no report folder
+    if name == "wrong key":
+        done = quantship(*commands[2], cwd=bert["dir"])
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        assert done.returncode == 2 and len(lines) == 1 and message in lines[0], (argv, done.stderr)
+        assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
 
 
 def test_a_run_that_cannot_run_here_says_not_run_in_the_table_and_the_json(bert):

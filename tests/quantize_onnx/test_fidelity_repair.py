@@ -60,7 +60,8 @@ def test_the_plain_file_collapses_and_is_measured_so(files):
                                fidelity_data=cal[32:], budget=Budget())
     assert plain.fp32.status == "missed" and plain.fp32.sqnr_db < 0.0  # measured -4.7 dB
     stored = json.loads(_props(plain.path)[METADATA_KEY])
-    assert stored["status"] == "missed" and stored["data"] == "8 sample(s) held out from calibration"
+    assert stored["status"] == "missed" and stored["data"].startswith("8 sample(s) held out from calibration")
+    assert "+ 32 calibration sample(s)" in stored["data"]  # 8 argmax decisions are too few to judge agreement on
 
 
 def test_the_default_command_repairs_it(files, capsys):
@@ -233,3 +234,67 @@ def test_the_minmax_observer_step_keeps_a_rare_decisive_tail(tmp_path):
     assert chosen.status == "met" and chosen.sqnr_db > 25.0  # measured 31.9 dB
     assert chosen.excluded == () and chosen.int16 == ()
     assert done.fp32.status == "met" and json.loads(_props(done.path)[REPAIR_KEY])["chosen"] == record.chosen
+
+
+class NearTies(nn.Module):
+    """Two class scores on a large common offset that differ by a hundredth of their spread: an INT8 output
+    keeps them to 40 dB and more and still flips most of their decisions (argmax)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc = nn.Linear(8, 2)
+        with torch.no_grad():
+            w = torch.randn(1, 8, generator=g)
+            self.fc.weight.copy_(torch.cat([w, w + 0.01 * torch.randn(1, 8, generator=g)]))
+            self.fc.bias.fill_(20.0)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_too_few_held_out_decisions_are_judged_with_the_calibration_samples(tmp_path):
+    """8 held-out samples count 8 argmax decisions, too few to judge agreement: SQNR alone would pass a file
+    that flips most decisions. The judgement adds the 32 calibration samples the file was already read on
+    (no extra run), says so, and misses; on the held-out ones alone it would have been met."""
+    from quantship.fidelity import MIN_DECISIONS, measure
+
+    export_onnx(NearTies().eval(), torch.randn(2, 8), tmp_path / "float.onnx", opset_version=18)
+    x = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float32)
+    done = quantize_onnx_file(tmp_path / "float.onnx", tmp_path / "q.onnx", x[:32], target="onnxruntime-cpu",
+                              fidelity_data=x[32:], budget=Budget())
+    fid = done.fp32
+    assert fid.data.startswith("8 sample(s) held out from calibration + 32 calibration sample(s) (in-sample"), fid.data
+    assert fid.worst.rule == "argmax" and fid.worst.n_decisions == 40 >= MIN_DECISIONS
+    assert fid.sqnr_db > DEFAULT_MIN_SQNR_DB and fid.status == "missed", fid.describe()
+    stored = json.loads(_props(done.path)[METADATA_KEY])
+    assert stored["status"] == "missed" and stored["agreement_judged"] is True
+    # the held-out samples alone: met on SQNR, the agreement not judged, and the verdict says so
+    import onnxruntime as ort
+
+    def run(path):
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x[32:]})[0]
+
+    alone = measure(["out"], [run(tmp_path / "float.onnx")], [run(done.path)], budget=Budget(), data="8",
+                    runtime="ORT")
+    assert alone.status == "met" and "agreement NOT judged" in alone.describe()
+
+
+def test_the_pytorch_path_judges_too_few_held_out_decisions_with_the_calibration_samples(tmp_path):
+    """``judge_file`` (the PyTorch path's judgement): the same widening, running the float model and the file on
+    the calibration batches only because the held-out ones count too few decisions."""
+    from quantship import Quantizer, export_qdq
+    from quantship.export.judged import judge_file
+    from quantship.targets import get
+
+    model = NearTies().eval()
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((40, 8)).astype(np.float32))
+    calibration = [x[k:k + 8] for k in range(0, 32, 8)]
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, calibration_dl=calibration)
+    path = export_qdq(qmodel, x[:2], tmp_path / "q.onnx")
+    target = get("onnxruntime-cpu")
+    alone = judge_file(path, model, [x[32:]], target, Budget(), "held out")
+    assert alone.status == "met" and alone.unjudged and alone.data == "8 held out"
+    judged = judge_file(path, model, [x[32:]], target, Budget(), "held out", fallback=calibration)
+    assert judged.data.startswith("8 held out + 32 calibration sample(s) (in-sample") and judged.status == "missed"
+    assert judged.worst.n_decisions == 40 and judged.sqnr_db > DEFAULT_MIN_SQNR_DB

@@ -30,7 +30,17 @@ from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
 from quantship.export.onnx_float import export_onnx
 from quantship.export.qdq import export_qdq
-from quantship.fidelity import METADATA_KEY, MISSED, Budget, Fidelity, measure, missed_in_runtime
+from quantship.fidelity import (
+    HELD_OUT_MAX,
+    METADATA_KEY,
+    MISSED,
+    Budget,
+    Fidelity,
+    measure,
+    missed_in_runtime,
+    too_few_decisions,
+    widened,
+)
 from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
@@ -99,17 +109,18 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
             data = f"calibration sample(s) (in-sample: fewer held-out samples than the file's batch of {fixed})"
     if not batches:
         raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} sample(s)")
-    key = _samples_key(batches) if float_outputs is not None else None
-    if key is not None and key in float_outputs:
-        names, reference = float_outputs[key]
-    else:
-        names, reference = output_arrays(float_model, batches)
-        if key is not None:
-            float_outputs[key] = (names, reference)
-    if in_runtime is None:
-        outputs = file_outputs(session, batches, fixed)
-    else:
-        runner, runtime = in_runtime
+
+    def outputs_on(batches: list[tuple]) -> tuple[list[str], list, list]:
+        key = _samples_key(batches) if float_outputs is not None else None
+        if key is not None and key in float_outputs:
+            names, reference = float_outputs[key]
+        else:
+            names, reference = output_arrays(float_model, batches)
+            if key is not None:
+                float_outputs[key] = (names, reference)
+        if in_runtime is None:
+            return names, reference, file_outputs(session, batches, fixed)
+        runner, _ = in_runtime
         inputs = [i.name for i in session.get_inputs()]
         feeds = [{n: np.ascontiguousarray(as_arrays(b)[k]) for k, n in enumerate(inputs)} for b in batches]
         if fixed:
@@ -119,10 +130,23 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
             per_feed = runner(path, feeds, onnx.load(str(path)))
         except Exception as exc:  # the runtime's own exception types: it does not run this file here
             raise QuantshipError(f"{runtime} could not run the file to measure its fidelity: {one_line(exc)}") from exc
-        outputs = joined(per_feed)
+        return names, reference, joined(per_feed)
+
+    if in_runtime is not None:
+        runtime = in_runtime[1]
+    names, reference, outputs = outputs_on(batches)
+    names = names or [o.name for o in session.get_outputs()]
     n = sum(len(b[0]) for b in batches)
-    return measure(names or [o.name for o in session.get_outputs()], reference, outputs, budget=budget,
-                   data=f"{n} {data}", runtime=runtime)
+    judged = measure(names, reference, outputs, budget=budget, data=f"{n} {data}", runtime=runtime)
+    calibration = [b if isinstance(b, (tuple, list)) else (b,) for b in fallback]
+    calibration = whole(calibration) if fixed else calibration
+    calibration = calibration[:next((k + 1 for k, total in enumerate(itertools.accumulate(len(b[0]) for b in calibration))
+                                     if total >= HELD_OUT_MAX), len(calibration))]  # as many as are held out at most
+    if not calibration or "in-sample" in data or not too_few_decisions(judged, reference):
+        return judged
+    _, calib_reference, calib_outputs = outputs_on(calibration)  # run only when the held-out decisions are too few
+    return widened(judged, names, reference, outputs,
+                   (calib_reference, calib_outputs, sum(len(b[0]) for b in calibration)))
 
 
 @dataclass

@@ -30,7 +30,7 @@ from quantship.export.postconditions import check_spec_held as check_spec
 from quantship.export.postconditions import check_target
 from quantship.export.roles import Placement
 from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
-from quantship.fidelity import Budget, Fidelity
+from quantship.fidelity import Budget, Fidelity, widened
 from quantship.fidelity import measure as measure_fidelity
 from quantship.inspect.judge.check import check_file
 from quantship.inspect.judge.reference import SOURCE_KEY, source_record
@@ -437,19 +437,21 @@ def fidelity_to_float(path: Path, p: Target, names: list[str], held: tuple[list[
                       read: tuple[list[Feed], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
                       budget: Budget | None) -> Fidelity:
     """Each output of the file at ``path`` against the float file's: on ``held`` (feeds, float outputs) when
-    given, else on the calibration samples already read (``read``: feeds, float, literal, fused outputs)."""
+    given (with the calibration samples when the held-out ones count too few decisions: ``fidelity.widened``),
+    else on the calibration samples already read (``read``: feeds, float, literal, fused outputs)."""
     fused_reading, runtime = fidelity_reading(p)
-    if held is not None:
-        feeds, reference = held
-        outputs = _run(_session(path, optimized=fused_reading), feeds)
-        n = sum(len(next(iter(f.values()))) for f in feeds)
-        data = f"{n} sample(s) held out from calibration"
-    else:
-        feeds, reference, literal, fused = read
-        outputs = fused if fused_reading else literal
-        n = sum(len(next(iter(f.values()))) for f in feeds)
-        data = f"{n} calibration sample(s) (in-sample: none held out)"
-    return measure_fidelity(names, reference, outputs, budget=budget, data=data, runtime=runtime)
+    read_on, read_reference, literal, fused = read  # run already: judging on them costs no run
+    read_outputs = fused if fused_reading else literal
+    n_read = sum(len(next(iter(f.values()))) for f in read_on)
+    if held is None:
+        return measure_fidelity(names, read_reference, read_outputs, budget=budget,
+                                data=f"{n_read} calibration sample(s) (in-sample: none held out)", runtime=runtime)
+    feeds, reference = held
+    outputs = _run(_session(path, optimized=fused_reading), feeds)
+    n = sum(len(next(iter(f.values()))) for f in feeds)
+    judged = measure_fidelity(names, reference, outputs, budget=budget,
+                              data=f"{n} sample(s) held out from calibration", runtime=runtime)
+    return widened(judged, names, reference, outputs, (read_reference, read_outputs, n_read))
 
 
 def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | Target, calibration: Any,
