@@ -70,6 +70,14 @@ BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor, aten.sub.Tensor, aten
 # the divisor stays float: a quantized one rounds every value under half a step to exactly 0 (F.normalize's
 # eps clamp included: x / 0 is inf or NaN where the float model is finite), and no runtime has an integer Div
 DIV_OPS = {aten.div.Tensor}
+# piecewise-linear clamps: with BINARY_OPS, the ops an activation written out element by element is made of
+# (a hard swish as x * clamp(x + 3, 0, 6) / 6, a hard sigmoid as clamp(x / 6 + 0.5, 0, 1))
+CLAMP_OPS = {aten.clamp.default, aten.clamp.Tensor, aten.clip.default, aten.clamp_min.default,
+             aten.clamp_max.default, aten.hardtanh.default, aten.relu.default}
+ARITHMETIC_OPS = BINARY_OPS | CLAMP_OPS
+# of those, the ones ONNX Runtime has no integer kernel for (it has QLinearAdd and QLinearMul, and folds a ReLU
+# into the QuantizeLinear before it): an affine x * a + b keeps its pairs and runs as two integer kernels
+FLOAT_ARITHMETIC_OPS = {aten.div.Tensor} | (CLAMP_OPS - {aten.relu.default})
 # activation x activation products (attention scores, attention x values): both inputs per tensor
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 MATMUL_ADD_OPS = {aten.baddbmm.default}  # addend + product: addend, both factors and output quantized
@@ -184,6 +192,8 @@ class AnnotationReport:
     skipped_nodes: list[str] = field(default_factory=list)
     float_ops: list[FloatOp] = field(default_factory=list)
     kept_float: dict[str, str] = field(default_factory=dict)  # weighted node -> the target's float rule (why)
+    functions: dict[str, int] = field(default_factory=dict)  # last node of a function of one tensor -> its ops
+    float_outputs: list[str] = field(default_factory=list)  # outputs only convs kept float read: no pair
 
     @property
     def unannotated_ops(self) -> dict[str, int]:
@@ -205,14 +215,19 @@ class AnnotationReport:
     def as_dict(self) -> dict:
         return {"n_weighted": self.n_weighted, "n_add": self.n_add, "n_skipped_conv_add": self.n_skipped_conv_add,
                 "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module(),
-                "kept_float": dict(self.kept_float)}
+                "kept_float": dict(self.kept_float), "functions_of_one_tensor": dict(self.functions),
+                "float_outputs": list(self.float_outputs)}
 
 
 class QuantshipQuantizer(Quantizer):
     """A torchao pt2e ``Quantizer`` that applies one exportable ``QuantSpec`` (W8A8)."""
 
-    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, float_rules: tuple[FloatRule, ...] = ()):
+    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, float_rules: tuple[FloatRule, ...] = (),
+                 mixed: bool = False):
         super().__init__()
+        # the target runs float ops between integer ones: a function of one tensor written out as several
+        # arithmetic ops is quantized at its output only (``_functions_of_one_tensor``)
+        self.mixed = mixed
         self.float_rules = float_rules  # the target's: weighted ops its runtime runs faster in float
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
@@ -354,8 +369,56 @@ class QuantshipQuantizer(Quantizer):
                     break
         return cleared
 
+    def _functions_of_one_tensor(self, model: GraphModule) -> dict[Node, list[Node]]:
+        """Arithmetic ops (``ARITHMETIC_OPS``) that together compute a function of one tensor ``x`` and constants,
+        at least two of them, one a clamp or a division (``FLOAT_ARITHMETIC_OPS``), whose inner results nothing
+        else reads: the last op -> the ops, in graph order. A hard swish written out (``x * clamp(x + 3, 0, 6) /
+        6``, as a model converted from ONNX has it) is one. Its inner results are not values the model hands on,
+        so a target that runs float ops quantizes only what it computes: each inner pair would add a rounding and a QuantizeLinear/DequantizeLinear for the runtime to
+        run around ops it runs in float anyway (ONNX Runtime's Clip and Div). Found by the graph's shape and
+        the ops' kinds, never by a module's name."""
+        def arithmetic(n: object) -> bool:
+            return (isinstance(n, Node) and n.op == "call_function" and n.target in ARITHMETIC_OPS
+                    and _is_float_tensor(n) and not self._constant(n) and not self._skipped(n))
+
+        def tensors(n: Node) -> list[Node]:
+            return [a for a in _node_args(n) if not self._constant(a)]
+
+        roots: dict[Node, set[Node]] = {}  # the tensors (not inner arithmetic) each arithmetic op is computed from
+        for n in model.graph.nodes:
+            if arithmetic(n):
+                roots[n] = set()
+                for a in tensors(n):
+                    inner = a in roots and all(arithmetic(u) for u in a.users)
+                    roots[n] |= roots[a] if inner else {a}
+        order = {n: k for k, n in enumerate(model.graph.nodes)}
+        found: dict[Node, list[Node]] = {}
+        taken: set[Node] = set()
+        for last in sorted(roots, key=order.get, reverse=True):
+            if last in taken or len(roots[last]) != 1:
+                continue
+            (x,) = roots[last]
+            members, todo = {last}, [last]
+            while todo:
+                for a in tensors(todo.pop()):
+                    if a is not x and a not in members and a in roots and roots[a] == {x}:
+                        members.add(a)
+                        todo.append(a)
+            inner = members - {last}
+            if inner and all(set(m.users) <= members for m in inner) and not members & taken \
+                    and all(set(tensors(m)) <= members | {x} for m in members) \
+                    and any(m.target in FLOAT_ARITHMETIC_OPS for m in members):
+                found[last] = sorted(members, key=order.get)
+                taken |= members
+        return found
+
     def annotate(self, model: GraphModule) -> GraphModule:
         cleared = self._cleared_conv_outputs(model) if self.spec.qdq_placement == "skip_conv_add" else set()
+        if self.mixed:
+            for last, ops in self._functions_of_one_tensor(model).items():
+                for op in ops:
+                    self._mark(op, {}, self._act if op is last else None)
+                self.report.functions[last.name] = len(ops)
         for node in model.graph.nodes:
             if node.op != "call_function" or self._annotated(node):
                 continue
@@ -375,7 +438,21 @@ class QuantshipQuantizer(Quantizer):
                 handler(self, node, cleared)
             elif node.target is not operator.getitem and _is_float_tensor(node):
                 self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
+        if self.mixed:
+            self._float_for_float_readers(model)
         return model
+
+    def _float_for_float_readers(self, model: GraphModule) -> None:
+        """An output with its own scale that only convs kept float read (the target's float rules) is not
+        quantized: its pair would round a value no integer kernel reads (the ONNX path writes none there)."""
+        kept = set(self.report.kept_float)
+        for node in model.graph.nodes:
+            ann = node.meta.get("quantization_annotation")
+            if ann is None or ann.output_qspec is not self._act or not node.users:
+                continue
+            if all(u.op == "call_function" and u.name in kept for u in node.users):
+                ann.output_qspec = None
+                self.report.float_outputs.append(node.name)
 
     def _float_rule(self, node: Node) -> FloatRule | None:
         """The target's float rule for a conv (the ONNX path's ``FloatRule`` read on the same facts: op

@@ -62,6 +62,7 @@ def quantize_pt2e(
     seq_mse: bool = False,
     adaround_iterations: int = 0,
     float_rules: tuple = (),
+    mixed: bool = False,
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``.
 
@@ -71,7 +72,9 @@ def quantize_pt2e(
     ``seq_mse`` / ``adaround_iterations`` (> 0): each conv / linear weight's scale searched / rounding learned
     against the same float graph (``quantize.rounding``), before bias correction; recorded the same way.
     ``float_rules``: the target's (``Target.float_rules``, for a runtime that runs mixed graphs): a conv one
-    applies to keeps float activations, as the ONNX path keeps that op float.
+    applies to keeps float activations, as the ONNX path keeps that op float. ``mixed``: the target runs float
+    ops between integer ones, so a function of one tensor written out as several arithmetic ops is quantized at
+    its output only (``QuantshipQuantizer._functions_of_one_tensor``).
     """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -81,7 +84,7 @@ def quantize_pt2e(
     with step("quantize: capture (torch.export)"):
         captured = capture_untouched(model, batches[0], log=log)
     check_batch_sizes(captured, batches)
-    quantizer = QuantshipQuantizer(spec, float_rules=float_rules)
+    quantizer = QuantshipQuantizer(spec, float_rules=float_rules, mixed=mixed)
     with step("quantize: insert observers (prepare_pt2e)"):
         prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
@@ -267,8 +270,8 @@ def check_converted(graph: GraphModule, kept_float: Collection[str] = ()) -> dic
 
 
 def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False, seq_mse=False,
-             adaround_iterations=0, float_rules=()):
+             adaround_iterations=0, float_rules=(), mixed=False):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
     return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict,
                          bias_correction=bias_correction, seq_mse=seq_mse, adaround_iterations=adaround_iterations,
-                         float_rules=float_rules)
+                         float_rules=float_rules, mixed=mixed)

@@ -209,6 +209,7 @@ class Quantizer:
             extra["adaround_iterations"] = self.adaround_iterations
         if spec.backend == "pt2e" and self.preset is not None and self.preset.runs_mixed_graphs:
             extra["float_rules"] = self.preset.float_rules  # the ONNX path's placement rules, for the same target
+            extra["mixed"] = True  # functions of one tensor written out: quantized at their output only
 
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)

@@ -32,8 +32,8 @@ class QDQStats:
 
     ``n_per_channel``: Q/DQ nodes whose scale has more than one element. ``n_nonzero_zero_point``:
     Q/DQ nodes with any non-zero zero-point element. ``n_uint8``: Q/DQ nodes whose zero-point is
-    uint8. ``n_unquantized_conv_add``: Add inputs that come straight from a Conv (through
-    single-consumer activations) with no Q/DQ pair in between. ``n_float_compute``: compute
+    uint8. ``n_unquantized_conv_add``: inputs of residual Adds (no constant operand) that come straight from
+    a Conv (through single-consumer activations) with no Q/DQ pair in between. ``n_float_compute``: compute
     operators (Conv, Gemm, MatMul, ...) that run in float: reading a float activation that no
     DequantizeLinear produced, or writing one that no QuantizeLinear requantizes (``float_compute_nodes``).
     """
@@ -144,9 +144,10 @@ def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
     n_consumers = {name: len(users) for name, users in view.consumers.items()}
     for name in view.outputs:
         n_consumers[name] = n_consumers.get(name, 0) + 1
-    n_bare = sum(
+    n_bare = sum(  # residual adds: an Add of a constant (a hard swish's x + 3) is an activation's arithmetic
         _is_unquantized_conv_edge(view, inp, n_consumers)
-        for node in view.nodes if node.op_type == "Add" for inp in node.input
+        for node in view.nodes if node.op_type == "Add" and not any(view.value(i) is not None for i in node.input if i)
+        for inp in node.input
     )
     return QDQStats(
         n_quantize=counts["QuantizeLinear"], n_dequantize=counts["DequantizeLinear"],

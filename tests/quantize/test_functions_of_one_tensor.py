@@ -1,0 +1,105 @@
+"""A function of one tensor written out as several arithmetic ops (a hard swish as ``x * clamp(x + 3, 0, 6) / 6``,
+as a model converted from ONNX has it) is quantized at its output only for a target that runs float ops
+between integer ones: its inner values get no Q/DQ pair. Found by the graph's shape: an inner value that
+something else reads, or a second tensor in the arithmetic, leaves the ops as they were."""
+
+from __future__ import annotations
+
+import collections
+
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from quantship import Quantizer, export_qdq
+
+
+class WrittenOut(nn.Module):
+    """conv -> hard swish written out -> conv -> hard sigmoid written out gating the features (SE-style)."""
+
+    def __init__(self, leak: bool = False):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.leak = leak
+
+    def forward(self, x):
+        y = self.a(x)
+        inner = y + 3.0
+        y = y * torch.clamp(inner, 0.0, 6.0) / 6.0
+        gate = torch.clip(self.b(y) * 0.2 + 0.5, 0.0, 1.0)
+        out = y * gate  # two tensors: not a function of one
+        return (out, inner) if self.leak else out
+
+
+def _pairs_inside(path) -> dict[str, int]:
+    """For each arithmetic op type, how many of its outputs are quantized (read by a QuantizeLinear)."""
+    model = onnx.load(str(path))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    counts: collections.Counter = collections.Counter()
+    for n in model.graph.node:
+        if n.op_type == "QuantizeLinear" and n.input[0] in producer:
+            counts[producer[n.input[0]].op_type] += 1
+    return dict(counts)
+
+
+def _quantize(model, target, tmp_path):
+    x = torch.randn(16, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+    quantizer = Quantizer.for_target(target)
+    qmodel = quantizer.quantize(model.eval(), calibration_dl=[x[:8], x[8:]])
+    return quantizer, export_qdq(qmodel, x[:2], tmp_path / f"{target}.onnx", target=target)
+
+
+def test_a_written_out_function_is_quantized_at_its_output_only(tmp_path):
+    quantizer, path = _quantize(WrittenOut(), "onnxruntime-cpu", tmp_path)
+    functions = quantizer.report.functions
+    assert sorted(functions.values()) == [3, 4], functions  # the hard swish (add, clamp, mul, div), the sigmoid's
+    pairs = _pairs_inside(path)
+    assert "Add" not in pairs and "Clip" in pairs and pairs.get("Mul", 0) == 1, pairs  # the gate's exit, the product
+    assert pairs.get("Div", 0) == 1  # the hard swish's output, read by the second conv
+    assert path.readings.literal_lsb <= 1.0  # the file reproduces the quantized model read literally, in LSB
+
+
+def test_a_fully_integer_target_keeps_every_pair(tmp_path):
+    """TiGrIS runs no float op: the same model gets a pair on every arithmetic op, no function found."""
+    quantizer, path = _quantize(WrittenOut(), "tigris", tmp_path)
+    assert quantizer.report.functions == {}
+    assert _pairs_inside(path).get("Add", 0) >= 2
+
+
+def test_an_inner_value_read_elsewhere_is_not_an_inner_value(tmp_path):
+    """``inner`` (x + 3) is also an output of the model: the hard swish is not a function of one tensor whose
+    inner values nobody sees, so its ops are quantized as before; the gate still is one."""
+    quantizer, _ = _quantize(WrittenOut(leak=True), "onnxruntime-cpu", tmp_path)
+    assert sorted(quantizer.report.functions.values()) == [3], quantizer.report.functions
+
+
+@pytest.mark.parametrize("target", ["onnxruntime-cpu"])
+def test_the_report_records_the_functions(tmp_path, target):
+    quantizer, _ = _quantize(WrittenOut(), target, tmp_path)
+    assert quantizer.report.as_dict()["functions_of_one_tensor"] == quantizer.report.functions
+
+
+class IntoAFloatConv(nn.Module):
+    """conv -> hard swish written out -> depthwise 5x5 conv (kept float by onnxruntime-cpu's float rules) -> conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.dw, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 5, padding=2, groups=8), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = self.a(x)
+        y = y * torch.clamp(y + 3.0, 0.0, 6.0) / 6.0
+        return self.b(self.dw(y))
+
+
+def test_an_output_only_float_convs_read_gets_no_pair(tmp_path):
+    """The hard swish's output feeds only a conv the target keeps float: no pair rounds it (the ONNX path writes
+    none there either); the float conv's own output is quantized for the integer conv after it."""
+    quantizer, path = _quantize(IntoAFloatConv(), "onnxruntime-cpu", tmp_path)
+    report = quantizer.report
+    assert len(report.kept_float) == 1 and len(report.functions) == 1
+    assert report.float_outputs == list(report.functions)  # the hard swish's last op
+    pairs = _pairs_inside(path)
+    assert pairs == {"Conv": 3}, pairs  # each conv's output (the float one's too), the hard swish's not
+    assert path.readings.literal_lsb <= 1.0
