@@ -1,7 +1,9 @@
-"""A function of one tensor written out as several arithmetic ops (a hard swish as ``x * clamp(x + 3, 0, 6) / 6``,
-as a model converted from ONNX has it) is quantized at its output only for a target that runs float ops
-between integer ones: its inner values get no Q/DQ pair. Found by the graph's shape: an inner value that
-something else reads, or a second tensor in the arithmetic, leaves the ops as they were."""
+"""A function of one tensor written out as several arithmetic ops, one a clamp or a division (a hard swish as
+``x * clamp(x + 3, 0, 6) / 6``, as a model converted from ONNX has it), is quantized at its output only for a
+target that runs float ops between integer ones: its inner values get no Q/DQ pair. Found by the graph's
+shape: an inner value that something else reads, or a second tensor in the arithmetic, leaves the ops as
+they were; an affine ``x * a + b`` keeps its pairs (tests/export/test_ort_fusion.py: QLinearMul, QLinearAdd).
+For ONNX Runtime a written-out hard swish becomes one HardSwish."""
 
 from __future__ import annotations
 
@@ -51,13 +53,29 @@ def _quantize(model, target, tmp_path):
 
 
 def test_a_written_out_function_is_quantized_at_its_output_only(tmp_path):
-    quantizer, path = _quantize(WrittenOut(), "onnxruntime-cpu", tmp_path)
+    """OpenVINO runs float ops between integer ones; it gets the hard swish as written (no one-op rewrite)."""
+    quantizer, path = _quantize(WrittenOut(), "openvino", tmp_path)
     functions = quantizer.report.functions
     assert sorted(functions.values()) == [3, 4], functions  # the hard swish (add, clamp, mul, div), the sigmoid's
     pairs = _pairs_inside(path)
     assert "Add" not in pairs and "Clip" in pairs and pairs.get("Mul", 0) == 1, pairs  # the gate's exit, the product
     assert pairs.get("Div", 0) == 1  # the hard swish's output, read by the second conv
     assert path.readings.literal_lsb <= 1.0  # the file reproduces the quantized model read literally, in LSB
+
+
+def test_for_onnx_runtime_the_hard_swish_is_one_op(tmp_path):
+    """ONNX Runtime runs one HardSwish faster than four float ops (``Target.hard_swish_faster_as_one_op``): the
+    written-out hard swish becomes ``aten.hardswish`` (PyTorch computes the two alike, bit for bit), quantized
+    as the one op; the hard sigmoid's arithmetic is still a function quantized at its output only."""
+    model = WrittenOut().eval()
+    x = torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    y = model.a(x)
+    assert torch.equal(torch.nn.functional.hardswish(y), y * torch.clamp(y + 3.0, 0.0, 6.0) / 6.0)
+    quantizer, path = _quantize(model, "onnxruntime-cpu", tmp_path)
+    assert quantizer.report.hard_swishes == 1 and sorted(quantizer.report.functions.values()) == [3]
+    ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+    assert ops["HardSwish"] == 1 and ops["Div"] == 0, ops
+    assert path.readings.literal_lsb <= 1.0
 
 
 def test_a_fully_integer_target_keeps_every_pair(tmp_path):
@@ -70,7 +88,7 @@ def test_a_fully_integer_target_keeps_every_pair(tmp_path):
 def test_an_inner_value_read_elsewhere_is_not_an_inner_value(tmp_path):
     """``inner`` (x + 3) is also an output of the model: the hard swish is not a function of one tensor whose
     inner values nobody sees, so its ops are quantized as before; the gate still is one."""
-    quantizer, _ = _quantize(WrittenOut(leak=True), "onnxruntime-cpu", tmp_path)
+    quantizer, _ = _quantize(WrittenOut(leak=True), "openvino", tmp_path)
     assert sorted(quantizer.report.functions.values()) == [3], quantizer.report.functions
 
 
@@ -94,12 +112,32 @@ class IntoAFloatConv(nn.Module):
 
 
 def test_an_output_only_float_convs_read_gets_no_pair(tmp_path):
-    """The hard swish's output feeds only a conv the target keeps float: no pair rounds it (the ONNX path writes
-    none there either); the float conv's own output is quantized for the integer conv after it."""
+    """The hard swish's output (one HardSwish for ONNX Runtime) feeds only a conv the target keeps float: no pair
+    rounds it (the ONNX path writes none there either); the float conv's own output is quantized for the
+    integer conv after it."""
     quantizer, path = _quantize(IntoAFloatConv(), "onnxruntime-cpu", tmp_path)
     report = quantizer.report
-    assert len(report.kept_float) == 1 and len(report.functions) == 1
-    assert report.float_outputs == list(report.functions)  # the hard swish's last op
+    assert len(report.kept_float) == 1 and report.hard_swishes == 1 and len(report.float_outputs) == 1
     pairs = _pairs_inside(path)
     assert pairs == {"Conv": 3}, pairs  # each conv's output (the float one's too), the hard swish's not
     assert path.readings.literal_lsb <= 1.0
+
+
+class ConvIntoAFloatConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.dw, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 5, padding=2, groups=8), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.b(self.dw(torch.relu(self.a(x))))
+
+
+def test_an_integer_conv_read_only_by_a_float_conv_keeps_its_output_pair(tmp_path):
+    """An integer conv writes its output through its own QuantizeLinear (QLinearConv): without that pair ONNX
+    Runtime would run it in float. So a conv's output keeps its pair even when only a float conv reads it."""
+    from quantship.inspect.run.consumers import ort_optimized_ops
+
+    quantizer, path = _quantize(ConvIntoAFloatConv(), "onnxruntime-cpu", tmp_path)
+    assert len(quantizer.report.kept_float) == 1 and quantizer.report.float_outputs == []
+    ops = ort_optimized_ops(path)
+    assert ops["QLinearConv"] >= 2 and ops.get("FusedConv", 0) == 0, ops  # the 3x3 conv and its ReLU not in float

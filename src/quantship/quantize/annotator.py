@@ -44,6 +44,7 @@ from quantship.quantize.decompose import (
     decompose_attention,
     decompose_einsum,
     flatten_linear_inputs,
+    hard_swish_as_one_op,
     linear_from_matmul,
     out_of_place_on_constants,
     scalars_as_constants,
@@ -194,6 +195,7 @@ class AnnotationReport:
     kept_float: dict[str, str] = field(default_factory=dict)  # weighted node -> the target's float rule (why)
     functions: dict[str, int] = field(default_factory=dict)  # last node of a function of one tensor -> its ops
     float_outputs: list[str] = field(default_factory=list)  # outputs only convs kept float read: no pair
+    hard_swishes: int = 0  # hard swishes written out, made one aten.hardswish (decompose.hard_swish_as_one_op)
 
     @property
     def unannotated_ops(self) -> dict[str, int]:
@@ -216,18 +218,20 @@ class AnnotationReport:
         return {"n_weighted": self.n_weighted, "n_add": self.n_add, "n_skipped_conv_add": self.n_skipped_conv_add,
                 "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module(),
                 "kept_float": dict(self.kept_float), "functions_of_one_tensor": dict(self.functions),
-                "float_outputs": list(self.float_outputs)}
+                "float_outputs": list(self.float_outputs), "hard_swishes_as_one_op": self.hard_swishes}
 
 
 class QuantshipQuantizer(Quantizer):
     """A torchao pt2e ``Quantizer`` that applies one exportable ``QuantSpec`` (W8A8)."""
 
     def __init__(self, spec: QuantSpec, *, is_qat: bool = False, float_rules: tuple[FloatRule, ...] = (),
-                 mixed: bool = False):
+                 mixed: bool = False, one_op_hard_swish: bool = False):
         super().__init__()
         # the target runs float ops between integer ones: a function of one tensor written out as several
         # arithmetic ops is quantized at its output only (``_functions_of_one_tensor``)
         self.mixed = mixed
+        self._integer_ends: set = set()  # the last node of each integer conv/linear partition
+        self.one_op_hard_swish = one_op_hard_swish  # a hard swish written out becomes aten.hardswish
         self.float_rules = float_rules  # the target's: weighted ops its runtime runs faster in float
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
@@ -341,6 +345,8 @@ class QuantshipQuantizer(Quantizer):
         constants functional, so that convert_pt2e folds the whole constant subgraph."""
         decompose_attention(model)
         decompose_einsum(model)
+        if self.one_op_hard_swish:
+            self.report.hard_swishes = hard_swish_as_one_op(model)
         if not self.spec.symmetric:
             # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
             # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured)
@@ -444,11 +450,12 @@ class QuantshipQuantizer(Quantizer):
 
     def _float_for_float_readers(self, model: GraphModule) -> None:
         """An output with its own scale that only convs kept float read (the target's float rules) is not
-        quantized: its pair would round a value no integer kernel reads (the ONNX path writes none there)."""
+        quantized: its pair would round a value no integer kernel reads (the ONNX path writes none there). A
+        conv's or linear's own output keeps it: the runtime's integer kernel writes it (QLinearConv)."""
         kept = set(self.report.kept_float)
         for node in model.graph.nodes:
             ann = node.meta.get("quantization_annotation")
-            if ann is None or ann.output_qspec is not self._act or not node.users:
+            if ann is None or ann.output_qspec is not self._act or not node.users or node in self._integer_ends:
                 continue
             if all(u.op == "call_function" and u.name in kept for u in node.users):
                 ann.output_qspec = None
@@ -480,6 +487,7 @@ class QuantshipQuantizer(Quantizer):
         if isinstance(w, Node):
             inputs[w] = self._weight
         out = None if (skipped or chain[-1] in cleared) else self._act
+        self._integer_ends.add(chain[-1])
         self._mark(node, inputs, out if len(chain) == 1 else None)
         for later in chain[1:]:
             self._mark(later, {}, out if later is chain[-1] else None)

@@ -349,3 +349,84 @@ def out_of_place_on_constants(model: GraphModule, is_constant) -> int:
         model.graph.lint()
         model.recompile()
     return n
+
+
+_CLAMPS = {aten.clamp.default, aten.clip.default, aten.hardtanh.default}
+
+
+def _number(model: GraphModule, value: object) -> float | None:
+    """A Python number, or the one value of a stored 0-d / 1-element constant (``get_attr``); else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, Node) and value.op == "get_attr":
+        stored = model
+        for part in str(value.target).split("."):
+            stored = getattr(stored, part, None)
+        if isinstance(stored, torch.Tensor) and stored.numel() == 1:
+            return float(stored.reshape(()).item())
+    return None
+
+
+def _only_user(node: object, user: Node) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and set(node.users) == {user}
+
+
+def _relu6_of_plus_3(model: GraphModule, gate: object, x: Node) -> list[Node] | None:
+    """``[add, clamp]`` when ``gate`` is ``clamp(x + 3, 0, 6)``."""
+    if not isinstance(gate, Node) or gate.op != "call_function" or gate.target not in _CLAMPS or gate.kwargs:
+        return None
+    bounds = [_number(model, b) for b in gate.args[1:3]]
+    if len(gate.args) != 3 or bounds != [0.0, 6.0]:
+        return None
+    plus = gate.args[0]
+    if not _only_user(plus, gate) or plus.target is not aten.add.Tensor or len(plus.args) != 2 or plus.kwargs:
+        return None
+    a, b = plus.args
+    if not ((a is x and _number(model, b) == 3.0) or (b is x and _number(model, a) == 3.0)):
+        return None
+    return [plus, gate]
+
+
+def hard_swish_as_one_op(model: GraphModule) -> int:
+    """Replace each hard swish written out as ``x * clamp(x + 3, 0, 6) / 6`` (or ``x * (clamp(x + 3, 0, 6) / 6)``,
+    as a model converted from ONNX has it) by one ``aten.hardswish``, which PyTorch computes the same way,
+    operation for operation; return how many. The file then carries one HardSwish, as the ONNX path writes
+    it, where a runtime runs it as one op faster than four (``Target.hard_swish_faster_as_one_op``)."""
+    n = 0
+    for end in list(model.graph.nodes):
+        if end.op != "call_function" or end.kwargs:
+            continue
+        found = None
+        if end.target is aten.div.Tensor and len(end.args) == 2 and _number(model, end.args[1]) == 6.0:
+            product = end.args[0]  # (x * gate) / 6
+            if _only_user(product, end) and product.target is aten.mul.Tensor and len(product.args) == 2:
+                for x, gate in (product.args, product.args[::-1]):
+                    inner = _relu6_of_plus_3(model, gate, x) if isinstance(x, Node) and _only_user(gate, product) \
+                        else None
+                    if inner is not None:
+                        found = (x, [*inner, product, end])
+                        break
+        elif end.target is aten.mul.Tensor and len(end.args) == 2:  # x * (gate / 6)
+            for x, sixth in (end.args, end.args[::-1]):
+                if not (isinstance(x, Node) and _only_user(sixth, end) and sixth.target is aten.div.Tensor
+                        and len(sixth.args) == 2 and _number(model, sixth.args[1]) == 6.0):
+                    continue
+                inner = _relu6_of_plus_3(model, sixth.args[0], x) if _only_user(sixth.args[0], sixth) else None
+                if inner is not None:
+                    found = (x, [*inner, sixth, end])
+                    break
+        if found is None:
+            continue
+        x, nodes = found
+        with model.graph.inserting_before(end):
+            swish = model.graph.call_function(aten.hardswish.default, (x,))
+        swish.meta = dict(end.meta)
+        end.replace_all_uses_with(swish)
+        for node in reversed(nodes):
+            model.graph.erase_node(node)
+        n += 1
+    if n:
+        model.graph.eliminate_dead_code()
+        model.graph.lint()
+        model.recompile()
+    return n

@@ -63,6 +63,7 @@ def quantize_pt2e(
     adaround_iterations: int = 0,
     float_rules: tuple = (),
     mixed: bool = False,
+    one_op_hard_swish: bool = False,
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``.
 
@@ -74,7 +75,8 @@ def quantize_pt2e(
     ``float_rules``: the target's (``Target.float_rules``, for a runtime that runs mixed graphs): a conv one
     applies to keeps float activations, as the ONNX path keeps that op float. ``mixed``: the target runs float
     ops between integer ones, so a function of one tensor written out as several arithmetic ops is quantized at
-    its output only (``QuantshipQuantizer._functions_of_one_tensor``).
+    its output only (``QuantshipQuantizer._functions_of_one_tensor``). ``one_op_hard_swish``: a hard swish
+    written out becomes one ``aten.hardswish`` (``decompose.hard_swish_as_one_op``; the same values).
     """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -84,7 +86,7 @@ def quantize_pt2e(
     with step("quantize: capture (torch.export)"):
         captured = capture_untouched(model, batches[0], log=log)
     check_batch_sizes(captured, batches)
-    quantizer = QuantshipQuantizer(spec, float_rules=float_rules, mixed=mixed)
+    quantizer = QuantshipQuantizer(spec, float_rules=float_rules, mixed=mixed, one_op_hard_swish=one_op_hard_swish)
     with step("quantize: insert observers (prepare_pt2e)"):
         prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
@@ -270,8 +272,8 @@ def check_converted(graph: GraphModule, kept_float: Collection[str] = ()) -> dic
 
 
 def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False, seq_mse=False,
-             adaround_iterations=0, float_rules=(), mixed=False):
+             adaround_iterations=0, float_rules=(), mixed=False, one_op_hard_swish=False):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
     return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict,
                          bias_correction=bias_correction, seq_mse=seq_mse, adaround_iterations=adaround_iterations,
-                         float_rules=float_rules, mixed=mixed)
+                         float_rules=float_rules, mixed=mixed, one_op_hard_swish=one_op_hard_swish)

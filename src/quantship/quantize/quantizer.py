@@ -210,6 +210,7 @@ class Quantizer:
         if spec.backend == "pt2e" and self.preset is not None and self.preset.runs_mixed_graphs:
             extra["float_rules"] = self.preset.float_rules  # the ONNX path's placement rules, for the same target
             extra["mixed"] = True  # functions of one tensor written out: quantized at their output only
+            extra["one_op_hard_swish"] = self.preset.hard_swish_faster_as_one_op
 
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
