@@ -298,3 +298,7 @@ def test_the_pytorch_path_judges_too_few_held_out_decisions_with_the_calibration
     judged = judge_file(path, model, [x[32:]], target, Budget(), "held out", fallback=calibration)
     assert judged.data.startswith("8 held out + 32 calibration sample(s) (in-sample") and judged.status == "missed"
     assert judged.worst.n_decisions == 40 and judged.sqnr_db > DEFAULT_MIN_SQNR_DB
+    # samples that are calibration data already (no held-out set given) are not added to themselves
+    in_sample = judge_file(path, model, calibration[:1], target, Budget(), "calibration", fallback=calibration,
+                           held_out=False)
+    assert in_sample.data == "8 calibration" and in_sample.unjudged

@@ -84,13 +84,16 @@ def _samples_key(batches: Sequence[tuple]) -> tuple | None:
 
 def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
                data: str, fallback: Sequence[Any] = (), native: bool = False,
-               float_outputs: dict | None = None) -> Fidelity:
+               float_outputs: dict | None = None, held_out: bool = True) -> Fidelity:
     """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
     in the target's reading (``fidelity_reading``; ``native``: in the target's own runtime where it is not ONNX
     Runtime and runs here, ``consumers.native_runtime``). A fixed-batch file reads whole multiples of its batch;
     when ``held`` cannot fill one, ``fallback`` (the calibration batches) is read instead, and said so.
     ``float_outputs``: a dict a calling loop keeps, the float model's outputs by the samples they were run on,
-    so that the loop's files (the repair's steps, the runtime's confirmation) run the float model once."""
+    so that the loop's files (the repair's steps, the runtime's confirmation) run the float model once.
+    ``held_out``: ``held`` is not calibration data; where its decisions are too few to judge agreement
+    (``fidelity.too_few_decisions``), up to ``HELD_OUT_MAX`` samples of ``fallback`` join them
+    (``fidelity.widened``). False when ``held`` is calibration data already: nothing is added twice."""
     fused, runtime = fidelity_reading(target)
     in_runtime = native_runtime(target) if native else None
     session = ort_session(path, optimized=fused)
@@ -105,7 +108,7 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     if fixed:
         batches = whole(batches)
         if not batches:
-            batches = whole(fallback)
+            batches, held_out = whole(fallback), False
             data = f"calibration sample(s) (in-sample: fewer held-out samples than the file's batch of {fixed})"
     if not batches:
         raise QuantshipError(f"the file serves a batch of {fixed}: give at least {fixed} sample(s)")
@@ -142,7 +145,7 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     calibration = whole(calibration) if fixed else calibration
     calibration = calibration[:next((k + 1 for k, total in enumerate(itertools.accumulate(len(b[0]) for b in calibration))
                                      if total >= HELD_OUT_MAX), len(calibration))]  # as many as are held out at most
-    if not calibration or "in-sample" in data or not too_few_decisions(judged, reference):
+    if not held_out or not calibration or not too_few_decisions(judged, reference):
         return judged
     _, calib_reference, calib_outputs = outputs_on(calibration)  # run only when the held-out decisions are too few
     return widened(judged, names, reference, outputs,
@@ -224,7 +227,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
             fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
-                                  float_outputs=shared)
+                                  float_outputs=shared, held_out=bool(held))
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
             return fidelity, (qmodel, quantizer, path, fidelity)
 
@@ -246,7 +249,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
         qmodel, quantizer, path, fidelity = chosen
         if native_runtime(target) is not None:  # the repair read ONNX Runtime literally: confirm in the runtime
             confirmed = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
-                                   native=True, float_outputs=shared)
+                                   native=True, float_outputs=shared, held_out=bool(held))
             if budget is not None and confirmed.status == MISSED:
                 raise missed_in_runtime(fidelity, confirmed, target.target)
             fidelity = confirmed
