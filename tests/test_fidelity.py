@@ -110,7 +110,7 @@ def test_too_few_held_out_decisions_are_judged_with_the_calibration_samples():
     held_ref, calib_ref = _near_ties(8, 1), _near_ties(32, 2)
     held = _judge(held_ref, held_ref[:, ::-1])
     assert held.status == MET and held.unjudged
-    judged = widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], ([calib_ref], [calib_ref[:, ::-1]], 32))
+    judged = widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], lambda: ([calib_ref], [calib_ref[:, ::-1]], 32))
     assert judged.worst.n_decisions == 40 and judged.worst.agreement == 0.0 and judged.sqnr_db > 60.0
     assert judged.status == MISSED and not judged.unjudged
     assert judged.data == ("test + 32 calibration sample(s) (in-sample: FP32's outputs on the held-out ones count 8 "
@@ -123,14 +123,16 @@ def test_too_few_held_out_decisions_are_judged_with_the_calibration_samples():
     noisy.flat[10:30] = 0.9
     first = _judge(probs, noisy)
     assert not first.unjudged and first.worst.n_decisions == 30
-    wide = widened(first, ["out"], [probs], [noisy], ([probs], [probs], 8))
+    wide = widened(first, ["out"], [probs], [noisy], lambda: ([probs], [probs], 8))
     assert wide is not first and "count 10 decision(s)" in wide.data and wide.worst.n_decisions == 40
     # enough held-out decisions, no calibration outputs, or outputs of another shape: the held-out judgement
     enough = _judge(LOGITS, LOGITS)
-    assert widened(enough, ["out"], [LOGITS], [LOGITS], ([calib_ref], [calib_ref], 32)) is enough
+    calls = []
+    assert widened(enough, ["out"], [LOGITS], [LOGITS], lambda: calls.append(1)) is enough
+    assert calls == []  # the calibration outputs are not asked for (the PyTorch path would run them)
     assert widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], None) is held
     three = np.hstack([calib_ref, calib_ref[:, :1]])
-    assert widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], ([three], [three], 32)) is held
+    assert widened(held, ["out"], [held_ref], [held_ref[:, ::-1]], lambda: ([three], [three], 32)) is held
 
 
 def test_a_constant_reference_is_inconclusive_never_met():

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -269,7 +269,7 @@ def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | Non
         ref_pos, out_pos = ref > 0.5, out > 0.5
         same = ref_pos[ref_pos | out_pos] & out_pos[ref_pos | out_pos]
     elif rule == "sign":
-        counted = np.abs(ref) >= SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))
+        counted = _sign_counted(ref)
         same = np.sign(ref[counted]) == np.sign(out[counted])
     else:
         return None, 0
@@ -312,19 +312,23 @@ def measure(names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequ
 
 
 def widened(held: Fidelity, names: Sequence[str], reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray],
-            calibration: tuple[Sequence[np.ndarray], Sequence[np.ndarray], int] | None) -> Fidelity:
+            calibration: Callable[[], tuple[Sequence[np.ndarray], Sequence[np.ndarray], int]] | None) -> Fidelity:
     """``held`` (measured on held-out samples, ``reference`` and ``outputs``), or, when an agreement there counts
-    too few decisions to be judged (``too_few_decisions``: FP32's count decides, so that every step of a repair is
-    judged on the same samples), the judgement on the held-out samples and the
-    calibration samples together (``calibration``: the float and INT8 outputs on them, their count), said so in
-    its data line: in-sample, the ranges were set on part of it, but a collapse of the model's decisions shows
-    there as well, where a handful of held-out samples would let SQNR alone decide. ``held`` as it is when no
-    calibration outputs are given or their shapes do not join the held-out ones'."""
+    too few decisions to be judged (an output's, or FP32's: FP32's count decides, so that every step of a repair
+    is judged on the same samples), the judgement on the held-out samples and the calibration samples together,
+    said so in its data line: in-sample, the ranges were set on part of it, but a collapse of the model's
+    decisions shows there as well, where a handful of held-out samples would let SQNR alone decide.
+    ``calibration``: returns the float and INT8 outputs on the calibration samples and their count, called only
+    when they are needed (a caller may have to run them). ``held`` as it is when none are given or their shapes
+    do not join the held-out ones'."""
     import numpy as np  # measuring only (module docstring)
 
-    if calibration is None or not too_few_decisions(held, reference):
+    if calibration is None:
         return held
-    calib_reference, calib_outputs, n_calib = calibration
+    counts = _reference_decisions(reference)
+    if not held.unjudged and not (counts and min(counts) < MIN_DECISIONS):
+        return held
+    calib_reference, calib_outputs, n_calib = calibration()
     joined_reference, joined_outputs = [], []
     for ref, out, c_ref, c_out in zip(reference, outputs, calib_reference, calib_outputs, strict=True):
         ref, out, c_ref, c_out = (np.asarray(a) for a in (ref, out, c_ref, c_out))
@@ -332,7 +336,7 @@ def widened(held: Fidelity, names: Sequence[str], reference: Sequence[np.ndarray
             return held
         joined_reference.append(np.concatenate([ref, c_ref]))
         joined_outputs.append(np.concatenate([out, c_out]))
-    few = min(_reference_decisions(reference) or [o.n_decisions for o in held.unjudged])
+    few = min(counts or [o.n_decisions for o in held.unjudged])
     data = (f"{held.data} + {n_calib} calibration sample(s) (in-sample: FP32's outputs on the held-out ones count "
             f"{few} decision(s), fewer than {MIN_DECISIONS} to judge agreement on)")
     return measure(names, joined_reference, joined_outputs, budget=held.budget, data=data, runtime=held.runtime)
@@ -340,8 +344,7 @@ def widened(held: Fidelity, names: Sequence[str], reference: Sequence[np.ndarray
 
 def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
     """The decisions FP32's outputs count under each output part's rule (argmax: rows; positives: FP32's positive
-    elements; sign: the values counted), the least an INT8 file's agreement can count. The float outputs alone
-    decide, so every file a repair makes is judged on the same samples."""
+    elements; sign: the values counted), the least an INT8 file's agreement can count."""
     import numpy as np  # measuring only (module docstring)
 
     counts = []
@@ -355,15 +358,15 @@ def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
             elif rule == POSITIVES:
                 counts.append(int((ref > 0.5).sum()))
             elif rule == "sign":
-                counts.append(int((np.abs(ref) >= SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))).sum()))
+                counts.append(int(_sign_counted(ref).sum()))
     return counts
 
 
-def too_few_decisions(held: Fidelity, reference: Sequence[np.ndarray]) -> bool:
-    """``held``'s agreement cannot be judged on its samples: an output's decisions, or FP32's (``reference``,
-    the same for every file a repair makes), count fewer than ``MIN_DECISIONS``."""
-    counts = _reference_decisions(reference)
-    return bool(held.unjudged) or (bool(counts) and min(counts) < MIN_DECISIONS)
+def _sign_counted(ref: np.ndarray) -> np.ndarray:
+    """The values the sign rule counts: at least ``SIGN_FLOOR`` of the output's rms in magnitude."""
+    import numpy as np  # measuring only (module docstring)
+
+    return np.abs(ref) >= SIGN_FLOOR * math.sqrt(float(np.mean(ref * ref)))
 
 
 def _judge_part(name: str, ref: np.ndarray, out: np.ndarray) -> OutputFidelity:

@@ -38,7 +38,6 @@ from quantship.fidelity import (
     Fidelity,
     measure,
     missed_in_runtime,
-    too_few_decisions,
     widened,
 )
 from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_session
@@ -91,9 +90,9 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     when ``held`` cannot fill one, ``fallback`` (the calibration batches) is read instead, and said so.
     ``float_outputs``: a dict a calling loop keeps, the float model's outputs by the samples they were run on,
     so that the loop's files (the repair's steps, the runtime's confirmation) run the float model once.
-    ``held_out``: ``held`` is not calibration data; where its decisions are too few to judge agreement
-    (``fidelity.too_few_decisions``), up to ``HELD_OUT_MAX`` samples of ``fallback`` join them
-    (``fidelity.widened``). False when ``held`` is calibration data already: nothing is added twice."""
+    ``held_out``: ``held`` is not calibration data; where its decisions are too few to judge agreement, up to
+    ``HELD_OUT_MAX`` samples of ``fallback`` join them (``fidelity.widened``). False when ``held`` is
+    calibration data already: nothing is added twice."""
     fused, runtime = fidelity_reading(target)
     in_runtime = native_runtime(target) if native else None
     session = ort_session(path, optimized=fused)
@@ -141,15 +140,20 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     names = names or [o.name for o in session.get_outputs()]
     n = sum(len(b[0]) for b in batches)
     judged = measure(names, reference, outputs, budget=budget, data=f"{n} {data}", runtime=runtime)
-    calibration = [b if isinstance(b, (tuple, list)) else (b,) for b in fallback]
+    calibration = [b if isinstance(b, (tuple, list)) else (b,) for b in fallback] if held_out else []
     calibration = whole(calibration) if fixed else calibration
-    calibration = calibration[:next((k + 1 for k, total in enumerate(itertools.accumulate(len(b[0]) for b in calibration))
-                                     if total >= HELD_OUT_MAX), len(calibration))]  # as many as are held out at most
-    if not held_out or not calibration or not too_few_decisions(judged, reference):
-        return judged
-    _, calib_reference, calib_outputs = outputs_on(calibration)  # run only when the held-out decisions are too few
-    return widened(judged, names, reference, outputs,
-                   (calib_reference, calib_outputs, sum(len(b[0]) for b in calibration)))
+    taken, kept = 0, []
+    for batch in calibration:  # as many samples as are held out at most
+        if taken >= HELD_OUT_MAX:
+            break
+        kept.append(batch)
+        taken += len(batch[0])
+
+    def on_calibration() -> tuple[list, list, int]:  # run only when the held-out decisions are too few
+        _, calib_reference, calib_outputs = outputs_on(kept)
+        return calib_reference, calib_outputs, taken
+
+    return widened(judged, names, reference, outputs, on_calibration if kept else None)
 
 
 @dataclass

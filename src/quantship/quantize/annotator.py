@@ -380,9 +380,9 @@ class QuantshipQuantizer(Quantizer):
         at least two of them, one a clamp or a division (``FLOAT_ARITHMETIC_OPS``), whose inner results nothing
         else reads: the last op -> the ops, in graph order. A hard swish written out (``x * clamp(x + 3, 0, 6) /
         6``, as a model converted from ONNX has it) is one. Its inner results are not values the model hands on,
-        so a target that runs float ops quantizes only what it computes: each inner pair would add a rounding and a QuantizeLinear/DequantizeLinear for the runtime to
-        run around ops it runs in float anyway (ONNX Runtime's Clip and Div). Found by the graph's shape and
-        the ops' kinds, never by a module's name."""
+        so a target that runs float ops quantizes only what it computes: each inner pair would add a rounding
+        and a QuantizeLinear/DequantizeLinear for the runtime to run around ops it runs in float anyway (ONNX
+        Runtime's Clip and Div). Found by the graph's shape and the ops' kinds, never by a module's name."""
         def arithmetic(n: object) -> bool:
             return (isinstance(n, Node) and n.op == "call_function" and n.target in ARITHMETIC_OPS
                     and _is_float_tensor(n) and not self._constant(n) and not self._skipped(n))
@@ -411,8 +411,8 @@ class QuantshipQuantizer(Quantizer):
                         members.add(a)
                         todo.append(a)
             inner = members - {last}
+            # (every member reads only x, constants and other members: its roots are {x})
             if inner and all(set(m.users) <= members for m in inner) and not members & taken \
-                    and all(set(tensors(m)) <= members | {x} for m in members) \
                     and any(m.target in FLOAT_ARITHMETIC_OPS for m in members):
                 found[last] = sorted(members, key=order.get)
                 taken |= members

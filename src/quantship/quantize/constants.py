@@ -26,7 +26,8 @@ def _args(node: Node) -> list[Node]:
     return found
 
 
-def _attribute(model: GraphModule, target: str) -> object:
+def attribute(model: GraphModule, target: str) -> object:
+    """What a ``get_attr`` node's dotted ``target`` names on ``model`` (a parameter, a buffer, a constant)."""
     value: object = model
     for part in target.split("."):
         value = getattr(value, part)
@@ -39,7 +40,7 @@ def _sources(node: Node, memo: dict[Node, tuple[bool, bool]], model: GraphModule
     if node in memo:
         return memo[node]
     if node.op == "get_attr":
-        result = (False, isinstance(_attribute(model, str(node.target)), torch.nn.Parameter))
+        result = (False, isinstance(attribute(model, str(node.target)), torch.nn.Parameter))
     elif node.op != "call_function":
         result = (False, True)
     else:
@@ -57,7 +58,7 @@ def _evaluate(node: Node, values: dict[Node, object], model: GraphModule) -> obj
     """The real value of a constant node (its ancestors evaluated once, in the graph's order)."""
     if node not in values:
         if node.op == "get_attr":
-            values[node] = _attribute(model, str(node.target))
+            values[node] = attribute(model, str(node.target))
         else:
             for a in _args(node):
                 _evaluate(a, values, model)

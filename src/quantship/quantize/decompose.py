@@ -18,6 +18,8 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
+from quantship.quantize.constants import attribute
+
 aten = torch.ops.aten
 ATTENTION_OPS = {aten.scaled_dot_product_attention.default}
 EINSUM_OPS = {aten.einsum.default}
@@ -359,9 +361,7 @@ def _number(model: GraphModule, value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, Node) and value.op == "get_attr":
-        stored = model
-        for part in str(value.target).split("."):
-            stored = getattr(stored, part, None)
+        stored = attribute(model, str(value.target))
         if isinstance(stored, torch.Tensor) and stored.numel() == 1:
             return float(stored.reshape(()).item())
     return None

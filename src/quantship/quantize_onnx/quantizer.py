@@ -451,7 +451,7 @@ def fidelity_to_float(path: Path, p: Target, names: list[str], held: tuple[list[
     n = sum(len(next(iter(f.values()))) for f in feeds)
     judged = measure_fidelity(names, reference, outputs, budget=budget,
                               data=f"{n} sample(s) held out from calibration", runtime=runtime)
-    return widened(judged, names, reference, outputs, (read_reference, read_outputs, n_read))
+    return widened(judged, names, reference, outputs, lambda: (read_reference, read_outputs, n_read))
 
 
 def fidelity_in_runtime(path: str | Path, float_path: str | Path, target: str | Target, calibration: Any,

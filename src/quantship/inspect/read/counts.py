@@ -146,7 +146,7 @@ def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
         n_consumers[name] = n_consumers.get(name, 0) + 1
     n_bare = sum(  # residual adds: an Add of a constant (a hard swish's x + 3) is an activation's arithmetic
         _is_unquantized_conv_edge(view, inp, n_consumers)
-        for node in view.nodes if node.op_type == "Add" and not any(view.value(i) is not None for i in node.input if i)
+        for node in view.nodes if node.op_type == "Add" and all(view.value(i) is None for i in node.input if i)
         for inp in node.input
     )
     return QDQStats(
