@@ -1,4 +1,4 @@
-"""Placement by profile (``quantize_onnx.profile_place``), the default of ``quantize_onnx`` for ONNX Runtime
+"""Placement by profile (``export.profile_place``), the default of ``quantize_onnx`` for ONNX Runtime
 targets: per-node costs from one profiled run of each file, the candidates' fixed point, one verification."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 from onnx import helper
 
 from quantship.cli.main import main
+from quantship.export.profile_place import NodeCost, choose, neighbours, place_by_profile, profile_costs
+from quantship.export.speed_gate import SEARCH_KEY, TOLERANCE, faster
 from quantship.inspect.run.node_costs import run_costs
-from quantship.quantize_onnx.profile_place import NodeCost, choose, neighbours, place_by_profile, profile_costs
 from quantship.quantize_onnx.quantizer import quantize_onnx_file
 from quantship.quantize_onnx.repair import quantize_onnx
-from quantship.quantize_onnx.speed import SPEED_KEY, TOLERANCE, faster
 from tests.quantize_onnx import graphs
 
 
@@ -109,7 +109,7 @@ def test_the_chosen_file_follows_the_verification(stem, tmp_path):
     else:
         assert result.excluded == []
     props = {p.key: p.value for p in onnx.load(str(result.path)).metadata_props}
-    said = json.loads(props[SPEED_KEY])
+    said = json.loads(props[SEARCH_KEY])
     assert said["kept_float"] == list(record.kept_float) and said["chosen"] == record.chosen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx"], "the trial file was left behind"
 

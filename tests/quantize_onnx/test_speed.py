@@ -13,9 +13,10 @@ import onnx
 import pytest
 
 from quantship.errors import SpecRefused
+from quantship.export.speed_gate import SEARCH_KEY, faster
 from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
 from quantship.quantize_onnx import speed
-from quantship.quantize_onnx.speed import SPEED_KEY, faster, speed_search_onnx
+from quantship.quantize_onnx.speed import speed_search_onnx
 from tests.quantize_onnx import graphs
 from tests.quantize_onnx.real_nets import mtcnn_file
 
@@ -62,7 +63,7 @@ def test_the_written_file_records_the_search_and_passes_its_checks(searched):
     assert set(result.excluded) == set(search.chosen)
     assert result.census["n_integer"] == len(search.candidates) - len(search.chosen)
     props = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
-    assert props[SPEED_KEY] == search.describe() and cpu_line() in props[SPEED_KEY]
+    assert props[SEARCH_KEY] == search.describe() and cpu_line() in props[SEARCH_KEY]
     assert sorted(p.name for p in out.parent.iterdir()) == ["int8.onnx"], "the search left files behind"
 
 

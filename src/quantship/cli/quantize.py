@@ -181,7 +181,7 @@ def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
                              "labelled_data": run.labelled_batches if searching else None},
             export_kwargs={"opset_version": args.opset, "dynamic_batch": dynamic},
             repair=not args.no_repair, max_steps=args.max_steps, log=ui.say, speed=not args.no_speed,
-            require_faster=args.require_faster)
+            require_faster=args.require_faster, profile_placement=not args.plain_placement)
         run.quantizer, run.qmodel, run.path = run.judged.quantizer, run.judged.qmodel, run.judged.path
         run.served = file_batch(run.path)
         run.error = output_error(run.qmodel, run.path, sample, run.served)
@@ -220,6 +220,7 @@ def _report(run: _Run) -> int:
         "fidelity_fp32": run.judged.fidelity.as_dict(),
         "repair": run.judged.repair.as_dict() if run.judged.repair is not None else None,
         "speed": run.judged.speed.as_dict() if run.judged.speed is not None else None,
+        "placement_by_profile": run.judged.profile.as_dict() if run.judged.profile is not None else None,
     }
     result["float_ops"] = left_float = left_float_ops(run.quantizer, facts)
     del facts
@@ -228,6 +229,7 @@ def _report(run: _Run) -> int:
     rows = [
         *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),  # first: does the file still do the job
         *speed_cli.rows(run.judged.speed),
+        *speed_cli.profile_rows(run.judged.profile),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),

@@ -89,10 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="onnxruntime-cpu: time the file in ONNX Runtime on this CPU (1 thread, batch 1 and 8) "
                              "and keep float the Convs/MatMuls whose integer form made it slower (stem and small "
                              "layers); the file records what was kept and the measured speed-ups")
-    parser.add_argument("--plain-placement", action="store_true",
-                        help="ONNX Runtime targets: skip the placement by profile (by default the weighted ops "
-                             "whose integer form, with its Q/DQ and layout nodes, profiles slower here are kept "
-                             "float when the whole file, timed once, is faster)")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="--max-drop: at most N nodes kept in float by the search; --speed-search: at most N "
                              "files timed after the first; otherwise at most N fidelity repair steps (default: "

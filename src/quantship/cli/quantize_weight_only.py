@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_request(args: argparse.Namespace) -> None:
     """Refuse --gptq and --decoder where they do not apply, before any model or data work."""
     quantize_decoder.check_request(args)
+    if getattr(args, "plain_placement", False) and args.method != "static":
+        raise UsageError(f"--plain-placement skips the static file's placement by profile; --method {args.method} "
+                         "places no activation: drop --plain-placement")
     if getattr(args, "gptq", False):
         if args.method != "int4_weight_only":
             raise UsageError(f"--gptq applies to --method int4_weight_only (grouped int4 weights), not --method "

@@ -17,6 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-speed", action="store_true",
                         help="do not time the INT8 file against FP32 on this CPU (by default it is, for ONNX Runtime "
                              "targets: batch 1 and the calibration batch, 1 thread, a few seconds)")
+    parser.add_argument("--plain-placement", action="store_true",
+                        help="ONNX Runtime targets: skip the placement by profile (by default the weighted ops "
+                             "whose integer form, with its Q/DQ and layout nodes, profiles slower here are kept "
+                             "float when the whole file, timed once, is faster and keeps the fidelity budget)")
     parser.add_argument("--require-faster", action="store_true",
                         help="exit 1, writing nothing, when the INT8 file runs slower than FP32 on this CPU at "
                              "batch 1 or the calibration batch (ONNX Runtime targets)")
@@ -45,7 +49,7 @@ def rows(reading: Any) -> list[tuple[str, str]]:
 
 
 def profile_rows(record: Any) -> list[tuple[str, str]]:
-    """The placement by profile (``quantize_onnx.profile_place``): what it kept float for speed and why, or why
+    """The placement by profile (``export.profile_place``): what it kept float for speed and why, or why
     the plain placement stayed (None: not run)."""
     if record is None:
         return []

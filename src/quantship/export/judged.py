@@ -13,6 +13,7 @@ does not rank); the PyTorch path has no 16-bit activations, so that form is not 
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import os
 import warnings
@@ -25,10 +26,11 @@ import numpy as np
 import onnx
 
 from quantship.errors import QuantshipError, one_line
-from quantship.export import artifact, speed_gate
+from quantship.export import artifact, placement, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
 from quantship.export.onnx_float import export_onnx
+from quantship.export.profile_place import ProfilePlacement, place_by_profile
 from quantship.export.qdq import export_qdq
 from quantship.fidelity import (
     HELD_OUT_MAX,
@@ -43,6 +45,7 @@ from quantship.fidelity import (
 from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
+from quantship.inspect.run.timing import cpu_line
 from quantship.inspect.run.verify import MeasuredPath
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
@@ -166,29 +169,76 @@ class Judged:
     fidelity: Fidelity
     repair: Repair | None
     speed: SpeedReading | None = None  # against the float model's ONNX export on this CPU (None: not timed)
+    profile: Any = None  # profile_place.ProfilePlacement: what the profile kept float for speed (None: not run)
 
 
-def time_against_float(model: Any, sample: Any, staged: Path, scratch: Path, batches: Sequence[Any], *,
-                       opset_version: int = 18, require_faster: bool = False) -> SpeedReading:
-    """The ``staged`` INT8 file timed against the float model exported to ONNX (``export_onnx``, into
-    ``scratch``, with the INT8 file's input names and batch form) at batch 1 and the first calibration
-    batch's size (``speed_gate.gate``: metadata, ``require_faster``)."""
+def _float_reference(model: Any, sample: Any, staged: Path, scratch: Path, opset_version: int
+                     ) -> tuple[Path | None, str | None, list[str], bool]:
+    """The float model exported to ONNX into ``scratch`` with the INT8 file's input names and batch form:
+    (its path or None, why not, the input names, whether the batch is fixed). Not pre-optimized: ONNX
+    Runtime's session applies the same optimizations when it loads the file, and the nodes keep the module
+    scopes the placement by profile matches on (``export.placement``)."""
     int8 = onnx.load(str(staged), load_external_data=False)
     stored = {t.name for t in int8.graph.initializer}
     names = [i.name for i in int8.graph.input if i.name not in stored]
     first = int8.graph.input[0].type.tensor_type.shape.dim
     fixed = bool(first) and first[0].HasField("dim_value")
-    rows = as_arrays(list(batches)[0])
     try:
         with progress_step("speed: exporting the float model to ONNX as the reference"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the reference's export warnings are not the user's file's
-            reference = export_onnx(model, sample, scratch / "float_reference.onnx", opset_version=opset_version,
-                                    dynamic_batch=not fixed, input_names=names)
+            path = export_onnx(model, sample, scratch / "float_reference.onnx", opset_version=opset_version,
+                               dynamic_batch=not fixed, input_names=names, optimize=False)  # keeps module scopes
     except Exception as exc:  # the reading is reported, it never costs the file (unless require_faster)
-        return speed_gate.settle(staged, unmeasured(f"the float model's ONNX export failed: {one_line(exc)}"),
-                                 require_faster=require_faster, hint=speed_gate.torch_hint)
-    return speed_gate.gate(staged, reference, dict(zip(names, rows)), (1, len(rows[0])),
+        return None, f"the float model's ONNX export failed: {one_line(exc)}", names, fixed
+    return Path(path), None, names, fixed
+
+
+def time_against_float(model: Any, sample: Any, staged: Path, scratch: Path, batches: Sequence[Any], *,
+                       opset_version: int = 18, require_faster: bool = False,
+                       reference: tuple[Path | None, str | None, list[str], bool] | None = None) -> SpeedReading:
+    """The ``staged`` INT8 file timed against the float model exported to ONNX (``export_onnx``, into
+    ``scratch``, with the INT8 file's input names and batch form; ``reference``: that export already made)
+    at batch 1 and the first calibration batch's size (``speed_gate.gate``: metadata, ``require_faster``)."""
+    path, why, names, _ = reference or _float_reference(model, sample, staged, scratch, opset_version)
+    if path is None:
+        return speed_gate.settle(staged, unmeasured(why), require_faster=require_faster, hint=speed_gate.torch_hint)
+    rows = as_arrays(list(batches)[0])
+    return speed_gate.gate(staged, path, dict(zip(names, rows)), (1, len(rows[0])),
                            require_faster=require_faster, hint=speed_gate.torch_hint)
+
+
+def _by_profile(made: placement.Made, reference: tuple[Path | None, str | None, list[str], bool],
+                batches: Sequence[Any], scratch: Path, requantize: Callable[[tuple[str, ...]], Any],
+                log: Callable[[str], None]) -> placement.Made:
+    """``made``, or the file that keeps float the modules whose integer weighted ops profile slower on this
+    CPU (``export.placement``, ``profile_place.place_by_profile``), whichever is faster; its record in
+    ``.profile`` and in the file's metadata."""
+    path, why, names, fixed = reference
+    rows = as_arrays(list(batches)[0])
+    feeds = placement.feeds(dict(zip(names, rows)), (len(rows[0]),) if fixed else (1, len(rows[0])))
+    modules: dict[str, str] = {}
+    if path is not None:
+        try:
+            modules = placement.profiled_reference(path, made.path, scratch / "float_profiled.onnx")
+        except Exception as exc:  # a reading that cannot be made leaves the file as it is, said so
+            why = one_line(exc)
+    if not modules:
+        record = ProfilePlacement(cpu_line(), tuple(feeds), not_run=f"the profile could not run ({why})")
+        made.profile = record
+        return made
+    made.plan = {"weighted_nodes": list(modules)}
+
+    def keep_float(escaped: tuple[str, ...]) -> placement.Made:
+        by_escaped = {glob.escape(n): m for n, m in modules.items()}
+        return requantize(tuple(sorted({by_escaped[n] for n in escaped})))
+
+    with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
+        chosen, record = place_by_profile(scratch / "float_profiled.onnx", made, feeds, keep_float, log=log)
+    if record.candidates:  # the modules kept float, named as the user's --exclude would name them
+        log(f"placement by profile: modules {', '.join(sorted({modules[n] for n in record.candidates}))}")
+    chosen.profile = record
+    add_file_metadata(chosen.path, record.metadata())
+    return chosen
 
 
 def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out: str | Path, *, target: Target,
@@ -196,14 +246,17 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                            make_quantizer: Callable[..., Any], quantize_kwargs: dict | None = None,
                            export_kwargs: dict | None = None, repair: bool = True, max_steps: int | None = None,
                            log: Callable[[str], None] = lambda _: None, speed: bool = True,
-                           require_faster: bool = False) -> Judged:
+                           require_faster: bool = False, profile_placement: bool = True) -> Judged:
     """Quantize ``model`` for ``target`` (``make_quantizer(target, **options)``, then ``.quantize(model, batches,
     **quantize_kwargs)``), export it (``export_qdq(..., **export_kwargs)``) and hold the file to the float model
     on ``held`` (``held_label`` says what they are; None: the first calibration batch, said in-sample) by
     ``budget`` (None: measured, not judged), repairing it when missed (module docstring). Raises
     ``FidelityMissed`` (nothing written) when no file keeps the budget. ``speed``: the chosen file timed
     against the float model on this CPU before it is moved into place (``time_against_float``; ONNX Runtime
-    targets); ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower."""
+    targets); ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower. ``profile_placement``
+    (with ``speed``, targets that run a mixed graph in ONNX Runtime): the chosen file profiled per node against
+    the float model's export, the modules whose integer ops cost more kept float when the whole file, timed
+    once, is faster and keeps the budget (``export.placement``; ``Judged.profile``)."""
     final = artifact.refuse_unsafe_destination(out)
     speed_gate.refuse_unmeasurable(target, speed=speed, require_faster=require_faster)
     held_batches = list(held) if held else list(batches)[:1]
@@ -212,6 +265,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     shared: dict = {}  # the float model's outputs on the held samples, run once for every file made below
     base = tuple(overrides.get("skip_activations") or ())
     options = {k: v for k, v in overrides.items() if k != "skip_activations"}
+    made: dict[Path, tuple[dict, tuple]] = {}  # each step's file -> its options and modules kept float
+    timed = speed and target.runtime_is_onnxruntime
+    opset = (export_kwargs or {}).get("opset_version", 18)
     with artifact.workdir_beside(final) as scratch:
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
             k = next(numbers)
@@ -233,13 +289,14 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
                                   float_outputs=shared, held_out=bool(held))
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
+            made[Path(path)] = (opts, tuple(excluded))
             return fidelity, (qmodel, quantizer, path, fidelity)
 
-        def order(made: tuple, opts: dict) -> list[str]:
+        def order(made_step: tuple, opts: dict) -> list[str]:
             if isinstance(list(batches)[0], Inputs):
                 return []  # the per-layer SQNR report runs a model with one input: no module to rank
             with progress_step("fidelity repair: per-layer SQNR (own loss)"):
-                return own_loss_order(model, made[0], list(batches)[:4])
+                return own_loss_order(model, made_step[0], list(batches)[:4])
 
         if budget is None:
             record, chosen = None, attempt("as asked", options, base, ())[1]
@@ -249,6 +306,21 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             record, chosen = run_repair(attempt, budget=budget, options=options, base=base,
                                         algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
                                         enabled=repair, max_steps=max_steps, log=log)
+        reference = _float_reference(model, sample, chosen[2], scratch, opset) if timed else None
+        profile = None
+        if timed and profile_placement and target.runs_mixed_graphs:
+            opts, excluded = made[Path(chosen[2])]
+
+            def requantize(modules: tuple[str, ...]) -> placement.Made:
+                done = attempt("placement by profile", opts, tuple(sorted({*excluded, *modules})), ())
+                if done is None:
+                    raise QuantshipError(f"keeping {', '.join(modules)} float gives no file")
+                return placement.Made(Path(done[1][2]), fp32=done[0], payload=done[1])
+
+            plain = placement.Made(Path(chosen[2]), fp32=chosen[3], payload=chosen)
+            picked = _by_profile(plain, reference, batches, scratch, requantize, log)
+            chosen, profile = picked.payload, picked.profile
+        if record is not None:
             add_file_metadata(chosen[2], record.metadata())
         qmodel, quantizer, path, fidelity = chosen
         if native_runtime(target) is not None:  # the repair read ONNX Runtime literally: confirm in the runtime
@@ -259,9 +331,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             fidelity = confirmed
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
         reading = None
-        if speed and target.runtime_is_onnxruntime:
+        if timed:
             reading = time_against_float(model, sample, path, scratch, batches, require_faster=require_faster,
-                                         opset_version=(export_kwargs or {}).get("opset_version", 18))
+                                         opset_version=opset, reference=reference)
         with artifact.atomic_destination(final) as staged:
             os.replace(path, staged)
-    return Judged(qmodel, quantizer, MeasuredPath.of(final, path.readings), fidelity, record, reading)
+    return Judged(qmodel, quantizer, MeasuredPath.of(final, path.readings), fidelity, record, reading, profile)

@@ -9,19 +9,25 @@ another runtime's speed is its own hardware's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from quantship.errors import SpecRefused, SpeedMissed, one_line
 from quantship.export.metadata import add_file_metadata
 from quantship.inspect.run.speed import BUDGET_SECONDS, SpeedReading, measure_speed, unmeasured
+from quantship.inspect.run.timing import median_ms, single_thread_session
 from quantship.progress import step as progress_step
 from quantship.targets import Target
 
 SPEED_KEY = "quantship.speed"
+SEARCH_KEY = "quantship.speed_search"  # what a placement for speed kept float (by profile, or the speed search)
+MARGIN = 0.03  # a step must be this much faster (geometric mean over batches) to be kept: above timing noise
+TOLERANCE = 0.01  # and no batch this much slower
 
 
 def refuse_unmeasurable(target: Target, *, speed: bool, require_faster: bool) -> None:
@@ -97,3 +103,25 @@ def time_written(path: str | Path, float_path: str | Path, sample: Mapping[str, 
         why = reading.warning() if reading.slower else f"the speed could not be measured ({reading.not_measured})"
         raise SpeedMissed(f"--require-faster: {why}; the file was removed", reading)
     return reading
+
+
+def time_files(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
+          sessions: dict[Path, Any] | None = None) -> list[dict[int, float]]:
+    """Each file's median ms per batch, the files interleaved; ``sessions`` caches them by path."""
+    cache = {} if sessions is None else sessions
+    for path in paths:
+        if path not in cache:
+            cache[path] = single_thread_session(path)
+    per_file: list[dict[int, float]] = [{} for _ in paths]
+    for b, feed in feeds.items():
+        medians, _ = median_ms([cache[p] for p in paths], feed, seconds)
+        for k, ms in enumerate(medians):
+            per_file[k][b] = ms
+    return per_file
+
+
+def faster(candidate: dict[int, float], best: dict[int, float]) -> bool:
+    """Kept: faster by MARGIN in the geometric mean, and no batch slower by more than TOLERANCE."""
+    gains = [best[b] / candidate[b] for b in candidate]
+    mean = math.exp(sum(math.log(g) for g in gains) / len(gains))
+    return mean >= 1 + MARGIN and min(gains) >= 1 - TOLERANCE

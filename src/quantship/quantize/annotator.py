@@ -79,6 +79,10 @@ ARITHMETIC_OPS = BINARY_OPS | CLAMP_OPS
 # of those, the ones ONNX Runtime has no integer kernel for (it has QLinearAdd and QLinearMul, and folds a ReLU
 # into the QuantizeLinear before it): an affine x * a + b keeps its pairs and runs as two integer kernels
 FLOAT_ARITHMETIC_OPS = {aten.div.Tensor} | (CLAMP_OPS - {aten.relu.default})
+# ONNX Runtime's integer kernels beyond conv/linear/matmul (QLinearAdd, QLinearMul, QLinearAveragePool,
+# QLinearSigmoid): with every input and the output quantized they run on integers (``_pairs_where_integer_kernels_read``)
+INTEGER_BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor}
+INTEGER_OWN_OPS = {aten.avg_pool1d.default, aten.avg_pool2d.default, aten.sigmoid.default, aten.sigmoid_.default}
 # activation x activation products (attention scores, attention x values): both inputs per tensor
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 MATMUL_ADD_OPS = {aten.baddbmm.default}  # addend + product: addend, both factors and output quantized
@@ -445,21 +449,93 @@ class QuantshipQuantizer(Quantizer):
             elif node.target is not operator.getitem and _is_float_tensor(node):
                 self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
         if self.mixed:
-            self._float_for_float_readers(model)
+            self._pairs_where_integer_kernels_read(model)
         return model
 
-    def _float_for_float_readers(self, model: GraphModule) -> None:
-        """An output with its own scale that only convs kept float read (the target's float rules) is not
-        quantized: its pair would round a value no integer kernel reads (the ONNX path writes none there). A
-        conv's or linear's own output keeps it: the runtime's integer kernel writes it (QLinearConv)."""
-        kept = set(self.report.kept_float)
-        for node in model.graph.nodes:
-            ann = node.meta.get("quantization_annotation")
-            if ann is None or ann.output_qspec is not self._act or not node.users or node in self._integer_ends:
+    def _pairs_where_integer_kernels_read(self, model: GraphModule) -> None:
+        """Pairs only where an integer kernel reads or writes them (the ONNX path's ``integer`` placement, over
+        the annotations): a conv/linear reads its input quantized and writes its output quantized (QLinearConv);
+        data movement (``SHARED_SCALE_OPS``, concatenation) moves integers only when its output is read
+        quantized, and then reads its input quantized; an Add, a Mul (``INTEGER_BINARY_OPS``), an average pool
+        or a sigmoid (``INTEGER_OWN_OPS``) runs an integer kernel only when every input already carries a pair
+        and its output is read quantized. Every other annotated op computes in float: its inputs lose their
+        pairs, and its output keeps one only where an integer kernel reads it. A pair no integer kernel reads
+        would only add a rounding and two passes over the tensor (a MaxPool between two float ops ran 13x
+        slower as ONNX Runtime's uint8 pool than in float: PP-OCR's classifier, batch 8)."""
+        anns = {n: n.meta["quantization_annotation"] for n in model.graph.nodes
+                if n.op == "call_function" and self._annotated(n)}
+
+        def point(n: Node) -> Node:  # where n's value is quantized: past the activation an integer kernel fuses
+            after = self._single_user_next(n, FUSABLE_ACTIVATIONS)
+            return after if after is not None and after in anns and n.target in BINARY_OPS else n
+
+        def outputs(n: Node) -> list[Node]:  # a split's values are its getitem users
+            return [u for u in n.users if u.target is operator.getitem] if n.target in SPLIT_OPS else [n]
+
+        quantized = {n for n in self._integer_ends if n in anns and anns[n].output_qspec is not None}
+        wanted: set[Node] = set()
+        integer: set[Node] = set()
+        for n, ann in anns.items():
+            if n.target in WEIGHTED_OPS | MATMUL_OPS | MATMUL_ADD_OPS | EMBEDDING_OPS and ann.input_qspec_map:
+                integer.add(n)
+                wanted |= {a for a, q in ann.input_qspec_map.items() if q is not None and not self._constant(a)}
+                if n.target not in WEIGHTED_OPS:
+                    quantized.add(n)
+        moves = SHARED_SCALE_OPS | ZERO_PAD_OPS | SPLIT_OPS
+
+        def runs_integer(n: Node, depth: int) -> bool:
+            """Every input of ``n`` (an Add, a Mul, a pool or a sigmoid) carries a pair or could."""
+            ins = [a for a in anns[n].input_qspec_map if not self._constant(a)]
+            tensors = [a for a in _node_args(n) if isinstance(a, Node) and not self._constant(a)]
+            return bool(ins) and len(ins) == len(tensors) and all(available(a, depth + 1) for a in ins)
+
+        def available(a: Node, depth: int = 0) -> bool:
+            """``a`` carries a pair, or would if the data movement or integer op that makes it ran on integers
+            (a reshape of a conv's output; ``x * a`` read by ``+ b`` read by a linear)."""
+            if a in wanted or a in quantized:
+                return True
+            if depth > 64 or not isinstance(a, Node) or a.op != "call_function":
+                return False
+            src = a.args[0] if a.args and isinstance(a.args[0], Node) else None
+            if not (a.target is operator.getitem or (src in anns and point(src) is a)):
+                src = a  # a value is its own, unless a split's item or the activation an integer Add fuses
+            if not isinstance(src, Node) or src not in anns:
+                return False
+            if src.target in moves:
+                return any(available(x, depth + 1) for x in anns[src].input_qspec_map if isinstance(x, Node))
+            if src.target in INTEGER_BINARY_OPS | INTEGER_OWN_OPS and point(src) is a:
+                return runs_integer(src, depth)
+            return False
+
+        changed = True
+        while changed:
+            changed = False
+            for n, ann in anns.items():
+                if n in integer or not ann.input_qspec_map:
+                    continue
+                ins = [a for a in ann.input_qspec_map if not self._constant(a)]
+                if n.target in SHARED_SCALE_OPS | ZERO_PAD_OPS | SPLIT_OPS | CAT_OPS:
+                    joins = any(o in wanted for o in outputs(n))
+                elif n.target in INTEGER_BINARY_OPS | INTEGER_OWN_OPS:
+                    joins = point(n) in wanted and runs_integer(n, 0)
+                else:
+                    continue
+                if joins:
+                    integer.add(n)
+                    wanted |= set(ins)
+                    quantized |= {point(n), *outputs(n)}
+                    changed = True
+        fused = {point(n) for n in integer if n.target in INTEGER_BINARY_OPS}
+        kept = quantized | wanted
+        for n, ann in anns.items():
+            if n in integer or n in fused or n in self._integer_ends or n.target in WEIGHTED_OPS:
                 continue
-            if all(u.op == "call_function" and u.name in kept for u in node.users):
+            if n.target is operator.getitem and n.args[0] in integer:
+                continue  # a split's value: the split moves integers
+            ann.input_qspec_map = {}
+            if ann.output_qspec is not None and n not in kept:
                 ann.output_qspec = None
-                self.report.float_outputs.append(node.name)
+                self.report.float_outputs.append(n.name)
 
     def _float_rule(self, node: Node) -> FloatRule | None:
         """The target's float rule for a conv (the ONNX path's ``FloatRule`` read on the same facts: op

@@ -12,8 +12,8 @@ sequential pass, ``rounding`` the pass that runs them), ``quantizer`` (the facad
 (the working-set estimate a file is refused on), ``dynamic`` and ``dynamic_file`` (the dynamic-activation
 form, ``quantize_dynamic_file``: int8 weights, activations quantized at run time; data-free),
 ``repair`` (``quantize_onnx``, the default verb: the file judged for fidelity to FP32 and repaired when it
-misses the budget, written only when it keeps it), ``profile_place`` (its default placement for ONNX Runtime:
-weighted ops whose integer form profiles slower kept float when one timing of the file says faster).
+misses the budget, written only when it keeps it), and its default placement for ONNX Runtime, ``export.profile_place`` (shared with the PyTorch path):
+weighted ops whose integer form profiles slower kept float when one timing of the file says faster.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ from quantship import targets
 from quantship.errors import QuantshipError, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.metadata import add_file_metadata
+from quantship.export.profile_place import place_by_profile
 from quantship.fidelity import METADATA_KEY as FIDELITY_KEY
 from quantship.fidelity import MISSED, Budget, missed_in_runtime
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.int16 import runs_int16
-from quantship.quantize_onnx.profile_place import place_by_profile
 from quantship.quantize_onnx.quantizer import (
     FloatReference,
     OnnxQuantizeResult,

@@ -20,10 +20,10 @@ interleaved rounds, at every batch it serves):
    the fewer products each output sums, the less an integer kernel saves against its Q/DQ and layout
    costs, so with ``max_steps`` the likeliest wins are tried first).
 
-A step is kept when its file is faster by at least ``MARGIN`` (geometric mean over the batches) and
-not slower at any batch by more than ``TOLERANCE``; ``max_steps`` bounds the steps after step 0. The
+A step is kept when its file is faster by at least ``speed_gate.MARGIN`` (geometric mean over the batches) and
+not slower at any batch by more than ``speed_gate.TOLERANCE``; ``max_steps`` bounds the steps after step 0. The
 chosen set is quantized again at ``out_path`` with every check of ``quantize_onnx_file``, and the file
-records what was kept, where it was measured and the speed-ups (``SPEED_KEY``). The search judges speed
+records what was kept, where it was measured and the speed-ups (``SEARCH_KEY``). The search judges speed
 only: its file's readings against FP32 are reported as for any file, and a task metric is worth
 checking (``--eval``): on PP-OCR's classifier the file with its first three Convs float had a lower mean
 error against FP32 than step 0's but 582/600 lines right against 587 (REAL.md), flips of borderline lines.
@@ -43,9 +43,10 @@ import onnx
 from quantship import targets
 from quantship.errors import ExportRefused, SpecRefused, one_line
 from quantship.export import artifact, speed_gate
+from quantship.export.speed_gate import SEARCH_KEY, faster, time_files
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
-from quantship.inspect.run.timing import cpu_line, median_ms, single_thread_session
+from quantship.inspect.run.timing import cpu_line
 from quantship.progress import step as progress_step
 from quantship.quantize_onnx.quantizer import (
     FloatReference,
@@ -60,9 +61,6 @@ from quantship.recipe import takes_algorithms
 from quantship.search_engine import Engine
 from quantship.targets import Target
 
-SPEED_KEY = "quantship.speed_search"
-MARGIN = 0.03  # a step must be this much faster (geometric mean over batches) to be kept: above timing noise
-TOLERANCE = 0.01  # and no batch this much slower
 PATIENCE = 2  # prefix steps in a row that were not kept before the prefix phase ends
 BATCHES = (1, 8)
 SECONDS = 0.4  # CPU time per file and batch in each comparison (the final reading: twice that)
@@ -165,28 +163,6 @@ def time_written_file(path: str | Path, float_path: str | Path, calibration: Any
     slower). Returns the ``inspect.run.speed.SpeedReading``."""
     sample, batch = calibration_sample(Path(float_path), calibration)
     return speed_gate.time_written(path, float_path, sample, (1, batch), require_faster=require_faster)
-
-
-def time_files(paths: list[Path], feeds: dict[int, dict[str, np.ndarray]], seconds: float,
-          sessions: dict[Path, Any] | None = None) -> list[dict[int, float]]:
-    """Each file's median ms per batch, the files interleaved; ``sessions`` caches them by path."""
-    cache = {} if sessions is None else sessions
-    for path in paths:
-        if path not in cache:
-            cache[path] = single_thread_session(path)
-    per_file: list[dict[int, float]] = [{} for _ in paths]
-    for b, feed in feeds.items():
-        medians, _ = median_ms([cache[p] for p in paths], feed, seconds)
-        for k, ms in enumerate(medians):
-            per_file[k][b] = ms
-    return per_file
-
-
-def faster(candidate: dict[int, float], best: dict[int, float]) -> bool:
-    """Kept: faster by MARGIN in the geometric mean, and no batch slower by more than TOLERANCE."""
-    gains = [best[b] / candidate[b] for b in candidate]
-    mean = math.exp(sum(math.log(g) for g in gains) / len(gains))
-    return mean >= 1 + MARGIN and min(gains) >= 1 - TOLERANCE
 
 
 def normalised_file(src: Path, calibration: Any, target: str | Target, path: Path, options: dict
@@ -320,6 +296,6 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         search.final_ms = {"fp32": fp32, "start": first, "chosen": chosen}
         log(f"speed search: {search.describe()}")
     result = quantize_onnx_file(src, final, calibration, target=target, exclude=best, wait=wait,
-                                metadata={SPEED_KEY: search.describe()}, **options)
+                                metadata={SEARCH_KEY: search.describe()}, **options)
     return result, search
 

@@ -15,8 +15,8 @@ concat that stays integer is priced, not predicted: what the whole file does wit
 verification reads.
 
 The candidates are kept float in one more file, which must keep the fidelity budget; it is timed side by
-side with the plain file (``speed.time_files``: one thread, CPU time, interleaved) and chosen only when
-``speed.faster`` (the search's rule) says so; otherwise the plain file stays. A profile that cannot run
+side with the plain file (``speed_gate.time_files``: one thread, CPU time, interleaved) and chosen only when
+``speed_gate.faster`` (the search's rule) says so; otherwise the plain file stays. A profile that cannot run
 leaves the plain file, said so.
 """
 
@@ -34,10 +34,10 @@ import numpy as np
 import onnx
 
 from quantship.errors import QuantshipError, one_line
+from quantship.export.speed_gate import SEARCH_KEY, faster, time_files
 from quantship.fidelity import MISSED
 from quantship.inspect.run.node_costs import run_costs
 from quantship.inspect.run.timing import cpu_line
-from quantship.quantize_onnx.speed import SPEED_KEY, faster, time_files
 
 PROFILE_SECONDS = 0.5  # CPU time each file is profiled for, at each batch
 VERIFY_SECONDS = 0.4  # CPU time per file and batch in the one verification (the speed search's per step)
@@ -115,10 +115,10 @@ class ProfilePlacement:
                 "gain_vs_plain": _keyed(self.gain), "chosen": self.chosen, "not_run": self.not_run}
 
     def metadata(self) -> dict[str, str]:
-        """The file's record (``speed.SPEED_KEY``): what was kept float, why, and the verification."""
+        """The file's record (``speed.SEARCH_KEY``): what was kept float, why, and the verification."""
         record = {k: v for k, v in self.as_dict().items() if k != "nodes"} | {"why": self.why() if self.candidates
                                                                                  else None}
-        return {SPEED_KEY: json.dumps(record, sort_keys=True)}
+        return {SEARCH_KEY: json.dumps(record, sort_keys=True)}
 
 
 def _keyed(d: Mapping[int, Any]) -> dict[str, Any]:
