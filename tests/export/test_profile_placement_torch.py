@@ -19,6 +19,7 @@ from quantship.cli.main import main
 from quantship.export.onnx_float import export_onnx
 from quantship.export.placement import float_named_as, integer_weighted
 from quantship.export.speed_gate import SEARCH_KEY
+from quantship.inspect.read.float_ops import WHY_SPEED
 
 MODEL = """
 import torch.nn as nn
@@ -79,5 +80,8 @@ def test_the_profile_runs_by_default_and_plain_placement_skips_it(files, tmp_pat
         assert said["kept_float"] and skipped and len(integer_weighted(written)) == 3 - len(said["kept_float"])
         assert all(said["verified_ms"]["profile"][b] < said["verified_ms"]["plain"][b] * 1.05
                    for b in said["verified_ms"]["plain"])
+        assert said["kept_float_modules"] == sorted(skipped)  # named as --exclude names them
+        why = {g["module"]: g["why"] for g in report["float_ops"]["by_module"]}
+        assert all(why[m] == WHY_SPEED for m in skipped), why  # not "kept float on request"
     else:  # the plain file, as --plain-placement writes it
         assert not skipped and len(integer_weighted(written)) == 3

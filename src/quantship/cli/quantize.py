@@ -222,7 +222,9 @@ def _report(run: _Run) -> int:
         "speed": run.judged.speed.as_dict() if run.judged.speed is not None else None,
         "placement_by_profile": run.judged.profile.as_dict() if run.judged.profile is not None else None,
     }
-    result["float_ops"] = left_float = left_float_ops(run.quantizer, facts)
+    profile = run.judged.profile
+    result["float_ops"] = left_float = left_float_ops(run.quantizer, facts,
+                                                      profile.kept_modules if profile is not None else ())
     del facts
     rows_eval = quantize_report.accuracy_rows(run, result)
     speed_cli.warn("quantize", run.judged.speed, run.args.quiet)

@@ -233,9 +233,8 @@ def _by_profile(made: placement.Made, reference: tuple[Path | None, str | None, 
         return requantize(tuple(sorted({by_escaped[n] for n in escaped})))
 
     with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
-        chosen, record = place_by_profile(scratch / "float_profiled.onnx", made, feeds, keep_float, log=log)
-    if record.candidates:  # the modules kept float, named as the user's --exclude would name them
-        log(f"placement by profile: modules {', '.join(sorted({modules[n] for n in record.candidates}))}")
+        chosen, record = place_by_profile(scratch / "float_profiled.onnx", made, feeds, keep_float, log=log,
+                                          modules=modules)  # named as the user's --exclude names them
     chosen.profile = record
     add_file_metadata(chosen.path, record.metadata())
     return chosen

@@ -74,11 +74,17 @@ class ProfilePlacement:
     verified_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "plain" / "profile" -> batch -> ms
     chosen: bool = False
     not_run: str | None = None  # why the plain file stays without a verification
+    modules: dict[str, str] = field(default_factory=dict)  # PyTorch path: candidate node -> the module kept float
 
     @property
     def kept_float(self) -> tuple[str, ...]:
         """The weighted ops the written file keeps float for speed."""
         return self.candidates if self.chosen else ()
+
+    @property
+    def kept_modules(self) -> list[str]:
+        """The modules the written file keeps float for speed (PyTorch path; empty on the ONNX path)."""
+        return sorted({self.modules[n] for n in self.kept_float if n in self.modules})
 
     @property
     def gain(self) -> dict[int, float]:
@@ -87,11 +93,15 @@ class ProfilePlacement:
             return {}
         return {b: self.verified_ms["plain"][b] / self.verified_ms["profile"][b] for b in self.verified_ms["plain"]}
 
+    def _named(self, node: str) -> str:
+        """A node by its module when the PyTorch path recorded one (``--exclude`` takes it), else by name."""
+        return f"module {self.modules[node]} ({node})" if node in self.modules else node
+
     def why(self) -> str:
         """Each candidate by its full name and its measured per-node ms at the largest batch."""
         b = max(self.batches)
         by = {c.node: c for c in self.costs}
-        return "; ".join(f"{n}: integer {by[n].int_ms[b]:.3g} ms vs float {by[n].float_ms[b]:.3g} ms + "
+        return "; ".join(f"{self._named(n)}: integer {by[n].int_ms[b]:.3g} ms vs float {by[n].float_ms[b]:.3g} ms + "
                          f"{self.estimated_ms[n][b] - by[n].float_ms[b]:.3g} ms to cross at b{b}"
                          for n in self.candidates)
 
@@ -112,7 +122,8 @@ class ProfilePlacement:
                 "candidates": list(self.candidates), "kept_float": list(self.kept_float),
                 "estimated_float_ms": {n: _keyed(v) for n, v in self.estimated_ms.items()},
                 "verified_ms": {k: _keyed(v) for k, v in self.verified_ms.items()},
-                "gain_vs_plain": _keyed(self.gain), "chosen": self.chosen, "not_run": self.not_run}
+                "gain_vs_plain": _keyed(self.gain), "chosen": self.chosen, "not_run": self.not_run,
+                **({"kept_float_modules": self.kept_modules} if self.modules else {})}
 
     def metadata(self) -> dict[str, str]:
         """The file's record (``speed.SEARCH_KEY``): what was kept float, why, and the verification."""
@@ -208,11 +219,11 @@ def profile_costs(float_path: Path, int8_path: Path, weighted: list[str], feeds:
 
 def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[str, np.ndarray]],
                      requantize: Callable[[tuple[str, ...]], Any], *, seconds: float = PROFILE_SECONDS,
-                     verify_seconds: float = VERIFY_SECONDS, log: Callable[[str], None] = lambda _: None
-                     ) -> tuple[Any, ProfilePlacement]:
+                     verify_seconds: float = VERIFY_SECONDS, log: Callable[[str], None] = lambda _: None,
+                     modules: Mapping[str, str] | None = None) -> tuple[Any, ProfilePlacement]:
     """The plain file (``plain``, an ``OnnxQuantizeResult``) or the one ``requantize(names)`` writes with the
     profile's candidates kept float by ``glob``-escaped name, whichever the module docstring's rules choose;
-    returns it and the record."""
+    returns it and the record. ``modules``: each node's module (the PyTorch path), named beside it."""
     record = ProfilePlacement(cpu_line(), tuple(feeds))
     weighted = list(plain.plan["weighted_nodes"])
     try:
@@ -224,6 +235,7 @@ def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[s
         return plain, record
     record.candidates, record.estimated_ms = choose(record.costs, record.crossing_ns, before, after,
                                                     record.crossing_fixed_ms)
+    record.modules = {n: modules[n] for n in record.candidates if n in modules} if modules else {}
     if not record.candidates:
         record.not_run = f"no weighted op of {len(record.costs)} profiled costs more as an integer kernel here"
         return plain, record

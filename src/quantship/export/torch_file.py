@@ -10,6 +10,7 @@ single input, all read by the one loader; or, for a model that embeds token ids,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,16 +143,17 @@ def output_error(qmodel: Any, path: str | Path, sample: Any, served: int | None 
             "describe": f"float output: max abs {diff.max():.4g}, mean abs {diff.mean():.4g} (no output scale)"}
 
 
-def left_float(quantizer: Any, facts: Any) -> dict:
+def left_float(quantizer: Any, facts: Any, for_speed: Sequence[str] = ()) -> dict:
     """The compute ops the written file leaves in float, by module path and why (the list ``inspect`` prints
     for the file, with what only the quantizer knows: which modules its annotator had no INT8 rule for),
     plus every torch op the annotator left float, compute or not (``no_int8_rule``)."""
     report = getattr(quantizer, "report", None)
     no_rule = report.float_ops_by_module() if report is not None else {}
-    out = float_ops(facts, no_rule_modules=no_rule)
+    out = float_ops(facts, no_rule_modules=no_rule, for_speed=for_speed)
     out["no_int8_rule"] = no_rule
     floated = [f.module for f in facts.float_compute if f.module is not None]
-    requested = (facts.spec.get("skip_activations") or []) if isinstance(facts.spec, dict) else []
+    requested = [m for m in ((facts.spec.get("skip_activations") or []) if isinstance(facts.spec, dict) else [])
+                 if m not in for_speed]
     # a module kept float whose compute ops all read and write INT8 in the file: the ops around it quantize
     # its inputs and outputs for their own sake (e.g. a conv whose ReLU is another module)
     out["requested_but_int8"] = [name for name in requested

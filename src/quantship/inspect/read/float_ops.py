@@ -28,6 +28,7 @@ TOP_LEVEL = "<top level>"  # ops of the model's own forward (the annotator's wor
 _MAX_SCOPES_CHARS = 8192  # no module path is this long; longer text is not read
 
 WHY_REQUESTED = "kept float on request"
+WHY_SPEED = "kept float for speed (placement by profile)"
 WHY_NO_RULE = "no INT8 rule in the annotator"
 # neither requested nor a missing rule in its own module: what the file shows
 WHY_INPUT = "its input is not quantized"
@@ -70,17 +71,21 @@ def _requested(spec: Any) -> tuple[str, ...]:
     return tuple(s for s in skip if isinstance(s, str)) if isinstance(skip, list) else ()
 
 
-def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None) -> dict[str, Any]:
+def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
+              for_speed: Iterable[str] = ()) -> dict[str, Any]:
     """The float compute ops of a file, grouped by module path (by node name when the file records no
     modules), each group with its ONNX op types, nodes, and why it is float.
 
-    Why: the file's spec lists the module in ``skip_activations`` (kept float on request); else, when
+    Why: the caller kept the module float for speed (``for_speed``: the PyTorch path's placement by profile,
+    which writes it in ``skip_activations`` too); the file's spec lists the module in ``skip_activations``
+    (kept float on request); else, when
     the caller knows which modules its annotator had no INT8 rule for (``no_rule_modules``, with
     ``TOP_LEVEL`` for the model's own forward), that; else what the file shows (its input is not
     quantized, or nothing requantizes its result), and, without the caller's knowledge (``inspect``),
     that the file does not record why.
     """
-    requested = _requested(facts.spec)
+    speed = tuple(for_speed)
+    requested = tuple(m for m in _requested(facts.spec) if m not in speed)
     no_rule = None if no_rule_modules is None else tuple(no_rule_modules)
     recorded = [f.module is not None for f in facts.float_compute]
     groups: dict[str, dict[str, Any]] = {}
@@ -98,7 +103,9 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None)
     for key, group in groups.items():
         found = modules.get(key, set())
         seen = WHY_INPUT if reads[key] else WHY_OUTPUT
-        if found and all(under_modules(m, requested) for m in found):
+        if found and speed and all(under_modules(m, speed) for m in found):
+            group["why"] = WHY_SPEED
+        elif found and all(under_modules(m, requested) for m in found):
             group["why"] = WHY_REQUESTED
         elif no_rule is None:
             group["why"] = seen + UNRECORDED
