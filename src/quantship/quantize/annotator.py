@@ -50,7 +50,7 @@ from quantship.quantize.decompose import (
     scalars_as_constants,
 )
 from quantship.quantize.histogram_search import HistogramSearchObserver
-from quantship.targets import FloatRule
+from quantship.targets import FloatRule, Target
 
 aten = torch.ops.aten
 WEIGHT_BOUND = 127  # int8 weights in [-127, 127]: symmetric, zero-point 0
@@ -228,15 +228,16 @@ class AnnotationReport:
 class QuantshipQuantizer(Quantizer):
     """A torchao pt2e ``Quantizer`` that applies one exportable ``QuantSpec`` (W8A8)."""
 
-    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, float_rules: tuple[FloatRule, ...] = (),
-                 mixed: bool = False, one_op_hard_swish: bool = False):
+    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, target: Target | None = None):
         super().__init__()
-        # the target runs float ops between integer ones: a function of one tensor written out as several
-        # arithmetic ops is quantized at its output only (``_functions_of_one_tensor``)
-        self.mixed = mixed
+        # a target that runs float ops between integer ones (``Target.runs_mixed_graphs``) gets its placement
+        # knowledge: pairs only where integer kernels read them (``_pairs_where_integer_kernels_read``), a function
+        # of one tensor written out quantized at its output only (``_functions_of_one_tensor``), its float rules
+        # (weighted ops its runtime runs faster in float), and a written-out hard swish as one op where it is faster
+        self.mixed = target is not None and target.runs_mixed_graphs
         self._integer_ends: set = set()  # the last node of each integer conv/linear partition
-        self.one_op_hard_swish = one_op_hard_swish  # a hard swish written out becomes aten.hardswish
-        self.float_rules = float_rules  # the target's: weighted ops its runtime runs faster in float
+        self.one_op_hard_swish = self.mixed and target.hard_swish_faster_as_one_op
+        self.float_rules: tuple[FloatRule, ...] = target.float_rules if self.mixed else ()
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
         self.spec = spec

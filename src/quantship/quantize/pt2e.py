@@ -21,6 +21,7 @@ from quantship.quantize.calibration import run_batches
 from quantship.quantize.capture import Capture, capture, carry_static_batch
 from quantship.quantize.conv_bn_fold import fold_what_can_match
 from quantship.quantize.distributed import merge_observers  # no-op outside a process group
+from quantship.targets import Target
 
 qd = torch.ops.quantized_decomposed
 DEQUANT_WEIGHT_OPS = {qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default}
@@ -61,9 +62,7 @@ def quantize_pt2e(
     bias_correction: bool = False,
     seq_mse: bool = False,
     adaround_iterations: int = 0,
-    float_rules: tuple = (),
-    mixed: bool = False,
-    one_op_hard_swish: bool = False,
+    target: Target | None = None,
 ) -> GraphModule:
     """Post-training static quantization of ``model`` (left untouched) with ``spec``.
 
@@ -72,11 +71,9 @@ def quantize_pt2e(
     corrected against the calibrated float graph (``quantize.bias_correction``), recorded on the result.
     ``seq_mse`` / ``adaround_iterations`` (> 0): each conv / linear weight's scale searched / rounding learned
     against the same float graph (``quantize.rounding``), before bias correction; recorded the same way.
-    ``float_rules``: the target's (``Target.float_rules``, for a runtime that runs mixed graphs): a conv one
-    applies to keeps float activations, as the ONNX path keeps that op float. ``mixed``: the target runs float
-    ops between integer ones, so a function of one tensor written out as several arithmetic ops is quantized at
-    its output only (``QuantshipQuantizer._functions_of_one_tensor``). ``one_op_hard_swish``: a hard swish
-    written out becomes one ``aten.hardswish`` (``decompose.hard_swish_as_one_op``; the same values).
+    ``target``: the preset's target; one that runs mixed graphs gives the annotator its placement knowledge
+    (``QuantshipQuantizer``: its float rules, pairs only where integer kernels read them, functions of one
+    tensor quantized at their output, a written-out hard swish as one ``aten.hardswish`` where faster).
     """
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -86,7 +83,7 @@ def quantize_pt2e(
     with step("quantize: capture (torch.export)"):
         captured = capture_untouched(model, batches[0], log=log)
     check_batch_sizes(captured, batches)
-    quantizer = QuantshipQuantizer(spec, float_rules=float_rules, mixed=mixed, one_op_hard_swish=one_op_hard_swish)
+    quantizer = QuantshipQuantizer(spec, target=target)
     with step("quantize: insert observers (prepare_pt2e)"):
         prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)
@@ -272,8 +269,8 @@ def check_converted(graph: GraphModule, kept_float: Collection[str] = ()) -> dic
 
 
 def quantize(model, spec, batches, *, log, verbose=False, strict=False, bias_correction=False, seq_mse=False,
-             adaround_iterations=0, float_rules=(), mixed=False, one_op_hard_swish=False):
+             adaround_iterations=0, target=None):
     """Backend entry point used by ``Quantizer`` (static PTQ)."""
     return quantize_pt2e(model, spec, batches, log=log, verbose=verbose, strict=strict,
                          bias_correction=bias_correction, seq_mse=seq_mse, adaround_iterations=adaround_iterations,
-                         float_rules=float_rules, mixed=mixed, one_op_hard_swish=one_op_hard_swish)
+                         target=target)

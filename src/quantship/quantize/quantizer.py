@@ -207,10 +207,8 @@ class Quantizer:
             extra["seq_mse"] = True
         if self.adaround_iterations:
             extra["adaround_iterations"] = self.adaround_iterations
-        if spec.backend == "pt2e" and self.preset is not None and self.preset.runs_mixed_graphs:
-            extra["float_rules"] = self.preset.float_rules  # the ONNX path's placement rules, for the same target
-            extra["mixed"] = True  # functions of one tensor written out: quantized at their output only
-            extra["one_op_hard_swish"] = self.preset.hard_swish_faster_as_one_op
+        if spec.backend == "pt2e" and self.preset is not None:
+            extra["target"] = self.preset  # its placement knowledge, the ONNX path's for the same target
 
         def run(chosen: QuantSpec) -> torch.nn.Module:
             quantized = backend.quantize(model, chosen, batches, log=self._log, verbose=self.verbose, **extra)
