@@ -199,7 +199,7 @@ def _report(run: _Run) -> int:
     from quantship.inspect.read.loading import file_size
     from quantship.sources import weights_origin
 
-    args, target, path, served, error = run.args, run.target, run.path, run.served, run.error
+    args, target, path, served, error, judged = run.args, run.target, run.path, run.served, run.error, run.judged
     spec = quant_spec(run.qmodel)
     facts = read_file(path)
     stats = facts.stats
@@ -217,21 +217,16 @@ def _report(run: _Run) -> int:
         "logit_error_vs_torch": error if isinstance(error, dict) else error.as_dict(),
         "ort_readings": readings.as_dict() if readings else None,
         "verdict": verdict.verdict, "check": verdict.as_dict(),
-        "fidelity_fp32": run.judged.fidelity.as_dict(),
-        "repair": run.judged.repair.as_dict() if run.judged.repair is not None else None,
-        "speed": run.judged.speed.as_dict() if run.judged.speed is not None else None,
-        "placement_by_profile": run.judged.profile.as_dict() if run.judged.profile is not None else None,
+        **judged.as_dict(),  # fidelity_fp32, repair, speed, placement_by_profile
     }
-    profile = run.judged.profile
-    result["float_ops"] = left_float = left_float_ops(run.quantizer, facts,
-                                                      profile.kept_modules if profile is not None else ())
+    result["float_ops"] = left_float = left_float_ops(run.quantizer, facts, judged.kept_for_speed)
     del facts
     rows_eval = quantize_report.accuracy_rows(run, result)
-    speed_cli.warn("quantize", run.judged.speed, run.args.quiet)
+    speed_cli.warn("quantize", judged.speed, run.args.quiet)
     rows = [
-        *fidelity_cli.rows(run.judged.fidelity, run.judged.repair),  # first: does the file still do the job
-        *speed_cli.rows(run.judged.speed),
-        *speed_cli.profile_rows(run.judged.profile),
+        *fidelity_cli.rows(judged.fidelity, judged.repair),  # first: does the file still do the job
+        *speed_cli.rows(judged.speed),
+        *speed_cli.profile_rows(judged.profile),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights),
         ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
@@ -247,6 +242,6 @@ def _report(run: _Run) -> int:
     rows += [(f"run {r.consumer}", str(r).split(": ", 1)[-1]) for r in verdict.runs]
     rows.append((f"check {target.target} --run", common.verdict_line(verdict)))
     run.ui.report(result, rows)
-    if run.judged.fidelity.status == "inconclusive":
+    if judged.fidelity.status == "inconclusive":
         return 1  # a constant float output tells nothing (a missed budget wrote nothing, above)
     return exit_code(verdict)

@@ -171,6 +171,18 @@ class Judged:
     speed: SpeedReading | None = None  # against the float model's ONNX export on this CPU (None: not timed)
     profile: Any = None  # profile_place.ProfilePlacement: what the profile kept float for speed (None: not run)
 
+    @property
+    def kept_for_speed(self) -> list[str]:
+        """The modules the placement by profile keeps float (empty when it kept none or did not run)."""
+        return self.profile.kept_modules if self.profile is not None else []
+
+    def as_dict(self) -> dict:
+        """The judgement, the repair, the speed reading and the placement, as the JSON report carries them."""
+        return {"fidelity_fp32": self.fidelity.as_dict(),
+                "repair": self.repair.as_dict() if self.repair is not None else None,
+                "speed": self.speed.as_dict() if self.speed is not None else None,
+                "placement_by_profile": self.profile.as_dict() if self.profile is not None else None}
+
 
 def _float_reference(model: Any, sample: Any, staged: Path, scratch: Path, opset_version: int
                      ) -> tuple[Path | None, str | None, list[str], bool]:
