@@ -50,6 +50,9 @@ class Row:
     # all of which were measured at default threads by wall time (read it with latency_method_of)
     latency_method: str = ""
     latency_rounds: dict = field(default_factory=dict)  # "b1"/"b8" -> interleaved rounds timed
+    # the CPU and its int8 flags the row was measured on (its latency: retimed rows where retimed); "" on records
+    # from before it was recorded, all of which were measured on the machine REAL.md's header named then
+    cpu: str = ""
 
     @property
     def key(self) -> str:

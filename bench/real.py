@@ -48,6 +48,8 @@ from _real_records import MODELS, ROOT, SPEED_TOOL, Row, head_commit, load_recor
 from _real_render import _pct, render  # noqa: F401  (_pct: bench/algorithms.py and int16.py read real._pct)
 from _real_timing import DEFAULT_ROUNDS, SMOKE_ROUNDS, STEADY, WALL, Rounds, latency, wall_ms
 
+from quantship.inspect.run.timing import cpu_line
+
 warnings.filterwarnings("ignore")
 RESULTS = ROOT / "bench" / "real_results.json"
 REAL_MD = ROOT / "REAL.md"
@@ -582,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 row = measure(task, runner, path_kind, tool, workdir, torch_cache)
                 row.commit, row.load_avg = commit, round(os.getloadavg()[0], 1)
+                row.cpu = cpu_line()
                 row.measured_utc = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 print(f"   {row.key}: {row.status} {row.scores.get('ort') or row.scores.get('torch') or ''} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -624,6 +627,7 @@ def retime(chosen: list[str], kept: Path, results: Path, out_md: Path, rows: str
                 time_row(row, task, path, method, SMOKE_ROUNDS if smoke else DEFAULT_ROUNDS)
                 row.retimed_utc = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 row.retimed_load = round(os.getloadavg()[0], 1)
+                row.cpu = cpu_line()
                 print(f"   {row.key}: {row.latency_ms} ({row.latency_method}, rounds {row.latency_rounds}, "
                       f"load {row.retimed_load})", flush=True)
                 out_md.write_text(render(*save_records([row], results), smoke=smoke))

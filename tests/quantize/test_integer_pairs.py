@@ -70,3 +70,33 @@ def test_a_fully_integer_target_keeps_every_pair(tmp_path):
     assert _reads_dq(model, "MaxPool") == [True, True]
     assert _quantized_outputs(model, "HardSwish") == [True]
     assert _reads_dq(model, "ReduceMean") == [True]
+
+
+class AffineAfterAFloatOp(nn.Module):
+    """PP-LCNetV3's pattern: conv -> hard swish -> learnable affine ``x * a + b`` -> conv; and a squeeze-excitation
+    whose input the mean also reads: ``y * sigmoid-gate(mean(y))`` -> conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.gate = nn.Conv2d(8, 8, 1)
+        self.scale, self.shift = nn.Parameter(torch.tensor(1.3)), nn.Parameter(torch.tensor(0.2))
+
+    def forward(self, x):
+        y = nn.functional.hardswish(self.a(x)) * self.scale + self.shift
+        y = nn.functional.hardswish(self.b(y))
+        gate = nn.functional.hardsigmoid(self.gate(y.mean(dim=(2, 3), keepdim=True)))
+        return self.c(y * gate)
+
+
+def test_an_integer_op_gets_its_float_input_paired_unless_another_float_reader_pays_for_it(tmp_path):
+    x = torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(AffineAfterAFloatOp().eval(), calibration_dl=[x])
+    model = onnx.load(str(export_qdq(qmodel, x[:2], tmp_path / "q.onnx", target="onnxruntime-cpu")))
+    # the affine pair runs on integers: the first hard swish's output gets a pair (the conv reads the Add's
+    # result quantized anyway), the Mul and the Add read and write quantized values
+    assert _quantized_outputs(model, "HardSwish") == [True, False]
+    assert _reads_dq(model, "Mul")[0] and _quantized_outputs(model, "Mul")[0]
+    assert _reads_dq(model, "Add") == [True] and _quantized_outputs(model, "Add") == [True]
+    # the second hard swish's output is also read by the mean: no pair for the gating Mul's sake, it is float
+    assert _reads_dq(model, "Mul")[-1] is False

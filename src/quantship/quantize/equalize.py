@@ -33,6 +33,7 @@ from quantship.quantize.algorithms.equalize import (
     input_channel_ranges,
     scale_input_channels,
 )
+from quantship.quantize.annotator import module_of
 
 _CONVS = {"aten.conv1d.default", "aten.conv2d.default"}
 _BATCH_NORM = "aten.batch_norm.default"
@@ -51,11 +52,6 @@ class ModulePair:
     batch_norm: str | None
     between: tuple[str, ...]
     second_batch_norm: str | None = None  # folded into the second conv by prepare_pt2e: its ranges count
-
-
-def _module_of(node: torch.fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else None
 
 
 def _sole_reader(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -78,20 +74,20 @@ def find_pairs(model: torch.nn.Module, example: torch.Tensor) -> tuple[list[Modu
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and _module_of(node):
-            calls[_module_of(node)] = calls.get(_module_of(node), 0) + 1
+        if node.op == "call_function" and module_of(node):
+            calls[module_of(node)] = calls.get(module_of(node), 0) + 1
     owners: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         owners[id(p)] = owners.get(id(p), 0) + 1
 
     def conv(node: torch.fx.Node | None) -> str | None:
-        name = _module_of(node) if node is not None and str(node.target) in _CONVS else None
+        name = module_of(node) if node is not None and str(node.target) in _CONVS else None
         ok = isinstance(modules.get(name), (torch.nn.Conv1d, torch.nn.Conv2d)) and calls.get(name) == 1 \
             and modules[name].weight.dtype == torch.float32 and owners[id(modules[name].weight)] == 1
         return name if ok else None
 
     def batch_norm(node: torch.fx.Node | None) -> str | None:
-        name = _module_of(node) if node is not None and str(node.target) == _BATCH_NORM else None
+        name = module_of(node) if node is not None and str(node.target) == _BATCH_NORM else None
         bn = modules.get(name)
         ok = isinstance(bn, torch.nn.modules.batchnorm._BatchNorm) and calls.get(name) == 1 and bn.affine \
             and bn.running_var is not None and all(owners[id(p)] == 1 for p in bn.parameters(recurse=False))

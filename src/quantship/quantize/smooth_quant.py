@@ -20,13 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from quantship.quantize.algorithms.smooth_quant import Smoothing, check_alpha, smoothing_scales
+from quantship.quantize.annotator import module_of
 
 _LINEAR, _LAYER_NORM = "aten.linear.default", "aten.layer_norm.default"
-
-
-def _module_of(node: torch.fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else None
 
 
 def find_groups(model: torch.nn.Module, example: torch.Tensor) -> tuple[list[tuple[str, list[str]]], dict[str, str]]:
@@ -35,8 +31,8 @@ def find_groups(model: torch.nn.Module, example: torch.Tensor) -> tuple[list[tup
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and str(node.target) in (_LINEAR, _LAYER_NORM) and _module_of(node):
-            calls[_module_of(node)] = calls.get(_module_of(node), 0) + 1
+        if node.op == "call_function" and str(node.target) in (_LINEAR, _LAYER_NORM) and module_of(node):
+            calls[module_of(node)] = calls.get(module_of(node), 0) + 1
     owners: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         owners[id(p)] = owners.get(id(p), 0) + 1
@@ -44,11 +40,11 @@ def find_groups(model: torch.nn.Module, example: torch.Tensor) -> tuple[list[tup
     for node in graph.nodes:
         if node.op != "call_function" or str(node.target) != _LINEAR:
             continue
-        name = _module_of(node)
+        name = module_of(node)
         if not isinstance(modules.get(name), torch.nn.Linear) or calls[name] != 1:
             continue
         source = node.args[0]
-        producer = _module_of(source) if isinstance(source, torch.fx.Node) else None
+        producer = module_of(source) if isinstance(source, torch.fx.Node) else None
         if any(g[0] == producer for g in groups):
             continue  # already grouped with an earlier reader
         why = None
@@ -61,22 +57,22 @@ def find_groups(model: torch.nn.Module, example: torch.Tensor) -> tuple[list[tup
             why = f"its LayerNorm {producer} has no affine weight over the last axis alone"
         readers = [u for u in source.users] if why is None else []
         for user in readers:
-            if str(user.target) != _LINEAR or user.args[0] is not source or calls.get(_module_of(user)) != 1 \
-                    or not isinstance(modules.get(_module_of(user)), torch.nn.Linear):
+            if str(user.target) != _LINEAR or user.args[0] is not source or calls.get(module_of(user)) != 1 \
+                    or not isinstance(modules.get(module_of(user)), torch.nn.Linear):
                 why = f"its producer {producer}'s output is also read by {user.target}"
                 break
-            if owners[id(modules[_module_of(user)].weight)] != 1:
-                why = f"{_module_of(user)}'s weight is shared with another module"
+            if owners[id(modules[module_of(user)].weight)] != 1:
+                why = f"{module_of(user)}'s weight is shared with another module"
                 break
         if why is None and any(owners[id(p)] != 1 for p in modules[producer].parameters(recurse=False)):
             why = f"its producer {producer}'s parameters are shared with another module"
         if why is not None:
-            linears = [_module_of(u) for u in readers if str(u.target) == _LINEAR
-                       and isinstance(modules.get(_module_of(u)), torch.nn.Linear)]
+            linears = [module_of(u) for u in readers if str(u.target) == _LINEAR
+                       and isinstance(modules.get(module_of(u)), torch.nn.Linear)]
             for reader in linears or [name]:
                 skipped[reader] = why
             continue
-        groups.append((producer, [_module_of(u) for u in readers]))
+        groups.append((producer, [module_of(u) for u in readers]))
     return groups, skipped
 
 
