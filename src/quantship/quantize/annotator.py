@@ -464,13 +464,14 @@ class QuantshipQuantizer(Quantizer):
         quantized, and then reads its input quantized; an Add, a Mul (``INTEGER_BINARY_OPS``), an average pool
         or a sigmoid (``INTEGER_OWN_OPS``) runs an integer kernel when its output is read quantized, its inputs
         then read quantized too (a pair on a float op's output, one pass over it, buys an integer op over the
-        large tensor: PP-OCR's detector's learnable affine blocks, ``x * a + b`` after each hard swish, ran
-        1.35x faster end to end at batch 8 so than in float), unless such a pair would make another float
+        large tensor: PP-OCR's detector's learnable affine blocks, ``x * a + b`` after each hard swish, took the
+        file from 1.27x to 1.50x FP32 at batch 8, REAL.md), unless such a pair would make another float
         reader of that value read it through a DequantizeLinear (a squeeze-excitation's Mul, whose input a mean
-        also reads: PP-OCR's classifier ran 8% slower so at batch 8). Every other annotated op computes in float: its
-        inputs lose their pairs, and its output keeps one only where an integer kernel reads it. A pair no
-        integer kernel reads would only add a rounding and two passes over the tensor (a MaxPool between two
-        float ops ran 13x slower as ONNX Runtime's uint8 pool than in float: PP-OCR's classifier, batch 8)."""
+        also reads: PP-OCR's classifier ran 4-8% slower so at batch 8, two runs). Every other annotated op
+        computes in float: its inputs lose their pairs, and its output keeps one only where an integer kernel
+        reads it. A pair no integer kernel reads would only add a rounding and two passes over the tensor (a
+        MaxPool between two float ops ran 13x slower as ONNX Runtime's uint8 pool than in float: PP-OCR's
+        classifier, batch 8)."""
         anns = {n: n.meta["quantization_annotation"] for n in model.graph.nodes
                 if n.op == "call_function" and self._annotated(n)}
 
