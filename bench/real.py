@@ -48,7 +48,7 @@ from _real_records import MODELS, ROOT, SPEED_TOOL, Row, head_commit, load_recor
 from _real_render import _pct, render  # noqa: F401  (_pct: bench/algorithms.py and int16.py read real._pct)
 from _real_timing import DEFAULT_ROUNDS, SMOKE_ROUNDS, STEADY, WALL, Rounds, latency, wall_ms
 
-from quantship.inspect.run.timing import cpu_line
+from quantship.inspect import cpu_line
 
 warnings.filterwarnings("ignore")
 RESULTS = ROOT / "bench" / "real_results.json"

@@ -174,3 +174,19 @@ def test_records_keep_the_method_and_rounds_and_read_an_older_record_as_wall(tmp
     assert '"latency_method"' not in older
     path.write_text(older)
     assert _real_records.latency_method_of(_real_records.load_records(path)[0][row.key]) == WALL
+
+
+def test_the_header_names_each_rows_cpu_and_a_record_keeps_it(tmp_path):
+    """Rows measured on two machines: the header says which CPU measured how many rows of which models (a
+    ratio is of one machine; across machines rows are not comparable), and a record saved keeps its CPU."""
+    records = _records()
+    first, *rest = records.values()
+    first.cpu = "CPU A (avx2)"
+    for r in rest:
+        r.cpu = "CPU B (avx2, avx512_vnni)"
+    line = next(ln for ln in _real_render.render(records, TASKS).splitlines() if ln.startswith("- CPU of each row"))
+    assert f"CPU B (avx2, avx512_vnni): {len(rest)} row(s) ({first.model})" in line
+    assert f"CPU A (avx2): 1 row(s) ({first.model})" in line
+    path = tmp_path / "real_results.json"
+    saved, _ = _real_records.save_records([first], path, TASKS)
+    assert _real_records.load_records(path)[0][first.key].cpu == "CPU A (avx2)"
