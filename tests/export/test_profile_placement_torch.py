@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -20,6 +19,7 @@ from quantship.export.onnx_float import export_onnx
 from quantship.export.placement import float_named_as, integer_weighted
 from quantship.export.speed_gate import SEARCH_KEY
 from quantship.inspect.read.float_ops import WHY_SPEED
+from tests.model_files import factory_and_calibration
 
 MODEL = """
 import torch.nn as nn
@@ -53,10 +53,7 @@ def test_the_float_reference_is_matched_node_for_node_and_named_by_module(tmp_pa
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("torch_profile")
-    (folder / "model.py").write_text(MODEL)
-    np.save(folder / "cal.npy", np.random.default_rng(0).random((32, 3, 16, 16)).astype(np.float32))
-    return f"{folder / 'model.py'}:build", folder / "cal.npy"
+    return factory_and_calibration(tmp_path_factory.mktemp("torch_profile"), MODEL, "build", (32, 3, 16, 16))
 
 
 def test_the_profile_runs_by_default_and_plain_placement_skips_it(files, tmp_path, capsys):

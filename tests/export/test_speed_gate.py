@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx
 import pytest
 
 from quantship.cli.main import main
 from quantship.export.speed_gate import SPEED_KEY
+from tests.model_files import factory_and_calibration
 
 MODEL = """
 import torch.nn as nn
@@ -25,10 +25,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("torch_speed")
-    (folder / "small.py").write_text(MODEL)
-    np.save(folder / "cal.npy", np.random.default_rng(0).random((16, 1, 12, 12)).astype(np.float32))
-    return f"{folder / 'small.py'}:small", folder / "cal.npy"
+    return factory_and_calibration(tmp_path_factory.mktemp("torch_speed"), MODEL, "small", (16, 1, 12, 12))
 
 
 def test_quantize_times_the_file_against_the_float_export_and_warns_first(small, tmp_path, capsys):
