@@ -18,7 +18,8 @@ from quantship.cli.main import main
 from quantship.export.onnx_float import export_onnx
 from quantship.export.placement import float_named_as, integer_weighted
 from quantship.export.speed_gate import SEARCH_KEY
-from quantship.inspect.read.float_ops import WHY_SPEED
+from quantship.inspect.read.facts import read_file
+from quantship.inspect.read.float_ops import WHY_SPEED, float_ops
 from tests.model_files import factory_and_calibration
 
 MODEL = """
@@ -80,5 +81,7 @@ def test_the_profile_runs_by_default_and_plain_placement_skips_it(files, tmp_pat
         assert said["kept_float_modules"] == sorted(skipped)  # named as --exclude names them
         why = {g["module"]: g["why"] for g in report["float_ops"]["by_module"]}
         assert all(why[m] == WHY_SPEED for m in skipped), why  # not "kept float on request"
+        alone = {g["module"]: g["why"] for g in float_ops(read_file(tmp_path / "q0.onnx"))["by_module"]}
+        assert all(alone[m] == WHY_SPEED for m in skipped), alone  # inspect, from the file's own record
     else:  # the plain file, as --plain-placement writes it
         assert not skipped and len(integer_weighted(written)) == 3

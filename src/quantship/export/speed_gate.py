@@ -19,13 +19,14 @@ import numpy as np
 
 from quantship.errors import SpecRefused, SpeedMissed, one_line
 from quantship.export.metadata import add_file_metadata
+from quantship.inspect.read.float_ops import SPEED_RECORD_KEY
 from quantship.inspect.run.speed import BUDGET_SECONDS, SpeedReading, measure_speed, unmeasured
 from quantship.inspect.run.timing import median_ms, single_thread_session
 from quantship.progress import step as progress_step
 from quantship.targets import Target
 
 SPEED_KEY = "quantship.speed"
-SEARCH_KEY = "quantship.speed_search"  # what a placement for speed kept float (by profile, or the speed search)
+SEARCH_KEY = SPEED_RECORD_KEY  # what a placement for speed kept float (by profile, or the speed search)
 MARGIN = 0.03  # a step must be this much faster (geometric mean over batches) to be kept: above timing noise
 TOLERANCE = 0.01  # and no batch this much slower
 

@@ -12,6 +12,7 @@ from another tool carries no scopes: its ops are then named by node, and the rep
 from __future__ import annotations
 
 import ast
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,9 @@ _MAX_SCOPES_CHARS = 8192  # no module path is this long; longer text is not read
 
 WHY_REQUESTED = "kept float on request"
 WHY_SPEED = "kept float for speed (placement by profile)"
+# the file's record of a placement for speed (written by ``export.profile_place`` and the speed search): on
+# the PyTorch path it names the modules kept float (``kept_float_modules``)
+SPEED_RECORD_KEY = "quantship.speed_search"
 WHY_NO_RULE = "no INT8 rule in the annotator"
 # neither requested nor a missing rule in its own module: what the file shows
 WHY_INPUT = "its input is not quantized"
@@ -65,6 +69,17 @@ def module_path(node: onnx.NodeProto) -> str | None:
     return scopes[-2] if len(scopes) >= 2 else ""
 
 
+def kept_for_speed(model: onnx.ModelProto) -> tuple[str, ...]:
+    """The modules the file's own record says were kept float for speed (empty: none, or no such record)."""
+    text = next((p.value for p in model.metadata_props if p.key == SPEED_RECORD_KEY), None)
+    try:
+        record = json.loads(text) if isinstance(text, str) and len(text) <= _MAX_SCOPES_CHARS * 16 else None
+    except ValueError:
+        return ()
+    modules = record.get("kept_float_modules") if isinstance(record, dict) else None
+    return tuple(m for m in modules if isinstance(m, str)) if isinstance(modules, list) else ()
+
+
 def _requested(spec: Any) -> tuple[str, ...]:
     """The modules the file's quantship spec says were kept float on request (``skip_activations``)."""
     skip = spec.get("skip_activations") if isinstance(spec, dict) else None
@@ -76,15 +91,15 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
     """The float compute ops of a file, grouped by module path (by node name when the file records no
     modules), each group with its ONNX op types, nodes, and why it is float.
 
-    Why: the caller kept the module float for speed (``for_speed``: the PyTorch path's placement by profile,
-    which writes it in ``skip_activations`` too); the file's spec lists the module in ``skip_activations``
+    Why: the module was kept float for speed (``for_speed``, else the file's own record of its placement by
+    profile, ``kept_for_speed``: the PyTorch path writes it in ``skip_activations`` too); the file's spec lists the module in ``skip_activations``
     (kept float on request); else, when
     the caller knows which modules its annotator had no INT8 rule for (``no_rule_modules``, with
     ``TOP_LEVEL`` for the model's own forward), that; else what the file shows (its input is not
     quantized, or nothing requantizes its result), and, without the caller's knowledge (``inspect``),
     that the file does not record why.
     """
-    speed = tuple(for_speed)
+    speed = tuple(for_speed) or kept_for_speed(facts.model)
     requested = tuple(m for m in _requested(facts.spec) if m not in speed)
     no_rule = None if no_rule_modules is None else tuple(no_rule_modules)
     recorded = [f.module is not None for f in facts.float_compute]
