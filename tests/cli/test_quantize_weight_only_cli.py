@@ -123,6 +123,14 @@ def test_gptq_refused_where_it_does_not_apply(tmp_path, capsys, extra, words):
     assert code == 2 and len(err) == 1 and words in err[0] and not out.exists()
 
 
+def test_plain_placement_is_refused_for_a_weight_only_method(tmp_path, capsys):
+    out = tmp_path / "no.onnx"
+    code = main(["quantize", "hf:reference", "--method", "int4_weight_only", "--plain-placement", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--plain-placement skips the static file's placement" in err[0]
+    assert "Traceback" not in err[0] and not out.exists()
+
+
 def test_the_file_is_timed_against_its_float_export(hf_config, tmp_path, capsys):
     """Speed on every weight-only quantize: the file against the float export of the same graph, batch 1 and 4,
     in the report, the JSON and the file (timings not compared here: this 1-layer model is measured slower, about
