@@ -45,6 +45,7 @@ class Plan:
     integer_nodes: set[int] = field(default_factory=set)  # nodes that run on quantized inputs and output
     weighted: list[int] = field(default_factory=list)  # nodes whose stored weight is quantized
     tables: list[int] = field(default_factory=list)  # Gathers whose stored table is quantized (``tables``)
+    operands: list[tuple[int, int]] = field(default_factory=list)  # stored Add/Mul operands, per tensor
     ties: list[tuple[str, ...]] = field(default_factory=list)  # tensors that share one scale
     concat_ties: list[tuple[str, ...]] = field(default_factory=list)  # tied only when ranges are close
     roles: collections.Counter = field(default_factory=collections.Counter)
@@ -57,7 +58,7 @@ class Plan:
     def as_dict(self) -> dict:
         return {"n_tensors": len(self.tensors), "n_reads": len(self.readers), "n_weighted": len(self.weighted),
                 "weighted_nodes": [node_label(self.nodes[i], i) for i in self.weighted] if self.nodes else [],
-                "n_tables": len(self.tables),
+                "n_tables": len(self.tables), "n_operands": len(self.operands),
                 "n_integer_nodes": len(self.integer_nodes), "roles": dict(self.roles),
                 "kept_float": dict(self.kept_float), "float_islands": self.islands_by_rule(),
                 "shared_scale": list(self.forced_ties)}
@@ -118,6 +119,24 @@ def _output_point(g: _Graph, node: ir.Node, excluded: set[int]) -> ir.Value:
                 and uses[0].idx == 0 and all(v is None or v.name in g.constant for v in nxt.inputs[1:]):
             return nxt.outputs[0]
     return out
+
+
+INTEGER_READER_ROLES = ("weighted", "shared", "concat", "integer_capable", "fused_activation", "table")
+
+
+def _stored_operand(node: ir.Node, value: ir.Value | None) -> bool:
+    """A float initializer an Add or a Mul reads (``x * a + b``): stored per tensor beside its integer kernel."""
+    return (node.op_type in ("Add", "Mul") and value is not None and value.const_value is not None
+            and not value.is_graph_input() and value.const_value.dtype == ir.DataType.FLOAT)
+
+
+def _read_in_float(g: _Graph, value: ir.Value, reader: int) -> bool:
+    """Another consumer of ``value`` than ``reader`` computes in float (or the value is a graph output): a pair
+    on it would make that consumer read it through a DequantizeLinear."""
+    if value.is_graph_output():
+        return True
+    return any(j != reader and role_of(g.nodes[j].op_type, g.nodes[j].domain) not in INTEGER_READER_ROLES
+               for j, _ in g.consumers(value))
 
 
 def _adds_bias(value: ir.Value, constant: set[str]) -> bool:
@@ -251,13 +270,23 @@ def plan(model: ir.Model, info: dict[str, TensorInfo], placement: Placement, exc
                 changed = True
             elif role == "integer_capable":
                 all_inputs = [v for v in node.inputs if v is not None]
-                if len(all_inputs) != len(ins):
-                    continue  # a stored operand: ONNX Runtime fuses only when every input is quantized
+                stored = [(k, v) for k, v in enumerate(node.inputs) if _stored_operand(node, v)]
+                if placement.mode == "full":
+                    stored = []  # every value is paired there already: the file's layout stays as it was
+                if len(all_inputs) != len(ins) + len(stored):
+                    continue  # another operand: ONNX Runtime fuses only when every input is quantized
                 point = _output_point(g, node, excluded)
-                if not all(v.name in quantized for _, v in ins) or point.name not in quantized:
+                if point.name not in quantized:
                     continue
-                for k, _ in ins:
+                # an input without a pair gets one when no other float reader would then dequantize it (the
+                # PyTorch path's rule: ``QuantshipQuantizer._pairs_where_integer_kernels_read``)
+                if not all(v.name in quantized or (placement.mode != "full" and not _read_in_float(g, v, i))
+                           for _, v in ins):
+                    continue
+                for k, v in ins:
+                    want(v)
                     result.readers.add((i, k))
+                result.operands.extend((i, k) for k, _ in stored)
                 result.integer_nodes.add(i)
                 if point is not node.outputs[0]:
                     result.integer_nodes.add(g.index[id(point.producer())])
@@ -400,8 +429,10 @@ def insert(model: ir.Model, p: Plan, qparams: dict[str, tuple[float, int]], plac
     n_tables = write_tables(nodes, p.tables, qparams, TABLE_BOUND,
                             lambda zero: _stored_zero(zero, placement.activation_dtype),
                             lambda base, array: _initializer(graph, names, base, array), names, graph)
+    n_operands = _operands(model, p, placement, names)
     n_weights = _weights(model, p, placement, names)
-    return {"activation_pairs": len(p.tensors), "reads": n_reads, "weights": n_weights, "tables": n_tables}
+    return {"activation_pairs": len(p.tensors), "reads": n_reads, "weights": n_weights, "tables": n_tables,
+            "operands": n_operands}
 
 
 def _read_quantized_everywhere(value: ir.Value, dq_out: ir.Value) -> bool:
@@ -422,6 +453,30 @@ def _weight_qparams(w: np.ndarray, axis: int | None, bound: int) -> np.ndarray:
     obs(torch.from_numpy(np.array(w, dtype=np.float32)))  # a writable copy
     scale, _ = obs.calculate_qparams()
     return scale.numpy().astype(np.float32).reshape(-1 if axis is not None else ())
+
+
+def _operands(model: ir.Model, p: Plan, placement: Placement, names: _Names) -> int:
+    """Each stored Add/Mul operand of an integer node through its own DequantizeLinear: per tensor, symmetric on
+    the weights' bound, in the activations' type (ONNX Runtime's QLinearAdd/QLinearMul read both inputs in one
+    type: uint8 with zero-point 128 beside uint8 activations, as the PyTorch path stores them)."""
+    graph = model.graph
+    for i, k in p.operands:
+        node = p.nodes[i]
+        value = node.inputs[k]
+        array = value.const_value.numpy()
+        scale = _weight_qparams(array, None, placement.weight_bound)
+        q = np.clip(np.rint(array / scale), -placement.weight_bound, placement.weight_bound)
+        shift = 128 if placement.activation_dtype == "uint8" else 0
+        dtype = np.uint8 if shift else np.int8
+        qv = _initializer(graph, names, f"{value.name}_quantized", (q + shift).astype(dtype))
+        sv = _initializer(graph, names, f"{value.name}_scale", scale)
+        zv = _initializer(graph, names, f"{value.name}_zero_point", np.array(shift, dtype=dtype))
+        dq = ir.Node("", "DequantizeLinear", [qv, sv, zv], name=names(f"{value.name}_DequantizeLinear"))
+        dq.outputs[0].name = names(f"{value.name}_dequantized")
+        dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, value.shape
+        graph.insert_before(node, dq)
+        node.replace_input_with(k, dq.outputs[0])
+    return len(p.operands)
 
 
 def _weights(model: ir.Model, p: Plan, placement: Placement, names: _Names) -> int:
