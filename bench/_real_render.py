@@ -162,7 +162,8 @@ def speed_summary(records: dict[str, Row], models: list[str]) -> list[str]:
              "above 1 is faster than FP32). `vs ORT defaults`: ORT defaults' INT8 ms / quantship's INT8 ms, each "
              "first divided by the FP32 ms of its own row (the same FP32 file), i.e. quantship's speed-up over ORT "
              "defaults' speed-up: above 1, quantship's file is faster; the division cancels what drifts between "
-             f"the two rows' runs{_fp32_spread(rows, models)}; only where both rows were timed by the same method. "
+             f"the two rows' runs{_fp32_spread(rows, models)}; only where both rows were timed by the same method, on "
+             "the same CPU. "
              "FP32 ms: the median of the "
              "FP32 file's time over the model's rows timed by the same method as the FP32 row. "
              f"`{WALL_MARK.strip()}`: measured by the older method ({WALL}), not comparable with an unmarked "
@@ -187,6 +188,8 @@ def speed_summary(records: dict[str, Row], models: list[str]) -> list[str]:
                     cells.append("-")
                 elif latency_method_of(row) != latency_method_of(ort_row):
                     cells.append("- (timed by different methods)")
+                elif row.cpu != ort_row.cpu:
+                    cells.append("- (timed on different CPUs)")  # int8 speed-ups differ between CPUs
                 else:
                     cells.append(f"{(ms[0] / ms[1]) / (ort_ms[0] / ort_ms[1]):.2f}x{_mark(row)}")
             lines.append("| " + " | ".join(cells) + " |")

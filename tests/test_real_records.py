@@ -190,3 +190,14 @@ def test_the_header_names_each_rows_cpu_and_a_record_keeps_it(tmp_path):
     path = tmp_path / "real_results.json"
     saved, _ = _real_records.save_records([first], path, TASKS)
     assert _real_records.load_records(path)[0][first.key].cpu == "CPU A (avx2)"
+
+
+def test_no_ratio_to_ort_defaults_across_two_cpus():
+    """quantship's speed-up over ORT defaults' divides two rows' speed-ups: on two CPUs (their int8 kernels
+    differ) that is no comparison, and the cell says so instead of a figure."""
+    records = _records()
+    same = _speed_lines(_real_render.render(records, TASKS))
+    records["mtcnn_pnet|onnx|quantship:onnxruntime-cpu"].cpu = "another CPU (avx2)"
+    other = _speed_lines(_real_render.render(records, TASKS))
+    assert "timed on different CPUs" not in " ".join(same)
+    assert all(ln.split("|")[-3].strip() == "- (timed on different CPUs)" for ln in other[2:4]), other

@@ -10,8 +10,9 @@ The same concept as the PyTorch path's annotator (``quantize.annotator.ROLES``),
   and the output share one scale and zero-point, so a runtime can drop the pair and move integers.
 - ``concat``: every input and the output share one scale.
 - ``integer_capable``: ops ONNX Runtime has integer kernels for (Add, Mul, average pooling, Sigmoid,
-  LeakyRelu); they read their inputs quantized only when those inputs already carry a Q/DQ pair
-  and their output does too (no new rounding point is added for them).
+  LeakyRelu); one runs on integers when its output is read quantized: its inputs then read quantized,
+  a float op's value getting a pair unless another float reader would then dequantize it, and a stored
+  operand of an Add or a Mul (``x * a + b``) kept per tensor beside it (``place.plan``).
 - ``table`` (``TABLE_OPS``): a Gather reading a stored float table by computed indices (an embedding):
   the table is stored int8 per tensor and the output quantized under the same scale (``tables``);
   the indices stay integer.

@@ -3,10 +3,11 @@ onnx_ir (``insert``).
 
 ``plan`` reads the role table (``roles``) node by node and grows the set of quantized tensors to a
 fixed point: the inputs and outputs of weighted ops first, then data-movement ops whose output is
-quantized (their input joins, tied to the same scale), then ops with integer kernels whose inputs
-and output are all quantized already. A tensor produced by an op that now runs on integers exists
-only quantized (every consumer reads its DequantizeLinear); one produced by a float op keeps its
-float value for float consumers. ``full`` placement quantizes every float activation except its float
+quantized (their input joins, tied to the same scale), then ops with integer kernels whose output
+is quantized (their inputs join: a float op's value unless another float reader would dequantize it,
+and an Add's or a Mul's stored operand, kept per tensor: ``_operands``). A tensor produced by an op
+that now runs on integers exists only quantized (every consumer reads its DequantizeLinear); one
+produced by a float op keeps its float value for float consumers. ``full`` placement quantizes every float activation except its float
 islands (``ISLAND_RULES``: each named, applied node by node and listed in the plan with its reason).
 A Gather reading a stored table by computed indices is a table read (``tables``): its output is
 quantized under the table's own scale, and the table stored in 8 bits.
