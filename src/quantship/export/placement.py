@@ -63,18 +63,19 @@ def integer_weighted(model: onnx.ModelProto) -> dict[tuple[str, str, int], str]:
     return _by_module(model, lambda n: len(n.input) > 1 and n.input[0] in dequantized and n.input[1] in dequantized)
 
 
-def _weight_shape(model: onnx.ModelProto, node: onnx.NodeProto) -> tuple[int, ...] | None:
-    """The dims of a weighted node's stored weight (through a DequantizeLinear in an INT8 file), or None."""
+def _in_order(model: onnx.ModelProto) -> list[tuple[str, str, tuple[int, ...] | None]]:
+    """Each weighted node in graph order: its name, op type and stored weight's dims (through a
+    DequantizeLinear in an INT8 file; None when not stored)."""
     stored = {t.name: tuple(t.dims) for t in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
-    name = node.input[1] if len(node.input) > 1 else ""
-    if name in producer and producer[name].op_type == "DequantizeLinear":
-        name = producer[name].input[0]
-    return stored.get(name)
 
+    def weight_shape(node: onnx.NodeProto) -> tuple[int, ...] | None:
+        name = node.input[1] if len(node.input) > 1 else ""
+        if name in producer and producer[name].op_type == "DequantizeLinear":
+            name = producer[name].input[0]
+        return stored.get(name)
 
-def _in_order(model: onnx.ModelProto) -> list[tuple[str, str, tuple[int, ...] | None]]:
-    return [(n.name, n.op_type, _weight_shape(model, n)) for n in model.graph.node if n.op_type in WEIGHTED_OPS]
+    return [(n.name, n.op_type, weight_shape(n)) for n in model.graph.node if n.op_type in WEIGHTED_OPS]
 
 
 def _same(a: tuple, b: tuple) -> bool:
