@@ -3,7 +3,12 @@
 ``probe`` runs one sample with every tensor exposed: the dtype and shape of each (what symbolic
 shape inference could not tell on the Paddle and YOLO files comes from this run). ``observe`` runs
 the calibration batches with the tensors to quantize exposed, feeding quantship's activation
-observers (the PyTorch path's, through ``torch.from_numpy``) one batch at a time: a batch whose
+observers (the PyTorch path's, through ``torch.from_numpy``) one batch at a time, and twice when an observer
+keeps a histogram, as the PyTorch path calibrates (``quantize.calibration.run_batches``): the first pass finds
+each tensor's exact range, the second counts every batch on bins over that range, so the ranges do not
+depend on how the calibration data is batched or sliced (re-binning a histogram whenever a batch widened
+its range did: nudenet's default file reproduced 101 of FP32's 118 detections from one batch of 32 crops
+and 109 from batches of 4; docs/fidelity.md). A batch whose
 exposed tensors would exceed the budget (``MEMORY_BUDGET``, or what ``--max-memory`` leaves) is run in
 shorter slices, and tensors whose one sample together exceeds it are exposed a group at a time (one session
 per group), so memory stays bounded whatever the batch size and the number of tensors.
@@ -21,7 +26,7 @@ import onnx
 from quantship.inspect.run.consumers import session_of
 from quantship.quantize_onnx.memory import MEMORY_BUDGET  # bytes of exposed tensors held at once
 
-OBSERVED_VALUES = 1 << 18  # values of one tensor per batch a histogram observer sees (a strided sample)
+OBSERVED_PER_SAMPLE = 1 << 16  # values of one sample of a tensor a histogram counts (an even stride through it)
 QMIN, QMAX = -128, 127  # observers work in int8, as the PyTorch path's do; uint8 is the same scale, z + 128
 
 
@@ -85,28 +90,47 @@ def probe(model: onnx.ModelProto, feed: Feed, *, one_sample: bool = True,
 
 class TensorObserver:
     """One activation observer (the PyTorch path's range rule) for one tensor, plus what the rule
-    does not track: the exact min/max and whether every value seen was an integer."""
+    does not track: the exact min/max and whether every value seen was an integer. Called on every
+    batch (the first pass); an observer that keeps a histogram (``counts``) then gets ``on_range`` and
+    ``count`` on every batch again (the second pass)."""
 
     def __init__(self, make, qscheme) -> None:
         import torch
 
         self.observer = make(dtype=torch.int8, quant_min=QMIN, quant_max=QMAX, qscheme=qscheme)
+        self.counts = isinstance(getattr(self.observer, "histogram", None), torch.Tensor)
         self.integral = True  # every value seen is an integer: scale 1 represents them exactly
         self.low, self.high = np.inf, -np.inf
 
     def __call__(self, array: np.ndarray) -> None:
         import torch
 
-        x = np.ascontiguousarray(array, dtype=np.float32)
-        if x.size == 0:
-            return
-        finite = x[np.isfinite(x)] if not np.isfinite(x).all() else x
+        finite = _finite(array)
         if finite.size == 0:
             return
         self.low, self.high = min(self.low, float(finite.min())), max(self.high, float(finite.max()))
         if self.integral:
             self.integral = bool(np.all(finite == np.round(finite)))
-        self.observer(torch.from_numpy(_sample(finite)))
+        if not self.counts:
+            self.observer(torch.from_numpy(finite))
+
+    def on_range(self) -> None:
+        """Between the passes: the histogram's range set to the exact one seen, its counts emptied (a batch
+        inside the range then adds its counts on the same bins; torchao's observer re-bins only when a
+        batch widens it)."""
+        if self.counts and self.low != np.inf:
+            self.observer.min_val.fill_(self.low)
+            self.observer.max_val.fill_(self.high)
+            self.observer.histogram.zero_()
+
+    def count(self, array: np.ndarray) -> None:
+        """The second pass: ``array``'s values (a strided sample of each of its samples) counted."""
+        import torch
+
+        if self.counts and self.low != np.inf:
+            finite = _finite(array)
+            if finite.size:
+                self.observer(torch.from_numpy(_sample(finite, array.shape)))
 
     def qparams(self, symmetric: bool) -> tuple[float, int]:
         """(scale, int8 zero-point) from the observer's range rule; integer-valued tensors that fit
@@ -128,14 +152,24 @@ class TensorObserver:
         return (QMIN - zero) * scale, (QMAX - zero) * scale
 
 
-def _sample(x: np.ndarray) -> np.ndarray:
-    """At most ``OBSERVED_VALUES`` values of ``x``: an even stride through it, plus its extremes (the
-    observed range stays exact). Histograms of a large tensor hardly move; their cost does."""
-    flat = x.reshape(-1)
-    if flat.size <= OBSERVED_VALUES:
-        return flat
-    step = -(-flat.size // OBSERVED_VALUES)
-    return np.concatenate([flat[::step], [flat.min(), flat.max()]])
+def _finite(array: np.ndarray) -> np.ndarray:
+    """``array`` as contiguous float32, its infinite and NaN values left out (flattened when any is)."""
+    x = np.ascontiguousarray(array, dtype=np.float32)
+    ok = np.isfinite(x)
+    return x if ok.all() else x[ok]
+
+
+def _sample(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """At most ``OBSERVED_PER_SAMPLE`` values of each sample (each index of ``shape``'s first axis): an even
+    stride through it, the same positions whatever the batch holds, so the counts do not depend on the
+    batching. Histograms of a large tensor hardly move; their cost does. A tensor whose non-finite
+    values were dropped (``x`` no longer of ``shape``) is strided whole."""
+    rows = shape[0] if len(shape) > 1 and x.size == int(np.prod(shape)) and shape[0] else 1
+    per_row = x.size // rows
+    if per_row <= OBSERVED_PER_SAMPLE:
+        return x.reshape(-1)
+    step = -(-per_row // OBSERVED_PER_SAMPLE)
+    return np.ascontiguousarray(x.reshape(rows, per_row)[:, ::step]).reshape(-1)
 
 
 def _checked(scale: float, zero: int) -> tuple[float, int]:
@@ -201,11 +235,27 @@ def observe(model: onnx.ModelProto, batches: Sequence[Feed], tensors: Sequence[s
     make = observer_factory(observer)
     observers = {name: TensorObserver(make, qscheme) for name in tensors}
     computed = [name for name in tensors if name not in batches[0]]
+    groups = tensor_groups(computed, info, budget) if computed else []
+    _run(model, batches, groups, info, budget, base_dir, {n: o.__call__ for n, o in observers.items()})
+    counting = {n: o for n, o in observers.items() if o.counts and o.low != np.inf}
+    if counting:  # the second pass, on the exact ranges (module docstring)
+        for o in counting.values():
+            o.on_range()
+        kept = [[n for n in g if n in counting] for g in groups]
+        _run(model, batches, [g for g in kept if g], info, budget, base_dir, {n: o.count for n, o in counting.items()})
+    return observers
+
+
+def _run(model: onnx.ModelProto, batches: Sequence[Feed], groups: list[list[str]], info: dict[str, TensorInfo],
+         budget: int, base_dir: str | Path | None, record: dict) -> None:
+    """Every batch's value of each tensor in ``record`` handed to its function: fed tensors from the
+    batches, computed ones a group at a time (one session each), a batch in slices of at most ``budget``
+    exposed bytes."""
     for feed in batches:
         for name, value in feed.items():
-            if name in observers:
-                observers[name](value)
-    for group in tensor_groups(computed, info, budget) if computed else []:
+            if name in record:
+                record[name](value)
+    for group in groups:
         session = exposing_session(model, group, base_dir)
         per_sample = sum(info[n].bytes_per_sample for n in group if n in info) or 1
         rows = max(1, budget // per_sample)
@@ -215,7 +265,6 @@ def observe(model: onnx.ModelProto, batches: Sequence[Feed], tensors: Sequence[s
                 part = {k: v[start:start + rows] for k, v in feed.items()}
                 outs = session.run(group, part)
                 for name, value in zip(group, outs):
-                    observers[name](value)
+                    record[name](value)
                 del outs
         del session
-    return observers
