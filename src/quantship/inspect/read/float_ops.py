@@ -33,6 +33,10 @@ WHY_SPEED = "kept float for speed (placement by profile)"
 # the file's record of a placement for speed (written by ``export.profile_place`` and the speed search): on
 # the PyTorch path it names the modules kept float (``kept_float_modules``)
 SPEED_RECORD_KEY = "quantship.speed_search"
+WHY_REPAIR = "kept float by the fidelity repair"
+# the file's record of the fidelity repair (``quantship.repair_loop``): its steps, each with the nodes or modules
+# it kept float (``excluded``), and the index of the one written (``chosen``)
+REPAIR_RECORD_KEY = "quantship.repair"
 WHY_NO_RULE = "no INT8 rule in the annotator"
 # neither requested nor a missing rule in its own module: what the file shows
 WHY_INPUT = "its input is not quantized"
@@ -69,15 +73,37 @@ def module_path(node: onnx.NodeProto) -> str | None:
     return scopes[-2] if len(scopes) >= 2 else ""
 
 
-def kept_for_speed(model: onnx.ModelProto) -> tuple[str, ...]:
-    """The modules the file's own record says were kept float for speed (empty: none, or no such record)."""
-    text = next((p.value for p in model.metadata_props if p.key == SPEED_RECORD_KEY), None)
+def _record(model: onnx.ModelProto, key: str) -> dict:
+    text = next((p.value for p in model.metadata_props if p.key == key), None)
     try:
-        record = json.loads(text) if isinstance(text, str) and len(text) <= _MAX_SCOPES_CHARS * 16 else None
+        record = json.loads(text) if isinstance(text, str) and len(text) <= _MAX_SCOPES_CHARS * 64 else None
     except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
+
+
+def kept_for_speed(model: onnx.ModelProto) -> tuple[str, ...]:
+    """The modules (PyTorch path, ``kept_float_modules``) or nodes (ONNX path, ``kept_float``) the file's own
+    record says were kept float for speed (empty: none, or no such record)."""
+    record = _record(model, SPEED_RECORD_KEY)
+    return _names(record.get("kept_float_modules")) + _names(record.get("kept_float"))
+
+
+def kept_by_repair(model: onnx.ModelProto) -> tuple[str, ...]:
+    """The modules or nodes the file's repair record says its chosen step kept float beyond what was asked
+    (the first step's own exclusions); empty without such a record."""
+    record = _record(model, REPAIR_RECORD_KEY)
+    steps, chosen = record.get("steps"), record.get("chosen")
+    if not isinstance(steps, list) or not isinstance(chosen, int) or not 0 <= chosen < len(steps):
         return ()
-    modules = record.get("kept_float_modules") if isinstance(record, dict) else None
-    return tuple(m for m in modules if isinstance(m, str)) if isinstance(modules, list) else ()
+    if not all(isinstance(step, dict) for step in (steps[0], steps[chosen])):
+        return ()
+    asked = set(_names(steps[0].get("excluded")))
+    return tuple(n for n in _names(steps[chosen].get("excluded")) if n not in asked)
 
 
 def _requested(spec: Any) -> tuple[str, ...]:
@@ -86,21 +112,32 @@ def _requested(spec: Any) -> tuple[str, ...]:
     return tuple(s for s in skip if isinstance(s, str)) if isinstance(skip, list) else ()
 
 
+def _named(names: tuple[str, ...], modules: set[str], nodes: list[str]) -> bool:
+    """True when ``names`` covers a group: each of its modules (under one of them), or each of its nodes by
+    name (the ONNX path's records name nodes, whatever scopes the file carries)."""
+    if not names:
+        return False
+    return (bool(modules) and all(under_modules(m, names) for m in modules)) or all(n in names for n in nodes)
+
+
 def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
               for_speed: Iterable[str] = ()) -> dict[str, Any]:
     """The float compute ops of a file, grouped by module path (by node name when the file records no
     modules), each group with its ONNX op types, nodes, and why it is float.
 
     Why: the module was kept float for speed (``for_speed``, else the file's own record of its placement by
-    profile, ``kept_for_speed``: the PyTorch path writes it in ``skip_activations`` too); the file's spec lists the module in ``skip_activations``
-    (kept float on request); else, when
+    profile, ``kept_for_speed``: the PyTorch path writes it in ``skip_activations`` too); the file's record of
+    the fidelity repair names it (``kept_by_repair``); the file's spec lists it in ``skip_activations`` (kept
+    float on request). A group also matches a list by its nodes' names (the ONNX path's records name nodes).
+    Else, when
     the caller knows which modules its annotator had no INT8 rule for (``no_rule_modules``, with
     ``TOP_LEVEL`` for the model's own forward), that; else what the file shows (its input is not
     quantized, or nothing requantizes its result), and, without the caller's knowledge (``inspect``),
     that the file does not record why.
     """
     speed = tuple(for_speed) or kept_for_speed(facts.model)
-    requested = tuple(m for m in _requested(facts.spec) if m not in speed)
+    repaired = tuple(m for m in kept_by_repair(facts.model) if m not in speed)
+    requested = tuple(m for m in _requested(facts.spec) if m not in speed and m not in repaired)
     no_rule = None if no_rule_modules is None else tuple(no_rule_modules)
     recorded = [f.module is not None for f in facts.float_compute]
     groups: dict[str, dict[str, Any]] = {}
@@ -118,9 +155,11 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
     for key, group in groups.items():
         found = modules.get(key, set())
         seen = WHY_INPUT if reads[key] else WHY_OUTPUT
-        if found and speed and all(under_modules(m, speed) for m in found):
+        if _named(speed, found, group["nodes"]):
             group["why"] = WHY_SPEED
-        elif found and all(under_modules(m, requested) for m in found):
+        elif _named(repaired, found, group["nodes"]):
+            group["why"] = WHY_REPAIR
+        elif _named(requested, found, group["nodes"]):
             group["why"] = WHY_REQUESTED
         elif no_rule is None:
             group["why"] = seen + UNRECORDED
