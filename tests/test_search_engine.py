@@ -141,6 +141,26 @@ def test_fewest_nodes_grows_prefixes_then_bisects_to_the_fewest_float_nodes():
     assert engine.fewest().excluded == ("a", "b", "c")
 
 
+def test_a_float_prefix_without_file_is_set_aside_and_the_next_nodes_are_tried():
+    """Keeping ``a`` float alone gives no file (as a float node whose outputs go non-finite would): every longer
+    prefix holds ``a`` too, so without setting it aside the prefixes would never reach a file; with it set aside
+    the prefixes go on over b, c, ... and bisection finds the fewest of those."""
+    fake = Fake(refuse=[("a",), ("a", "b"), ("a", "b", "c", "d"), ("a", "b", "c", "d", "e", "f")])
+    engine = _engine(fake, 100 - 9.75)  # met when b and c are float (loss 8 + 1 + 0.5 + 0.25 = 9.75)
+    engine.step("as asked", {}, (), ())
+    fewest_nodes(engine, ["a", "b", "c", "d", "e", "f"], sixteen=False)
+    assert engine.set_aside == ["a"]
+    assert [e for _, e, _ in fake.asked] == [(), ("a",), ("b",), ("b", "c")]
+    assert engine.fewest().excluded == ("b", "c")
+    # a prefix that gives no file after one that missed: only the nodes it added are set aside
+    fake = Fake(refuse=[("b", "c")])
+    engine = _engine(fake, 100 - 9.25)  # needs b and c float: never met once c is set aside
+    engine.step("as asked", {}, (), ())
+    fewest_nodes(engine, ["b", "c", "d", "e", "f"], sixteen=False)
+    assert engine.set_aside == ["c"] and engine.fewest() is None
+    assert [e for _, e, _ in fake.asked] == [(), ("b",), ("b", "c"), ("b", "d"), ("b", "d", "e", "f")]
+
+
 def _search(max_drop):
     return MetricSearch("score", MetricStep((), 100.0), max_drop)
 

@@ -86,6 +86,7 @@ class Repair:
     order: list[str] = field(default_factory=list)  # nodes by loss, largest first
     chosen: int | None = None
     stopped: str | None = None
+    set_aside: list[str] = field(default_factory=list)  # nodes whose float gave no file (``fewest_nodes``)
 
     @property
     def met(self) -> bool:
@@ -103,6 +104,7 @@ class Repair:
     def as_dict(self) -> dict:
         return {"budget": {"min_sqnr_db": self.budget.min_sqnr_db, "min_agreement": self.budget.min_agreement},
                 "met": self.met, "chosen": self.chosen, "stopped": self.stopped, "order": list(self.order),
+                "set_aside": list(self.set_aside),
                 "steps": [s.as_dict() for s in self.steps]}
 
 
@@ -133,7 +135,7 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
     record.steps = [RepairStep(s.what, tuple(n for n, change in algorithm_steps if change.items() <= s.options.items()),
                                s.excluded, s.wide, s.measured.sqnr_db, s.measured.worst.agreement, s.measured.margin,
                                s.measured.status, s.seconds) for s in engine.steps]
-    record.stopped = engine.stopped
+    record.stopped, record.set_aside = engine.stopped, list(engine.set_aside)
     chosen = first if first.measured.status != MISSED else engine.fewest(
         lambda s: (len(s.excluded), len(s.wide), len(record.steps[engine.steps.index(s)].algorithms)))
     if chosen is None:

@@ -58,6 +58,7 @@ class Engine:
         self.tried = 0  # files asked for, those that gave none included
         self.best: Step | None = None
         self.stopped: str | None = None
+        self.set_aside: list[str] = []  # nodes a strategy stopped trying (``fewest_nodes``: their float gave no file)
 
     def left(self) -> bool:
         """Whether ``max_steps`` allows another file after step 0 (else the reason is recorded)."""
@@ -143,11 +144,15 @@ def prefix_sizes(n: int) -> list[int]:
 def fewest_nodes(engine: Engine, ranked: Sequence[str], *, sixteen: bool = False) -> None:
     """The ranked nodes in growing prefixes (1, 2, 4, ...) over the best step, first in 16-bit activations
     (``sixteen``), then in float; once a float prefix keeps the goal, bisection finds the fewest float
-    nodes that still do."""
+    nodes that still do. A float prefix that gives no file (its outputs not finite, say, or nothing left to
+    run in integers) would break every longer prefix too: the nodes it added are set aside and the prefix of
+    the same size is tried with the next ranked nodes (recorded as ``set_aside``)."""
     best = engine.best
-    missed, hit = 0, None
-    for k in prefix_sizes(len(ranked)):
-        nodes = tuple(ranked[:k])
+    pool = list(ranked)
+    missed, hit, k = 0, None, 1
+    while len(pool) > missed:
+        k = min(k, len(pool))
+        nodes = tuple(pool[:k])
         if sixteen and engine.left():
             step = engine.step(f"16-bit activations for {k} node(s)", best.options, best.excluded, (*best.wide, *nodes))
             if step is not None and step.met:
@@ -158,10 +163,16 @@ def fewest_nodes(engine: Engine, ranked: Sequence[str], *, sixteen: bool = False
         if step is not None and step.met:
             hit = k
             break
-        missed = k
+        if step is None:
+            engine.set_aside.extend(pool[missed:k])
+            del pool[missed:k]
+            continue
+        if k == len(pool):
+            break
+        missed, k = k, 2 * k
     while hit is not None and hit - missed > 1 and engine.left():
         k = (missed + hit) // 2
-        step = engine.step(f"float for {k} node(s)", best.options, (*best.excluded, *ranked[:k]), best.wide)
+        step = engine.step(f"float for {k} node(s)", best.options, (*best.excluded, *pool[:k]), best.wide)
         if step is not None and step.met:
             hit = k
         else:

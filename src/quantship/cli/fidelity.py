@@ -47,6 +47,8 @@ def rows(fp32, repair) -> list[tuple[str, str]]:
         shown.extend((f"  step {k}", s.describe() + (f"; float: {', '.join(s.excluded)}" if s.excluded else "")
                       + (f"; 16-bit: {', '.join(s.int16)}" if s.int16 else ""))
                      for k, s in enumerate(repair.steps))
+        if repair.set_aside:
+            shown.append(("  set aside", f"{', '.join(repair.set_aside)}: float gave no file, the next nodes tried"))
     return shown
 
 
