@@ -36,6 +36,8 @@ class Collapsing(nn.Module):
             self.front.weight.copy_(torch.randn(8, 3, 3, 3, generator=g) * gains)
             self.front.bias.zero_()
             self.head.weight.copy_(torch.randn(4, 8, 1, 1, generator=g))
+            self.head.bias.copy_(torch.randn(4, generator=g) * 0.1)  # seeded too: the global RNG's state
+            # depends on the tests run before in the process, and these biases decide the argmax near-ties
 
     def forward(self, x):
         y = self.front(x)
