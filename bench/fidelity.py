@@ -235,16 +235,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def recorded(text: str, tables: dict[str, list[str]]) -> str:
-    """``text`` (paragraphs apart by blank lines) with the paragraph each table starts replaced by its new rows;
-    a table the text lacks is added at the end. The prose around them is the reader's, kept as written."""
+    """``text`` (paragraphs apart by blank lines) with each table's rows merged in: a row of this run replaces
+    the recorded row of the same model, path and target (its first three cells), the other recorded rows stay
+    (a run of some models updates theirs only); a table the text lacks is added at the end. The prose around
+    them is the reader's, kept as written."""
     blocks = text.strip("\n").split("\n\n")
     for head, table in tables.items():
         at = next((k for k, block in enumerate(blocks) if block.startswith(head)), None)
         if at is None:
             blocks.append("\n".join(table))
-        else:
-            blocks[at] = "\n".join(table)
+            continue
+        old_rows = blocks[at].split("\n")[2:]
+        new_rows = table[2:]
+        fresh = {_row_key(r): r for r in new_rows}
+        merged = [fresh.pop(_row_key(r), r) for r in old_rows]
+        blocks[at] = "\n".join([*table[:2], *merged, *fresh.values()])
     return "\n\n".join(blocks) + "\n"
+
+
+def _row_key(row: str) -> tuple[str, ...]:
+    return tuple(cell.strip() for cell in row.strip().strip("|").split("|")[:3])
 
 
 if __name__ == "__main__":
