@@ -40,7 +40,6 @@ def test_an_excluded_node_is_named_kept_float_on_request(tmp_path, capsys):
     assert why == {"node_Conv_4": WHY_REQUESTED}, why
 
 
-
 def test_the_repair_sets_aside_a_node_whose_float_gives_no_file_and_names_what_it_kept_float(tmp_path, capsys):
     """openvino runs no 16-bit activations, so after the algorithms (none keeps the budget here) the repair keeps
     ranked nodes float. Its first-ranked node, the head conv, kept float alone makes the outputs infinite (the
