@@ -6,9 +6,8 @@ the calibration batches with the tensors to quantize exposed, feeding quantship'
 observers (the PyTorch path's, through ``torch.from_numpy``) one batch at a time, and twice when an observer
 keeps a histogram, as the PyTorch path calibrates (``quantize.calibration.run_batches``): the first pass finds
 each tensor's exact range, the second counts every batch on bins over that range, so the ranges do not
-depend on how the calibration data is batched or sliced (re-binning a histogram whenever a batch widened
-its range did: nudenet's default file reproduced 101 of FP32's 118 detections from one batch of 32 crops
-and 109 from batches of 4; docs/fidelity.md). A batch whose
+depend on how the calibration data is batched or sliced (a per-batch sample and a histogram re-binned
+whenever a batch widened its range made them depend on it: docs/fidelity.md has nudenet's figures). A batch whose
 exposed tensors would exceed the budget (``MEMORY_BUDGET``, or what ``--max-memory`` leaves) is run in
 shorter slices, and tensors whose one sample together exceeds it are exposed a group at a time (one session
 per group), so memory stays bounded whatever the batch size and the number of tensors.
