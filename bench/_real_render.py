@@ -263,8 +263,11 @@ def render(records: dict[str, Row], tasks: dict[str, dict], smoke: bool = False)
         "command `quantship quantize-onnx FLOAT.onnx --calib CAL.npy --out INT8.onnx --target T` in a subprocess, "
         "calibration array in the input's own dtype (`--speed-search` rows: the same command with `--target "
         "onnxruntime-cpu --speed-search`, its steps bounded by `--max-steps` on the models bench/real.py's "
-        "SPEED_MAX_STEPS names, said in the row); quantship PyTorch path = `Quantizer.for_target(T).quantize` "
-        "+ `export_qdq(..., target=T)` on the PyTorch model (the wheel's for MTCNN; `onnx2torch` 1.5.15 after "
+        "SPEED_MAX_STEPS names, said in the row); quantship PyTorch path = what `quantship quantize` runs by default "
+        "(`quantship.export.quantize_export_judged`: `Quantizer.for_target(T).quantize`, `export_qdq(..., target=T)`, "
+        "the fidelity budget judged in-sample on the first calibration batch and repaired if missed, placement by "
+        "profile on ONNX Runtime targets; rows measured before 2026-12-04 are `Quantizer` + `export_qdq` alone) "
+        "on the PyTorch model (the wheel's for MTCNN; `onnx2torch` 1.5.15 after "
         "lifting Constants to initializers and freezing constant Reshape/Resize arguments, "
         "`quantship.examples.real.convert`, for the ONNX models). All tools get the same calibration data.",
         "",

@@ -4,8 +4,9 @@ Every model of ``quantship.examples.real`` (weights inside installed packages, d
 ground truth) is scored as FP32, then as INT8 made by each tool: ONNX Runtime's ``quantize_static``
 (QDQ, defaults and per-channel), NNCF's ``nncf.quantize`` (ONNX backend, defaults and
 ``model_type=TRANSFORMER`` where it applies), ``quantship quantize-onnx --target T`` run as a user
-runs it (a subprocess, one per preset), and quantship's PyTorch path (``Quantizer.for_target(T)``
-+ ``export_qdq``) where a PyTorch model exists. Each INT8 file is scored in ONNX Runtime at its
+runs it (a subprocess, one per preset), and quantship's PyTorch path as ``quantship quantize`` runs it by
+default (``quantize_export_judged``: ``Quantizer.for_target(T)``, ``export_qdq``, the fidelity budget, placement
+by profile) where a PyTorch model exists. Each INT8 file is scored in ONNX Runtime at its
 default optimizations (what users run) and read literally (optimizations off; on a subset where
 that is slow), in torch for the PyTorch path, and in OpenVINO / TiGrIS's host runtime for the
 openvino / tigris presets' files. Latency: FP32 and INT8 files in ONNX Runtime at batch 1 and 8,
@@ -432,21 +433,30 @@ def speed_note(path: Path, steps: int | None) -> str:
 
 
 def pt2e_quantize(task: Task, model, out: Path, preset: str):
+    """The PyTorch path as ``quantship quantize`` runs it by default (``quantize_export_judged``: quantize, export,
+    the fidelity budget judged and repaired, placement by profile on ONNX Runtime targets), on the task's
+    calibration batches; the budget read in-sample on the first batch (the task holds no other data out)."""
     import torch
 
-    from quantship import Quantizer, export_qdq
+    from quantship import Budget, Quantizer
+    from quantship.export import quantize_export_judged
+    from quantship.targets import get
 
     batches = [torch.from_numpy(b) for b in batched(task.calib, task.calib_batch)]
-    quantizer = Quantizer.for_target(preset)
-    qmodel = quantizer.quantize(model, batches, max_calibration_samples=len(task.calib))
-    export_qdq(qmodel, torch.from_numpy(task.eval_x[:1]), out, target=preset)
+    judged = quantize_export_judged(
+        model, batches, torch.from_numpy(task.eval_x[:1]), out, target=get(preset), overrides={}, held=None,
+        held_label="", budget=Budget(), make_quantizer=lambda target, **kw: Quantizer.for_target(target, **kw),
+        quantize_kwargs={"max_calibration_samples": len(task.calib)})
     note = ""
-    report = getattr(quantizer, "report", None)
+    report = getattr(judged.quantizer, "report", None)
     if report is not None and getattr(report, "float_ops", None):
         from quantship.quantize import describe_float_ops
 
         note = f"kept in float (no role): {describe_float_ops(report)}"
-    return qmodel, note
+    profile = getattr(judged, "profile", None)
+    if profile is not None and profile.kept_float:
+        note = "; ".join(n for n in (note, f"placement by profile: {profile.describe()}") if n)
+    return judged.qmodel, note
 
 
 def int8_path(task: Task, path_kind: str, tool: str, workdir: Path) -> Path:
