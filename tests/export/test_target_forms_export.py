@@ -76,11 +76,26 @@ def test_onnxruntime_file_writes_prelu_out_as_the_onnx_path_does(tmp_path):
     assert path.readings.literal_lsb <= 3.0
 
 
+def test_tigris_file_writes_a_spatial_mean_as_a_global_pool_and_tigris_runs_it(tmp_path):
+    """The squeeze-excitation gate's ``mean((2, 3), keepdim=True)``: exported as ReduceMean, written for TiGrIS as
+    GlobalAveragePool (the PP-OCR classifier's file compiles only so), proven byte-identical in ONNX Runtime by
+    the pass; TiGrIS's own runtime runs the file (``check --run``)."""
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    qmodel = Quantizer.for_target("tigris").quantize(GatedConv().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / "tigris.onnx", target="tigris")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "ReduceMean" not in ops and ops.count("GlobalAveragePool") == 1
+    inputs = torch.randn(8, 1, 3, 16, 16, generator=torch.Generator().manual_seed(1)).numpy()
+    report = check_file(path, "tigris", run=True, inputs=list(inputs))  # eight batches of one (a static plan)
+    assert report.verdict == "accepted", report.summary()
+
+
 def test_exported_forms_follow_the_target_fields():
     names = {t: [p.name for p in target_forms.exported_forms(get_target(t))]
              for t in ("onnxruntime-cpu", "tigris", "openvino", "tensorrt")}
-    assert names == {"onnxruntime-cpu": ["prelu_written_out"], "tigris": ["clip_as_relu6"],
-                     "openvino": [], "tensorrt": []}
+    assert names == {"onnxruntime-cpu": ["prelu_written_out"],
+                     "tigris": ["clip_as_relu6", "spatial_mean_as_global_pool"], "openvino": [], "tensorrt": []}
     assert all(p.proof == "exact" for t in names for p in target_forms.exported_forms(get_target(t)))
 
 

@@ -115,7 +115,8 @@ def test_only_the_targets_that_need_them_get_them():
     names = {t: [p.name for p in target_forms.passes_for(resolve_target(t), sample, lambda m: [])]
              for t in ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")}
     assert names == {"onnxruntime-cpu": ["hard_swish_one_op", "prelu_written_out"], "tensorrt": [], "openvino": [],
-                     "tigris": ["static_shapes", "batch_norm_written_out", "hard_sigmoid_written_out"]}
+                     "tigris": ["static_shapes", "batch_norm_written_out", "hard_sigmoid_written_out",
+                                "spatial_mean_as_global_pool"]}
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,8 @@ def test_the_tigris_file_is_batch_1_without_hard_sigmoid_and_tigris_compiles_it(
     dims = [d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim]
     assert dims == [1, 3, 8, 8]
     assert not {n.op_type for n in written.graph.node} & {"HardSigmoid", "Shape", "Range", "ConstantOfShape"}
-    assert [r.name for r in result.normalised][-3:] == ["static_shapes", "batch_norm_written_out",
-                                                         "hard_sigmoid_written_out"]
+    assert [r.name for r in result.normalised][-4:] == ["static_shapes", "batch_norm_written_out",
+                                                         "hard_sigmoid_written_out", "spatial_mean_as_global_pool"]
     tigris = next(r for r in result.verdict.runs if r.consumer == "TiGrIS")
     assert tigris.ran and tigris.n_inputs > 0 and tigris.max_lsb is not None, tigris  # it compiled a plan and ran it
 

@@ -25,6 +25,10 @@ produced (``exported_forms``; proven byte-identical by ``export.qdq.TargetFormsP
   the same values bit for bit. ONNX Runtime 1.32's PRelu kernel spent 46% of MTCNN ONet's time (FP32
   and INT8 alike); written out, the INT8 files of RNet and ONet ran at or above FP32's speed (they
   were 0.80x and 0.86x). An exact pass.
+- ``spatial_mean_as_global_pool``, for TiGrIS: ``ReduceMean`` over H and W of an NCHW tensor (keepdims)
+  becomes ``GlobalAveragePool``, the same op. TiGrIS 0.12.1 compiled a plan for the PP-OCR classifier's
+  PyTorch-path file only this way: as ReduceMean, its squeeze-excitation means after a written-out hard
+  swish were refused ("needs one rank-3 input"), though such means elsewhere compile. An exact pass.
 - ``clip_as_relu6``, for a QDQ graph and a runtime without ``HardSigmoid`` whose only Clip is Relu6
   (TiGrIS): the PyTorch path exports a hard sigmoid as ``Clip(a x + b, 0, 1)`` between a
   DequantizeLinear and a QuantizeLinear; read at 6 times both scales, the same integers go through
@@ -370,6 +374,8 @@ def passes_for(target: Target, sample: Feed | None, run_outputs) -> tuple[Pass, 
     if not target.has_hard_sigmoid:
         passes.append(Pass("hard_sigmoid_written_out", hard_sigmoid_written_out, "float",
                            f"{target.name} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
+    if target.spatial_mean_as_global_pool:
+        passes.append(_mean_pass(target))
     return tuple(passes)
 
 
@@ -480,6 +486,50 @@ def hard_swish_one_op_quantized(model: ir.Model) -> int:
     return n
 
 
+def _reduce_axes(node: ir.Node) -> list[int] | None:
+    """A ReduceMean's axes: its attribute (opset < 18) or its constant second input (opset 18); None when
+    they are computed, [] when absent (every axis)."""
+    attribute = node.attributes.get("axes")
+    if attribute is not None:
+        return [int(a) for a in attribute.value]
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        const = node.inputs[1].const_value
+        return None if const is None else [int(a) for a in const.numpy().reshape(-1)]
+    return []
+
+
+def spatial_mean_as_global_pool(model: ir.Model) -> int:
+    """``ReduceMean(x, axes=[2, 3], keepdims=1)`` of a rank-4 (NCHW) ``x`` becomes ``GlobalAveragePool(x)``: the
+    mean of each channel's H x W values, the same op (ONNX Runtime gives the same bytes, read literally and
+    fused: proven by the pass on each file)."""
+    graph = model.graph
+    n = 0
+    for node in list(graph):
+        if node.op_type != "ReduceMean" or node.domain not in DEFAULT_DOMAINS or not node.inputs:
+            continue
+        x = node.inputs[0]
+        keepdims = node.attributes.get("keepdims")
+        axes = _reduce_axes(node)
+        if (x is None or x.shape is None or len(x.shape) != 4 or (keepdims is not None and int(keepdims.value) != 1)
+                or axes is None or sorted(a % 4 for a in axes) != [2, 3]):
+            continue
+        pool = ir.node("GlobalAveragePool", [x], name=f"{node.name}/global_pool")
+        graph.insert_before(node, pool)
+        pool.outputs[0].dtype, pool.outputs[0].shape = node.outputs[0].dtype, node.outputs[0].shape
+        _take_over(node.outputs[0], pool.outputs[0])
+        graph.remove(node, safe=True)
+        n += 1
+    if n:
+        drop_unused_initializers(graph)
+    return n
+
+
+def _mean_pass(target: Target) -> Pass:
+    """The one mean rewrite, on the float graph (ONNX path) and on the exported QDQ graph (PyTorch path)."""
+    return Pass("spatial_mean_as_global_pool", spatial_mean_as_global_pool, "exact",
+                f"{target.name} runs a mean over H and W as a global average pool")
+
+
 def _prelu_pass(target: Target) -> Pass:
     """The one PRelu rewrite, on the float graph (ONNX path) and on the exported QDQ graph (PyTorch path)."""
     return Pass("prelu_written_out", prelu_written_out, "exact",
@@ -495,4 +545,6 @@ def exported_forms(target: Target) -> tuple[Pass, ...]:
     if not target.has_hard_sigmoid:
         passes.append(Pass("clip_as_relu6", clip_as_relu6, "exact",
                            f"{target.name} runs Clip(0, 6) (Relu6) and no other Clip: a hard sigmoid's Clip(0, 1) at 6x scale"))
+    if target.spatial_mean_as_global_pool:
+        passes.append(_mean_pass(target))
     return tuple(passes)

@@ -60,6 +60,7 @@ class Target(Preset):
     requantize_before_relu: bool = False  # a Q/DQ pair before a Relu it cannot fold lets Conv/Gemm fuse
     has_hard_sigmoid: bool = True
     runs_lone_batch_norm: bool = True  # False: BatchNormalization runs only folded into a Conv
+    spatial_mean_as_global_pool: bool = False  # a mean over H and W of NCHW written as GlobalAveragePool
     prelu_slower_than_written_out: bool = False
     hard_swish_faster_as_one_op: bool = False
     weight_only_form: str | None = None  # its own weight-only operator ("MatMulNBits"); None: none

@@ -21,4 +21,7 @@ TARGET = Target(
     runner="tigris-cli",
     has_hard_sigmoid=False,  # its operator contract has HardSwish and Clip, not HardSigmoid
     runs_lone_batch_norm=False,  # it folds Conv -> BatchNormalization and has no kernel for one alone
+    # 0.12.1 refused the PP-OCR classifier's squeeze-excitation means (ReduceMean over H, W, from the PyTorch
+    # path) after some producers ("needs one rank-3 input"); the same file with GlobalAveragePool compiles
+    spatial_mean_as_global_pool=True,
 )
