@@ -146,6 +146,14 @@ def _take_over(old: ir.Value, new: ir.Value) -> None:
     new.name, old.name = old.name, None
 
 
+def _replace(graph: ir.Graph, at: ir.Node, nodes: list[ir.Node], removed: ir.Node | list[ir.Node]) -> None:
+    """``nodes`` inserted before ``at``; the last one's output takes over ``at``'s (its readers, its name);
+    ``removed`` (``at``, or the whole pattern it ends) leaves the graph."""
+    graph.insert_before(at, nodes)
+    _take_over(at.outputs[0], nodes[-1].outputs[0])
+    graph.remove(removed, safe=True)
+
+
 def hard_sigmoid_written_out(model: ir.Model) -> int:
     graph = model.graph
     found = [n for n in graph if n.op_type == "HardSigmoid" and n.domain in DEFAULT_DOMAINS]
@@ -158,9 +166,7 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
         partner = _hard_swish_partner(node) if swish_ok else None
         if partner is not None:
             swish = ir.node("HardSwish", [x], name=f"{node.name}/hardswish")
-            graph.insert_before(partner, swish)
-            _take_over(partner.outputs[0], swish.outputs[0])
-            graph.remove([partner, node], safe=True)
+            _replace(graph, partner, [swish], [partner, node])
             n += 1
             continue
         alpha, beta = _attr(node, "alpha", 0.2), _attr(node, "beta", 0.5)
@@ -170,9 +176,7 @@ def hard_sigmoid_written_out(model: ir.Model) -> int:
         add = ir.node("Add", [mul.outputs[0], shift], name=f"{node.name}/add")
         relu6 = ir.node("Clip", [add.outputs[0], zero, six], name=f"{node.name}/relu6")
         back = ir.node("Mul", [relu6.outputs[0], sixth], name=f"{node.name}/div6")
-        graph.insert_before(node, [mul, add, relu6, back])
-        _take_over(node.outputs[0], back.outputs[0])
-        graph.remove(node, safe=True)
+        _replace(graph, node, [mul, add, relu6, back], node)
         n += 1
     return n
 
@@ -275,9 +279,7 @@ def hard_swish_one_op(model: ir.Model) -> int:
     graph = model.graph
     for end, x, nodes in found:
         swish = ir.node("HardSwish", [x], name=f"{end.name}/hardswish")
-        graph.insert_before(end, swish)
-        _take_over(end.outputs[0], swish.outputs[0])
-        graph.remove(nodes, safe=True)
+        _replace(graph, end, [swish], nodes)
     drop_unused_initializers(graph)
     return len(found)
 
@@ -323,9 +325,7 @@ def prelu_written_out(model: ir.Model) -> int:
             negative = ir.node("Min", [x, zero], name=f"{node.name}/min")
             scaled = ir.node("Mul", [negative.outputs[0], slope], name=f"{node.name}/slope")
             nodes = [relu, negative, scaled, ir.node("Add", [relu.outputs[0], scaled.outputs[0]], name=f"{node.name}/add")]
-        graph.insert_before(node, nodes)
-        _take_over(node.outputs[0], nodes[-1].outputs[0])
-        graph.remove(node, safe=True)
+        _replace(graph, node, nodes, node)
     return len(found)
 
 
@@ -349,9 +349,7 @@ def batch_norm_written_out(model: ir.Model) -> int:
         shift = fresh_initializer(graph, f"{bn.name}/shift", (beta - mean * factor).reshape(per_channel))
         mul = ir.node("Mul", [x, scale], name=f"{bn.name}/mul")
         add = ir.node("Add", [mul.outputs[0], shift], name=f"{bn.name}/add")
-        graph.insert_before(bn, [mul, add])
-        _take_over(bn.outputs[0], add.outputs[0])
-        graph.remove(bn, safe=True)
+        _replace(graph, bn, [mul, add], bn)
         n += 1
     if n:
         drop_unused_initializers(graph)
@@ -475,9 +473,7 @@ def hard_swish_one_op_quantized(model: ir.Model) -> int:
         if any(u.node not in real for q in pairs if q.op_type == "DequantizeLinear" for u in q.outputs[0].uses()):
             continue
         swish = ir.node("HardSwish", [x_real], name=f"{last.name}/hardswish")
-        graph.insert_before(last, swish)
-        _take_over(last.outputs[0], swish.outputs[0])
-        graph.remove([*real, *pairs], safe=True)
+        _replace(graph, last, [swish], [*real, *pairs])
         n += 1
     if n:
         graph.remove([d for d in graph if d.op_type == "DequantizeLinear" and not any(o.uses() for o in d.outputs)
@@ -514,10 +510,8 @@ def spatial_mean_as_global_pool(model: ir.Model) -> int:
                 or axes is None or sorted(a % 4 for a in axes) != [2, 3]):
             continue
         pool = ir.node("GlobalAveragePool", [x], name=f"{node.name}/global_pool")
-        graph.insert_before(node, pool)
         pool.outputs[0].dtype, pool.outputs[0].shape = node.outputs[0].dtype, node.outputs[0].shape
-        _take_over(node.outputs[0], pool.outputs[0])
-        graph.remove(node, safe=True)
+        _replace(graph, node, [pool], node)
         n += 1
     if n:
         drop_unused_initializers(graph)
