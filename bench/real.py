@@ -445,7 +445,7 @@ def pt2e_quantize(task: Task, model, out: Path, preset: str):
     batches = [torch.from_numpy(b) for b in batched(task.calib, task.calib_batch)]
     judged = quantize_export_judged(
         model, batches, torch.from_numpy(task.eval_x[:1]), out, target=get(preset), overrides={}, held=None,
-        held_label="", budget=Budget(), make_quantizer=lambda target, **kw: Quantizer.for_target(target, **kw),
+        held_label="", budget=Budget(), make_quantizer=Quantizer.for_target,
         quantize_kwargs={"max_calibration_samples": len(task.calib)})
     note = ""
     report = getattr(judged.quantizer, "report", None)
@@ -453,9 +453,8 @@ def pt2e_quantize(task: Task, model, out: Path, preset: str):
         from quantship.quantize import describe_float_ops
 
         note = f"kept in float (no role): {describe_float_ops(report)}"
-    profile = getattr(judged, "profile", None)
-    if profile is not None and profile.kept_float:
-        note = "; ".join(n for n in (note, f"placement by profile: {profile.describe()}") if n)
+    if judged.profile is not None and judged.profile.kept_float:
+        note = "; ".join(n for n in (note, f"placement by profile: {judged.profile.describe()}") if n)
     return judged.qmodel, note
 
 

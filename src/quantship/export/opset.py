@@ -28,7 +28,8 @@ def _since(op_type: str, opset: int) -> int | None:
         return None
 
 
-def _constant_axes(value: ir.Value) -> list[int] | None:
+def constant_axes(value: ir.Value) -> list[int] | None:
+    """The axes a stored tensor or a Constant node holds; None when they are computed."""
     if value.const_value is not None:
         return [int(a) for a in value.const_value.numpy().reshape(-1)]
     producer = value.producer()
@@ -57,7 +58,7 @@ def _lower_axes(graph: ir.Graph, node: ir.Node) -> None:
             raise OpsetRefused(f"{node.op_type} {node.name!r} has no axes and noop_with_empty_axes=1, which "
                                "opset 17 cannot express")
     else:
-        axes = _constant_axes(axes_value)
+        axes = constant_axes(axes_value)
         if axes is None:
             raise OpsetRefused(
                 f"{node.op_type} {node.name!r} reads its axes from {axes_value.name!r}, a value computed at "

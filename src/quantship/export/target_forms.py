@@ -61,6 +61,7 @@ from quantship.export.ir_edit import (
     fresh_initializer,
     replace_model,
 )
+from quantship.export.opset import constant_axes
 from quantship.targets import Target
 
 Feed = dict[str, np.ndarray]
@@ -489,8 +490,7 @@ def _reduce_axes(node: ir.Node) -> list[int] | None:
     if attribute is not None:
         return [int(a) for a in attribute.value]
     if len(node.inputs) > 1 and node.inputs[1] is not None:
-        const = node.inputs[1].const_value
-        return None if const is None else [int(a) for a in const.numpy().reshape(-1)]
+        return constant_axes(node.inputs[1])
     return []
 
 
