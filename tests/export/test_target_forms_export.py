@@ -91,6 +91,95 @@ def test_tigris_file_writes_a_spatial_mean_as_a_global_pool_and_tigris_runs_it(t
     assert report.verdict == "accepted", report.summary()
 
 
+class ResidualBatchNorm(torch.nn.Module):
+    """A batch norm after a residual Add (no conv to fold into), as PP-OCRv4's detector has one."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.conv3 = torch.nn.Conv2d(8, 4, 3, padding=1)
+        with torch.no_grad():  # statistics far from the identity, so a dropped or misread norm shows
+            self.bn.running_mean.copy_(torch.randn(8, generator=g))
+            self.bn.running_var.copy_(torch.rand(8, generator=g) + 0.5)
+            self.bn.weight.copy_(torch.randn(8, generator=g))
+            self.bn.bias.copy_(torch.randn(8, generator=g))
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        return self.conv3(torch.relu(self.bn(y + self.conv2(y))))
+
+
+def test_lone_batch_norm_is_a_quantized_mul_and_add_for_tigris_and_tigris_runs_it(tmp_path):
+    """TiGrIS runs BatchNormalization only folded into a conv (``Target.runs_lone_batch_norm``): the annotator writes
+    the lone one as a per-channel mul and add (``decompose.batch_norm_as_affine``), quantized like any other, as the
+    ONNX path's float pass does; the file was refused before ('BatchNormalization has no kernel in the runtime').
+    ONNX Runtime's file keeps the op."""
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 16, 16))
+    model = ResidualBatchNorm().eval()
+    with torch.no_grad():
+        reference = model(sample)
+    quantizer = Quantizer.for_target("tigris")
+    qmodel = quantizer.quantize(model, calib)
+    assert quantizer.report.batch_norms_as_affine == 1
+    with torch.no_grad():  # still the model: the rewrite is the same arithmetic, then 8-bit rounding
+        error = (qmodel(sample) - reference).pow(2).mean() / reference.pow(2).mean()
+    assert error < 1e-3
+    path = export_qdq(qmodel, sample, tmp_path / "tigris.onnx", target="tigris")
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    assert "BatchNormalization" not in ops and ops.count("Mul") == 1
+    produced = {o: n for n in graph.node for o in n.output}
+    for op in ("Mul", "Add"):  # the activation and the per-channel constant, each through its DequantizeLinear
+        node = next(n for n in graph.node if n.op_type == op and n.input[1] in produced
+                    and produced[n.input[1]].input[0] not in produced)  # a stored operand
+        assert all(produced[i].op_type == "DequantizeLinear" for i in node.input)
+    inputs = torch.randn(4, 1, 3, 16, 16, generator=torch.Generator().manual_seed(1)).numpy()
+    report = check_file(path, "tigris", run=True, inputs=list(inputs))
+    assert report.verdict == "accepted", report.summary()
+    ort = export_qdq(Quantizer.for_target("onnxruntime-cpu").quantize(model, calib), sample,
+                     tmp_path / "ort.onnx", target="onnxruntime-cpu")
+    assert "BatchNormalization" in [n.op_type for n in onnx.load(str(ort)).graph.node]
+
+
+class Upsampler(torch.nn.Module):
+    """A text detector's neck: a transposed conv doubling the map, its output channels fewer than its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(8, 6, 2, stride=2)
+        self.head = torch.nn.Conv2d(6, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(self.up(torch.relu(self.conv(x))))
+
+
+@pytest.mark.parametrize("target", ["tigris", "openvino"])
+def test_transposed_conv_weight_is_per_output_channel_and_the_runtime_runs_it(tmp_path, target):
+    """The annotator had no rule for a transposed conv: its weight stayed float, which TiGrIS refuses to run in an
+    int8 plan ('operator contract is not executable', PP-OCRv4's detector). Its weight [in, out, k, k] is now
+    quantized per output channel, axis 1 (axis 0 would give the input channels the scales)."""
+    torch.manual_seed(0)
+    calib, sample = _data((2, 3, 8, 8))
+    qmodel = Quantizer.for_target(target).quantize(Upsampler().eval(), calib)
+    path = export_qdq(qmodel, sample, tmp_path / f"{target}.onnx", target=target)
+    graph = onnx.load(str(path)).graph
+    produced = {o: n for n in graph.node for o in n.output}
+    (up,) = [n for n in graph.node if n.op_type == "ConvTranspose"]
+    weight = produced[up.input[1]]
+    assert weight.op_type == "DequantizeLinear"
+    assert [a.i for a in weight.attribute if a.name == "axis"] == [1]
+    scales = numpy_helper.to_array(next(t for t in graph.initializer if t.name == weight.input[1]))
+    assert scales.shape == (6,)
+    inputs = torch.randn(4, 1, 3, 8, 8, generator=torch.Generator().manual_seed(1)).numpy()
+    report = check_file(path, target, run=True, inputs=list(inputs))
+    assert report.verdict == "accepted", report.summary()
+
+
 def test_exported_forms_follow_the_target_fields():
     names = {t: [p.name for p in target_forms.exported_forms(get_target(t))]
              for t in ("onnxruntime-cpu", "tigris", "openvino", "tensorrt")}

@@ -130,6 +130,8 @@ def x4(*shape):
 PATTERNS = {
     "conv": (lambda: nn.Conv2d(3, 4, 3), lambda: x4(2, 3, 8, 8), (2, 2, 1)),
     "conv_bn_relu": (ConvBnRelu, lambda: x4(2, 3, 8, 8), (2, 2, 1)),
+    # the weight [in, out, k, k] per output channel (axis 1): ``test_transposed_conv_weight_is_per_output_channel``
+    "conv_transpose": (lambda: nn.ConvTranspose2d(3, 4, 2, stride=2), lambda: x4(2, 3, 8, 8), (2, 2, 1)),
     "linear": (lambda: nn.Linear(8, 4), lambda: x4(2, 8), (2, 2, 1)),
     "linear_3d": (lambda: nn.Linear(8, 4), lambda: x4(2, 5, 8), (4, 4, 1)),
     "add": (lambda: Binary(torch.add), lambda: (x4(2, 4), x4(2, 4)), (3, 3, 0)),

@@ -41,6 +41,7 @@ from quantship.precision import QuantSpec, under_modules
 from quantship.quantize import observers
 from quantship.quantize.constants import store_constructed_constants
 from quantship.quantize.decompose import (
+    batch_norm_as_affine,
     decompose_attention,
     decompose_einsum,
     flatten_linear_inputs,
@@ -59,6 +60,12 @@ WEIGHT_BOUND_REDUCED = 63  # reduce_range: u8 x s8 pairs stay below 2**15 (no vp
 # -- operator tables (the one place that says which aten op belongs to which role) -------------
 WEIGHTED_OPS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.linear.default}
 CONV_OPS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
+# weight [in, out / groups, k...]: per output channel is axis 1. Annotated as weighted ops; the algorithms that
+# read WEIGHTED_OPS' weights along axis 0 (bias correction, rounding) leave them alone
+TRANSPOSED_CONV_OPS = {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
+ANNOTATED_WEIGHT_OPS = WEIGHTED_OPS | TRANSPOSED_CONV_OPS
+# what a following batch norm folds into (prepare_pt2e before annotation, prepare_qat_pt2e after it)
+CONV_BN_PRODUCERS = CONV_OPS | TRANSPOSED_CONV_OPS
 BATCH_NORM_OPS = {
     aten.batch_norm.default,
     aten._native_batch_norm_legit.default,
@@ -127,7 +134,7 @@ NEW_TENSOR_OPS = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.d
 
 # role name of every op with a rule, for reports and tests
 ROLES: dict = {
-    **{op: "weighted" for op in WEIGHTED_OPS},
+    **{op: "weighted" for op in ANNOTATED_WEIGHT_OPS},
     **{op: "binary" for op in BINARY_OPS},
     **{op: "matmul" for op in MATMUL_OPS | MATMUL_ADD_OPS},
     **{op: "einsum" for op in EINSUM_OPS},
@@ -144,6 +151,12 @@ def _is_float_tensor(node: object) -> bool:
         return False
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _one_value(node: object) -> bool:
+    """A tensor of one element (0-d or broadcast from shape [1])."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(val, torch.Tensor) and val.numel() == 1
 
 
 def module_of(node: Node) -> str | None:
@@ -204,6 +217,7 @@ class AnnotationReport:
     functions: dict[str, int] = field(default_factory=dict)  # last node of a function of one tensor -> its ops
     float_outputs: list[str] = field(default_factory=list)  # outputs only convs kept float read: no pair
     hard_swishes: int = 0  # hard swishes written out, made one aten.hardswish (decompose.hard_swish_as_one_op)
+    batch_norms_as_affine: int = 0  # lone batch norms written as mul + add (decompose.batch_norm_as_affine)
 
     @property
     def unannotated_ops(self) -> dict[str, int]:
@@ -226,7 +240,8 @@ class AnnotationReport:
         return {"n_weighted": self.n_weighted, "n_add": self.n_add, "n_skipped_conv_add": self.n_skipped_conv_add,
                 "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module(),
                 "kept_float": dict(self.kept_float), "functions_of_one_tensor": dict(self.functions),
-                "float_outputs": list(self.float_outputs), "hard_swishes_as_one_op": self.hard_swishes}
+                "float_outputs": list(self.float_outputs), "hard_swishes_as_one_op": self.hard_swishes,
+                "batch_norms_as_affine": self.batch_norms_as_affine}
 
 
 class QuantshipQuantizer(Quantizer):
@@ -241,6 +256,8 @@ class QuantshipQuantizer(Quantizer):
         self.mixed = target is not None and target.runs_mixed_graphs
         self._integer_ends: set = set()  # the last node of each integer conv/linear partition
         self.one_op_hard_swish = self.mixed and target.hard_swish_faster_as_one_op
+        # a runtime that runs BatchNormalization only folded into a conv gets a lone one as a quantized mul + add
+        self.affine_batch_norm = target is not None and not target.runs_lone_batch_norm
         self.float_rules: tuple[FloatRule, ...] = target.float_rules if self.mixed else ()
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
@@ -249,6 +266,7 @@ class QuantshipQuantizer(Quantizer):
         self.report = AnnotationReport()
         self._act = self._activation_qspec()
         self._weight = self._weight_qspec()
+        self._weight_transposed = self._weight_qspec(axis=1)
         self._const = self._weight_qspec(per_channel=False)
         self._constant_memo: dict[Node, bool] = {}
 
@@ -262,15 +280,16 @@ class QuantshipQuantizer(Quantizer):
         return QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=qscheme,
                                 observer_or_fake_quant_ctr=ctr)
 
-    def _weight_qspec(self, per_channel: bool | None = None) -> QuantizationSpec:
-        """Weights of conv/linear (per channel when the spec says so); ``per_channel=False`` gives the
-        per-tensor form used for every other constant an op reads (embeddings, class token, biases
-        added to activations): all of them are stored integer tensors, so all honour reduce_range."""
+    def _weight_qspec(self, per_channel: bool | None = None, axis: int = 0) -> QuantizationSpec:
+        """Weights of conv/linear (per channel when the spec says so, along ``axis``: 1 for a transposed conv);
+        ``per_channel=False`` gives the per-tensor form used for every other constant an op reads (embeddings,
+        class token, biases added to activations): all of them are stored integer tensors, so all honour
+        reduce_range."""
         if per_channel is None:
             per_channel = self.spec.qscheme == "per_channel"
         if per_channel:
             observer = MovingAveragePerChannelMinMaxObserver if self.is_qat else PerChannelMinMaxObserver
-            qscheme, axis = torch.per_channel_symmetric, 0
+            qscheme = torch.per_channel_symmetric
         else:
             observer = MovingAverageMinMaxObserver if self.is_qat else MinMaxObserver
             qscheme, axis = torch.per_tensor_symmetric, None
@@ -351,14 +370,20 @@ class QuantshipQuantizer(Quantizer):
         annotator quantizes, store the number operand of mul/add as a constant (affine specs), store the constants
         built from arange (RoPE tables, position ids), make products by a constant [in, out] weight (GPT-2's
         Conv1D) linears, and give N-D linears a 2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
-        constants functional, so that convert_pt2e folds the whole constant subgraph."""
+        constants functional, so that convert_pt2e folds the whole constant subgraph; for a target that runs
+        BatchNormalization only folded into a conv, write a lone batch norm as a per-channel mul and add."""
         decompose_attention(model)
         decompose_einsum(model)
         if self.one_op_hard_swish:
             self.report.hard_swishes = hard_swish_as_one_op(model)
+        if self.affine_batch_norm:
+            self.report.batch_norms_as_affine = batch_norm_as_affine(
+                model, lambda x: isinstance(x, Node) and x.op == "call_function" and x.target in CONV_BN_PRODUCERS)
         if not self.spec.symmetric:
             # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
-            # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured)
+            # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured), and
+            # a stored one-value one too (PP-OCRv4's learnable affine scale [1]: 67 LSB): ``_annotate_binary``
+            # leaves those float as well
             scalars_as_constants(model)
         store_constructed_constants(model, self._constant)  # RoPE tables, position embeddings: stored int8
         linear_from_matmul(model, self._constant)  # GPT-2's Conv1D (addmm), x @ W: per-channel linears
@@ -442,7 +467,7 @@ class QuantshipQuantizer(Quantizer):
                 # conv/linear on constants too (Swin V2's position-bias MLP on its coordinate table): an
                 # annotated one would stay a Gemm run on every call, its input stored at activation range
                 continue
-            if node.target in WEIGHTED_OPS:
+            if node.target in ANNOTATED_WEIGHT_OPS:
                 self._annotate_weighted(node, cleared)
                 continue
             if self._skipped(node):
@@ -486,13 +511,13 @@ class QuantshipQuantizer(Quantizer):
         wanted: set[Node] = set()
         integer: set[Node] = set()
         for n, ann in anns.items():
-            if n.target in WEIGHTED_OPS | MATMUL_OPS | MATMUL_ADD_OPS | EMBEDDING_OPS and ann.input_qspec_map:
+            if n.target in ANNOTATED_WEIGHT_OPS | MATMUL_OPS | MATMUL_ADD_OPS | EMBEDDING_OPS and ann.input_qspec_map:
                 integer.add(n)
                 wanted |= {a for a, q in ann.input_qspec_map.items() if q is not None and not self._constant(a)}
-                if n.target not in WEIGHTED_OPS:
+                if n.target not in ANNOTATED_WEIGHT_OPS:
                     quantized.add(n)
         moves = SHARED_SCALE_OPS | ZERO_PAD_OPS | SPLIT_OPS | CAT_OPS
-        may_read_integers = moves | INTEGER_BINARY_OPS | INTEGER_OWN_OPS | WEIGHTED_OPS | MATMUL_OPS | MATMUL_ADD_OPS
+        may_read_integers = moves | INTEGER_BINARY_OPS | INTEGER_OWN_OPS | ANNOTATED_WEIGHT_OPS | MATMUL_OPS | MATMUL_ADD_OPS
 
         def available(a: Node, depth: int = 0) -> bool:
             """``a`` carries a pair, or will if the op that makes it runs on integers (data movement of an
@@ -537,7 +562,7 @@ class QuantshipQuantizer(Quantizer):
         fused = {point(n) for n in integer if n.target in INTEGER_BINARY_OPS}
         kept = quantized | wanted
         for n, ann in anns.items():
-            if n in integer or n in fused or n in self._integer_ends or n.target in WEIGHTED_OPS:
+            if n in integer or n in fused or n in self._integer_ends or n.target in ANNOTATED_WEIGHT_OPS:
                 continue
             if n.target is operator.getitem and n.args[0] in integer:
                 continue  # a split's value: the split moves integers
@@ -551,10 +576,11 @@ class QuantshipQuantizer(Quantizer):
         type, group, weight shape), or None."""
         w = node.args[1] if len(node.args) > 1 else None
         shape = getattr(getattr(w, "meta", {}).get("val"), "shape", None)
-        if not self.float_rules or node.target not in CONV_OPS or shape is None:
+        if not self.float_rules or node.target not in CONV_OPS | TRANSPOSED_CONV_OPS or shape is None:
             return None
-        group = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-        return next((r for r in self.float_rules if r.applies("Conv", {"group": int(group)}, tuple(shape))), None)
+        op_type = "ConvTranspose" if node.target in TRANSPOSED_CONV_OPS else "Conv"
+        group = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)  # at 6 in both schemas
+        return next((r for r in self.float_rules if r.applies(op_type, {"group": int(group)}, tuple(shape))), None)
 
     def _annotate_weighted(self, node: Node, cleared: set[Node]) -> None:
         chain = self._weighted_partition(node)
@@ -570,7 +596,7 @@ class QuantshipQuantizer(Quantizer):
         # (first entry = activation, second = weight); a float activation is an explicit None.
         inputs = {x: self._act if not skipped and self._quantizable_input(x) else None}
         if isinstance(w, Node):
-            inputs[w] = self._weight
+            inputs[w] = self._weight_transposed if node.target in TRANSPOSED_CONV_OPS else self._weight
         out = None if (skipped or chain[-1] in cleared) else self._act
         self._integer_ends.add(chain[-1])
         self._mark(node, inputs, out if len(chain) == 1 else None)
@@ -586,6 +612,8 @@ class QuantshipQuantizer(Quantizer):
         act_after = self._single_user_next(node, FUSABLE_ACTIVATIONS)
         inputs = {}
         for arg in node.args[:1] if node.target in DIV_OPS else node.args[:2]:
+            if self.spec.symmetric and self._constant(arg) and _one_value(arg):
+                continue  # as a number literal stays one for symmetric specs (``transform_for_annotation``)
             if self._quantizable_input(arg) and arg not in cleared:
                 inputs[arg] = self._input_spec(arg)
             elif arg in cleared:

@@ -14,6 +14,7 @@ new node's fake value, so the annotator sees the same metadata as on a captured 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
@@ -430,3 +431,78 @@ def hard_swish_as_one_op(model: GraphModule) -> int:
         model.graph.lint()
         model.recompile()
     return n
+
+
+# eval-mode batch norms: (input, weight, bias, running_mean, running_var) come first in both; eps is the last
+# argument of each (batch_norm has cudnn_enabled after it, at index 8)
+_BATCH_NORM_EPS = {aten.batch_norm.default: 7, aten._native_batch_norm_legit_no_training.default: 6}
+
+
+def _tensor_constant(model: GraphModule, value: torch.Tensor, like: Node, stem: str) -> Node:
+    """A buffer holding ``value``, read by a get_attr node whose fake value the annotator can read."""
+    from torch._guards import detect_fake_mode
+
+    n = 0
+    while hasattr(model, f"_quantship_{stem}_{n}"):
+        n += 1
+    name = f"_quantship_{stem}_{n}"
+    model.register_buffer(name, value)
+    node = model.graph.get_attr(name)
+    mode = detect_fake_mode([like.meta["val"]])
+    node.meta["val"] = mode.from_tensor(value) if mode is not None else value
+    return node
+
+
+def _batch_norm_constants(model: GraphModule, node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(factor, shift) of an eval-mode batch norm whose statistics are stored: ``y = x * factor + shift``."""
+    args = node.args
+    if node.target is aten.batch_norm.default and (len(args) < 9 or args[5]):  # training mode: batch statistics
+        return None
+    stored = args[1:5]
+    if not all(isinstance(a, Node) and a.op == "get_attr" for a in stored[2:]) \
+            or not all(a is None or (isinstance(a, Node) and a.op == "get_attr") for a in stored[:2]):
+        return None
+    weight, bias, mean, var = (None if a is None else attribute(model, a.target).detach().double() for a in stored)
+    eps = float(args[_BATCH_NORM_EPS[node.target]])
+    factor = torch.rsqrt(var + eps) * (weight if weight is not None else 1.0)
+    shift = (bias if bias is not None else 0.0) - mean * factor
+    return factor, shift
+
+
+def batch_norm_as_affine(model: GraphModule, after_conv) -> int:
+    """Write each eval-mode batch norm that no conv precedes (``after_conv(input)`` False: prepare_pt2e folds the
+    others into their conv) as ``x * factor + shift``, per channel at the input's rank; return how many. For a
+    target whose runtime runs BatchNormalization only folded into a Conv (``Target.runs_lone_batch_norm``): the
+    mul and the add are then quantized like any other, as the ONNX path's ``batch_norm_written_out`` has them."""
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _BATCH_NORM_EPS or after_conv(node.args[0]):
+            continue
+        x = node.args[0]
+        val = x.meta.get("val") if isinstance(x, Node) else None
+        constants = _batch_norm_constants(model, node)
+        if constants is None or not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        if node.target is aten.batch_norm.default:
+            out = node
+        else:  # (output, saved mean, saved rstd): only the output may be read
+            readers = list(node.users)
+            if any(r.target is not operator.getitem or r.args[1] != 0 for r in readers) or len(readers) != 1:
+                continue
+            out = readers[0]
+        per_channel = (1, -1) + (1,) * (val.dim() - 2)
+        factor, shift = (c.to(val.dtype).reshape(per_channel) for c in constants)
+        with graph.inserting_before(node):
+            a = _tensor_constant(model, factor, x, "bn_factor")
+            b = _tensor_constant(model, shift, x, "bn_shift")
+            scaled = _insert(graph, aten.mul.Tensor, (x, a), node)
+            shifted = _insert(graph, aten.add.Tensor, (scaled, b), node)
+        out.replace_all_uses_with(shifted)
+        if out is not node:
+            graph.erase_node(out)
+        graph.erase_node(node)
+        n += 1
+    if n:
+        graph.eliminate_dead_code()
+    return _recompiled(model, n)
