@@ -27,6 +27,8 @@ from quantship.inspect.read.float_ops import (
     UNRECORDED,
     WHY_INPUT,
     WHY_REQUESTED,
+    WHY_RULE,
+    WHY_WEIGHT,
     describe_float_ops,
     float_ops,
     module_path,
@@ -57,16 +59,18 @@ def _float_conv_file(with_scopes: bool) -> onnx.ModelProto:
     conv = helper.make_node("Conv", ["x", "w"], ["y"], name="conv_a")
     q = helper.make_node("QuantizeLinear", ["y", "s", "z"], ["yq"], name="q")
     dq = helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["yd"], name="dq")
-    conv_b = helper.make_node("Conv", ["yd", "w"], ["z_b"], name="conv_b")
+    dq_w = helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["wd"], name="dq_w")
+    conv_b = helper.make_node("Conv", ["yd", "wd"], ["z_b"], name="conv_b")
     q_b = helper.make_node("QuantizeLinear", ["z_b", "s", "z"], ["zq"], name="q_b")
     dq_b = helper.make_node("DequantizeLinear", ["zq", "s", "z"], ["out"], name="dq_b")
     if with_scopes:
         conv.metadata_props.add(key=NAME_SCOPES_KEY, value="['', 'features', 'features.0', 'conv2d']")
     graph = helper.make_graph(
-        [conv, q, dq, conv_b, q_b, dq_b], "g",
+        [conv, q, dq, dq_w, conv_b, q_b, dq_b], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 1, 4, 4])],
         [helper.make_tensor("w", TensorProto.FLOAT, [1, 1, 1, 1], [1.0]),
+         helper.make_tensor("wq", TensorProto.INT8, [1, 1, 1, 1], [10]),
          helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
          helper.make_tensor("z", TensorProto.INT8, [], [0])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -80,6 +84,34 @@ def test_a_file_without_module_metadata_is_named_by_node_and_says_so():
     named = float_ops(read_model(_float_conv_file(with_scopes=True)), no_rule_modules=[])
     assert named["named_by"] == NAMED_BY_MODULE
     assert named["by_module"][0]["module"] == "features.0" and named["by_module"][0]["why"] == WHY_INPUT
+
+
+def _float_weight_file(op_type: str, target: str | None) -> onnx.ModelProto:
+    """A weighted op between a DequantizeLinear and a QuantizeLinear whose weight is a stored float tensor (what
+    a float rule leaves), in a file that names ``target`` in its metadata (or no target)."""
+    dq = helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq")
+    op = helper.make_node(op_type, ["xd", "w"], ["y"], name="up")
+    q = helper.make_node("QuantizeLinear", ["y", "s", "z"], ["out"], name="q")
+    graph = helper.make_graph(
+        [dq, op, q], "g", [helper.make_tensor_value_info("xq", TensorProto.INT8, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("out", TensorProto.INT8, None)],
+        [helper.make_tensor("w", TensorProto.FLOAT, [2, 2, 1, 1], [1.0, 0.5, -0.5, 1.0]),
+         helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]), helper.make_tensor("z", TensorProto.INT8, [], [0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    if target is not None:
+        model.metadata_props.add(key="quantship.target", value=target)
+    return model
+
+
+def test_a_weighted_op_reading_a_float_weight_is_float_and_the_targets_rule_says_why():
+    """Its activations are quantized, yet a runtime runs it with float weights: a float kernel. The report said
+    'nothing (every compute op reads and writes INT8)' for ONNX Runtime's ConvTranspose kept float by its rule."""
+    plain = float_ops(read_model(_float_weight_file("Conv", None)))
+    assert plain["n_float_compute_in_file"] == 1 and plain["by_module"][0]["why"] == WHY_WEIGHT + UNRECORDED
+    ruled = float_ops(read_model(_float_weight_file("ConvTranspose", "onnxruntime-cpu")))
+    assert ruled["by_module"][0]["why"].startswith(WHY_RULE + ": ONNX Runtime 1.32's CPU QDQ fusion leaves")
+    other = float_ops(read_model(_float_weight_file("ConvTranspose", "tigris")))  # TiGrIS has no such rule
+    assert other["by_module"][0]["why"] == WHY_WEIGHT + UNRECORDED
 
 
 class _Block(torch.nn.Module):

@@ -8,10 +8,10 @@ import onnx_ir as ir
 
 from quantship import __version__
 from quantship.precision import METADATA_KEY, QuantSpec
+from quantship.targets import TARGET_KEY
 
 VERSION_KEY = "quantship.version"
 ACTIVATION_DTYPE_KEY = "quantship.activation_dtype"
-TARGET_KEY = "quantship.target"
 ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 # per-node properties torch's exporter writes that a deployable file should not carry: the Python stack
 # of each op (absolute paths and source lines of the exporting machine) and the FX node's text. The

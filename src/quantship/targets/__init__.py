@@ -16,7 +16,9 @@ from quantship.precision import Preset, resolve_spec
 from quantship.targets import onnxruntime_cpu, openvino, tensorrt, tigris
 from quantship.targets.target import FileRules, FloatRule, Target
 
-__all__ = ["ALIASES", "ALL", "FileRules", "FloatRule", "Target", "get", "names", "same_file_as"]
+__all__ = ["ALIASES", "ALL", "TARGET_KEY", "FileRules", "FloatRule", "Target", "get", "names", "same_file_as"]
+
+TARGET_KEY = "quantship.target"  # the metadata key under which a written file names the target it was made for
 
 ALL: tuple[Target, ...] = (onnxruntime_cpu.TARGET, tensorrt.TARGET, openvino.TARGET, tigris.TARGET)
 

@@ -35,7 +35,8 @@ class QDQStats:
     uint8. ``n_unquantized_conv_add``: inputs of residual Adds (no constant operand) that come straight from
     a Conv (through single-consumer activations) with no Q/DQ pair in between. ``n_float_compute``: compute
     operators (Conv, Gemm, MatMul, ...) that run in float: reading a float activation that no
-    DequantizeLinear produced, or writing one that no QuantizeLinear requantizes (``float_compute_nodes``).
+    DequantizeLinear produced, reading a stored float weight, or writing a result that no QuantizeLinear
+    requantizes (``float_compute_nodes``).
     """
 
     n_quantize: int
@@ -67,6 +68,22 @@ def _is_unquantized_conv_edge(view: GraphView, value: str, n_consumers: dict[str
             return False
         node = view.node_of(node.input[0])
     return node is not None and node.op_type == "Conv"
+
+
+# where a weighted op reads its weight (a MatMul may hold it on either side)
+_WEIGHT_SLOTS = {"Conv": (1,), "ConvTranspose": (1,), "Gemm": (1,), "MatMul": (0, 1)}
+
+
+def _reads_float_weight(view: GraphView, node: onnx.NodeProto) -> bool:
+    """A weighted op whose weight is a stored float tensor (a runtime runs it with float weights: a float kernel,
+    whatever its activations are)."""
+    for k in _WEIGHT_SLOTS.get(node.op_type, ()):
+        name = node.input[k] if k < len(node.input) else ""
+        if name in view.constant and view.elem_type.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
+            source = view.node_of(view.through_shape_ops_up(name))
+            if source is None or source.op_type != DEQUANTIZE:
+                return True
+    return False
 
 
 def _reads_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
@@ -109,17 +126,25 @@ def _writes_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
     return False
 
 
-def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto, bool]]:
+FLOAT_INPUT, FLOAT_WEIGHT, FLOAT_OUTPUT = "input", "weight", "output"  # what shows a compute op is float
+
+
+def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto, str]]:
     """The compute operators (``COMPUTE_OPS``) that run in float in the file, in graph order, as (index,
-    node, reads_float): those reading a float activation that no DequantizeLinear produced
-    (``reads_float``), and those whose float result nothing requantizes (it reaches an output or
-    another op before any QuantizeLinear)."""
+    node, what shows it): those reading a float activation that no DequantizeLinear produced (``FLOAT_INPUT``),
+    those reading a stored float weight (``FLOAT_WEIGHT``: a conv kept float between quantized neighbours), and
+    those whose float result nothing requantizes (``FLOAT_OUTPUT``: it reaches an output or another op before
+    any QuantizeLinear)."""
     found = []
     for i, node in enumerate(view.nodes):
-        if node.op_type in COMPUTE_OPS:
-            reads = _reads_float_activation(view, node)
-            if reads or _writes_float_activation(view, node):
-                found.append((i, node, reads))
+        if node.op_type not in COMPUTE_OPS:
+            continue
+        if _reads_float_activation(view, node):
+            found.append((i, node, FLOAT_INPUT))
+        elif _reads_float_weight(view, node):
+            found.append((i, node, FLOAT_WEIGHT))
+        elif _writes_float_activation(view, node):
+            found.append((i, node, FLOAT_OUTPUT))
     return found
 
 

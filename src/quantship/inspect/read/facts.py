@@ -21,12 +21,13 @@ from typing import Any
 import onnx
 
 from quantship.errors import FileRefused, cause
-from quantship.inspect.read.counts import QDQStats, count_qdq, float_compute_nodes
+from quantship.inspect.read.counts import FLOAT_WEIGHT, QDQStats, count_qdq, float_compute_nodes
 from quantship.inspect.read.float_ops import FloatCompute, module_path
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.quantization import QuantFacts, quant_facts
 from quantship.inspect.read.view import DEQUANTIZE, TABLE_READERS, GraphView, node_label
 from quantship.precision import METADATA_KEY, QuantSpec
+from quantship.targets import TARGET_KEY, get, names
 
 MAX_SPEC_DEPTH = 16  # quantship writes a spec two levels deep; anything this deep is not one
 _SPEC_FIELD = f"metadata_props[{METADATA_KEY!r}]"
@@ -138,11 +139,30 @@ def _read_spec(model: onnx.ModelProto, source: str) -> Any:
     return parsed
 
 
+def _float_rules(model: onnx.ModelProto) -> tuple:
+    """The float rules of the target the file names in its metadata (none for another tool's file)."""
+    name = next((p.value for p in model.metadata_props if p.key == TARGET_KEY), None)
+    return get(name).float_rules if name in names() else ()
+
+
+def _rule(view: GraphView, node: onnx.NodeProto, rules: tuple) -> str:
+    """The reason of the target's float rule that keeps this weighted op float (read on the same facts the
+    quantizers read: op type, group, weight shape), or ""."""
+    if not rules or len(node.input) < 2:
+        return ""
+    weight = view.value(node.input[1])
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "group"}
+    shape = tuple(weight.shape) if weight is not None else ()
+    return next((r.why for r in rules if r.applies(node.op_type, attributes, shape)), "")
+
+
 def read_model(model: onnx.ModelProto, source: str = "the model") -> FileFacts:
     """The facts of an in-memory model (``source`` names it in refusals)."""
     view = GraphView.of(model, source)
-    float_compute = tuple(FloatCompute(node_label(node, i), node.op_type, module_path(node), reads)
-                          for i, node, reads in float_compute_nodes(view))
+    rules = _float_rules(model)
+    float_compute = tuple(FloatCompute(node_label(node, i), node.op_type, module_path(node), seen,
+                                       _rule(view, node, rules) if seen == FLOAT_WEIGHT else "")
+                          for i, node, seen in float_compute_nodes(view))
     return FileFacts(path=source, model=model, view=view, quant=quant_facts(view),
                      stats=count_qdq(view, n_float_compute=len(float_compute)), output_scales=_output_scales(view),
                      spec=_read_spec(model, source), float_compute=float_compute)

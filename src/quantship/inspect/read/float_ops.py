@@ -40,22 +40,31 @@ REPAIR_RECORD_KEY = "quantship.repair"
 WHY_NO_RULE = "no INT8 rule in the annotator"
 # neither requested nor a missing rule in its own module: what the file shows
 WHY_INPUT = "its input is not quantized"
+WHY_WEIGHT = "its weight is not quantized"
 WHY_OUTPUT = "nothing requantizes its result"
+WHY_RULE = "the target's float rule"  # followed by the rule's own reason"
 UNRECORDED = "; the file does not record why"  # inspect: the file alone cannot say more
 NAMED_BY_MODULE = "module"
 NAMED_BY_NODE = "node"  # the file has no module metadata (another tool wrote it)
 NAMED_BY_MIXED = "module, else node"  # some nodes carry no scopes: those are named by node
 
 
+# what shows a compute op is float (``counts.float_compute_nodes``) -> the words for it, in the order a group of
+# several ops names the first it has
+_SEEN = {"input": WHY_INPUT, "weight": WHY_WEIGHT, "output": WHY_OUTPUT}
+
+
 @dataclass(frozen=True)
 class FloatCompute:
-    """One compute op that runs in float: its node, op type, module path (None: not recorded), and whether
-    it reads a float activation (else only its result is not requantized)."""
+    """One compute op that runs in float: its node, op type, module path (None: not recorded), what shows it is
+    float (``counts.FLOAT_INPUT``, ``FLOAT_WEIGHT``, ``FLOAT_OUTPUT``), and, for a float weight, the reason of the
+    file's target's float rule that keeps such an op float ("" when none does)."""
 
     node: str
     op_type: str
     module: str | None
-    reads_float: bool = True
+    seen: str = "input"
+    rule: str = ""
 
 
 def module_path(node: onnx.NodeProto) -> str | None:
@@ -142,7 +151,8 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
     recorded = [f.module is not None for f in facts.float_compute]
     groups: dict[str, dict[str, Any]] = {}
     modules: dict[str, set[str]] = {}
-    reads: dict[str, bool] = {}
+    seen: dict[str, str] = {}
+    rules: dict[str, set[str]] = {}
     for f in facts.float_compute:  # a node without scopes is named by itself (a file from another tool)
         key = f.node if f.module is None else (f.module or TOP_LEVEL)
         group = groups.setdefault(key, {"module": key, "ops": [], "nodes": [], "why": ""})
@@ -151,22 +161,26 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
         group["nodes"].append(f.node)
         if f.module is not None:
             modules.setdefault(key, set()).add(f.module)
-        reads[key] = reads.get(key, False) or f.reads_float
+        if key not in seen or list(_SEEN).index(f.seen) < list(_SEEN).index(seen[key]):
+            seen[key] = f.seen
+        rules.setdefault(key, set()).add(f.rule)
     for key, group in groups.items():
         found = modules.get(key, set())
-        seen = WHY_INPUT if reads[key] else WHY_OUTPUT
+        shown = _SEEN[seen[key]]
         if _named(speed, found, group["nodes"]):
             group["why"] = WHY_SPEED
         elif _named(repaired, found, group["nodes"]):
             group["why"] = WHY_REPAIR
         elif _named(requested, found, group["nodes"]):
             group["why"] = WHY_REQUESTED
+        elif len(rules[key]) == 1 and "" not in rules[key]:  # every op of the group kept float by one rule
+            group["why"] = f"{WHY_RULE}: {next(iter(rules[key]))}"
         elif no_rule is None:
-            group["why"] = seen + UNRECORDED
+            group["why"] = shown + UNRECORDED
         elif found and all((m or TOP_LEVEL) in no_rule for m in found):
             group["why"] = WHY_NO_RULE
         else:
-            group["why"] = seen
+            group["why"] = shown
     named_by = NAMED_BY_NODE if recorded and not any(recorded) else NAMED_BY_MODULE
     if any(recorded) and not all(recorded):
         named_by = NAMED_BY_MIXED
