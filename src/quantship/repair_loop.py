@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantship.errors import FidelityMissed
+from quantship.errors import FidelityMissed, QuantshipError, one_line
 from quantship.fidelity import MET, MISSED, Budget, Fidelity
 from quantship.search_engine import Engine, fewest_nodes, try_options
 
@@ -149,3 +149,13 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
     record.chosen = engine.steps.index(chosen)
     return record, chosen.artifact
 
+
+def native_repair(enabled: bool, missed: QuantshipError, in_runtime: list[bool], log: Callable[[str], None]) -> bool:
+    """A file that keeps the budget read in ONNX Runtime literally (each repair step's reading) but not in its
+    target's own runtime: repair again with every step judged in that runtime (``in_runtime[0]`` set), when the
+    repair is on and has not judged there yet; False: refuse the file (``missed``)."""
+    if not enabled or in_runtime[0]:
+        return False
+    log(f"fidelity repair: {one_line(missed)}; repairing again, each step judged in the target's own runtime")
+    in_runtime[0] = True
+    return True

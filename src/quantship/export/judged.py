@@ -51,7 +51,7 @@ from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
 from quantship.quantize.calibration import Inputs
 from quantship.quantize.quantizer import RENAMED
-from quantship.repair_loop import Repair, algorithm_steps
+from quantship.repair_loop import Repair, algorithm_steps, native_repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
@@ -279,6 +279,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     made: dict[Path, tuple[dict, tuple]] = {}  # each step's file -> its options and modules kept float
     timed = speed and target.runtime_is_onnxruntime
     opset = (export_kwargs or {}).get("opset_version", 18)
+    in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
     with artifact.workdir_beside(final) as scratch:
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
             k = next(numbers)
@@ -298,7 +299,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
             fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
-                                  float_outputs=shared, held_out=bool(held))
+                                  native=in_runtime[0], float_outputs=shared, held_out=bool(held))
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
             made[Path(path)] = (opts, tuple(excluded))
             return fidelity, (qmodel, quantizer, path, fidelity)
@@ -309,14 +310,17 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             with progress_step("fidelity repair: per-layer SQNR (own loss)"):
                 return own_loss_order(model, made_step[0], list(batches)[:4])
 
+        refusal = None if target.runs_mixed_graphs else (
+            f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")
+
+        def repaired() -> tuple[Repair, tuple]:
+            return run_repair(attempt, budget=budget, options=options, base=base, algorithm_steps=ALGORITHM_STEPS,
+                              order=order, mixed_refusal=refusal, enabled=repair, max_steps=max_steps, log=log)
+
         if budget is None:
             record, chosen = None, attempt("as asked", options, base, ())[1]
         else:
-            refusal = None if target.runs_mixed_graphs else (
-                f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")
-            record, chosen = run_repair(attempt, budget=budget, options=options, base=base,
-                                        algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
-                                        enabled=repair, max_steps=max_steps, log=log)
+            record, chosen = repaired()
         reference = _float_reference(model, sample, chosen[2], scratch, opset) if timed else None
         profile = None
         if timed and profile_placement and target.runs_mixed_graphs:
@@ -338,7 +342,12 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             confirmed = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
                                    native=True, float_outputs=shared, held_out=bool(held))
             if budget is not None and confirmed.status == MISSED:
-                raise missed_in_runtime(fidelity, confirmed, target.target)
+                missed = missed_in_runtime(fidelity, confirmed, target.target)
+                if not native_repair(repair, missed, in_runtime, log):
+                    raise missed
+                record, chosen = repaired()  # every step judged in the runtime: its reading is the file's
+                add_file_metadata(chosen[2], record.metadata())
+                qmodel, quantizer, path, confirmed = chosen
             fidelity = confirmed
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
         reading = None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from quantship import targets
-from quantship.errors import QuantshipError, one_line
+from quantship.errors import FidelityMissed, QuantshipError, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.metadata import add_file_metadata
 from quantship.export.profile_place import place_by_profile
@@ -37,7 +37,7 @@ from quantship.quantize_onnx.quantizer import (
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.quantize_onnx.speed import calibration_sample, timing_feeds
 from quantship.recipe import takes_algorithms
-from quantship.repair_loop import Repair, algorithm_steps
+from quantship.repair_loop import Repair, algorithm_steps, native_repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
@@ -83,6 +83,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
     profiled = profile_placement and timed and placement.mode != "full"
     numbers = itertools.count()
     made: dict[Path, tuple[dict, tuple, tuple]] = {}  # each step's file -> how it was asked for
+    in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
     with artifact.workdir_beside(final) as scratch:
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
             k = next(numbers)
@@ -96,6 +97,11 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
             made[done.path] = (opts, excluded, wide)
+            if in_runtime[0]:
+                native = fidelity_in_runtime(done.path, src, p, calibration, fidelity_data, budget, shared)
+                if native is not None:
+                    done.fp32 = native
+                    add_file_metadata(done.path, {FIDELITY_KEY: native.metadata()})
             return done.fp32, done
 
         def by_profile(done: OnnxQuantizeResult) -> OnnxQuantizeResult:
@@ -127,12 +133,22 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
         refusal = (None if placement.mode != "full" else
                    f"{p.target} runs a fully integer graph (no float node, no 16-bit activations): no node can be "
                    "kept float for it")
-        record, done = run_repair(attempt, budget=budget, options=dict(options), base=base, base_wide=base_wide,
-                                  algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
-                                  sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
-        done = by_profile(done)
-        add_file_metadata(done.path, record.metadata())
-        confirm_in_runtime(done, src, calibration, fidelity_data, budget, shared)
+
+        def repaired() -> tuple[Repair, OnnxQuantizeResult]:
+            record, done = run_repair(attempt, budget=budget, options=dict(options), base=base, base_wide=base_wide,
+                                      algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
+                                      sixteen=runs_int16(p), enabled=repair, max_steps=max_steps, log=log)
+            done = by_profile(done)
+            add_file_metadata(done.path, record.metadata())
+            return record, done
+
+        record, done = repaired()
+        try:
+            confirm_in_runtime(done, src, calibration, fidelity_data, budget, shared)
+        except FidelityMissed as missed:
+            if not native_repair(repair, missed, in_runtime, log):
+                raise
+            record, done = repaired()  # every step judged in the runtime: its reading is the file's
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
 
 
