@@ -44,6 +44,9 @@ class Cell:
     reduce_range: tuple[bool, ...] = (False,)  # 7-bit weights ([-63, 63]) allowed; first is the default
     default_group_size: int | None = None
     weight_algorithms: tuple[str | None, ...] = (None,)  # None: round to nearest; first is the default
+    # the token embedding table quantized as the weights (True), kept float (False), or None: the backend's rule
+    # for the model (``quantize.torchao_backend.embedding_rule``); first is the default
+    quantize_embedding: tuple[bool | None, ...] = (None,)
     note: str = ""
 
     @property
@@ -73,12 +76,13 @@ SUPPORT_MATRIX: tuple[Cell, ...] = (
     *_fx_rows("onednn", ("per_channel", "per_tensor")),
     *_fx_rows("qnnpack", ("per_tensor",)),
     Cell("torchao", "int8_weight_only", 8, 16, ("per_channel", "per_group"), (True,), True, True,
+         quantize_embedding=(None, True, False),
          note="activations stay float; per-layer dict over Linear layers; exports int8 + DequantizeLinear "
               "(opset 21), or MatMulNBits for target='onnxruntime-cpu'"),
     Cell("torchao", "int8_dynamic", 8, 8, ("per_channel",), (True,), False, False,
          note="int8 weights, activation scales computed at run time"),
     Cell("torchao", "int4_weight_only", 4, 16, ("per_group",), (True,), False, True,
-         default_group_size=128, weight_algorithms=(None, "gptq"),
+         default_group_size=128, weight_algorithms=(None, "gptq"), quantize_embedding=(None, True, False),
          note="grouped int4 weights (IntxWeightOnlyConfig, CPU kernels); exports int4 + block-wise "
               "DequantizeLinear (opset 21), or MatMulNBits (groups >= 16); weight_algorithm='gptq' "
               "(calibrated)"),
@@ -146,6 +150,9 @@ class QuantSpec:
     act_observer: str | None = None
     reduce_range: bool = False  # weights use 7 bits, [-63, 63] (no u8s8 saturation on x86 without VNNI)
     weight_algorithm: str | None = None  # "gptq": weights rounded by GPTQ on calibration data; None: to nearest
+    # weight-only: the token embedding table stored in the weights' bits (True) or float (False); None before the
+    # backend applied its rule to a model (a quantized model's spec holds what was done)
+    quantize_embedding: bool | None = None
 
     @property
     def label(self) -> str:
@@ -262,6 +269,7 @@ def resolve_spec(
     act_observer: str | None = None,
     reduce_range: bool | None = None,
     weight_algorithm: str | None = None,
+    quantize_embedding: bool | None = None,
 ) -> QuantSpec:
     """Validate a request against the support matrix and return the resolved ``QuantSpec``.
 
@@ -374,12 +382,19 @@ def resolve_spec(
             "Use method='int4_weight_only', or drop weight_algorithm"
         )
 
+    if quantize_embedding is not None and not isinstance(quantize_embedding, bool):
+        raise TypeError(f"quantize_embedding={quantize_embedding!r} must be True, False or None (the backend's rule)")
+    if quantize_embedding not in cell.quantize_embedding:
+        raise SpecRefused(f"{where} cannot honour quantize_embedding={quantize_embedding}: the token embedding table is "
+                          "stored in low bits by the weight-only methods only. "
+                          f"{_can_at(cell, lambda c: quantize_embedding in c.quantize_embedding)} Drop quantize_embedding")
+
     engine = backend if backend in FX_BACKENDS else None
     return QuantSpec(
         backend=backend, method=cell.method, weight_bits=cell.weight_bits, act_bits=cell.act_bits,
         qscheme=qscheme, symmetric=symmetric, group_size=group_size, layer_bits=layer_bits,
         qdq_placement=qdq_placement, skip_activations=skip, engine=engine, act_observer=act_observer,
-        reduce_range=reduce_range, weight_algorithm=weight_algorithm,
+        reduce_range=reduce_range, weight_algorithm=weight_algorithm, quantize_embedding=quantize_embedding,
     )
 
 

@@ -86,7 +86,9 @@ def test_layout_names_and_symbolic_axes(byte_files):
 def test_weights_are_stored_as_integers(byte_files):
     int8 = onnx.load(str(byte_files["int8_weight_only"][1]))
     int4 = onnx.load(str(byte_files["int4_weight_only"][1]))
-    assert sum(n.op_type == "DequantizeLinear" for n in int8.graph.node) == 29  # 7 Linear x 4 layers + lm_head
+    dequantize = [n.name for n in int8.graph.node if n.op_type == "DequantizeLinear"]
+    assert sum(name.startswith("weight_") for name in dequantize) == 29  # 7 Linear x 4 layers + lm_head
+    assert len(dequantize) == 30  # and the token embedding's rows (INT8 quantizes it: test_decoder_embedding.py)
     assert not any(n.op_type == "MatMul" and n.input[1].endswith("weight") for n in int8.graph.node)
     nbits = [n for n in int4.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 29

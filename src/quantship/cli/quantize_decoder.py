@@ -32,6 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
 
 
+def embedding_request(args: argparse.Namespace) -> dict:
+    """The Quantizer keyword --embedding asks for (none: the backend's rule by bits)."""
+    choice = getattr(args, "embedding", None)
+    return {} if choice is None else {"quantize_embedding": choice == "quantized"}
+
+
+def embedding_row(spec, nbits_form: bool) -> tuple[str, str]:
+    """The report's line on the token embedding table: how the file stores it."""
+    if spec.quantize_embedding:
+        how = "GatherBlockQuantized" if nbits_form else "int + DequantizeLinear of the gathered rows"
+        return "embedding", f"quantized as the weights ({how})"
+    return "embedding", ("float" + ("" if spec.quantize_embedding is None else
+                                    " (--embedding quantized stores it in the weights' bits)"))
+
+
 def check_request(args: argparse.Namespace) -> None:
     """Refuse --decoder where it does not apply, before any model work."""
     if args.accuracy_level is not None and (args.method == "static" or args.weight_format != "matmulnbits"):
@@ -79,7 +94,7 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
         # level 4 (int8 activations) is its fast one (bench/lm_decode_results.md); INT4's level 0 is kept exact
         level = 4
     group = choose_group_size(model, args.method, args.group_size, ui)
-    kwargs = {"group_size": group}
+    kwargs = {"group_size": group, **embedding_request(args)}
     if args.method == "int8_weight_only" and group is not None:
         kwargs["qscheme"] = "per_group"
     with warnings.catch_warnings():
@@ -108,6 +123,7 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
         ("precision", f"{spec.label} {spec.method}, " + (f"groups of {spec.group_size}" if spec.qscheme == "per_group"
                                                          else "per output channel")),
         ("form", form),
+        embedding_row(spec, target is not None),
         ("layout", f"{layout.layers} layers, {layout.kv_heads} key/value heads x {layout.head_dim}, vocabulary "
                    f"{layout.vocab}, context {layout.context}; any batch and length"),
     ]

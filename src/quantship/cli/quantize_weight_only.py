@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128,
                         help="hf: models: tokens per sample without --calib (static: generated ids; weight-only: "
                              "the traced sample)")
+    parser.add_argument("--embedding", choices=["quantized", "float"], default=None,
+                        help="weight-only hf: models: the token embedding table stored in the weights' bits "
+                             "(GatherBlockQuantized / DequantizeLinear; a tied LM head reads the same table) or "
+                             "float (default: quantized for int8, float for int4, as measured in docs/decoder.md)")
     parser.add_argument("--gptq", action="store_true",
                         help="int4_weight_only: round the weights with GPTQ on the --calib batches (token ids "
                              "[N, T] for an hf: model) instead of to nearest")
@@ -40,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_request(args: argparse.Namespace) -> None:
     """Refuse --gptq and --decoder where they do not apply, before any model or data work."""
     quantize_decoder.check_request(args)
+    if getattr(args, "embedding", None) and args.method not in WEIGHT_ONLY_METHODS:
+        raise UsageError(f"--embedding applies to --method int8_weight_only or int4_weight_only, not --method "
+                         f"{args.method}; drop --embedding")
     if getattr(args, "plain_placement", False) and args.method != "static":
         raise UsageError(f"--plain-placement skips the static file's placement by profile; --method {args.method} "
                          "places no activation: drop --plain-placement")
@@ -153,7 +160,7 @@ def _write_and_report(args: argparse.Namespace, ui: common.Output) -> int:
     level = accuracy_level(args, target is not None)
     model = load_model(args.model, args.weights)
     group = choose_group_size(model, args.method, args.group_size, ui)
-    kwargs = {"group_size": group}
+    kwargs = {"group_size": group, **quantize_decoder.embedding_request(args)}
     if args.method == "int8_weight_only" and group is not None:
         kwargs["qscheme"] = "per_group"
     sample = sample_for(model, args)
@@ -220,6 +227,7 @@ def _write_and_report(args: argparse.Namespace, ui: common.Output) -> int:
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("precision", f"{spec.label} {spec.method}, {granularity}"),
         ("form", form),
+        *([quantize_decoder.embedding_row(spec, target is not None)] if args.model.startswith("hf:") else []),
         ("ORT vs torch", f"max |difference| / max |output| on a sample of shape {tuple(sample.shape)}, in two readings:"),
     ] + [(f"  {r.name} session", f"{errors[r.name]:.2e} ({why[r.name]})") for r in READINGS])
     return 0

@@ -95,15 +95,22 @@ class CausalLMLogits(nn.Module):
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
-def build_model(hidden: int = 256, layers: int = 4, heads: int = 4, intermediate: int = 768) -> CausalLMLogits:
-    """The reference architecture: a byte-level Llama, about 3.5 M parameters, 98% of them in Linear layers."""
+def build_model(hidden: int = 256, layers: int = 4, heads: int = 4, intermediate: int = 768,
+                tied: bool = False) -> CausalLMLogits:
+    """The reference architecture: a byte-level Llama, about 3.5 M parameters, 98% of them in Linear layers.
+    ``tied``: the LM head reads the token embedding's table (one tensor, as in GPT-2's config)."""
     transformers = require_transformers()
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4 * SEQ_LEN,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     return CausalLMLogits(transformers.LlamaForCausalLM(config)).eval()
+
+
+def build_tied_model() -> CausalLMLogits:
+    """The reference Llama with its LM head tied to the token embedding (what ``llama_tied`` trains)."""
+    return build_model(tied=True)
 
 
 def build_gpt2(hidden: int = 128, layers: int = 2, heads: int = 4, intermediate: int = 512) -> CausalLMLogits:
@@ -118,7 +125,8 @@ def build_gpt2(hidden: int = 128, layers: int = 2, heads: int = 4, intermediate:
     return CausalLMLogits(transformers.GPT2LMHeadModel(config)).eval()
 
 
-ARCHITECTURES = {"llama": build_model, "gpt2": build_gpt2}  # name -> builder; "llama" is the reference
+# name -> builder; "llama" is the reference
+ARCHITECTURES = {"llama": build_model, "gpt2": build_gpt2, "llama_tied": build_tied_model}
 
 
 def _windows(data: np.ndarray, n: int, gen: np.random.Generator) -> np.ndarray:

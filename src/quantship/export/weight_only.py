@@ -11,6 +11,9 @@ bytes, is then replaced by torchao's own integer data and scales:
   holding the same codes and scales, which ONNX Runtime runs with its low-bit kernels. Checked
   against the standard form and the torch model.
 
+A quantized token embedding (``quantize_embedding``) is a table a Gather reads: ``export.embedding``
+points its Gather (and a tied LM head) at one stored copy, in either form.
+
 Both are checked against the torch weight-only model (``WEIGHT_ONLY_RTOL``) and written atomically.
 """
 
@@ -29,7 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship import targets
-from quantship.export import artifact, capture
+from quantship.export import artifact, capture, embedding
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
 from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.named_outputs import check_outputs_line_up, graph_output_names, reference_outputs
@@ -63,6 +66,7 @@ class QuantizedWeight:
     bits: int
     group: int  # K for one scale per output channel
     dequantized: np.ndarray  # float32 [N, K]: torchao's dequantize(), what torch multiplies by
+    embedding: bool = False  # a token embedding's table [vocab, hidden] (read by a Gather), not a Linear weight
 
     @property
     def per_channel(self) -> bool:
@@ -70,7 +74,8 @@ class QuantizedWeight:
 
 
 def read_weights(model: Any) -> list[QuantizedWeight]:
-    """Every torchao-quantized Linear weight of ``model``; refuses layouts this module cannot write."""
+    """Every torchao-quantized Linear weight and token embedding table of ``model``; refuses layouts this module
+    cannot write."""
     import torch
     import torch.nn as nn
     from torchao.utils import TorchAOBaseTensor
@@ -78,7 +83,7 @@ def read_weights(model: Any) -> list[QuantizedWeight]:
     out = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or not isinstance(weight, TorchAOBaseTensor):
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or not isinstance(weight, TorchAOBaseTensor):
             continue
         codes, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
         block = tuple(getattr(weight, "block_size", ()) or ())
@@ -99,7 +104,10 @@ def read_weights(model: Any) -> list[QuantizedWeight]:
         if ours.tobytes() != deq.tobytes():
             raise ExportRefused(f"export_qdq: layer {name!r}: (codes - zero_point) * scale does not reproduce "
                                 f"torchao's dequantized weight exactly ({np.abs(ours - deq).max():.3g} off)")
-        out.append(QuantizedWeight(name, codes_np, scale, zp, bits, group, deq))
+        if isinstance(module, nn.Embedding) and zp is not None:
+            raise ExportRefused(f"export_qdq: the token embedding {name!r} carries zero-points; tables are written "
+                                "symmetric only (quantize_embedding=False keeps it float)")
+        out.append(QuantizedWeight(name, codes_np, scale, zp, bits, group, deq, isinstance(module, nn.Embedding)))
     if not out:
         raise ValueError(f"export_qdq: {type(model).__name__} holds no torchao-quantized Linear weight; quantize "
                          "it with quantship.Quantizer(backend='torchao', method='int8_weight_only') first")
@@ -114,13 +122,17 @@ def _dequantize(codes: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, gro
 
 
 def float_twin(model: Any, weights: list[QuantizedWeight]) -> Any:
-    """A copy of ``model`` whose quantized Linear weights are plain float tensors of the same values."""
+    """A copy of ``model`` whose quantized weights are plain float tensors of the same values; layers holding one
+    tensor (a token embedding and its tied LM head) share one, so the export stores it once."""
     import torch
 
     twin = copy.deepcopy(model)
+    shared: dict[int, torch.nn.Parameter] = {}
     for w in weights:
-        twin.get_submodule(w.layer).weight = torch.nn.Parameter(torch.from_numpy(w.dequantized.copy()),
-                                                                requires_grad=False)
+        key = id(model.get_submodule(w.layer).weight)
+        if key not in shared:
+            shared[key] = torch.nn.Parameter(torch.from_numpy(w.dequantized.copy()), requires_grad=False)
+        twin.get_submodule(w.layer).weight = shared[key]
     return twin.eval()
 
 
@@ -132,22 +144,25 @@ def locate(model: ir.Model, weights: list[QuantizedWeight]) -> list[tuple[Quanti
     """(weight, initializer, transposed) for every initializer holding a quantized weight, found by its bytes.
 
     The exporter may keep a weight as [N, K] (Gemm with transB) or fold its transpose into a [K, N]
-    initializer (MatMul); both orientations are looked up. A layer found nowhere is refused.
+    initializer (MatMul); both orientations are looked up. Layers holding one tensor (a tied token embedding and
+    LM head) are found in one initializer, reported once. A layer found nowhere is refused.
     """
     wanted: dict[str, tuple[QuantizedWeight, bool]] = {}
+    digests = {w.layer: (_digest(w.dequantized), _digest(w.dequantized.T)) for w in weights}
     for w in weights:
-        wanted.setdefault(_digest(w.dequantized), (w, False))
-        wanted.setdefault(_digest(w.dequantized.T), (w, True))
+        wanted.setdefault(digests[w.layer][0], (w, False))
+        wanted.setdefault(digests[w.layer][1], (w, True))
     found, seen = [], set()
     for value in list(model.graph.initializers.values()):
         tensor = value.const_value
         if tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
             continue
-        hit = wanted.get(_digest(tensor.numpy()))
+        digest = _digest(tensor.numpy())
+        hit = wanted.get(digest)
         if hit is not None:
             found.append((hit[0], value, hit[1]))
-            seen.add(hit[0].layer)
-    missing = [w.layer for w in weights if w.layer not in seen]
+            seen.add(digest)
+    missing = [w.layer for w in weights if not seen & set(digests[w.layer])]
     if missing:
         raise ExportRefused(f"export_qdq: the weights of {missing} are not initializers of the exported graph "
                             "(the exporter transformed them), so they cannot be stored as integers")
@@ -168,10 +183,18 @@ def _replace_initializer(model: ir.Model, old: ir.Value, node: ir.Node) -> None:
 
 
 def to_dequantize_linear(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value, bool]]) -> int:
-    """Standard form: each weight initializer becomes int codes + scales -> DequantizeLinear."""
-    for i, (w, value, transposed) in enumerate(found):
+    """Standard form: each weight initializer becomes int codes + scales -> DequantizeLinear (a table read by a
+    Gather: ``embedding.dequantize_table``)."""
+    for i, (w, value, transposed) in enumerate(embedding.one_copy(model, found)):
         base = value.name
         codes = w.codes.astype(ml_dtypes.int4) if w.bits == 4 else w.codes
+        if embedding.is_table(value):
+            if transposed or w.zero_point is not None:
+                raise ExportRefused(f"export_qdq: the table {value.name!r} ({w.layer}) is stored transposed or with "
+                                    "zero-points; a Gather reads it as [rows, width], symmetric")
+            embedding.dequantize_table(model, value, _initializer(model, f"{base}_q{w.bits}", codes),
+                                       _initializer(model, f"{base}_scale", w.scale), w.group, i)
+            continue
         scale, zp = (w.scale[:, 0], w.zero_point) if w.per_channel else (w.scale, w.zero_point)
         if w.per_channel and zp is not None:
             zp = zp[:, 0]
@@ -243,12 +266,18 @@ def _gemm_is_plain(node: ir.Node) -> bool:
 
 
 def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value, bool]]) -> int:
-    """ONNX Runtime form: each MatMul/Gemm reading a quantized weight becomes one MatMulNBits node."""
+    """ONNX Runtime form: each MatMul/Gemm reading a quantized weight becomes one MatMulNBits node; a Gather of a
+    table's rows becomes GatherBlockQuantized (``embedding.gather_block_quantized``), over the same stored codes
+    and scales as a tied head's MatMulNBits. Returns the number of MatMulNBits nodes."""
     n_nodes = 0
-    for i, (w, value, transposed) in enumerate(found):
+    for i, (w, value, transposed) in enumerate(embedding.one_copy(model, found)):
         n, k = w.codes.shape
         b, scale, zp, block = nbits_tensors(w)
+        stored: dict[str, ir.Value] = {}  # B, scales, zero-points: written once, read by every node of this weight
+        tables = embedding.table_reads(value)
         for user, index in list(value.uses()):
+            if user in tables:
+                continue
             if transposed and user.op_type == "MatMul" and index == 1:
                 a, bias, out = user.inputs[0], None, user.outputs[0]
                 drop = [user]
@@ -263,10 +292,13 @@ def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value
             else:
                 raise ExportRefused(f"export_qdq(target='onnxruntime-cpu'): layer {w.layer!r} is read by a "
                                     f"{user.op_type} node that MatMulNBits cannot replace; export the standard form")
-            base = f"{value.name}_{n_nodes}"
-            inputs = [a, _initializer(model, f"{base}_q{w.bits}_packed", b),
-                      _initializer(model, f"{base}_scale", scale)]
-            inputs.append(_initializer(model, f"{base}_zero_point", zp) if zp is not None else None)
+            if not stored:
+                base = f"{value.name}_{n_nodes}"
+                stored["b"] = _initializer(model, f"{base}_q{w.bits}_packed", b)
+                stored["scale"] = _initializer(model, f"{base}_scale", scale)
+                if zp is not None:
+                    stored["zero_point"] = _initializer(model, f"{base}_zero_point", zp)
+            inputs = [a, stored["b"], stored["scale"], stored.get("zero_point")]
             if bias is not None:
                 inputs += [None, bias]
             while inputs and inputs[-1] is None:
@@ -282,6 +314,20 @@ def to_matmul_nbits(model: ir.Model, found: list[tuple[QuantizedWeight, ir.Value
                 model.graph.remove(old, safe=True)
             node.outputs[0].name = name
             n_nodes += 1
+        if tables:
+            if transposed or zp is not None:
+                raise ExportRefused(f"export_qdq(target='onnxruntime-cpu'): the table {value.name!r} ({w.layer}) is "
+                                    "stored transposed or with zero-points; GatherBlockQuantized reads it as [rows, "
+                                    "width], symmetric")
+            if stored:  # a tied head's MatMulNBits holds the codes: the table reads its B
+                data, table_scale = stored["b"], stored["scale"]
+            else:
+                data = _initializer(model, f"{value.name}_q{w.bits}_rows", _pack(w.codes.astype(np.int16)
+                                                                                 + (1 << (w.bits - 1)), w.bits))
+                table_scale = _initializer(model, f"{value.name}_scale", scale)
+            for j, gather in enumerate(tables):
+                embedding.gather_block_quantized(model, gather, data, table_scale, bits=w.bits, block=block, width=k,
+                                                 name=f"gather_block_quantized_{i}_{j}")
         model.graph.initializers.pop(value.name)
     model.opset_imports[MS_DOMAIN] = 1
     return n_nodes
@@ -449,12 +495,23 @@ def speed_hint(level: int | None) -> Callable[[list[str]], str]:
 
 
 def check_written(path: Path, weights: list[QuantizedWeight], fmt: str) -> None:
-    """Read the file back: every quantized layer is stored as integers in the form announced."""
+    """Read the file back: every quantized layer is stored as integers in the form announced (a table read by
+    GatherBlockQuantized or a DequantizeLinear of its rows), and no float initializer holds a quantized weight's
+    values (no float copy beside the integers)."""
     model = onnx.load(str(path), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
+    names = [n.name for n in model.graph.node if n.op_type == "DequantizeLinear"]
     if fmt == "MatMulNBits":
-        count = ops.count("MatMulNBits")
+        counts = {"Linear": ops.count("MatMulNBits"), "table": ops.count(embedding.GATHER_BLOCK_QUANTIZED)}
     else:
-        count = sum(1 for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.startswith("weight_"))
-    if count < len(weights):
-        raise ExportRefused(f"the written file holds {count} {fmt} weight(s) for {len(weights)} quantized layers")
+        counts = {"Linear": sum(n.startswith("weight_") for n in names),
+                  "table": sum(n.startswith(embedding.TABLE_DEQUANTIZE) for n in names)}
+    for kind, expected in (("Linear", sum(not w.embedding for w in weights)), ("table", sum(w.embedding for w in weights))):
+        if counts[kind] < expected:
+            raise ExportRefused(f"the written file holds {counts[kind]} {fmt} {kind} weight(s) for {expected} "
+                                f"quantized {kind} weight(s)")
+    quantized = {d for w in weights for d in (_digest(w.dequantized), _digest(w.dequantized.T))}
+    for tensor in model.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT and len(tensor.dims) == 2 and not tensor.external_data \
+                and _digest(onnx.numpy_helper.to_array(tensor)) in quantized:
+            raise ExportRefused(f"the written file keeps {tensor.name!r}, a float copy of a quantized weight")

@@ -18,7 +18,7 @@ import torch
 
 from quantship import targets
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, resolve_spec, tag_model
+from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, quant_spec, resolve_spec, tag_model
 from quantship.quantize import accuracy
 from quantship.quantize import equalize as equalizing
 from quantship.quantize import smooth_quant as smoothing
@@ -159,7 +159,8 @@ class Quantizer:
         labelled_data: object = None,
         metric: Callable[[torch.nn.Module], float] | None = None,
     ) -> torch.nn.Module:
-        """Return a quantized copy of ``model`` tagged with ``self.spec`` (``quant_spec(result)``).
+        """Return a quantized copy of ``model`` tagged with ``self.spec`` as applied (``quant_spec(result)``;
+        torchao's weight-only methods settle ``quantize_embedding`` for the model).
 
         With ``max_accuracy_drop`` (percentage points), ``labelled_data`` (``(x, y)`` batches) is
         required: layers are kept in float, most sensitive first, until the top-1 drop against FP32
@@ -220,6 +221,8 @@ class Quantizer:
             self.algorithms.update(getattr(quantized, ALGORITHMS_ATTRIBUTE, None) or {})
             if self.algorithms:  # export_qdq writes them into the file's provenance
                 setattr(quantized, ALGORITHMS_ATTRIBUTE, dict(self.algorithms))
+            if chosen.backend == "torchao":  # its spec as applied: the rules it resolved on the model (the embedding's)
+                chosen = quant_spec(quantized) or chosen
             return tag_model(quantized, chosen, self.preset)
 
         if self.max_accuracy_drop is None:

@@ -8,7 +8,10 @@ One config per method, applied to a deepcopy with ``torchao.quantization.quantiz
   kernels here (``Int4WeightOnlyConfig`` needs CUDA or mslk);
 - ``int8_dynamic`` (W8A8): int8 weights, activation scales computed at run time.
 
-Only ``nn.Linear`` layers are touched; the result is checked to hold quantized weights.
+Only ``nn.Linear`` layers are touched, and for the weight-only methods the token embedding table (a Hugging Face
+model's ``get_input_embeddings()``) when ``quantize_embedding`` says so (``embedding_rule`` when it is None): with
+the same config as the Linear weights, or, when the LM head is tied to it, the head's own quantized tensor (one
+table, read by both). The result is checked to hold quantized weights.
 
 ``weight_algorithm='gptq'`` (int4 only): the codes and scales come from ``quantize.gptq`` on the
 calibration batches; each is handed to torchao's ``IntxUnpackedToInt8Tensor.from_hp`` with GPTQ's
@@ -109,6 +112,81 @@ def make_config(spec: QuantSpec) -> Any:
     )
 
 
+WEIGHT_ONLY = ("int8_weight_only", "int4_weight_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEmbedding:
+    """A model's token embedding: its qualified name, the module, and the LM head tied to it (None: untied)."""
+
+    name: str
+    module: nn.Embedding
+    tied_head: str | None
+
+
+def token_embedding(model: nn.Module) -> TokenEmbedding | None:
+    """The token embedding of a Hugging Face model (itself, or the ``.lm`` of quantship's logits wrapper), from
+    ``get_input_embeddings()``; the head is tied when ``get_output_embeddings()`` holds the same weight tensor."""
+    for holder in (model, getattr(model, "lm", None)):
+        get = getattr(holder, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        if not isinstance(embedding, nn.Embedding):
+            continue
+        names = {id(m): n for n, m in model.named_modules()}
+        head = getattr(holder, "get_output_embeddings", lambda: None)()
+        tied = isinstance(head, nn.Linear) and head.weight is embedding.weight and id(head) in names
+        return TokenEmbedding(names[id(embedding)], embedding, names[id(head)] if tied else None)
+    return None
+
+
+def embedding_rule(spec: QuantSpec) -> bool:
+    """Whether the token embedding is stored in the weights' bits when the request leaves it open: at 8 bits
+    (which kept the reference LM's perplexity), not at 4 (which cost more than the project's INT4 budget); the
+    figures: docs/decoder.md, "The token embedding"."""
+    return spec.weight_bits == 8
+
+
+def quantize_embedding(work: nn.Module, found: TokenEmbedding | None, spec: QuantSpec, quantized: list[str],
+                       *, log: Callable[[str], None]) -> bool:
+    """Store ``work``'s token embedding ``found`` (read before the Linear layers were quantized: that breaks the
+    tie's identity) in the weights' bits when ``spec`` asks (None: ``embedding_rule``); whether it was. A tied
+    embedding takes the LM head's quantized tensor, so the model holds (and a file stores) one table."""
+    from torchao.quantization import quantize_
+
+    asked = spec.quantize_embedding
+    if found is None:
+        if asked:
+            raise SpecRefused(f"quantize_embedding=True: {type(work).__name__} has no token embedding "
+                              "(get_input_embeddings() returns no nn.Embedding); drop quantize_embedding")
+        return False
+    wanted = embedding_rule(spec) if asked is None else asked
+    if found.tied_head is not None and found.tied_head not in quantized:
+        if asked:
+            raise SpecRefused(f"quantize_embedding=True: the token embedding {found.name!r} is tied to the LM head "
+                              f"{found.tied_head!r}, which stays float; quantize the head too, or drop "
+                              "quantize_embedding")
+        return False
+    if not wanted:
+        return False
+    width = found.module.embedding_dim
+    group = spec.group_size if spec.qscheme == "per_group" else None
+    if group is not None and width % group:
+        raise SpecRefused(f"quantize_embedding: group_size={group} does not divide the token embedding's width {width}; "
+                          "choose a group size that divides it, or quantize_embedding=False")
+    if found.tied_head is not None:
+        found.module.weight = work.get_submodule(found.tied_head).weight  # one quantized table for both readers
+        log(f"torchao: token embedding {found.name!r} reads the tied LM head's quantized table")
+    else:
+        log(f"torchao: token embedding {found.name!r} quantized as the Linear weights")
+        quantize_(work, make_config(spec), filter_fn=lambda m, fqn: m is found.module)
+    from torchao.utils import TorchAOBaseTensor
+
+    if not isinstance(found.module.weight, TorchAOBaseTensor):
+        raise ValueError(f"torchao {spec.method} left the token embedding {found.name!r} float; refusing a partial "
+                         "result (quantize_embedding=False keeps it float)")
+    return True
+
+
 def quantized_layers(model: nn.Module) -> list[str]:
     """Linear layers whose weight is a torchao quantized tensor."""
     from torchao.utils import TorchAOBaseTensor
@@ -133,6 +211,7 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
     group_size = spec.group_size if spec.qscheme == "per_group" else None
     check_group_size(model, names, group_size)
     work = copy.deepcopy(model).eval()
+    embedding = token_embedding(work) if spec.method in WEIGHT_ONLY else None
     wanted = set(names)
     if spec.weight_algorithm == "gptq":
         apply_gptq(work, names, spec, batches, log=log)
@@ -146,7 +225,9 @@ def quantize(model: nn.Module, spec: QuantSpec, batches: list[torch.Tensor] | No
             f"torchao {spec.method} quantized {sorted(done)} but {sorted(wanted)} were asked; "
             "refusing a partial result"
         )
-    return tag_model(work, spec)  # the spec as applied (a group size chosen here included)
+    if spec.method in WEIGHT_ONLY:
+        spec = dataclasses.replace(spec, quantize_embedding=quantize_embedding(work, embedding, spec, names, log=log))
+    return tag_model(work, spec)  # the spec as applied (a group size and the embedding's choice included)
 
 
 def gptq_tensor(result: gptq.GptqWeight, dtype: torch.dtype) -> Any:

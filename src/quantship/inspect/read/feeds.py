@@ -15,7 +15,9 @@ Every command that runs a file (``check --run``, ``compare``, ``sensitivity``, `
   each a batch) checked the same way.
 - ``generated``: seeded data of each input's dtype and range when no data is given: a float input
   standard normal, an integer input that indexes a stored table through a Gather (token ids) ids in
-  [0, rows), any other integer input ones (masks), a bool input True; every dynamic dim 1.
+  [0, rows), any other integer input ones (masks), a bool input True; every dynamic dim 1, but a key/value
+  cache's length (``past_sequence_length``, ONNX Runtime GenAI's name, which decoder files use) 0: a prefill
+  from an empty cache, so the mask's total length agrees with the new tokens'.
 - ``for_run``: the feeds of a run (given or generated) at the file's batch size, with what they are.
 
 Refusals are ``DataRefused`` with one line that names the input.
@@ -42,6 +44,7 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 GENERATED_BATCHES = 8  # batches generated when no data is given and the caller names no count
+CACHE_LENGTH_DIM = "past_sequence_length"  # a key/value cache's length axis (ONNX Runtime GenAI's name): generated 0
 # ops an id passes through unchanged on its way to a Gather's indices (a cast, a reshape)
 _ID_PRESERVING = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"}
 # a float dtype holds every integer up to 2 ** (mantissa bits + 1) exactly
@@ -306,7 +309,8 @@ def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
 
 def _table_rows(model: onnx.ModelProto, name: str, producers: dict[str, onnx.NodeProto], axis: int) -> int | None:
     """Rows (along ``axis``) of the stored table behind ``name``: an initializer, a Constant, or either
-    through a DequantizeLinear / Cast / Identity (a table quantize-onnx stored in 8 bits)."""
+    through a DequantizeLinear / Cast / Identity (a table quantize-onnx stored in 8 bits), or a Reshape that
+    keeps axis 0 (``[rows, -1]``: a table whose packed codes a tied head's MatMulNBits holds)."""
     stored = {t.name: t for t in model.graph.initializer}
     for _ in range(8):
         if name in stored:
@@ -319,6 +323,10 @@ def _table_rows(model: onnx.ModelProto, name: str, producers: dict[str, onnx.Nod
             value = next((a.t for a in node.attribute if a.name == "value"), None)
             dims = list(value.dims) if value is not None else []
             return int(dims[axis]) if dims and -len(dims) <= axis < len(dims) else None
+        if node.op_type == "Reshape" and axis == 0 and len(node.input) > 1 and node.input[1] in stored:
+            target = onnx.numpy_helper.to_array(stored[node.input[1]]).reshape(-1)
+            rows = _table_rows(model, node.input[0], producers, 0)
+            return rows if rows is not None and len(target) and int(target[0]) in (rows, 0) else None
         if node.op_type not in ("DequantizeLinear", "Cast", "Identity"):
             return None
         name = node.input[0]
@@ -355,7 +363,8 @@ def id_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
 
 def generated(model: onnx.ModelProto, n: int = GENERATED_BATCHES, seed: int = 0,
               inputs: Sequence[DeclaredInput] | None = None) -> Feeds:
-    """``n`` seeded feeds of each input's dtype and range (see the module docstring), every dynamic dim 1."""
+    """``n`` seeded feeds of each input's dtype and range (see the module docstring), every dynamic dim 1 (a cache
+    length 0)."""
     if n < 1:
         raise DataRefused(f"n={n}: generate at least one batch")
     specs = list(inputs) if inputs is not None else model_inputs(model)
@@ -373,11 +382,14 @@ def generated(model: onnx.ModelProto, n: int = GENERATED_BATCHES, seed: int = 0,
             how[spec.name] = "True"
         else:
             raise DataRefused(f"input {spec.name!r} is {spec.dtype}: quantship cannot generate data for it; give data")
+    dim_names = {v.name: [d.dim_param for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
     batches = []
     for _ in range(n):
         feed = {}
         for spec in specs:
-            shape = [d or 1 for d in spec.dims]
+            names = dim_names.get(spec.name, [])
+            shape = [0 if d is None and i < len(names) and names[i] == CACHE_LENGTH_DIM else d or 1
+                     for i, d in enumerate(spec.dims)]
             if spec.dtype.kind == "f":
                 feed[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
             elif spec.name in ids:

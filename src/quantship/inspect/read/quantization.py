@@ -91,7 +91,10 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     x = node.input[0]
     scale_name = node.input[1] if len(node.input) > 1 else ""
     zp_name = node.input[2] if len(node.input) > 2 else ""
-    static = scale_name in view.constant and (not zp_name or zp_name in view.constant)
+    def in_file(name: str) -> bool:  # a constant, or rows of a stored table (a quantized embedding's row scales)
+        return name in view.constant or view.gathered_from_constant(name)
+
+    static = in_file(scale_name) and (not zp_name or in_file(zp_name))
     if node.op_type == DEQUANTIZE:
         stored = view.elem_type.get(x, 0) or (view.elem_type.get(zp_name, 0) if zp_name else 0)
         tensor, dtype = node.output[0], dtype_name(stored)
@@ -99,7 +102,7 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
         tensor = x
         out_dtype = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
         dtype = dtype_name(view.elem_type.get(zp_name, 0) if zp_name else out_dtype or onnx.TensorProto.UINT8)
-    if x in view.constant:
+    if x in view.constant or view.gathered_from_constant(x):  # a stored weight, or rows of a stored table
         users = view.consumer_nodes(node.output[0])
         is_bias = node.op_type == DEQUANTIZE and any(
             u.op_type in ("Conv", "Gemm", "ConvTranspose") and len(u.input) > 2 and u.input[2] == node.output[0]

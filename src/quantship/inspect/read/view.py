@@ -247,6 +247,12 @@ class GraphView:
             node = self.node_of(tensor)
         return tensor
 
+    def gathered_from_constant(self, tensor: str) -> bool:
+        """Whether ``tensor`` is rows a table reader (Gather) took from a constant by indices: stored values moved,
+        not computed (a quantized embedding's integer rows, dequantized after the Gather)."""
+        node = self.node_of(tensor)
+        return node is not None and node.op_type in TABLE_READERS and bool(node.input) and node.input[0] in self.constant
+
     def fused_into_producer(self, node: onnx.NodeProto) -> bool:
         """Whether ``node`` is an activation fused into the computing op that feeds only it."""
         if node.op_type not in FUSED_ACTIVATIONS or not node.input:

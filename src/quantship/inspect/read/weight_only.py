@@ -12,8 +12,9 @@ Three forms hold a weight in 2, 4 or 8 bits while the activations stay float:
 - ``com.microsoft.GatherBlockQuantized``: an embedding table stored blocked (``bits``, default 4, for
   a packed uint8 table; the element type otherwise).
 
-quantship writes the first two (``export.weight_only``); ONNX Runtime's ``MatMulNBitsQuantizer`` writes
-all three. ``weight_only_facts`` finds every such weight, and every weight that stays float.
+A stored tensor may reach its reader through ops that only move or recast its values (a Reshape, a
+Transpose, a Cast to int8 for a Gather): the bits are the stored tensor's. quantship writes all three
+(``export.weight_only``, ``export.embedding``), as does ONNX Runtime's ``MatMulNBitsQuantizer``. ``weight_only_facts`` finds every such weight, and every weight that stays float.
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ def _int_attributes(node: onnx.NodeProto) -> dict[str, int]:
     return {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
 
 
+def _stored_origin(view: GraphView, tensor: str) -> str:
+    """The stored tensor whose values ``tensor`` carries, through ops that only move or recast them."""
+    producer = view.node_of(tensor)
+    while producer is not None and producer.op_type in _WEIGHT_PATH_OPS and producer.input:
+        tensor, producer = producer.input[0], view.node_of(producer.input[0])
+    return tensor
+
+
 def _matmul_nbits(node: onnx.NodeProto, label: str) -> LowBitWeight:
     attrs = _int_attributes(node)
     block = attrs.get("block_size", 0)
@@ -121,7 +130,7 @@ def _matmul_nbits(node: onnx.NodeProto, label: str) -> LowBitWeight:
 
 def _gather_block_quantized(view: GraphView, node: onnx.NodeProto, label: str) -> LowBitWeight:
     attrs = _int_attributes(node)
-    stored = dtype_name(view.elem_type.get(node.input[0], 0)) if node.input else "undefined"
+    stored = dtype_name(view.elem_type.get(_stored_origin(view, node.input[0]), 0)) if node.input else "undefined"
     bits = BITS_OF_DTYPE.get(stored, 8) if stored != "uint8" else attrs.get("bits", 4)  # uint8: packed codes
     signed = stored.startswith("int") if stored in BITS_OF_DTYPE and stored != "uint8" else None
     block = attrs.get("block_size", 128)
@@ -152,10 +161,15 @@ def _stored_dequantize(view: GraphView, node: onnx.NodeProto, label: str) -> lis
         source, gathered = producer.input[0], node_label(producer, view.producer[node.input[0]])
     elif source not in view.constant:
         return []
-    stored = dtype_name(view.elem_type.get(source, 0))
+    stored = dtype_name(view.elem_type.get(_stored_origin(view, source), 0))
     if stored not in BITS_OF_DTYPE:
         return []
-    block = _int_attributes(node).get("block_size", 0)
+    attrs = _int_attributes(node)
+    block = attrs.get("block_size", 0)
+    shape = view.shape.get(node.input[0]) or view.shape.get(_stored_origin(view, source))
+    if block > 0 and shape and -len(shape) <= attrs.get("axis", 1) < len(shape) \
+            and block >= shape[attrs.get("axis", 1)]:
+        block = 0  # one block spans the axis: one scale per channel (a gathered row's scale)
     block = block if block > 0 else None
     weights = []
     uses = [("Gather", gathered)] if gathered else [(reader.op_type, node_label(reader, view.producer.get(reader.output[0], 0)))
@@ -168,9 +182,12 @@ def _stored_dequantize(view: GraphView, node: onnx.NodeProto, label: str) -> lis
 
 
 def _float_weights(view: GraphView) -> list[FloatWeight]:
-    """Weighted ops reading a float constant in a weight slot (an embedding table, an excluded Linear)."""
+    """Weighted ops reading a float constant in a weight slot (an embedding table, an excluded Linear); not the
+    Gather of a quantized table's row scales (read by DequantizeLinear as its scale only)."""
     found = []
     for index, node in enumerate(view.nodes):
+        if node.op_type in TABLE_READERS and node.output and _only_scales(view, node.output[0]):
+            continue
         for slot in _WEIGHT_SLOTS.get(node.op_type, ()):
             if slot >= len(node.input) or not node.input[slot]:
                 continue
@@ -183,6 +200,12 @@ def _float_weights(view: GraphView) -> list[FloatWeight]:
                 found.append(FloatWeight(node_label(node, index), "Gather" if node.op_type in TABLE_READERS
                                          else node.op_type, origin))
     return found
+
+
+def _only_scales(view: GraphView, tensor: str) -> bool:
+    """Whether every reader of ``tensor`` is a DequantizeLinear taking it as its scale."""
+    readers = [(node, [i for i, name in enumerate(node.input) if name == tensor]) for node in view.consumer_nodes(tensor)]
+    return bool(readers) and all(node.op_type == DEQUANTIZE and slots == [1] for node, slots in readers)
 
 
 def weight_only_facts(view: GraphView) -> WeightOnlyFacts | None:
