@@ -25,7 +25,7 @@ PUBLISHED = tuple(ROOT / name for name in ("BENCHMARKS.md", "BENCHMARKS-LM.md", 
                                            "bench/zoo_results.json", "ZOO-segmentation.md", "ZOO-yolo.md",
                                            "bench/segmentation_results.json", "ZOO-detection.md",
                                            "bench/detection_results.json", "bench/placement_results.md",
-                                           "bench/lm_decode_results.md"))
+                                           "bench/lm_decode_results.md", "bench/lm_embedding_results.md"))
 HELP = ("smallest run that goes through the whole table (tiny model, one repetition; figures meaningless), "
         "for the test suite; writes no published file")
 

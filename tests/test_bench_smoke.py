@@ -103,6 +103,9 @@ RUNS = {
         "Smoke run", "## smoke: Llama from a config", "| FP32 | - | ", "| quantship INT8 per channel | 4 | ",
         "| quantship INT4 g32 | 0 | ", "| ORT MatMulNBitsQuantizer INT4 g32 | 4 | ", "decode @64, b4 ms",
         "tokens/s b1 @16 (x FP32)")}),
+    "lm_embedding": Smoke(("--out", "{tmp}/lm_embedding_results.md"), files={"lm_embedding_results.md": (
+        "Smoke run", "| byte Llama, head untied | FP32 | float |", "| byte Llama, head tied | INT4 g128 | quantized |",
+        "| INT8 | quantized |", "decode ms, DequantizeLinear (default session)")}),
     "lm_static": Smoke(("--out", "{tmp}/BENCHMARKS-LM-static.md"), files={"BENCHMARKS-LM-static.md": (
         "Smoke run", "Held-out: 4 files", "| Llama | FP32 (torch) |", "| Llama | W8A8 (QDQ file, ORT) |",
         "| GPT-2 | W8A8 (torch) |", "| GPT-2 | W8A8 (QDQ file, ORT) |", "LSB literal / fused", "GPT-2: 5 QGemm")}),
