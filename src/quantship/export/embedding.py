@@ -24,8 +24,8 @@ import numpy as np
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused
+from quantship.export.ir_edit import MS_DOMAIN
 
-MS_DOMAIN = "com.microsoft"
 GATHER_BLOCK_QUANTIZED = "GatherBlockQuantized"
 TABLE_DEQUANTIZE = "table_dequantize"  # name prefix of the DequantizeLinear of a table's gathered rows
 

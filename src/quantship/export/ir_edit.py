@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators (MatMulNBits, GatherBlockQuantized)
 
 
 @dataclass(frozen=True)

@@ -377,8 +377,7 @@ class QuantshipQuantizer(Quantizer):
         if self.one_op_hard_swish:
             self.report.hard_swishes = hard_swish_as_one_op(model)
         if self.affine_batch_norm:
-            self.report.batch_norms_as_affine = batch_norm_as_affine(
-                model, lambda x: isinstance(x, Node) and x.op == "call_function" and x.target in CONV_BN_PRODUCERS)
+            self.report.batch_norms_as_affine = batch_norm_as_affine(model, CONV_BN_PRODUCERS)
         if not self.spec.symmetric:
             # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
             # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured), and

@@ -74,16 +74,21 @@ def _insert(graph, target, args: tuple, like: Node, **kwargs) -> Node:
 def _scalar_constant(model: GraphModule, value: float, like: Node) -> Node:
     """A 0-d buffer holding ``value`` (``like``'s dtype), read by a get_attr node: a tensor the
     annotator quantizes like any other constant, where a Python float would stay a float literal."""
+    return _tensor_constant(model, torch.tensor(value, dtype=like.meta["val"].dtype), like, "scale")
+
+
+def _tensor_constant(model: GraphModule, value: torch.Tensor, like: Node, stem: str) -> Node:
+    """A buffer holding ``value`` under the first free name ``_quantship_{stem}_{n}``, read by a get_attr node whose
+    fake value (in ``like``'s fake mode) the annotator can read."""
     from torch._guards import detect_fake_mode
 
-    val = like.meta["val"]
     n = 0
-    while hasattr(model, f"_quantship_scale_{n}"):
+    while hasattr(model, f"_quantship_{stem}_{n}"):
         n += 1
-    name = f"_quantship_scale_{n}"
-    model.register_buffer(name, torch.tensor(value, dtype=val.dtype))
+    name = f"_quantship_{stem}_{n}"
+    model.register_buffer(name, value)
     node = model.graph.get_attr(name)
-    mode = detect_fake_mode([val])
+    mode = detect_fake_mode([like.meta["val"]])
     buffer = getattr(model, name)
     node.meta["val"] = mode.from_tensor(buffer) if mode is not None else buffer
     return node
@@ -438,21 +443,6 @@ def hard_swish_as_one_op(model: GraphModule) -> int:
 _BATCH_NORM_EPS = {aten.batch_norm.default: 7, aten._native_batch_norm_legit_no_training.default: 6}
 
 
-def _tensor_constant(model: GraphModule, value: torch.Tensor, like: Node, stem: str) -> Node:
-    """A buffer holding ``value``, read by a get_attr node whose fake value the annotator can read."""
-    from torch._guards import detect_fake_mode
-
-    n = 0
-    while hasattr(model, f"_quantship_{stem}_{n}"):
-        n += 1
-    name = f"_quantship_{stem}_{n}"
-    model.register_buffer(name, value)
-    node = model.graph.get_attr(name)
-    mode = detect_fake_mode([like.meta["val"]])
-    node.meta["val"] = mode.from_tensor(value) if mode is not None else value
-    return node
-
-
 def _batch_norm_constants(model: GraphModule, node: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(factor, shift) of an eval-mode batch norm whose statistics are stored: ``y = x * factor + shift``."""
     args = node.args
@@ -469,17 +459,19 @@ def _batch_norm_constants(model: GraphModule, node: Node) -> tuple[torch.Tensor,
     return factor, shift
 
 
-def batch_norm_as_affine(model: GraphModule, after_conv) -> int:
-    """Write each eval-mode batch norm that no conv precedes (``after_conv(input)`` False: prepare_pt2e folds the
-    others into their conv) as ``x * factor + shift``, per channel at the input's rank; return how many. For a
+def batch_norm_as_affine(model: GraphModule, folds_into: set) -> int:
+    """Write each eval-mode batch norm whose input no op of ``folds_into`` produces (prepare_pt2e folds those into
+    their conv) as ``x * factor + shift``, per channel at the input's rank; return how many. For a
     target whose runtime runs BatchNormalization only folded into a Conv (``Target.runs_lone_batch_norm``): the
     mul and the add are then quantized like any other, as the ONNX path's ``batch_norm_written_out`` has them."""
     graph = model.graph
     n = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _BATCH_NORM_EPS or after_conv(node.args[0]):
+        if node.op != "call_function" or node.target not in _BATCH_NORM_EPS:
             continue
         x = node.args[0]
+        if isinstance(x, Node) and x.op == "call_function" and x.target in folds_into:
+            continue
         val = x.meta.get("val") if isinstance(x, Node) else None
         constants = _batch_norm_constants(model, node)
         if constants is None or not isinstance(val, torch.Tensor) or val.dim() < 2:

@@ -98,10 +98,7 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                 return None
             made[done.path] = (opts, excluded, wide)
             if in_runtime[0]:
-                native = fidelity_in_runtime(done.path, src, p, calibration, fidelity_data, budget, shared)
-                if native is not None:
-                    done.fp32 = native
-                    add_file_metadata(done.path, {FIDELITY_KEY: native.metadata()})
+                read_in_runtime(done, src, calibration, fidelity_data, budget, shared)
             return done.fp32, done
 
         def by_profile(done: OnnxQuantizeResult) -> OnnxQuantizeResult:
@@ -152,19 +149,26 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
 
 
-def confirm_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fidelity_data: Any,
-                       budget: Budget | None, float_reference: FloatReference | None = None) -> None:
-    """The chosen file measured again in its target's own runtime where that is not ONNX Runtime and runs here
-    (the repair's steps are read in ONNX Runtime, literally): that reading becomes the file's fidelity, in
-    ``done.fp32`` and its metadata; a file that keeps the budget in ONNX Runtime but not in its runtime is
-    refused (``FidelityMissed``, nothing written)."""
+def read_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fidelity_data: Any,
+                    budget: Budget | None, float_reference: FloatReference | None = None, *,
+                    refuse_missed: bool = False) -> None:
+    """The file measured in its target's own runtime where that is not ONNX Runtime and runs here (the repair's
+    steps are read in ONNX Runtime, literally, unless it repairs in the runtime): that reading becomes the file's
+    fidelity, in ``done.fp32`` and its metadata. ``refuse_missed``: a file that keeps the budget in ONNX Runtime
+    but not in its runtime is refused first (``FidelityMissed``, the file left as it was, nothing written)."""
     native = fidelity_in_runtime(done.path, src, done.target, calibration, fidelity_data, budget, float_reference)
     if native is None:
         return
-    if budget is not None and native.status == MISSED:
+    if refuse_missed and budget is not None and native.status == MISSED:
         raise missed_in_runtime(done.fp32, native, done.target)
     done.fp32 = native
     add_file_metadata(done.path, {FIDELITY_KEY: native.metadata()})
+
+
+def confirm_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fidelity_data: Any,
+                       budget: Budget | None, float_reference: FloatReference | None = None) -> None:
+    """The chosen file confirmed in its target's own runtime: ``read_in_runtime``, refusing a file missed there."""
+    read_in_runtime(done, src, calibration, fidelity_data, budget, float_reference, refuse_missed=True)
 
 
 def _speed_and_move(done: OnnxQuantizeResult, src: Path, final: Path, calibration: Any, timed: bool,

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from quantship.inspect.read.view import DEQUANTIZE, FLOAT_TYPES, FUSED_ACTIVATIONS, QUANTIZE, SHAPE_ONLY, GraphView
+from quantship.inspect.read.weight_only import float_weights_of
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # element-wise activations a conv result may pass through on its way to an Add (one consumer each)
@@ -70,22 +71,6 @@ def _is_unquantized_conv_edge(view: GraphView, value: str, n_consumers: dict[str
     return node is not None and node.op_type == "Conv"
 
 
-# where a weighted op reads its weight (a MatMul may hold it on either side)
-_WEIGHT_SLOTS = {"Conv": (1,), "ConvTranspose": (1,), "Gemm": (1,), "MatMul": (0, 1)}
-
-
-def _reads_float_weight(view: GraphView, node: onnx.NodeProto) -> bool:
-    """A weighted op whose weight is a stored float tensor (a runtime runs it with float weights: a float kernel,
-    whatever its activations are)."""
-    for k in _WEIGHT_SLOTS.get(node.op_type, ()):
-        name = node.input[k] if k < len(node.input) else ""
-        if name in view.constant and view.elem_type.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
-            source = view.node_of(view.through_shape_ops_up(name))
-            if source is None or source.op_type != DEQUANTIZE:
-                return True
-    return False
-
-
 def _reads_float_activation(view: GraphView, node: onnx.NodeProto) -> bool:
     for name in node.input:
         if not name or name in view.constant or view.elem_type.get(name, onnx.TensorProto.FLOAT) not in FLOAT_TYPES:
@@ -141,7 +126,7 @@ def float_compute_nodes(view: GraphView) -> list[tuple[int, onnx.NodeProto, str]
             continue
         if _reads_float_activation(view, node):
             found.append((i, node, FLOAT_INPUT))
-        elif _reads_float_weight(view, node):
+        elif float_weights_of(view, node):
             found.append((i, node, FLOAT_WEIGHT))
         elif _writes_float_activation(view, node):
             found.append((i, node, FLOAT_OUTPUT))

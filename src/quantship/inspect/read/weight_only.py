@@ -181,25 +181,27 @@ def _stored_dequantize(view: GraphView, node: onnx.NodeProto, label: str) -> lis
     return weights
 
 
-def _float_weights(view: GraphView) -> list[FloatWeight]:
-    """Weighted ops reading a float constant in a weight slot (an embedding table, an excluded Linear); not the
-    Gather of a quantized table's row scales (read by DequantizeLinear as its scale only)."""
+def float_weights_of(view: GraphView, node: onnx.NodeProto) -> list[str]:
+    """The stored float tensors (at least 2-D) ``node`` reads in a weight slot, through ops that only move or
+    recast them; none for the Gather of a quantized table's row scales (read by DequantizeLinear as its scale)."""
+    if node.op_type in TABLE_READERS and node.output and _only_scales(view, node.output[0]):
+        return []
     found = []
-    for index, node in enumerate(view.nodes):
-        if node.op_type in TABLE_READERS and node.output and _only_scales(view, node.output[0]):
+    for slot in _WEIGHT_SLOTS.get(node.op_type, ()):
+        if slot >= len(node.input) or not node.input[slot]:
             continue
-        for slot in _WEIGHT_SLOTS.get(node.op_type, ()):
-            if slot >= len(node.input) or not node.input[slot]:
-                continue
-            origin = node.input[slot]
-            producer = view.node_of(origin)
-            while producer is not None and producer.op_type in _WEIGHT_PATH_OPS and producer.input:
-                origin, producer = producer.input[0], view.node_of(producer.input[0])
-            if origin in view.constant and view.is_float(origin) and (producer is None or producer.op_type != DEQUANTIZE) \
-                    and len(view.shape.get(origin) or ()) >= 2:
-                found.append(FloatWeight(node_label(node, index), "Gather" if node.op_type in TABLE_READERS
-                                         else node.op_type, origin))
+        origin = _stored_origin(view, node.input[slot])
+        producer = view.node_of(origin)
+        if origin in view.constant and view.is_float(origin) and (producer is None or producer.op_type != DEQUANTIZE) \
+                and len(view.shape.get(origin) or ()) >= 2:
+            found.append(origin)
     return found
+
+
+def _float_weights(view: GraphView) -> list[FloatWeight]:
+    """Weighted ops reading a float constant in a weight slot (an embedding table, an excluded Linear)."""
+    return [FloatWeight(node_label(node, index), "Gather" if node.op_type in TABLE_READERS else node.op_type, origin)
+            for index, node in enumerate(view.nodes) for origin in float_weights_of(view, node)]
 
 
 def _only_scales(view: GraphView, tensor: str) -> bool:
