@@ -497,8 +497,8 @@ def _reduce_axes(node: ir.Node) -> list[int] | None:
 
 def spatial_mean_as_global_pool(model: ir.Model) -> int:
     """``ReduceMean(x, axes=[2, 3], keepdims=1)`` of a rank-4 (NCHW) ``x`` becomes ``GlobalAveragePool(x)``: the
-    mean of each channel's H x W values, the same op (ONNX Runtime gives the same bytes, read literally and
-    fused: proven by the pass on each file)."""
+    mean of each channel's H x W values, the same op, which ONNX Runtime's kernels sum in another order (floats an
+    ulp or two apart: ``_mean_pass`` says how each graph proves it)."""
     graph = model.graph
     n = 0
     for node in list(graph):

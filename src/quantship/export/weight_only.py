@@ -20,6 +20,7 @@ Both are checked against the torch weight-only model (``WEIGHT_ONLY_RTOL``) and 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import onnx_ir as ir
 from quantship import targets
 from quantship.export import artifact, capture, embedding
 from quantship.export.checks import ExportRefused, check_model, check_runs_optimized
+from quantship.export.ir_edit import MS_DOMAIN
 from quantship.export.metadata import strip_source_metadata, write_metadata
 from quantship.export.named_outputs import check_outputs_line_up, graph_output_names, reference_outputs
 from quantship.inspect.run.consumers import session_of
@@ -44,7 +46,6 @@ from quantship.targets import Target
 WEIGHT_ONLY_METHODS = ("int8_weight_only", "int4_weight_only")
 WEIGHT_ONLY_OPSET = 21  # block-wise DequantizeLinear and int4 tensors
 NBITS_FORM = "MatMulNBits"  # a Target's weight_only_form this exporter writes (com.microsoft)
-MS_DOMAIN = "com.microsoft"
 FORMAT_KEY = "quantship.weight_format"
 _MIN_NBITS_BLOCK = 16  # MatMulNBits: block_size a power of two, at least 16
 FAST_ACCURACY_LEVEL = 4  # MatMulNBits' accuracy_level with int8 activations (quantized per block inside the kernel)
@@ -71,6 +72,12 @@ class QuantizedWeight:
     @property
     def per_channel(self) -> bool:
         return self.group == self.codes.shape[1]
+
+    @functools.cached_property
+    def digests(self) -> tuple[str, str]:
+        """The dequantized tensor's digest as stored and transposed: how ``locate`` finds it in the exported graph
+        and ``check_written`` finds a float copy of it (computed once for both)."""
+        return _digest(self.dequantized), _digest(self.dequantized.T)
 
 
 def read_weights(model: Any) -> list[QuantizedWeight]:
@@ -148,10 +155,9 @@ def locate(model: ir.Model, weights: list[QuantizedWeight]) -> list[tuple[Quanti
     LM head) are found in one initializer, reported once. A layer found nowhere is refused.
     """
     wanted: dict[str, tuple[QuantizedWeight, bool]] = {}
-    digests = {w.layer: (_digest(w.dequantized), _digest(w.dequantized.T)) for w in weights}
     for w in weights:
-        wanted.setdefault(digests[w.layer][0], (w, False))
-        wanted.setdefault(digests[w.layer][1], (w, True))
+        wanted.setdefault(w.digests[0], (w, False))
+        wanted.setdefault(w.digests[1], (w, True))
     found, seen = [], set()
     for value in list(model.graph.initializers.values()):
         tensor = value.const_value
@@ -162,7 +168,7 @@ def locate(model: ir.Model, weights: list[QuantizedWeight]) -> list[tuple[Quanti
         if hit is not None:
             found.append((hit[0], value, hit[1]))
             seen.add(digest)
-    missing = [w.layer for w in weights if not seen & set(digests[w.layer])]
+    missing = [w.layer for w in weights if not seen & set(w.digests)]
     if missing:
         raise ExportRefused(f"export_qdq: the weights of {missing} are not initializers of the exported graph "
                             "(the exporter transformed them), so they cannot be stored as integers")
@@ -510,7 +516,7 @@ def check_written(path: Path, weights: list[QuantizedWeight], fmt: str) -> None:
         if counts[kind] < expected:
             raise ExportRefused(f"the written file holds {counts[kind]} {fmt} {kind} weight(s) for {expected} "
                                 f"quantized {kind} weight(s)")
-    quantized = {d for w in weights for d in (_digest(w.dequantized), _digest(w.dequantized.T))}
+    quantized = {d for w in weights for d in w.digests}
     for tensor in model.graph.initializer:
         if tensor.data_type == onnx.TensorProto.FLOAT and len(tensor.dims) == 2 and not tensor.external_data \
                 and _digest(onnx.numpy_helper.to_array(tensor)) in quantized:
