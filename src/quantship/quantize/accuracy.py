@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from quantship.errors import DataRefused
+from quantship.errors import DataRefused, QuantshipError
 from quantship.precision import under_modules
 from quantship.progress import step as progress_step
 from quantship.quantize.layer_error import layer_error
@@ -114,8 +114,17 @@ def search(
     with progress_step("accuracy search: the metric of FP32"):
         result = AccuracySearch(TOP1 if metric is None else getattr(metric, "__name__", "metric"), score(model),
                                 float(max_drop_points))
+    def attempt(what: str, _: dict, excluded: tuple[str, ...], wide: tuple) -> tuple[MetricStep, Any] | None:
+        try:
+            quantized = quantize(excluded)
+        except QuantshipError:
+            if not excluded:
+                raise  # the model as asked cannot be quantized: the caller's refusal
+            return None  # e.g. every weighted layer kept float: no INT8 model (the search stops there)
+        return score(quantized, excluded), quantized
+
     chosen = metric_search(
-        lambda what, _, excluded, wide: (score(quantized := quantize(excluded), excluded), quantized), result,
+        attempt, result,
         lambda quantized: sensitivity_order(model, quantized, [x for x, _ in batches] or list(inputs)),
         skip=lambda name, best: under_modules(name, best.excluded), max_steps=max_steps, log=log,
         advice="Raise the budget, give more calibration data, or train with QuantizeCallback (QAT)")

@@ -11,8 +11,9 @@ tensors of a ``torch.export`` graph carry an observer (PTQ) or a fake-quantizer 
 - standalone activations (ReLU, ReLU6, sigmoid, hardswish, SiLU, GELU...).
 
 ``qdq_placement='skip_conv_add'`` leaves the residual addend that comes from a single-user
-convolution partition unquantized; ``skip_activations`` keeps the activations produced under the
-named modules in float (their weights stay quantized).
+convolution partition unquantized; ``skip_activations`` keeps the named modules in float: the activations
+they produce, and the weights of their conv/linear layers (as the ONNX path keeps an excluded node: a weight
+dequantized for a float input would be a DequantizeLinear run on every call, for no integer kernel).
 """
 
 from __future__ import annotations
@@ -589,21 +590,23 @@ class QuantshipQuantizer(Quantizer):
             for later in chain:
                 self._mark(later, {}, None)
             return
-        skipped = self._skipped(node)
+        if self._skipped(node):  # weight and activations float (the module docstring says why)
+            self.report.skipped_nodes.append(node.name)
+            for later in chain:
+                self._mark(later, {}, None)
+            return
         x, w = node.args[0], node.args[1]
         # Order matters: torchao's QAT conv-bn fusion re-keys this map by position
         # (first entry = activation, second = weight); a float activation is an explicit None.
-        inputs = {x: self._act if not skipped and self._quantizable_input(x) else None}
+        inputs = {x: self._act if self._quantizable_input(x) else None}
         if isinstance(w, Node):
             inputs[w] = self._weight_transposed if node.target in TRANSPOSED_CONV_OPS else self._weight
-        out = None if (skipped or chain[-1] in cleared) else self._act
+        out = None if chain[-1] in cleared else self._act
         self._integer_ends.add(chain[-1])
         self._mark(node, inputs, out if len(chain) == 1 else None)
         for later in chain[1:]:
             self._mark(later, {}, out if later is chain[-1] else None)
         self.report.n_weighted += 1
-        if skipped:
-            self.report.skipped_nodes.append(node.name)
 
     def _annotate_binary(self, node: Node, cleared: set[Node]) -> None:
         if not _is_float_tensor(node):

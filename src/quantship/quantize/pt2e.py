@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection
 import torch
 from torch.fx import GraphModule
 
+from quantship.errors import SpecRefused
 from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec
 from quantship.progress import step
 from quantship.quantize import bias_correction as bias_correcting
@@ -102,7 +103,7 @@ def quantize_pt2e(
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
     unshare(converted, model)
-    check_converted(converted, quantizer.report.kept_float)
+    check_converted(converted, {*quantizer.report.kept_float, *quantizer.report.skipped_nodes})
     algorithms: dict[str, dict] = {}
     if rounds:
         with step("quantize: weight rounding"):
@@ -238,8 +239,8 @@ def report_placement(quantizer: QuantshipQuantizer, spec: QuantSpec, log: Callab
         log(f"pt2e: qdq_placement='skip_conv_add' cleared {report.n_skipped_conv_add} of "
             f"{report.n_add} addition(s): their convolution addend stays at accumulator precision")
     if spec.skip_activations:
-        log(f"pt2e: activations of {len(report.skipped_nodes)} node(s) under "
-            f"{list(spec.skip_activations)} stay float")
+        log(f"pt2e: {len(report.skipped_nodes)} node(s) under {list(spec.skip_activations)} stay float "
+            "(weighted ops: their weights too)")
     if report.n_float_select:
         log(f"pt2e: {report.n_float_select} attention mask selection(s) stay float by design (a quantized -inf "
             "is finite); the softmax after each reads float scores")
@@ -249,7 +250,7 @@ def report_placement(quantizer: QuantshipQuantizer, spec: QuantSpec, log: Callab
 
 def check_converted(graph: GraphModule, kept_float: Collection[str] = ()) -> dict[str, int]:
     """Count quantized weights; refuse a graph in which a conv/linear still reads a float weight, other than
-    those the target's float rules keep float (``kept_float``: node names)."""
+    those the target's float rules or ``skip_activations`` keep float (``kept_float``: node names)."""
     n_quantized, float_ops = 0, []
     for node in graph.graph.nodes:
         if node.op == "call_function" and node.target in WEIGHTED_OPS and node.name not in kept_float:
@@ -259,9 +260,9 @@ def check_converted(graph: GraphModule, kept_float: Collection[str] = ()) -> dic
             else:
                 float_ops.append(node.name)
     if n_quantized == 0:
-        raise ValueError(
+        raise SpecRefused(
             "pt2e conversion produced no integer weight: the model has no conv or linear layer the "
-            "annotator quantizes, so the result would be a float model under a W8A8 label"
+            "annotator quantizes (or every one is kept float), so the result would be a float model under a W8A8 label"
         )
     if float_ops:
         raise ValueError(f"pt2e conversion left float conv/linear node(s) {float_ops}; refusing a partial result")
