@@ -432,21 +432,27 @@ def speed_note(path: Path, steps: int | None) -> str:
     return f"{bound}{said.split('; measured on')[0]}"
 
 
+CLI_MAX_SAMPLES = 100  # the commands' --max-samples default (cli/common.py)
+
+
 def pt2e_quantize(task: Task, model, out: Path, preset: str):
     """The PyTorch path as ``quantship quantize`` runs it by default (``quantize_export_judged``: quantize, export,
     the fidelity budget judged and repaired, placement by profile on ONNX Runtime targets), on the task's
-    calibration batches; the budget read in-sample on the first batch (the task holds no other data out)."""
+    calibration data split as the command splits ``--calib`` (``split_held_out``: the last fifth held out to
+    judge fidelity on, the same samples the ONNX path's rows hold out)."""
     import torch
 
     from quantship import Budget, Quantizer
-    from quantship.export import quantize_export_judged
+    from quantship.export import quantize_export_judged, split_held_out
     from quantship.targets import get
 
-    batches = [torch.from_numpy(b) for b in batched(task.calib, task.calib_batch)]
+    calib, held, label = split_held_out({"x": task.calib}, CLI_MAX_SAMPLES)
+    batches = [torch.from_numpy(b) for b in batched(calib["x"], task.calib_batch)]
+    held_batches = [torch.from_numpy(b) for b in batched(held["x"], task.calib_batch)] if held else None
     judged = quantize_export_judged(
-        model, batches, torch.from_numpy(task.eval_x[:1]), out, target=get(preset), overrides={}, held=None,
-        held_label="", budget=Budget(), make_quantizer=Quantizer.for_target,
-        quantize_kwargs={"max_calibration_samples": len(task.calib)})
+        model, batches, torch.from_numpy(task.eval_x[:1]), out, target=get(preset), overrides={}, held=held_batches,
+        held_label=label, budget=Budget(), make_quantizer=Quantizer.for_target,
+        quantize_kwargs={"max_calibration_samples": len(calib["x"])})
     note = ""
     report = getattr(judged.quantizer, "report", None)
     if report is not None and getattr(report, "float_ops", None):

@@ -343,3 +343,28 @@ def test_normalize_of_a_zero_row_stays_finite():
         out = NonFinite(converted).run(x)
     assert found == []
     torch.testing.assert_close(out, model(x), atol=0.05, rtol=0)
+
+
+class ClampedHead(nn.Module):
+    """A conv whose output a clamp bounds, as the model's output: ``bounds`` as given to ``torch.clamp``."""
+
+    def __init__(self, **bounds):
+        super().__init__()
+        self.conv, self.bounds = nn.Conv2d(3, 4, 3, padding=1), bounds
+
+    def forward(self, x):
+        return torch.clamp(0.2 * self.conv(x) + 0.5, **self.bounds)
+
+
+@pytest.mark.parametrize("bounds, quantized", [({"min": 0.0, "max": 1.0}, True), ({"min": 1e-6}, False)])
+def test_a_clamp_between_two_numbers_gets_its_own_scale_and_a_one_sided_one_stays_float(bounds, quantized):
+    """A hard sigmoid written out ends in ``clamp(., 0, 1)``: quantized, an integer-only runtime reads it (TiGrIS
+    runs it as a Relu6 at 6x scale); a one-sided clamp (F.normalize's eps floor, a divisor) stays float."""
+    torch.manual_seed(0)
+    x = x4(2, 3, 8, 8)
+    converted, report = _convert(ClampedHead(**bounds), x, symmetric=True)
+    clamp = next(n for n in converted.graph.nodes if n.op == "call_function" and n.target in
+                 (aten.clamp.default, aten.clip.default))
+    (user,) = clamp.users
+    assert (user.target == qd.quantize_per_tensor.default) == quantized
+    assert any("clamp" in f.op for f in report.float_ops) != quantized  # "no INT8 rule" only for the one-sided

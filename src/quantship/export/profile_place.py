@@ -18,6 +18,14 @@ The candidates are kept float in one more file, which must keep the fidelity bud
 side with the plain file (``speed_gate.time_files``: one thread, CPU time, interleaved) and chosen only when
 ``speed_gate.faster`` (the search's rule) says so; otherwise the plain file stays. A profile that cannot run
 leaves the plain file, said so.
+
+A chosen set then grows along its run (``grow``, at most ``GROW_STEPS`` more files): the weighted neighbour of
+the set whose integer kernel the profile read as slower than its float one (by any margin: on a model of a few
+microseconds per node, below what the estimate can tell) is kept float too, one at a time, each file timed
+against the best so far by the same rule, until one is not faster or only one weighted op would stay integer.
+The estimate of a crossing is what this measures: keeping a run float moves its crossings to the run's ends,
+and a pool between two float Convs leaves the integer path with them (MTCNN PNet: its first Conv alone kept
+float, 0.82x FP32; with the second, a MaxPool between them, 0.92x; the crossing estimate said no).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from quantship.inspect.run.timing import cpu_line
 PROFILE_SECONDS = 0.5  # CPU time each file is profiled for, at each batch
 VERIFY_SECONDS = 0.4  # CPU time per file and batch in the one verification (the speed search's per step)
 MIN_SAVING_MS = 0.01  # per batch: ten steps of the profiler's 1 us clock; a smaller difference is not read
+GROW_STEPS = 3  # files a chosen set may grow by along its run (module docstring)
 
 
 @dataclass(frozen=True)
@@ -75,11 +84,13 @@ class ProfilePlacement:
     chosen: bool = False
     not_run: str | None = None  # why the plain file stays without a verification
     modules: dict[str, str] = field(default_factory=dict)  # PyTorch path: candidate node -> the module kept float
+    grown: tuple[str, ...] = ()  # kept float after the candidates, each verified faster (``grow``)
+    grown_ms: list[dict[str, dict[int, float]]] = field(default_factory=list)  # each growth step's timing
 
     @property
     def kept_float(self) -> tuple[str, ...]:
         """The weighted ops the written file keeps float for speed."""
-        return self.candidates if self.chosen else ()
+        return (*self.candidates, *self.grown) if self.chosen else ()
 
     @property
     def kept_modules(self) -> list[str]:
@@ -88,29 +99,35 @@ class ProfilePlacement:
 
     @property
     def gain(self) -> dict[int, float]:
-        """Plain ms / profile ms per batch, from the verification."""
+        """Plain ms / profile ms per batch: the verification's, times each kept growth step's."""
         if not self.verified_ms:
             return {}
-        return {b: self.verified_ms["plain"][b] / self.verified_ms["profile"][b] for b in self.verified_ms["plain"]}
+        gain = {b: self.verified_ms["plain"][b] / self.verified_ms["profile"][b] for b in self.verified_ms["plain"]}
+        for step in self.grown_ms[:len(self.grown)]:
+            gain = {b: g * step["before"][b] / step["grown"][b] for b, g in gain.items()}
+        return gain
 
     def _named(self, node: str) -> str:
         """A node by its module when the PyTorch path recorded one (``--exclude`` takes it), else by name."""
         return f"module {self.modules[node]} ({node})" if node in self.modules else node
 
     def why(self) -> str:
-        """Each candidate by its full name and its measured per-node ms at the largest batch."""
+        """Each op kept float by its full name and its measured per-node ms at the largest batch."""
         b = max(self.batches)
         by = {c.node: c for c in self.costs}
-        return "; ".join(f"{self._named(n)}: integer {by[n].int_ms[b]:.3g} ms vs float {by[n].float_ms[b]:.3g} ms + "
-                         f"{self.estimated_ms[n][b] - by[n].float_ms[b]:.3g} ms to cross at b{b}"
-                         for n in self.candidates)
+        said = [f"{self._named(n)}: integer {by[n].int_ms[b]:.3g} ms vs float {by[n].float_ms[b]:.3g} ms + "
+                f"{self.estimated_ms[n][b] - by[n].float_ms[b]:.3g} ms to cross at b{b}" for n in self.candidates]
+        said += [f"{self._named(n)}: integer {by[n].int_ms[b]:.3g} ms vs float {by[n].float_ms[b]:.3g} ms, kept "
+                 "float with its neighbour, the file verified faster" for n in self.grown]
+        return "; ".join(said)
 
     def describe(self) -> str:
         if self.not_run is not None:
             return f"plain placement: {self.not_run}"
         ratios = " / ".join(f"b{b} {g:.2f}x" for b, g in self.gain.items())
         if self.chosen:
-            return (f"{len(self.candidates)} weighted op(s) kept float for speed ({self.why()}); verified: "
+            grown = f", {len(self.grown)} of them grown along the run" if self.grown else ""
+            return (f"{len(self.kept_float)} weighted op(s) kept float for speed{grown} ({self.why()}); verified: "
                     f"{ratios} the plain file's speed (1 thread, CPU time); {self.cpu}")
         return (f"plain placement: keeping {', '.join(self.candidates)} float ran {ratios} the plain file's speed "
                 f"(not faster by the search's rule); {self.cpu}")
@@ -119,7 +136,8 @@ class ProfilePlacement:
         return {"method": "profile", "cpu": self.cpu, "batches": list(self.batches),
                 "nodes": [c.as_dict() for c in self.costs], "crossing_ns_per_element": _keyed(self.crossing_ns),
                 "crossing_fixed_ms": _keyed(self.crossing_fixed_ms),
-                "candidates": list(self.candidates), "kept_float": list(self.kept_float),
+                "candidates": list(self.candidates), "grown": list(self.grown), "kept_float": list(self.kept_float),
+                "grown_ms": [{k: _keyed(v) for k, v in step.items()} for step in self.grown_ms],
                 "estimated_float_ms": {n: _keyed(v) for n, v in self.estimated_ms.items()},
                 "verified_ms": {k: _keyed(v) for k, v in self.verified_ms.items()},
                 "gain_vs_plain": _keyed(self.gain), "chosen": self.chosen, "not_run": self.not_run,
@@ -127,8 +145,8 @@ class ProfilePlacement:
 
     def metadata(self) -> dict[str, str]:
         """The file's record (``speed.SEARCH_KEY``): what was kept float, why, and the verification."""
-        record = {k: v for k, v in self.as_dict().items() if k != "nodes"} | {"why": self.why() if self.candidates
-                                                                                 else None}
+        record = {k: v for k, v in self.as_dict().items() if k != "nodes"} | {"why": self.why() if self.kept_float
+                                                                                 or self.candidates else None}
         return {SEARCH_KEY: json.dumps(record, sort_keys=True)}
 
 
@@ -251,5 +269,42 @@ def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[s
     plain_ms, trial_ms = time_files([Path(plain.path), Path(trial.path)], dict(feeds), verify_seconds)
     record.verified_ms = {"plain": plain_ms, "profile": trial_ms}
     record.chosen = faster(trial_ms, plain_ms)
+    if record.chosen:
+        trial = _grow(record, trial, before, after, weighted, feeds, requantize, verify_seconds, log)
+    record.modules |= {n: modules[n] for n in record.grown if n in modules} if modules else {}
     log(f"placement by profile: {record.describe()}")
     return (trial if record.chosen else plain), record
+
+
+def next_along_run(costs: Iterable[NodeCost], kept: Iterable[str], before: Mapping[str, set[str]],
+                   after: Mapping[str, set[str]]) -> str | None:
+    """The weighted neighbour of ``kept`` whose integer kernel the profile read as slower than its float one at
+    every batch, the largest saving first (None when there is none)."""
+    kept = set(kept)
+    near = set().union(*(before.get(n, set()) | after.get(n, set()) for n in kept)) - kept if kept else set()
+    losing = [(sum(c.int_ms[b] - c.float_ms[b] for b in c.float_ms), c.node) for c in costs
+              if c.node in near and c.float_ms and all(c.int_ms[b] > c.float_ms[b] for b in c.float_ms)]
+    return max(losing)[1] if losing else None
+
+
+def _grow(record: ProfilePlacement, best: Any, before: Mapping[str, set[str]], after: Mapping[str, set[str]],
+          weighted: list[str], feeds: Mapping[int, Mapping[str, np.ndarray]],
+          requantize: Callable[[tuple[str, ...]], Any], seconds: float, log: Callable[[str], None]) -> Any:
+    """The chosen file grown along its run (module docstring): ``record.grown`` and the best file."""
+    for _ in range(GROW_STEPS):
+        node = next_along_run(record.costs, record.kept_float, before, after)
+        if node is None or len(record.kept_float) + 1 >= len(weighted):
+            break
+        try:
+            grown = requantize(tuple(glob.escape(n) for n in (*record.kept_float, node)))
+        except QuantshipError:
+            break
+        if grown.fp32 is not None and grown.fp32.status == MISSED:
+            break
+        best_ms, grown_ms = time_files([Path(best.path), Path(grown.path)], dict(feeds), seconds)
+        record.grown_ms.append({"before": best_ms, "grown": grown_ms})
+        if not faster(grown_ms, best_ms):
+            break
+        log(f"placement by profile: {record._named(node)} kept float too, with its neighbour: faster")
+        record.grown, best = (*record.grown, node), grown
+    return best

@@ -127,6 +127,12 @@ OWN_SCALE_OPS = NORM_OPS | {
     aten.gelu.default, aten.tanh.default, aten.softmax.int, aten._softmax.default,
     aten.upsample_bilinear2d.vec,
 }
+# a clamp between two number bounds (a hard sigmoid written out, as a model converted from ONNX has it) gets its own
+# scale: a float one in an integer-only runtime's plan is not read as the model means it (TiGrIS runs Clip(0, 6) only:
+# PP-OCRv4's detector from PyTorch, its SE gates' Clip(0, 1) float, 82/91 lines in TiGrIS where ONNX Runtime read
+# 89/91); quantized, the export writes it as a Relu6 at 6x scale for such a target (``target_forms.clip_as_relu6``).
+# A one-sided clamp stays float: F.normalize's eps floor is a divisor, which a rounding would make 0
+BOUNDED_CLAMP_OPS = {aten.clamp.default, aten.clip.default}
 # attention masking: selects -inf (or a constant) where masked; kept float on purpose, since a
 # quantized -inf is a finite number. The softmax after it reads the float scores.
 FLOAT_SELECT_OPS = {aten.where.ScalarOther, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
@@ -144,6 +150,7 @@ ROLES: dict = {
     **{op: "shared_scale" for op in SHARED_SCALE_OPS | ZERO_PAD_OPS | SPLIT_OPS},
     **{op: "own_scale" for op in OWN_SCALE_OPS},
     **{op: "float_select" for op in FLOAT_SELECT_OPS},
+    **{op: "bounded_clamp" for op in BOUNDED_CLAMP_OPS},
 }
 
 
@@ -683,12 +690,21 @@ class QuantshipQuantizer(Quantizer):
         quantize_input = self._quantizable_input(x) and not from_select
         self._mark(node, {x: self._input_spec(x)} if quantize_input else {}, self._act)
 
+    def _annotate_bounded_clamp(self, node: Node, cleared: set[Node]) -> None:
+        bounds = [*node.args[1:3], None, None]
+        low, high = node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+            self._annotate_own(node, cleared)
+        elif _is_float_tensor(node):
+            self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
+
     def _annotate_float_select(self, node: Node, cleared: set[Node]) -> None:
         self.report.n_float_select += 1
 
     _HANDLERS = {
         "binary": _annotate_binary, "matmul": _annotate_matmul, "cat": _annotate_cat, "einsum": _annotate_einsum, "embedding": _annotate_embedding,
         "shared_scale": _annotate_shared, "own_scale": _annotate_own, "float_select": _annotate_float_select,
+        "bounded_clamp": _annotate_bounded_clamp,
     }
 
     def validate(self, model: GraphModule) -> None:

@@ -107,10 +107,12 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                 return done
             opts, excluded, wide = made[done.path]
             feeds = timing_feeds(src, calibration, (1, calibration_sample(src, calibration)[1]))
+            files = itertools.count()  # one file per trial: the placement times each against the best so far
             with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
                 chosen, done.profile = place_by_profile(src, done, feeds, lambda names: quantize_onnx_file(
-                    src, scratch / "profile.onnx", calibration, target=p, exclude=(*excluded, *names), int16=wide,
-                    fidelity_data=fidelity_data, budget=budget, wait=wait, float_reference=shared, **opts), log=log)
+                    src, scratch / f"profile{next(files)}.onnx", calibration, target=p, exclude=(*excluded, *names),
+                    int16=wide, fidelity_data=fidelity_data, budget=budget, wait=wait, float_reference=shared, **opts),
+                    log=log)
             chosen.profile = done.profile
             add_file_metadata(chosen.path, done.profile.metadata())
             return chosen
