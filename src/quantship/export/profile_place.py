@@ -19,8 +19,8 @@ side with the plain file (``speed_gate.time_files``: one thread, CPU time, inter
 ``speed_gate.faster`` (the search's rule) says so; otherwise the plain file stays. A profile that cannot run
 leaves the plain file, said so.
 
-A chosen set then grows along its run (``grow``, at most ``GROW_STEPS`` more files): the weighted neighbour of
-the set whose integer kernel the profile read as slower than its float one (by any margin: on a model of a few
+A chosen set then grows along its run (``next_along_run``, at most ``GROW_STEPS`` more files): the weighted
+neighbour of the set whose integer kernel the profile read as slower than its float one (by any margin: on a model of a few
 microseconds per node, below what the estimate can tell) is kept float too, one at a time, each file timed
 against the best so far by the same rule, until one is not faster or only one weighted op would stay integer.
 The estimate of a crossing is what this measures: keeping a run float moves its crossings to the run's ends,
@@ -278,12 +278,18 @@ def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[s
 
 def next_along_run(costs: Iterable[NodeCost], kept: Iterable[str], before: Mapping[str, set[str]],
                    after: Mapping[str, set[str]]) -> str | None:
-    """The weighted neighbour of ``kept`` whose integer kernel the profile read as slower than its float one at
-    every batch, the largest saving first (None when there is none)."""
+    """The weighted neighbour of ``kept`` whose integer kernel the profile read as slower than its float one
+    (geometric mean over the batches, as ``choose`` reads a loss, with no floor), the largest saving first (None
+    when there is none)."""
     kept = set(kept)
     near = set().union(*(before.get(n, set()) | after.get(n, set()) for n in kept)) - kept if kept else set()
+
+    def slower(c: NodeCost) -> bool:
+        logs = [math.log(c.int_ms[b] / c.float_ms[b]) for b in c.float_ms if c.float_ms[b] > 0 and c.int_ms[b] > 0]
+        return bool(logs) and sum(logs) > 0
+
     losing = [(sum(c.int_ms[b] - c.float_ms[b] for b in c.float_ms), c.node) for c in costs
-              if c.node in near and c.float_ms and all(c.int_ms[b] > c.float_ms[b] for b in c.float_ms)]
+              if c.node in near and slower(c)]
     return max(losing)[1] if losing else None
 
 
