@@ -451,7 +451,7 @@ def pt2e_quantize(task: Task, model, out: Path, preset: str):
     held_batches = [torch.from_numpy(b) for b in batched(held["x"], task.calib_batch)] if held else None
     judged = quantize_export_judged(
         model, batches, torch.from_numpy(task.eval_x[:1]), out, target=get(preset), overrides={}, held=held_batches,
-        held_label=label, budget=Budget(), make_quantizer=Quantizer.for_target,
+        held_label=f"sample(s): {label}", budget=Budget(), make_quantizer=Quantizer.for_target,
         quantize_kwargs={"max_calibration_samples": len(calib["x"])})
     note = ""
     report = getattr(judged.quantizer, "report", None)
