@@ -117,3 +117,62 @@ def run_passes(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.pass
         if inner is exc:
             raise
         raise inner from None
+
+
+def _typed_output(name: str, model: onnx.ModelProto, q: onnx.NodeProto) -> onnx.ValueInfoProto:
+    """A graph output for the integer tensor ``q`` (a QuantizeLinear) writes: its zero-point's dtype (uint8 when
+    it has none)."""
+    zero = {t.name: t.data_type for t in model.graph.initializer}.get(q.input[2]) if len(q.input) > 2 else None
+    return onnx.helper.make_tensor_value_info(name, zero or onnx.TensorProto.UINT8, None)
+
+
+def same_op_steps(before: onnx.ModelProto, after: onnx.ModelProto, inputs: list[np.ndarray]) -> int | None:
+    """For a rewrite that writes an op as another op computing the same function (``qdq.SAME_OP_FORMS``): the
+    largest difference, in quantization steps, between each QuantizeLinear that reads a node the rewrite wrote
+    in ``after`` and the same QuantizeLinear in ``before``, the new node run on the very values ``before`` gives
+    its inputs (the op alone: a step one mean moves is not counted again in a later mean's inputs). ORT, no
+    optimizations, on ``inputs``. None when a new node is not read by a QuantizeLinear alone (nothing to compare
+    step for step) or a graph does not run."""
+    old_names = {n.name for n in before.graph.node}
+    new = [n for n in after.graph.node if n.name not in old_names]
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in after.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    stored = {t.name: t for t in after.graph.initializer}
+    before_q = {n.name: n for n in before.graph.node if n.op_type == "QuantizeLinear"}
+    pairs = []
+    for node in new:
+        users = [u for o in node.output for u in readers.get(o, [])]
+        if not users or any(u.op_type != "QuantizeLinear" or u.name not in before_q for u in users):
+            return None
+        pairs += [(node, u) for u in users]
+    if not pairs:
+        return None
+    probe = onnx.ModelProto()
+    probe.CopyFrom(before)
+    wanted = sorted({i for node, _ in pairs for i in node.input if i and i not in stored})
+    del probe.graph.output[:]
+    probe.graph.output.extend([onnx.helper.make_tensor_value_info(i, onnx.TensorProto.FLOAT, None) for i in wanted])
+    probe.graph.output.extend([_typed_output(before_q[q.name].output[0], before, before_q[q.name]) for _, q in pairs])
+    try:
+        values = run_unoptimized(probe, inputs)
+    except Exception:  # ORT's own exception types: the graph does not run as cut
+        return None
+    by_name = dict(zip(wanted, values[:len(wanted)]))
+    worst = 0
+    for (node, q), expected in zip(pairs, values[len(wanted):]):
+        feeds = [i for i in node.input if i and i not in stored]
+        consts = [stored[i] for i in (*node.input, *q.input[1:]) if i in stored]
+        graph = onnx.helper.make_graph(
+            [node, q], "same_op", [onnx.helper.make_tensor_value_info(i, onnx.TensorProto.FLOAT, None) for i in feeds],
+            [_typed_output(q.output[0], after, q)], consts)
+        alone = onnx.helper.make_model(graph, opset_imports=after.opset_import, ir_version=after.ir_version)
+        try:
+            (got,) = run_unoptimized(alone, [by_name[i] for i in feeds])
+        except Exception:  # ORT's own exception types
+            return None
+        if got.shape != expected.shape:
+            return None
+        worst = max(worst, int(np.abs(got.astype(np.int64) - expected.astype(np.int64)).max(initial=0)))
+    return worst
