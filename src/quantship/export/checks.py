@@ -119,10 +119,10 @@ def run_passes(passes: Sequence[ir.passes.PassBase], model: ir.Model) -> ir.pass
         raise inner from None
 
 
-def _typed_output(name: str, model: onnx.ModelProto, q: onnx.NodeProto) -> onnx.ValueInfoProto:
-    """A graph output for the integer tensor ``q`` (a QuantizeLinear) writes: its zero-point's dtype (uint8 when
-    it has none)."""
-    zero = {t.name: t.data_type for t in model.graph.initializer}.get(q.input[2]) if len(q.input) > 2 else None
+def _typed_output(name: str, dtypes: dict[str, int], q: onnx.NodeProto) -> onnx.ValueInfoProto:
+    """A graph output for the integer tensor ``q`` (a QuantizeLinear) writes: its zero-point's dtype (``dtypes``:
+    the graph's stored tensors'; uint8 when it has none)."""
+    zero = dtypes.get(q.input[2]) if len(q.input) > 2 else None
     return onnx.helper.make_tensor_value_info(name, zero or onnx.TensorProto.UINT8, None)
 
 
@@ -154,19 +154,22 @@ def same_op_steps(before: onnx.ModelProto, after: onnx.ModelProto, inputs: list[
     wanted = sorted({i for node, _ in pairs for i in node.input if i and i not in stored})
     del probe.graph.output[:]
     probe.graph.output.extend([onnx.helper.make_tensor_value_info(i, onnx.TensorProto.FLOAT, None) for i in wanted])
-    probe.graph.output.extend([_typed_output(before_q[q.name].output[0], before, before_q[q.name]) for _, q in pairs])
+    before_dtypes = {t.name: t.data_type for t in before.graph.initializer}
+    probe.graph.output.extend([_typed_output(before_q[q.name].output[0], before_dtypes, before_q[q.name])
+                               for _, q in pairs])
     try:
         values = run_unoptimized(probe, inputs)
     except Exception:  # ORT's own exception types: the graph does not run as cut
         return None
     by_name = dict(zip(wanted, values[:len(wanted)]))
+    after_dtypes = {name: t.data_type for name, t in stored.items()}
     worst = 0
     for (node, q), expected in zip(pairs, values[len(wanted):]):
         feeds = [i for i in node.input if i and i not in stored]
         consts = [stored[i] for i in (*node.input, *q.input[1:]) if i in stored]
         graph = onnx.helper.make_graph(
             [node, q], "same_op", [onnx.helper.make_tensor_value_info(i, onnx.TensorProto.FLOAT, None) for i in feeds],
-            [_typed_output(q.output[0], after, q)], consts)
+            [_typed_output(q.output[0], after_dtypes, q)], consts)
         alone = onnx.helper.make_model(graph, opset_imports=after.opset_import, ir_version=after.ir_version)
         try:
             (got,) = run_unoptimized(alone, [by_name[i] for i in feeds])

@@ -145,8 +145,8 @@ class ProfilePlacement:
 
     def metadata(self) -> dict[str, str]:
         """The file's record (``speed.SEARCH_KEY``): what was kept float, why, and the verification."""
-        record = {k: v for k, v in self.as_dict().items() if k != "nodes"} | {"why": self.why() if self.kept_float
-                                                                                 or self.candidates else None}
+        record = {k: v for k, v in self.as_dict().items() if k != "nodes"} | {"why": self.why() if self.candidates
+                                                                                 else None}
         return {SEARCH_KEY: json.dumps(record, sort_keys=True)}
 
 
@@ -185,6 +185,13 @@ def neighbours(model: onnx.ModelProto, weighted: Iterable[str]) -> tuple[dict[st
     return before, after
 
 
+def slower_as_integer(c: NodeCost, float_ms: Mapping[int, float]) -> bool:
+    """``c``'s integer cost above ``float_ms`` at the geometric mean over the batches (a batch either side of 0 ms
+    is not read)."""
+    logs = [math.log(c.int_ms[b] / float_ms[b]) for b in float_ms if float_ms[b] > 0 and c.int_ms[b] > 0]
+    return bool(logs) and sum(logs) > 0
+
+
 def choose(costs: Iterable[NodeCost], crossing_ns: Mapping[int, float], before: Mapping[str, set[str]],
            after: Mapping[str, set[str]], crossing_fixed_ms: Mapping[int, float] | None = None
            ) -> tuple[tuple[str, ...], dict[str, dict[int, float]]]:
@@ -202,9 +209,8 @@ def choose(costs: Iterable[NodeCost], crossing_ns: Mapping[int, float], before: 
                 for b in c.float_ms}
 
     def loses(c: NodeCost, float_ms: Mapping[int, float]) -> bool:
-        logs = [math.log(c.int_ms[b] / float_ms[b]) for b in float_ms if float_ms[b] > 0 and c.int_ms[b] > 0]
         saving = sum(c.int_ms[b] - float_ms[b] for b in float_ms)
-        return bool(logs) and sum(logs) / len(logs) > 0 and saving > MIN_SAVING_MS * len(float_ms)
+        return slower_as_integer(c, float_ms) and saving > MIN_SAVING_MS * len(float_ms)
 
     kept = {c.node for c in costs if loses(c, c.float_ms)}
     while True:
@@ -283,13 +289,8 @@ def next_along_run(costs: Iterable[NodeCost], kept: Iterable[str], before: Mappi
     when there is none)."""
     kept = set(kept)
     near = set().union(*(before.get(n, set()) | after.get(n, set()) for n in kept)) - kept if kept else set()
-
-    def slower(c: NodeCost) -> bool:
-        logs = [math.log(c.int_ms[b] / c.float_ms[b]) for b in c.float_ms if c.float_ms[b] > 0 and c.int_ms[b] > 0]
-        return bool(logs) and sum(logs) > 0
-
     losing = [(sum(c.int_ms[b] - c.float_ms[b] for b in c.float_ms), c.node) for c in costs
-              if c.node in near and slower(c)]
+              if c.node in near and slower_as_integer(c, c.float_ms)]
     return max(losing)[1] if losing else None
 
 

@@ -91,6 +91,13 @@ class ExportContext:
                                     f"({type(exc).__name__}: {one_line(exc)})") from exc
         return self._reference
 
+    def rebase(self, proto: onnx.ModelProto) -> None:
+        """``proto`` (a pass that moves roundings checked it) is the graph the later passes are proven against:
+        run now, so a graph ONNX Runtime cannot run is refused here."""
+        self.produced, self._reference, self.checked = proto, None, None
+        self.reference  # noqa: B018  (runs it)
+        self.checked = proto
+
 
 def one_row_probe(produced: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarray] | None:
     """The first row of each input when every graph input has a symbolic leading (batch) dimension.
@@ -165,9 +172,7 @@ class PlacementPass(ir.passes.InPlacePass):
         with step(f"export check: {what}"):
             proto = ir.to_proto(model)
             check_model(proto, what)
-            self.ctx.produced, self.ctx._reference, self.ctx.checked = proto, None, None
-            self.ctx.reference  # noqa: B018  (runs it: refused here when ORT cannot)
-            self.ctx.checked = proto
+            self.ctx.rebase(proto)
 
 
 # forms that write the same operation with another ONNX Runtime kernel whose float sums run in another order: a
@@ -199,8 +204,6 @@ class TargetFormsPass(ExactPass):
         self.counts, self.dropped, self.moved = {}, {}, {}
         for form in self.forms:
             before = ir.to_proto(model) if form.name in SAME_OP_FORMS else None
-            if before is not None and any(self.counts.values()):  # the exact forms so far, proven before this one
-                check_identical(before, self.ctx.reference, self.ctx.check_inputs, self.what)
             n = form.run(model)
             if n and before is not None:
                 after = ir.to_proto(model)
@@ -209,6 +212,8 @@ class TargetFormsPass(ExactPass):
                 except ExportRefused as exc:
                     steps = same_op_steps(before, after, self.ctx.check_inputs)
                     if steps is not None and steps <= SAME_OP_STEPS:
+                        if any(self.counts.values()):  # the exact forms before it, proven before the reference moves
+                            check_identical(before, self.ctx.reference, self.ctx.check_inputs, self.what)
                         self.moved[form.name] = f"each op it wrote within {steps} step(s) of the produced one"
                     else:  # the file keeps the op as produced; the target's check judges it
                         replace_model(model, ir.from_proto(before))
@@ -227,9 +232,7 @@ class TargetFormsPass(ExactPass):
         with step(f"export check: {self.what}"):  # a same-op form moved a rounding: the new reference
             proto = ir.to_proto(model)
             self.verify(proto)
-            self.ctx.produced, self.ctx._reference, self.ctx.checked = proto, None, None
-            self.ctx.reference  # noqa: B018  (runs it: refused here when ORT cannot)
-            self.ctx.checked = proto
+            self.ctx.rebase(proto)
 
 
 class ActivationDtypePass(ExactPass):

@@ -483,8 +483,8 @@ class QuantshipQuantizer(Quantizer):
             handler = self._HANDLERS.get(ROLES.get(node.target))
             if handler is not None:
                 handler(self, node, cleared)
-            elif node.target is not operator.getitem and _is_float_tensor(node):
-                self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
+            elif node.target is not operator.getitem:
+                self._no_rule(node)
         if self.mixed:
             self._pairs_where_integer_kernels_read(model)
         return model
@@ -695,7 +695,12 @@ class QuantshipQuantizer(Quantizer):
         low, high = node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])
         if isinstance(low, (int, float)) and isinstance(high, (int, float)):
             self._annotate_own(node, cleared)
-        elif _is_float_tensor(node):
+        else:
+            self._no_rule(node)
+
+    def _no_rule(self, node: Node) -> None:
+        """A float op the annotator leaves float for want of an INT8 rule, reported as such."""
+        if _is_float_tensor(node):
             self.report.float_ops.append(FloatOp(op_name(node.target), module_path(node)))
 
     def _annotate_float_select(self, node: Node, cleared: set[Node]) -> None:
