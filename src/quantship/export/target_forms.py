@@ -32,8 +32,8 @@ produced (``exported_forms``; proven byte-identical by ``export.qdq.TargetFormsP
   another order: a float pass on the float graph, kept on a QDQ graph only where it reads byte for byte.
 - ``clip_as_relu6``, for a QDQ graph and a runtime without ``HardSigmoid`` whose only Clip is Relu6
   (TiGrIS): the PyTorch path exports a hard sigmoid as ``Clip(a x + b, 0, 1)`` between a
-  DequantizeLinear and a QuantizeLinear; read at 6 times both scales, the same integers go through
-  ``Clip(0, 6)``. An exact pass (the integers, not the scales, are what the next node reads).
+  DequantizeLinear and a QuantizeLinear; multiplied by 6 into a pair at 6 times the scale, through
+  ``Clip(0, 6)``, and back by a sixth into the reader's pair, the same integers come out. An exact pass.
 - ``hard_swish_one_op_quantized``, for a QDQ graph and ONNX Runtime: the PyTorch path exports a hard swish
   written out with a Q/DQ pair after its ops; found with ``hard_swish_one_op``'s matcher on a view of the
   graph without its activation pairs, it becomes one ``HardSwish`` between x's pair and the output's, as
@@ -394,9 +394,26 @@ def _clip_bounds(clip: ir.Node) -> tuple[float, float] | None:
     return None if low is None or high is None else (low, high)
 
 
+def _pair(graph: ir.Graph, x: ir.Value, like: ir.Node, scale: float, name: str) -> tuple[list[ir.Node], ir.Value]:
+    """``x`` through a QuantizeLinear -> DequantizeLinear pair of one ``scale``, with ``like``'s zero point
+    (its dtype: the integers' type) and attributes: (the two nodes, the pair's output)."""
+    s = fresh_initializer(graph, f"{name}/scale", scale)
+    attributes = {a.name: a.value for a in like.attributes.values()}
+    q = ir.node("QuantizeLinear", [x, s, *like.inputs[2:]], attributes=attributes, name=f"{name}/quantize")
+    dq = ir.node("DequantizeLinear", [q.outputs[0], s, *like.inputs[2:]], attributes=attributes, name=f"{name}/dequantize")
+    zero = like.inputs[2] if len(like.inputs) > 2 and like.inputs[2] is not None else None
+    q.outputs[0].dtype = zero.dtype if zero is not None else ir.DataType.UINT8
+    q.outputs[0].shape = dq.outputs[0].shape = x.shape
+    dq.outputs[0].dtype = ir.DataType.FLOAT
+    return [q, dq], dq.outputs[0]
+
+
 def clip_as_relu6(model: ir.Model) -> int:
-    """In a QDQ graph, ``Clip(DQ(q; s, z), 0, c) -> Q(s', z')`` with ``c`` other than 6 becomes ``Clip(DQ(q; k s,
-    z), 0, 6) -> Q(k s', z')`` with ``k = 6 / c``: the same integers in and out, through a Relu6."""
+    """In a QDQ graph, ``DQ(q; s, z) -> Clip(0, c) -> Q(s', z')`` with ``c`` other than 6 becomes ``DQ(q; s, z) ->
+    Mul(k) -> Q/DQ(k s, z) -> Clip(0, 6) -> Q/DQ(k s', z') -> Mul(1 / k) -> Q(s', z')`` with ``k = 6 / c``: the same
+    integers in and out, through a Relu6, each pair of one scale. (Read at ``k`` times the scale by the
+    DequantizeLinear alone, a pair of two scales, TiGrIS 0.12.1 read the Clip's input at the QuantizeLinear's
+    scale: a hard sigmoid's gate off by up to 161 steps in the PP-OCRv4 detector's PyTorch-path file.)"""
     graph = model.graph
     n = 0
     for clip in list(graph):
@@ -409,18 +426,21 @@ def clip_as_relu6(model: ir.Model) -> int:
                 or not readers or any(r.op_type != "QuantizeLinear" or _scalar_scale(r) is None for r in readers):
             continue
         k = 6.0 / bounds[1]
-        wide = ir.node("DequantizeLinear", [dq.inputs[0], fresh_initializer(graph, f"{clip.name}/scale_in", k * _scalar_scale(dq)),
-                                            *dq.inputs[2:]], name=f"{clip.name}/dequantize_x{k:g}")
-        graph.insert_before(clip, wide)
-        wide.outputs[0].dtype, wide.outputs[0].shape = ir.DataType.FLOAT, clip.inputs[0].shape
-        clip.replace_input_with(0, wide.outputs[0])
+        up = ir.node("Mul", [clip.inputs[0], fresh_initializer(graph, f"{clip.name}/times", k)], name=f"{clip.name}/x{k:g}")
+        up.outputs[0].dtype, up.outputs[0].shape = ir.DataType.FLOAT, clip.inputs[0].shape
+        pair, wide = _pair(graph, up.outputs[0], dq, k * _scalar_scale(dq), f"{clip.name}/in_x{k:g}")
+        graph.insert_before(clip, [up, *pair])
+        clip.replace_input_with(0, wide)
         clip.replace_input_with(2, fresh_initializer(graph, f"{clip.name}/six", 6.0))
-        for q in readers:
-            q.replace_input_with(1, fresh_initializer(graph, f"{q.name}/scale_x{k:g}", k * _scalar_scale(q)))
+        for j, q in enumerate(readers):
+            name = f"{clip.name}/out{j}_x{k:g}"
+            pair, wide = _pair(graph, out, q, k * _scalar_scale(q), name)
+            down = ir.node("Mul", [wide, fresh_initializer(graph, f"{name}/back", 1.0 / k)], name=f"{name}/back")
+            down.outputs[0].dtype, down.outputs[0].shape = ir.DataType.FLOAT, out.shape
+            graph.insert_before(q, [*pair, down])
+            q.replace_input_with(0, down.outputs[0])
         n += 1
     if n:
-        graph.remove([d for d in graph if d.op_type == "DequantizeLinear" and not any(o.uses() for o in d.outputs)
-                      and not any(o.is_graph_output() for o in d.outputs)], safe=True)
         drop_unused_initializers(graph)
     return n
 
