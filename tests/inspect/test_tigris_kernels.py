@@ -73,3 +73,53 @@ def test_the_rule_refuses_what_tigris_cannot_compile_and_nothing_else(case, tmp_
 def test_other_targets_do_not_apply_it(tmp_path):
     path = _file(tmp_path, "Clip", [1, 4, 8, 8], [1, 4, 8, 8], low=0.0, high=1.0)
     assert not [f for f in check_file(path, "openvino").findings if f.rule == "tigris_kernels"]
+
+
+def _relu6_pair_file(tmp_path, dq_scale: float):
+    """x -> Q(0.05) -> DQ(``dq_scale``) -> Clip(0, 6) -> Q/DQ(6/127): with ``dq_scale`` 6 x 0.05, the pair reads the
+    integers at 6 times the scale they were written with (the form the PyTorch path's hard sigmoid had for TiGrIS)."""
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s"), numpy_helper.from_array(np.array(dq_scale, np.float32), "s_read"),
+             numpy_helper.from_array(np.array(6 / 127, np.float32), "so"), numpy_helper.from_array(np.array(0, np.int8), "z"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "low"), numpy_helper.from_array(np.array(6.0, np.float32), "high")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["x_q"], name="q_in"),
+             helper.make_node("DequantizeLinear", ["x_q", "s_read", "z"], ["x_d"], name="dq_in"),
+             helper.make_node("Clip", ["x_d", "low", "high"], ["y"], name="relu6"),
+             helper.make_node("QuantizeLinear", ["y", "so", "z"], ["y_q"]),
+             helper.make_node("DequantizeLinear", ["y_q", "so", "z"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    path = tmp_path / f"pair_{dq_scale:g}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_pair_of_two_scales_is_a_tigris_warning_and_tigris_reads_it_otherwise():
+    """``one_scale_pairs``: a Q -> DQ pair whose DequantizeLinear reads at another scale is named for TiGrIS (a
+    warning: TiGrIS compiles and runs it), and the premise is measured: TiGrIS's values after such a pair are not
+    ONNX Runtime's literal ones, while a pair of one scale reads alike."""
+    import tempfile
+    from pathlib import Path
+
+    from quantship.inspect.run.consumers import run_onnxruntime, run_tigris
+
+    x = np.random.default_rng(0).uniform(-2, 8, (1, 4, 8, 8)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        for dq_scale, two in ((0.3, True), (0.05, False)):
+            path = _relu6_pair_file(Path(tmp), dq_scale)
+            report = check_file(path, "tigris")
+            flagged = [f for f in report.findings if f.rule == "one_scale_pairs"]
+            assert bool(flagged) == two and all(f.severity == "warning" for f in flagged), report.findings
+            assert report.ok
+            if two:
+                assert "q_in -> dq_in" in flagged[0].offending[0]
+                assert not [f for f in check_file(path, "openvino").findings if f.rule == "one_scale_pairs"]
+            if tigris_executable() is None:
+                continue
+            literal = run_onnxruntime(path, [{"x": x}], optimize=False)[0][0]
+            tigris = np.asarray(run_tigris(path, [{"x": x}], onnx.load(str(path)))[0][0]).reshape(literal.shape)
+            steps = np.abs(tigris - literal).max() / (6 / 127)
+            assert (steps > 10) == two, steps
+    if tigris_executable() is None:
+        pytest.skip("tigris CLI not installed: the static half checked only")

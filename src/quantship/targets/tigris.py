@@ -15,6 +15,7 @@ TARGET = Target(
         (10, 26), ("int8", "uint8"), ("int8", "uint8"),
         errors=(*ALL_QDQ, "fully_quantized", "per_tensor_activations", "activation_dtype",
                 "weight_dtype", "int32_bias", "tigris_kernels"),
+        warnings=("one_scale_pairs",),
         source="TiGrIS quantization guide: QDQ, static, fully quantized; uint8 restated as int8; kernel "
                "forms measured with tigris analyze 0.12.1",
         lsb_tolerance=4.0),

@@ -157,6 +157,12 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "keep such ops out of the model (a hard sigmoid as HardSigmoid, not a Clip to [0, 1]; a "
          "LayerNorm or softmax over a rank-3 tensor), or deploy to a runtime that has them",
          lambda f, t: [f"{node} ({form})" for node, form in f.operator_forms]),
+    Rule("one_scale_pairs", "each activation QuantizeLinear -> DequantizeLinear pair holds one scale and zero-point",
+         "{n} activation Q/DQ pair(s) read the integers at another scale than they were written with ({what}); "
+         "{consumer} reads a pair at its QuantizeLinear's scale, so the values after such a pair differ from "
+         "ONNX Runtime's (measured with TiGrIS 0.12.1)",
+         "write the rescaling as its own op between two pairs of one scale each (quantship's exports do)",
+         lambda f, t: list(f.two_scale_pairs)),
     Rule("conv_kernel_shape", "every Conv carries kernel_shape",
          "{n} Conv node(s) have no kernel_shape attribute ({what}); {consumer}'s ONNX parser needs it",
          "write kernel_shape from the weight's spatial dims (quantship export_qdq does this)",

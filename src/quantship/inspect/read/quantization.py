@@ -68,6 +68,8 @@ class QuantFacts:
     foreign_operators: list[tuple[str, str, bool]] = field(default_factory=list)  # (node, domain, local function)
     # (node, form) of ops in a form some runtimes have no kernel for (``read.forms``: Clip bounds, reductions)
     operator_forms: list[tuple[str, str]] = field(default_factory=list)
+    # activation QuantizeLinear -> DequantizeLinear pairs whose two nodes hold different static parameters
+    two_scale_pairs: list[str] = field(default_factory=list)
     # the low-bit weights of a weight-only file (format "weight-only"); None for every other format
     weight_only: WeightOnlyFacts | None = None
 
@@ -193,6 +195,23 @@ def _float_leftovers(view: GraphView) -> tuple[list[str], list[str], list[str]]:
     return list(tensors), list(operators), list(islands)
 
 
+def _two_scale_pairs(view: GraphView, qdq: list[QDQNode]) -> list[str]:
+    """Each activation Q -> DQ pair whose DequantizeLinear reads the integers at another static scale or zero-point
+    than its QuantizeLinear wrote them with (a requantization written as one pair): "Q -> DQ (scale a vs b)"."""
+    by_label = {q.node: q for q in qdq}
+    position = {id(n): i for i, n in enumerate(view.nodes)}
+    found = []
+    for index, node in enumerate(view.nodes):
+        q = by_label.get(node_label(node, index)) if node.op_type == QUANTIZE else None
+        if q is None or q.role != "activation" or not q.static or q.scale is None:
+            continue
+        for reader in view.consumer_nodes(node.output[0]):
+            dq = by_label.get(node_label(reader, position[id(reader)])) if reader.op_type == DEQUANTIZE else None
+            if dq is not None and dq.static and (dq.scale != q.scale or dq.zero_points != q.zero_points):
+                found.append(f"{q.node} -> {dq.node} (scale {q.scale:.6g} vs {dq.scale})")
+    return found
+
+
 def quant_facts(view: GraphView) -> QuantFacts:
     """Read the quantization of the graph in ``view``."""
     facts = QuantFacts(format="float", opset=default_opset(view.model))
@@ -217,6 +236,7 @@ def quant_facts(view: GraphView) -> QuantFacts:
     facts.parameter_problems = parameter_problems(view)
     facts.foreign_operators = foreign_operators(view)
     facts.operator_forms = operator_forms(view)
+    facts.two_scale_pairs = _two_scale_pairs(view, facts.qdq)
     if facts.dynamic_nodes and not facts.of_role("activation"):  # a QDQ file with integer LSTMs stays QDQ/mixed
         facts.format = "dynamic"
     elif facts.qoperator_nodes:
