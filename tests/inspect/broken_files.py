@@ -26,6 +26,12 @@ def _nodes(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == op_type]
 
 
+def weight_dequantize(model: onnx.ModelProto) -> onnx.NodeProto:
+    """The first DequantizeLinear of a stored weight (an export makes each right before its reader)."""
+    stored = {t.name for t in model.graph.initializer}
+    return next(n for n in _nodes(model, "DequantizeLinear") if n.input[0] in stored)
+
+
 def _init(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
     return next(t for t in model.graph.initializer if t.name == name)
 
@@ -43,7 +49,7 @@ def _activation_scale(value: float):
 
 def _weight_scale(value: float):
     def edit(model):
-        name = _nodes(model, "DequantizeLinear")[0].input[1]
+        name = weight_dequantize(model).input[1]
         values = numpy_helper.to_array(_init(model, name)).copy()
         values[1] = value
         _replace(model, name, values)
@@ -52,7 +58,7 @@ def _weight_scale(value: float):
 
 def _axis(op_type: str, value: int):
     def edit(model):
-        node = _nodes(model, op_type)[0]
+        node = weight_dequantize(model) if op_type == "DequantizeLinear" else _nodes(model, op_type)[0]
         for attr in node.attribute:
             if attr.name == "axis":
                 attr.i = value
@@ -63,7 +69,7 @@ def _axis(op_type: str, value: int):
 
 def _weight_zero_point(values_of: Callable[[np.ndarray], np.ndarray]):
     def edit(model):
-        node = _nodes(model, "DequantizeLinear")[0]
+        node = weight_dequantize(model)
         _replace(model, node.input[2], values_of(numpy_helper.to_array(_init(model, node.input[2]))))
     return edit
 

@@ -120,6 +120,39 @@ def test_capture_reads_the_weights_in_place(residual_net):
     assert not storages(copied.graph.state_dict().values()) & storages(counting.state_dict().values())
 
 
+class Stack(nn.Module):
+    """Four Linear layers of 256 x 256 (1 MB of float weights, 256 KB each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_the_quantized_model_holds_no_float_weight_and_reads_each_where_it_is_used():
+    """convert_pt2e writes each int8 weight as a new constant and left the float one registered (a 2 GB encoder's
+    quantized model held 2 GB of float weights beside 0.5 GB of int8 ones), and it put every weight's
+    dequantize at the top of the graph (a forward held every weight in float at once): the quantized model
+    keeps only what its graph reads, and each dequantized weight is made right before the node that reads it."""
+    model = Stack().eval()
+    qmodel = Quantizer().quantize(model, [torch.randn(4, 256) for _ in range(3)])
+    stored = [*qmodel.parameters(), *qmodel.buffers()]
+    float_bytes = sum(t.numel() * t.element_size() for t in stored if t.dtype == torch.float32)
+    int8_bytes = sum(t.numel() for t in stored if t.dtype == torch.int8)
+    assert int8_bytes == 4 * 256 * 256 and float_bytes < 4 * 256 * 256  # biases and scales only: not 1 MB
+    nodes = list(qmodel.graph.nodes)
+    weights = [n for n in nodes if n.op == "call_function" and "dequantize_per_channel" in str(n.target)]
+    assert len(weights) == 4
+    for weight in weights:  # its reader follows it, with at most the stored tensors it reads between them
+        reader = min(weight.users, key=nodes.index)
+        assert all(n.op == "get_attr" for n in nodes[nodes.index(weight) + 1:nodes.index(reader)])
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        assert torch.allclose(qmodel(x), model(x), atol=0.1)  # still the model
+
+
 class PythonStateNet(torch.nn.Module):
     """A forward that changes Python attributes (a call count, a list of seen batch sizes)."""
 

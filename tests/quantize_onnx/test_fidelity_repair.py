@@ -101,6 +101,32 @@ def test_the_api_refuses_when_no_step_keeps_the_budget(files):
     assert not (files / "api.onnx").exists()
 
 
+def test_the_speed_search_starts_where_the_repair_ends_and_is_held_to_the_budget(files, capsys):
+    """``--speed-search`` from the plain file wrote a file that loses the signal (its steps judge speed only):
+    now the repair runs first, the search starts from its file, and the written file keeps the budget."""
+    out = files / "searched.onnx"
+    code = main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--speed-search", "--max-steps", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    assert report["fidelity_fp32"]["status"] == "met" and report["fidelity_fp32"]["sqnr_db"] >= DEFAULT_MIN_SQNR_DB
+    repair = report["repair"]
+    assert repair["steps"][0]["status"] == "missed" and repair["chosen"] > 0  # the search's start: not the plain file
+    chosen = repair["steps"][repair["chosen"]]
+    assert report["speed_search"]["base"] == chosen["excluded"]
+    assert json.loads(_props(out)[METADATA_KEY])["status"] == "met"
+
+
+def test_the_speed_search_without_repair_writes_nothing_and_exits_1(files, capsys):
+    out = files / "searched_refused.onnx"
+    code = main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),
+                 "--speed-search", "--max-steps", "1", "--no-repair"])
+    captured = capsys.readouterr()
+    assert code == 1 and not out.exists(), captured.err
+    assert "fidelity budget" in captured.err
+    assert not [p for p in files.iterdir() if p.name.startswith(".quantship-")]
+
+
 def test_no_fidelity_says_it_was_not_judged(files, capsys):
     out = files / "unjudged.onnx"
     assert main(["quantize-onnx", str(files / "float.onnx"), "--calib", str(files / "cal.npy"), "--out", str(out),

@@ -47,11 +47,18 @@ def run(args: argparse.Namespace, out) -> int:
     search, accuracy, speed, repair = None, {}, None, None
     if args.speed_search:
         # late: --help answers before numpy, onnx and onnxruntime load
-        from quantship.quantize_onnx.speed import speed_search_onnx
+        from quantship.errors import FidelityMissed
+        from quantship.quantize_onnx.repair import speed_search
 
-        result, speed = speed_search_onnx(args.float_model, out, batches, target=target, algorithms=asked,
-                                          max_steps=args.max_steps, wait=not args.no_wait, log=ui.say,
-                                          per_tensor=args.per_tensor, shared_scale=args.shared_scale)
+        ui.say(f"fidelity to FP32 judged on {held_said}" if not args.no_fidelity else "fidelity not judged")
+        try:
+            result, speed, repair = speed_search(
+                args.float_model, out, batches, target=target, algorithms=asked, budget=args.budget,
+                fidelity_data=held, repair=not args.no_repair, max_steps=args.max_steps, wait=not args.no_wait,
+                log=ui.say, per_tensor=args.per_tensor, shared_scale=args.shared_scale)
+        except FidelityMissed as missed:
+            return fidelity_cli.missed("quantize-onnx", ui, missed, {"version": 1, "input": args.float_model,
+                                                                     "engine": "quantship", "target": target.target})
         if labelled is not None:
             accuracy = quantize_onnx_eval.top1_of(args, labelled, result.path)
     elif args.max_drop is not None:

@@ -258,6 +258,8 @@ class QuantizeCallback(Callback):
         with fold_what_can_match(prepared, qat=True):
             converted = convert_pt2e(prepared)
         carry_static_batch(prepared, converted)
+        pt2e.drop_unread_tensors(converted)
+        pt2e.weights_read_where_used(converted)
         pt2e.check_converted(converted)
         allow_exported_model_train_eval(converted)
         return converted

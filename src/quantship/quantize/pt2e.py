@@ -102,6 +102,8 @@ def quantize_pt2e(
     with step("quantize: convert (convert_pt2e)"), fold_what_can_match(prepared, qat=False):
         converted = convert_pt2e(prepared)
     carry_static_batch(captured.graph, converted)
+    drop_unread_tensors(converted)
+    weights_read_where_used(converted)
     unshare(converted, model)
     check_converted(converted, {*quantizer.report.kept_float, *quantizer.report.skipped_nodes})
     algorithms: dict[str, dict] = {}
@@ -169,6 +171,57 @@ def _viewed_base(node: torch.fx.Node) -> torch.fx.Node:
             break
         node = node.args[0]
     return node
+
+
+def drop_unread_tensors(converted: GraphModule) -> None:
+    """Delete the parameters and buffers no node of ``converted``'s graph reads. convert_pt2e writes each
+    quantized weight as a new int8 constant and leaves the float one registered where it was: a 2 GB float
+    encoder's quantized model held its 2 GB of float weights beside its 0.5 GB of int8 ones (and ``unshare``
+    then copied them), bench/scale.py's PyTorch rows."""
+    read = {n.target for n in converted.graph.nodes if n.op == "get_attr"}
+    called = [f"{n.target}." for n in converted.graph.nodes if n.op == "call_module"]
+    named = [*converted.named_parameters(remove_duplicate=False), *converted.named_buffers(remove_duplicate=False)]
+    for name, _ in named:
+        if name not in read and not name.startswith(tuple(called)):
+            owner, _, leaf = name.rpartition(".")
+            module = converted.get_submodule(owner) if owner else converted
+            if hasattr(module, leaf):  # a tied alias may be gone already
+                delattr(module, leaf)
+
+
+def weights_read_where_used(converted: GraphModule) -> None:
+    """Reorder ``converted``'s graph so that each value computed from stored tensors only (a weight's
+    DequantizeLinear and the constants it reads) comes right before the first node that reads it. convert_pt2e
+    leaves them at the top of the graph, so a forward held every weight in float at once (0.75 GB more for a
+    0.5 GB float encoder, bench/scale.py's PyTorch rows), and the exported file keeps that order."""
+    graph = converted.graph
+    constant: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or (node.op == "call_function" and node.all_input_nodes
+                                     and all(a in constant for a in node.all_input_nodes)):
+            constant.add(node)
+    order: list[torch.fx.Node] = []
+    placed: set[torch.fx.Node] = set()
+
+    def place(node: torch.fx.Node) -> None:
+        if node in placed:
+            return
+        for source in node.all_input_nodes:
+            if source in constant:
+                place(source)
+        placed.add(node)
+        order.append(node)
+
+    nodes = list(graph.nodes)
+    for node in nodes:
+        if node not in constant:
+            place(node)
+    unread = [n for n in nodes if n not in placed]  # constants nothing reads: before the output, as they were
+    order[-1:-1] = unread
+    for before, node in zip(order, order[1:]):
+        before.append(node)
+    graph.lint()
+    converted.recompile()
 
 
 def unshare(converted: GraphModule, model: torch.nn.Module) -> None:

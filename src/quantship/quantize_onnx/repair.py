@@ -35,7 +35,7 @@ from quantship.quantize_onnx.quantizer import (
     quantize_onnx_file,
 )
 from quantship.quantize_onnx.sensitivity import node_sqnr
-from quantship.quantize_onnx.speed import calibration_sample, timing_feeds
+from quantship.quantize_onnx.speed import SpeedSearch, calibration_sample, speed_search_onnx, timing_feeds
 from quantship.recipe import takes_algorithms
 from quantship.repair_loop import Repair, algorithm_steps, native_repair
 from quantship.repair_loop import repair as run_repair
@@ -149,6 +149,41 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
                 raise
             record, done = repaired()  # every step judged in the runtime: its reading is the file's
         return _speed_and_move(done, src, final, calibration, timed, require_faster, wait), record
+
+
+@takes_algorithms()
+def speed_search(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
+                 budget: Budget | None = DEFAULT_BUDGET, fidelity_data: Any = None, repair: bool = True,
+                 exclude: Iterable[str] = (), int16: Iterable[str] = (), max_steps: int | None = None,
+                 wait: bool = True, log: Callable[[str], None] = lambda _: None,
+                 **options: Any) -> tuple[OnnxQuantizeResult, SpeedSearch, Repair | None]:
+    """``--speed-search`` held to the fidelity budget: the repair runs first (``quantize_onnx``, no timing), and
+    the speed search starts from the file it chose (its algorithms, its nodes in float and in 16 bits), each
+    step and the written file judged by ``budget`` (``speed_search_onnx``). A search from the plain file wrote
+    nudenet's INT8 file at 0.68 agreement against the 0.9 budget (2.4x FP32; bench/placement_results.md).
+    ``budget=None``: the search alone, measured, not judged. ``FidelityMissed``: nothing written."""
+    src = Path(float_path).expanduser()
+    final = artifact.refuse_unsafe_destination(out_path, (src,))
+    base, wide, record = tuple(exclude), tuple(int16), None
+    if budget is not None:
+        with artifact.workdir_beside(final) as scratch:
+            _, record = quantize_onnx(src, scratch / "repaired.onnx", calibration, target=target, budget=budget,
+                                      fidelity_data=fidelity_data, repair=repair, exclude=base, int16=wide, speed=False,
+                                      wait=wait, log=log, **options)
+        chosen = record.steps[record.chosen] if record is not None and record.chosen is not None else None
+        if chosen is not None:
+            changes = dict(ALGORITHM_STEPS)
+            for name in chosen.algorithms:
+                options = {**options, **changes[name]}
+            base, wide = chosen.excluded, chosen.int16
+            if record.chosen:
+                log(f"speed search: from the fidelity repair's file ({chosen.what})")
+    result, search = speed_search_onnx(src, final, calibration, target=target, exclude=base, max_steps=max_steps,
+                                       wait=wait, log=log, budget=budget, fidelity_data=fidelity_data,
+                                       **({"int16": wide} if wide else {}), **options)
+    if record is not None and record.chosen:
+        add_file_metadata(result.path, record.metadata())
+    return result, search, record
 
 
 def read_in_runtime(done: OnnxQuantizeResult, src: Path, calibration: Any, fidelity_data: Any,

@@ -23,15 +23,18 @@ interleaved rounds, at every batch it serves):
 A step is kept when its file is faster by at least ``speed_gate.MARGIN`` (geometric mean over the batches) and
 not slower at any batch by more than ``speed_gate.TOLERANCE``; ``max_steps`` bounds the steps after step 0. The
 chosen set is quantized again at ``out_path`` with every check of ``quantize_onnx_file``, and the file
-records what was kept, where it was measured and the speed-ups (``SEARCH_KEY``). The search judges speed
-only: its file's readings against FP32 are reported as for any file, and a task metric is worth
-checking (``--eval``): on PP-OCR's classifier the file with its first three Convs float had a lower mean
-error against FP32 than step 0's but 582/600 lines right against 587 (REAL.md), flips of borderline lines.
+records what was kept, where it was measured and the speed-ups (``SEARCH_KEY``). Given a fidelity budget, a
+step whose file misses it is not kept however fast, and the written file is held to it (``FidelityMissed``,
+nothing written); ``repair.speed_search`` (``--speed-search``) starts from the file the fidelity repair chose.
+A task metric is still worth checking (``--eval``): on PP-OCR's classifier the file with its first three
+Convs float had a lower mean error against FP32 than step 0's but 582/600 lines right against 587 (REAL.md),
+flips of borderline lines.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +44,10 @@ import numpy as np
 import onnx
 
 from quantship import targets
-from quantship.errors import ExportRefused, SpecRefused, one_line
+from quantship.errors import FidelityMissed, QuantshipError, SpecRefused, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.speed_gate import SEARCH_KEY, faster, time_files
+from quantship.fidelity import MISSED, Budget
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.run.timing import cpu_line
@@ -81,6 +85,7 @@ class SpeedStep:
     against: dict[int, float]
     kept: bool
     refused: str | None = None  # the quantizer gave no file for this set
+    lost: str = ""  # the file missed the fidelity budget (not kept, however fast)
 
     @property
     def gain(self) -> float:
@@ -92,7 +97,7 @@ class SpeedStep:
     def as_dict(self) -> dict:
         return {"kind": self.kind, "excluded": list(self.excluded), "ms": {str(b): v for b, v in self.ms.items()},
                 "against_ms": {str(b): v for b, v in self.against.items()}, "gain": self.gain, "kept": self.kept,
-                "refused": self.refused}
+                "refused": self.refused, "lost": self.lost}
 
 
 @dataclass
@@ -217,6 +222,7 @@ def refuse_unless_ort_cpu(target: str | Target) -> None:
 def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                       exclude: Iterable[str] = (), max_steps: int | None = None, batches: Iterable[int] = BATCHES,
                       seconds: float = SECONDS, wait: bool = True, log: Callable[[str], None] = lambda _: None,
+                      budget: Budget | None = None, fidelity_data: Any = None,
                       **options: Any) -> tuple[OnnxQuantizeResult, SpeedSearch]:
     """Quantize ``float_path`` for ``target`` (ONNX Runtime CPU) keeping float the weighted ops whose
     integer form made the file slower on this CPU (see the module docstring); write ``out_path``.
@@ -224,7 +230,10 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
     ``exclude``: nodes kept float in every step. ``max_steps``: at most that many steps after step 0
     (None: every candidate). ``batches``: the batch sizes timed (a fixed-batch file: its own).
     ``options``: ``quantize_onnx_file``'s (observer, per_tensor, equalize, bias_correction, ...), in
-    every step. Returns the written file's ``OnnxQuantizeResult`` and the search.
+    every step. ``budget``: each step's file judged against the float file on ``fidelity_data`` (else the
+    calibration samples), a step that misses it not kept, and the written file held to it: ``FidelityMissed``,
+    nothing written, when it misses (``repair.speed_search`` starts the search where the fidelity repair ends).
+    Returns the written file's ``OnnxQuantizeResult`` and the search.
     """
     refuse_unless_ort_cpu(target)
     if max_steps is not None and max_steps < 0:
@@ -238,13 +247,14 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
     with artifact.workdir_beside(final) as scratch:
         normal, step_feeds = normalised_file(src, calibration, target, scratch / "normalised.onnx", options)
         structural = {k: v for k, v in options.items() if k in STRUCTURAL}
+        sixteen_bit = set(options.get("int16") or ())  # quantized in 16 bits in every step: not candidates
 
         shared = FloatReference()  # the normalised file read once on the steps' samples
 
         def quantized(excluded: tuple[str, ...]) -> OnnxQuantizeResult:
             return quantize_onnx_file(normal, scratch / f"step{len(search.steps)}.onnx", step_feeds, target=target,
                                       exclude=excluded, wait=wait, run_check=False, float_reference=shared,
-                                      **structural)
+                                      budget=budget, fidelity_data=fidelity_data, **structural)
 
         sessions: dict[Path, Any] = {}
 
@@ -252,24 +262,27 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
             kind, fastest = what.split()[0], [engine.best.artifact] if engine.best else []
             try:
                 done = quantized(excluded)
-            except ExportRefused as exc:  # e.g. nothing left to run as an integer kernel
+            except QuantshipError as exc:  # e.g. nothing left to run as an integer kernel, a 16-bit node's neighbour float
                 if not fastest:
                     raise
                 search.steps.append(SpeedStep(kind, excluded, {}, {}, False, one_line(exc)))
                 return None
-            search.candidates = search.candidates or list(done.plan["weighted_nodes"])
+            search.candidates = search.candidates or [n for n in done.plan["weighted_nodes"] if n not in sixteen_bit]
             current, *against = time_files([done.path, *fastest], feeds, seconds, sessions)
-            kept = not fastest or faster(current, against[0])
+            lost = bool(fastest) and budget is not None and done.fp32 is not None and done.fp32.status == MISSED
+            kept = not fastest or (faster(current, against[0]) and not lost)
             if fastest:  # only the fastest file's session is kept
                 sessions.pop(done.path if not kept else fastest[0], None)
-            search.steps.append(SpeedStep(kind, excluded, current, against[0] if fastest else current, kept))
+            search.steps.append(SpeedStep(kind, excluded, current, against[0] if fastest else current, kept,
+                                          lost=f"misses the fidelity budget ({done.fp32.describe()})" if lost else ""))
             return search.steps[-1], done.path
 
         def describe(s: SpeedStep) -> str:
             if s.kind == "start":
                 return (f"on {search.cpu}, {len(search.candidates)} weighted op(s) as integer kernels: "
                         + ", ".join(f"b{b} {v:.3g} ms" for b, v in s.ms.items()))
-            return f"{len(s.excluded) - len(base)} op(s) float: {s.gain:.3f}x the fastest so far{' (kept)' * s.kept}"
+            lost = f", not kept: it {s.lost}" if s.lost else ""
+            return f"{len(s.excluded) - len(base)} op(s) float: {s.gain:.3f}x the fastest so far{' (kept)' * s.kept}{lost}"
 
         engine = Engine(attempt, score=lambda s: s.gain, goal=lambda s: False, accept=lambda c, b: c.measured.kept,
                         max_steps=max_steps, label="speed search", describe=describe, log=log)
@@ -295,7 +308,17 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
                 fp32, first, chosen = time_files([src, start_path, best_path], feeds, 2 * seconds)
         search.final_ms = {"fp32": fp32, "start": first, "chosen": chosen}
         log(f"speed search: {search.describe()}")
-    result = quantize_onnx_file(src, final, calibration, target=target, exclude=best, wait=wait,
-                                metadata={SEARCH_KEY: search.describe()}, **options)
+        result = quantize_onnx_file(src, scratch / "chosen.onnx", calibration, target=target, exclude=best, wait=wait,
+                                    budget=budget, fidelity_data=fidelity_data,
+                                    metadata={SEARCH_KEY: search.describe()}, **options)
+        if budget is not None and result.fp32 is not None and result.fp32.status == MISSED:
+            raise FidelityMissed(f"the speed search's file misses the fidelity budget against the float file "
+                                 f"({result.fp32.describe()}); nothing written. Without --speed-search the "
+                                 "default repairs it first (repair.speed_search starts the search from that file)",
+                                 {"speed_search": search.as_dict(), "fidelity": result.fp32.as_dict()})
+        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
+            os.replace(result.path, staged)
+        result.path = final
+        result.verdict.path = str(final)
     return result, search
 
