@@ -96,8 +96,9 @@ def build(width: int, layers: int, folder: Path, seed: int = 0) -> tuple[Path, i
     return path, written + sum(t.ByteSize() for t in inits if not t.external_data)
 
 
-def quantize_command(method: str, float_path: Path, calib: Path, out: Path) -> list[str]:
-    """The CLI call that quantizes ``float_path`` by ``method`` (``METHODS``)."""
+def quantize_command(method: str, float_path: Path, calib: Path, out: Path, width: int = 0, layers: int = 0) -> list[str]:
+    """The CLI call that quantizes ``float_path`` by ``method`` (``METHODS``; pt2e: the encoder of ``width`` and
+    ``layers`` built in torch)."""
     if method == "int8":
         return [sys.executable, "-m", "quantship", "quantize-onnx", str(float_path), "--calib", str(calib), "--out",
                 str(out), "--batch-size", str(BATCH), "--no-speed", "--json"]
@@ -107,13 +108,76 @@ def quantize_command(method: str, float_path: Path, calib: Path, out: Path) -> l
                 "r = quantize_weight_only_file(sys.argv[1], sys.argv[2], np.load(sys.argv[3]), bits=4); "
                 "print(json.dumps(r.as_dict()))")
         return [sys.executable, "-c", code, str(float_path), str(out), str(calib)]
+    if method == "pt2e":  # the PyTorch path: this script's own child builds the torch encoder and quantizes it
+        return [sys.executable, str(Path(__file__).resolve()), "--pt2e-child", str(width), str(layers), str(calib),
+                str(out)]
     raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
+
+
+def torch_encoder(width: int, layers: int, seed: int = 0):
+    """The encoder ``build`` writes, as a torch module (its own random weights, scaled as there)."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+            self.q, self.k, self.v = (torch.nn.Linear(width, width, bias=False) for _ in range(3))
+            self.o, self.up, self.down = (torch.nn.Linear(width, width), torch.nn.Linear(width, 4 * width),
+                                          torch.nn.Linear(4 * width, width))
+
+        def forward(self, x):
+            h = self.ln1(x)
+            scores = self.q(h) @ self.k(h).transpose(1, 2) / math.sqrt(width)
+            x = x + self.o(torch.softmax(scores, -1) @ self.v(h))
+            return x + self.down(torch.relu(self.up(self.ln2(x))))
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model = torch.nn.Sequential(*[Block() for _ in range(layers)]).eval()
+        for name, value in model.named_parameters():
+            if name.endswith("weight") and value.ndim == 2:
+                value.normal_(0.0, 1.0 / math.sqrt(value.shape[1]))
+    return model
+
+
+def pt2e_child(width: int, layers: int, calib: Path, out: Path) -> dict:
+    """What a user of the PyTorch path runs on a model held in memory: ``Quantizer.for_target`` and ``export_qdq``,
+    then the file in ONNX Runtime against the torch model on one calibration batch."""
+    import onnxruntime as ort
+    import torch
+
+    from quantship import Quantizer, export_qdq
+
+    model = torch_encoder(width, layers)
+    x = np.load(calib)
+    batches = [torch.from_numpy(x[i:i + BATCH]) for i in range(0, len(x), BATCH)]
+    qmodel = Quantizer.for_target("onnxruntime-cpu").quantize(model, batches)
+    path = export_qdq(qmodel, batches[0][:1], out, target="onnxruntime-cpu")
+    del qmodel
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x[:BATCH]})[0].astype(np.float64)
+    with torch.no_grad():
+        ref = model(batches[0]).numpy().astype(np.float64)
+    sqnr = float(10 * np.log10((ref ** 2).sum() / max(((ref - got) ** 2).sum(), 1e-30)))
+    graph = onnx.load(str(path), load_external_data=False).graph
+    stored, dequantized = {t.name for t in graph.initializer}, set()
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in stored:
+            dequantized.add(node.output[0])
+    weighted = [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and (n.input[1] in stored or n.input[1] in dequantized)]
+    low_bit = sum(1 for n in weighted if n.input[1] in dequantized)
+    return {"fidelity_fp32": {"sqnr_db": sqnr}, "verdict": "export_qdq's post-conditions held",
+            "census": {"n_integer": low_bit, "n_float": len(weighted) - low_bit}}
 
 
 METHODS = {"int8": "INT8 static (`quantize-onnx --no-speed`: normalise, calibrate, write, post-conditions, both ORT "
                    "readings, fidelity to FP32, `check --run`)",
            "int4": "INT4 weight-only (`quantize_onnx.weight_only_file`: each weighted MatMul as MatMulNBits, 4 bits, "
-                   "group 128, symmetric; run in ORT against FP32; no QDQ check applies)"}
+                   "group 128, symmetric; run in ORT against FP32; no QDQ check applies)",
+           "pt2e": "INT8 static, PyTorch path (the same encoder built in torch in the process, its weights held there as "
+                   "a user's are; `Quantizer.for_target('onnxruntime-cpu')` and `export_qdq` with its post-conditions "
+                   "and both ORT readings, then the file in ORT against the torch model on one batch)"}
 
 
 def build_size(size_gb: float, work: Path) -> dict:
@@ -136,7 +200,7 @@ def measure(size_gb: float, work: Path, method: str = "int8") -> dict:
     built = build_size(size_gb, work)
     folder = built["folder"]
     out = folder / f"{method}.onnx"
-    command = quantize_command(method, built["float_path"], built["calib"], out)
+    command = quantize_command(method, built["float_path"], built["calib"], out, built["width"], built["layers"])
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         child = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
@@ -218,6 +282,11 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--pt2e-child"]:  # quantize_command's PyTorch row, in its own process
+        width, layers, calib, out = argv[1:5]
+        print(json.dumps(pt2e_child(int(width), int(layers), Path(calib), Path(out))))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0.1,0.5", help="float weights per model, GB, comma-separated")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {list(METHODS)}")
