@@ -46,6 +46,7 @@ def load_onnx(path: str | Path, *, external_data: bool = True) -> onnx.ModelProt
         raise FileRefused(
             f"{path} is not an ONNX model, or is truncated: the protobuf does not parse ({one_line(exc)})"
         ) from None
+    del data  # the parsed model holds the weights now: the file's bytes need not stay beside them
     if model.ir_version <= 0 or not model.HasField("graph"):
         raise FileRefused(f"{path} is not an ONNX model: no IR version or no graph in it")
     if len(model.graph.node) == 0:
