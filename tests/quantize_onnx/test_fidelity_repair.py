@@ -114,7 +114,9 @@ def test_the_speed_search_starts_where_the_repair_ends_and_is_held_to_the_budget
     assert repair["steps"][0]["status"] == "missed" and repair["chosen"] > 0  # the search's start: not the plain file
     chosen = repair["steps"][repair["chosen"]]
     assert report["speed_search"]["base"] == chosen["excluded"]
-    assert json.loads(_props(out)[METADATA_KEY])["status"] == "met"
+    props = _props(out)
+    assert json.loads(props[METADATA_KEY])["status"] == "met"
+    assert json.loads(props[REPAIR_KEY])["chosen"] == repair["chosen"]  # written with the file, before its move
 
 
 def test_the_speed_search_without_repair_writes_nothing_and_exits_1(files, capsys):

@@ -180,9 +180,8 @@ def speed_search(float_path: str | Path, out_path: str | Path, calibration: Any,
                 log(f"speed search: from the fidelity repair's file ({chosen.what})")
     result, search = speed_search_onnx(src, final, calibration, target=target, exclude=base, max_steps=max_steps,
                                        wait=wait, log=log, budget=budget, fidelity_data=fidelity_data,
+                                       metadata=record.metadata() if record is not None else None,
                                        **({"int16": wide} if wide else {}), **options)
-    if record is not None and record.chosen:
-        add_file_metadata(result.path, record.metadata())
     return result, search, record
 
 

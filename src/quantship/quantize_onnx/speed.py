@@ -222,7 +222,7 @@ def refuse_unless_ort_cpu(target: str | Target) -> None:
 def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, *, target: str | Target,
                       exclude: Iterable[str] = (), max_steps: int | None = None, batches: Iterable[int] = BATCHES,
                       seconds: float = SECONDS, wait: bool = True, log: Callable[[str], None] = lambda _: None,
-                      budget: Budget | None = None, fidelity_data: Any = None,
+                      budget: Budget | None = None, fidelity_data: Any = None, metadata: dict[str, str] | None = None,
                       **options: Any) -> tuple[OnnxQuantizeResult, SpeedSearch]:
     """Quantize ``float_path`` for ``target`` (ONNX Runtime CPU) keeping float the weighted ops whose
     integer form made the file slower on this CPU (see the module docstring); write ``out_path``.
@@ -233,7 +233,8 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
     every step. ``budget``: each step's file judged against the float file on ``fidelity_data`` (else the
     calibration samples), a step that misses it not kept, and the written file held to it: ``FidelityMissed``,
     nothing written, when it misses (``repair.speed_search`` starts the search where the fidelity repair ends).
-    Returns the written file's ``OnnxQuantizeResult`` and the search.
+    ``metadata``: more ``metadata_props`` entries for the written file. Returns the written file's
+    ``OnnxQuantizeResult`` and the search.
     """
     refuse_unless_ort_cpu(target)
     if max_steps is not None and max_steps < 0:
@@ -310,7 +311,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         log(f"speed search: {search.describe()}")
         result = quantize_onnx_file(src, scratch / "chosen.onnx", calibration, target=target, exclude=best, wait=wait,
                                     budget=budget, fidelity_data=fidelity_data,
-                                    metadata={SEARCH_KEY: search.describe()}, **options)
+                                    metadata={**(metadata or {}), SEARCH_KEY: search.describe()}, **options)
         if budget is not None and result.fp32 is not None and result.fp32.status == MISSED:
             raise FidelityMissed(f"the speed search's file misses the fidelity budget against the float file "
                                  f"({result.fp32.describe()}); nothing written. Without --speed-search the "
