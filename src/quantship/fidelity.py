@@ -68,6 +68,11 @@ def own_loss_db(upstream_db: float, sqnr: float) -> float:
     return min(upstream_db, UPSTREAM_CAP_DB) - sqnr
 
 
+def missed(fidelity: Fidelity | None) -> bool:
+    """A file's fidelity was judged by a budget and missed it (None: not measured)."""
+    return fidelity is not None and fidelity.status == MISSED
+
+
 def missed_in_runtime(literal: Fidelity, native: Fidelity, target: str) -> FidelityMissed:
     """The refusal of a file that keeps the budget read literally in ONNX Runtime (the repair's reading) but not in
     its target's own runtime (``native``), both readings named."""

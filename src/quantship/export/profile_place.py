@@ -43,7 +43,7 @@ import onnx
 
 from quantship.errors import QuantshipError, one_line
 from quantship.export.speed_gate import SEARCH_KEY, faster, time_files
-from quantship.fidelity import MISSED
+from quantship.fidelity import missed
 from quantship.inspect.run.node_costs import run_costs
 from quantship.inspect.run.timing import cpu_line
 
@@ -269,7 +269,7 @@ def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[s
     except QuantshipError as exc:
         record.not_run = f"keeping {', '.join(record.candidates)} float gives no file ({one_line(exc)})"
         return plain, record
-    if trial.fp32 is not None and trial.fp32.status == MISSED:
+    if missed(trial.fp32):
         record.not_run = f"keeping {', '.join(record.candidates)} float misses the fidelity budget"
         return plain, record
     plain_ms, trial_ms = time_files([Path(plain.path), Path(trial.path)], dict(feeds), verify_seconds)
@@ -306,7 +306,7 @@ def _grow(record: ProfilePlacement, best: Any, before: Mapping[str, set[str]], a
             grown = requantize(tuple(glob.escape(n) for n in (*record.kept_float, node)))
         except QuantshipError:
             break
-        if grown.fp32 is not None and grown.fp32.status == MISSED:
+        if missed(grown.fp32):
             break
         best_ms, grown_ms = time_files([Path(best.path), Path(grown.path)], dict(feeds), seconds)
         record.grown_ms.append({"before": best_ms, "grown": grown_ms})

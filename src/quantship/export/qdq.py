@@ -234,13 +234,13 @@ class TargetFormsPass(ExactPass):
         if not self.modified or not (self.moved or self.proven is not None):
             return super().ensures(model)
         with step(f"export check: {self.what}"):
-            if not self.moved:  # the last form's own identity run read this whole graph
+            if self.moved:  # a same-op form moved a rounding: the graph is the new reference
+                proto = ir.to_proto(model)
+                self.verify(proto)
+                self.ctx.rebase(proto)
+            else:  # the last form's own identity run read this whole graph
                 self.verify(self.proven)
                 self.ctx.checked = self.proven
-                return
-            proto = ir.to_proto(model)  # a same-op form moved a rounding: the new reference
-            self.verify(proto)
-            self.ctx.rebase(proto)
 
 
 class ActivationDtypePass(ExactPass):

@@ -130,7 +130,8 @@ OWN_SCALE_OPS = NORM_OPS | {
 # a clamp between two number bounds (a hard sigmoid written out, as a model converted from ONNX has it) gets its own
 # scale: a float one in an integer-only runtime's plan is not read as the model means it (TiGrIS runs Clip(0, 6) only:
 # PP-OCRv4's detector from PyTorch, its SE gates' Clip(0, 1) float, 82/91 lines in TiGrIS where ONNX Runtime read
-# 89/91); quantized, the export writes it as a Relu6 at 6x scale for such a target (``target_forms.clip_as_relu6``).
+# 89/91); quantized, the export writes it as a Relu6 between a Mul by 6 and a Mul by a sixth for such a target
+# (``target_forms.clip_as_relu6``).
 # A one-sided clamp stays float: F.normalize's eps floor is a divisor, which a rounding would make 0
 BOUNDED_CLAMP_OPS = {aten.clamp.default, aten.clip.default}
 # attention masking: selects -inf (or a constant) where masked; kept float on purpose, since a

@@ -10,6 +10,7 @@ passed (``export.artifact``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,6 +151,15 @@ class OnnxQuantizeResult:
     fp32: Any = None  # quantship.fidelity.Fidelity: each output against the float file, judged by the budget
     speed: Any = None  # inspect.run.speed.SpeedReading: against the float file on this CPU (None: not timed)
     profile: Any = None  # profile_place.ProfilePlacement: what the profile kept float for speed (None: not run)
+
+    def move_to(self, final: Path, src: Path, wait: bool) -> OnnxQuantizeResult:
+        """The file, written in a scratch folder, moved into place at ``final`` (``artifact.atomic_destination``:
+        ``src`` is never overwritten); its path and verdict's path are then ``final``."""
+        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
+            os.replace(self.path, staged)
+        self.path = final
+        self.verdict.path = str(final)
+        return self
 
     def as_dict(self) -> dict:
         return {"path": str(self.path) if self.path else None, "target": self.target, "engine": ENGINE,

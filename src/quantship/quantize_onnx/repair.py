@@ -13,7 +13,6 @@ budget, ``FidelityMissed`` names every step and nothing is written.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -214,8 +213,4 @@ def _speed_and_move(done: OnnxQuantizeResult, src: Path, final: Path, calibratio
     if timed:
         sample, batch = calibration_sample(src, calibration)
         done.speed = speed_gate.gate(done.path, src, sample, (1, batch), require_faster=require_faster)
-    with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
-        os.replace(done.path, staged)
-    done.path = final
-    done.verdict.path = str(final)
-    return done
+    return done.move_to(final, src, wait)

@@ -34,7 +34,6 @@ flips of borderline lines.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from quantship import targets
 from quantship.errors import FidelityMissed, QuantshipError, SpecRefused, one_line
 from quantship.export import artifact, speed_gate
 from quantship.export.speed_gate import SEARCH_KEY, faster, time_files
-from quantship.fidelity import MISSED, Budget
+from quantship.fidelity import Budget, missed
 from quantship.inspect.read.feeds import as_feeds, model_inputs
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.run.timing import cpu_line
@@ -270,7 +269,7 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
                 return None
             search.candidates = search.candidates or [n for n in done.plan["weighted_nodes"] if n not in sixteen_bit]
             current, *against = time_files([done.path, *fastest], feeds, seconds, sessions)
-            lost = bool(fastest) and budget is not None and done.fp32 is not None and done.fp32.status == MISSED
+            lost = bool(fastest) and missed(done.fp32)
             kept = not fastest or (faster(current, against[0]) and not lost)
             if fastest:  # only the fastest file's session is kept
                 sessions.pop(done.path if not kept else fastest[0], None)
@@ -312,14 +311,10 @@ def speed_search_onnx(float_path: str | Path, out_path: str | Path, calibration:
         result = quantize_onnx_file(src, scratch / "chosen.onnx", calibration, target=target, exclude=best, wait=wait,
                                     budget=budget, fidelity_data=fidelity_data,
                                     metadata={**(metadata or {}), SEARCH_KEY: search.describe()}, **options)
-        if budget is not None and result.fp32 is not None and result.fp32.status == MISSED:
+        if missed(result.fp32):
             raise FidelityMissed(f"the speed search's file misses the fidelity budget against the float file "
                                  f"({result.fp32.describe()}); nothing written. Without --speed-search the "
                                  "default repairs it first (repair.speed_search starts the search from that file)",
                                  {"speed_search": search.as_dict(), "fidelity": result.fp32.as_dict()})
-        with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
-            os.replace(result.path, staged)
-        result.path = final
-        result.verdict.path = str(final)
-    return result, search
+        return result.move_to(final, src, wait), search
 
