@@ -1,7 +1,7 @@
 """The import direction of src/quantship, read with ``ast`` (no module is imported).
 
 Layers, lowest first (docs/layout.md): ``errors``; the leaves (``lazy``, ``noise``, ``progress``,
-``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``); ``precision`` and
+``ranks``, ``interrupts``, ``locks``, ``calibration``, ``report_json``, ``intervals``, ``heap``); ``precision`` and
 ``fidelity`` and ``search_engine``; ``targets`` (one module per runtime) and ``repair_loop``; ``quantize`` and ``inspect`` (neither
 imports the other); ``export``; ``quantize_onnx``; ``examples``; ``sources`` (models by name);
 ``cli`` on top; nothing imports ``cli``. Inside ``inspect``, three jobs, lowest first: ``read`` (a file),
@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "quantship.errors": 0,
     **dict.fromkeys(("quantship.lazy", "quantship.noise", "quantship.progress", "quantship.ranks",
                      "quantship.interrupts", "quantship.locks", "quantship.calibration",
-                     "quantship.report_json", "quantship.intervals"), 1),
+                     "quantship.report_json", "quantship.intervals", "quantship.heap"), 1),
     "quantship.precision": 2,
     "quantship.fidelity": 2,  # the one judgement of outputs against FP32: numpy, errors and intervals only
     "quantship.recipe": 3,  # one algorithm request (Algorithms) for every entry point: errors and precision only

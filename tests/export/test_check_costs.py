@@ -143,3 +143,67 @@ def test_the_exporter_builds_its_translation_table_once_per_process(tiny_pt2e, t
     assert first.SerializeToString() == second.SerializeToString()
     assert ONNXRegistry.__dict__["from_torchlib"].__func__ is counting  # torch's own method is back after each call
     capture._tables.clear()  # the next export builds with torch's method again
+
+
+def test_the_uint8_read_back_holds_no_weight(tiny_affine_pt2e, tiny_calib, tmp_path, monkeypatch):
+    """The read-back compares node lists and the Q/DQ nodes' scales and zero-points; it keeps no decoded weight (a
+    large model's read-back held two copies of every weight, one per graph state, beside the graphs)."""
+    import onnx
+
+    import quantship.export.activations as activations
+
+    states: list[activations.GraphState] = []
+    real = activations.check_read_back
+
+    def recording(before, after):
+        states.extend((before, after))
+        return real(before, after)
+
+    monkeypatch.setattr(qdq, "check_read_back", recording)
+    out = export_qdq(tiny_affine_pt2e, tiny_calib[0], tmp_path / "m.onnx", activation_dtype="uint8")
+    graph = onnx.load(str(out)).graph
+    weights = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"} & {t.name for t in graph.initializer}
+    assert weights and len(states) == 2
+    for state in states:
+        assert state.parameters and not set(state.parameters) & weights
+        assert weights <= state.stored  # what the read-back knows of them: that they are stored
+    # the read-back still refuses a state whose scale moved
+    before, after = states
+    moved = dict(after.parameters)
+    name = next(n.input[1] for n in after.nodes if n.op_type == "QuantizeLinear")
+    moved[name] = moved[name] * 2
+    with pytest.raises(Exception, match="the scale of QuantizeLinear"):
+        real(before, activations.GraphState(after.nodes, after.stored, moved))
+
+
+def test_the_file_facts_keep_no_decoded_weight(tiny_pt2e, tiny_calib, tmp_path):
+    """Reading a file's facts decodes each stored weight once (its integer extent) and keeps none of them."""
+    from quantship.inspect.read.facts import read_file
+
+    out = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx")
+    facts = read_file(out)
+    weights = {n.input[0] for n in facts.view.nodes if n.op_type == "DequantizeLinear"} & set(facts.view.initializers)
+    assert weights
+    assert facts.widest_stored_weight() > 0 and any(q.max_abs_int for q in facts.quant.qdq)
+    assert not set(facts.view._values) & weights
+
+
+@pytest.mark.parametrize("in_memory_below", [checks.CHECKED_IN_MEMORY_BELOW, 0])
+def test_the_checker_refuses_a_broken_graph_in_memory_and_written_out(tiny_pt2e, tiny_calib, tmp_path, monkeypatch,
+                                                                       in_memory_below):
+    """A large graph is checked with its weights written beside it (onnx would otherwise hold two more copies of
+    them): the same verdicts, and nothing left behind in the temporary folder."""
+    import tempfile
+
+    import onnx
+
+    monkeypatch.setattr(checks, "CHECKED_IN_MEMORY_BELOW", in_memory_below)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = export_qdq(tiny_pt2e, tiny_calib[0], tmp_path / "m.onnx")
+    model = onnx.load(str(out))
+    checks.check_model(model, "as written")
+    model.graph.node[1].input.append("nowhere")
+    with pytest.raises(ExportRefused, match="broken: the rewritten graph fails onnx.checker"):
+        checks.check_model(model, "broken")
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -113,3 +113,51 @@ def test_output_scale_is_read_through_unsqueeze():
 def test_facts_of_refuses_what_is_not_a_file():
     with pytest.raises(TypeError, match="FileFacts"):
         qdq_stats(42)
+
+
+def test_the_graph_is_read_without_its_weights(small_qdq, tmp_path):
+    """``graph_without_weights`` gives the model as onnx reads it, the initializers' stored bytes left out; external
+    references and every other field are kept; bytes that are not a protobuf message are refused."""
+    import onnx
+    import pytest
+
+    from quantship.inspect.read import external
+
+    full = onnx.load(str(small_qdq))
+    light = external.graph_without_weights(small_qdq)
+    assert any(t.raw_data for t in full.graph.initializer)
+    assert not any(t.raw_data for t in light.graph.initializer)
+    for t in full.graph.initializer:
+        t.ClearField("raw_data")
+    assert light.SerializeToString() == full.SerializeToString()
+
+    moved = tmp_path / "moved.onnx"
+    onnx.save_model(onnx.load(str(small_qdq)), str(moved), save_as_external_data=True, location="moved.data",
+                    size_threshold=0)
+    assert external.locations(external.graph_without_weights(moved)) == {"moved.data"}
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\x0b" * 64)  # a field of wire type 3 (a group): no ONNX file holds one
+    with pytest.raises(ValueError):
+        external.graph_without_weights(garbage)
+
+
+def test_a_model_written_one_tensor_at_a_time_reads_back_the_same(small_qdq, tmp_path):
+    """``save_one_file`` (the export's writer of a single-file model) gives a file onnx reads as the same model,
+    which ONNX Runtime runs."""
+    import onnx
+    import onnxruntime as ort
+
+    from quantship.inspect.read import external
+
+    model = onnx.load(str(small_qdq))
+    assert external.serialized_size(model) == model.ByteSize()  # counted a tensor at a time, to the byte
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    del bare.graph.initializer[:]
+    assert external.serialized_size(bare) == bare.ByteSize()
+    out = tmp_path / "streamed.onnx"
+    external.save_one_file(model, out)
+    again = onnx.load(str(out))
+    assert again.SerializeToString() == model.SerializeToString()
+    onnx.checker.check_model(str(out))
+    ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])

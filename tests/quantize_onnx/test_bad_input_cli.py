@@ -14,19 +14,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from quantship.errors import DataRefused
+from quantship.inspect.read import external
 from quantship.quantize_onnx.memory import MODEL_COPIES, available_bytes, refuse_if_too_large
 from tests.quantize_onnx import graphs
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+_varint = external.encoded_varint  # protobuf's varint, to write a file's bytes by hand
 
 
 def huge_conv(path: Path, n_bytes: int) -> Path:

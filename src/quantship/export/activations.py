@@ -7,12 +7,15 @@ integers read unsigned, and DequantizeLinear subtracts the shifted zero-point ba
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 
 from quantship.errors import ActivationDtypeRefused
-from quantship.inspect.read.counts import QDQ_OPS, constant_values
+from quantship.inspect.read.counts import QDQ_OPS
+from quantship.inspect.read.view import GraphView
 
 SHIFT = 128
 
@@ -84,16 +87,55 @@ def to_uint8_activations(model: ir.Model) -> int:
     return n_moved
 
 
-def _pairs(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return list(model.graph.node)
+@dataclass(frozen=True)
+class GraphState:
+    """What the read-back compares of one graph state: its nodes in order, which tensors are stored (initializers,
+    ``Constant`` outputs) and the values of the Q/DQ nodes' scales and zero-points, and nothing else: no decoded
+    copy of the weights (a large model's read-back held two, one per state, beside the graphs)."""
+
+    nodes: list[onnx.NodeProto]
+    stored: frozenset[str]
+    parameters: dict[str, np.ndarray]
+
+    @classmethod
+    def of_proto(cls, model: onnx.ModelProto) -> GraphState:
+        graph = model.graph
+        view = GraphView(model=model, nodes=list(graph.node))
+        view.initializers = {t.name: t for t in graph.initializer}
+        view.producer = {out: index for index, node in enumerate(view.nodes) for out in node.output if out}
+        stored = {*view.initializers, *(n.output[0] for n in view.nodes if n.op_type == "Constant" and n.output)}
+        names = {i for n in view.nodes if n.op_type in QDQ_OPS for i in n.input[1:3] if i}
+        return cls(view.nodes, frozenset(stored), {k: v for k in names if (v := view.value(k)) is not None})
+
+    @classmethod
+    def of_ir(cls, model: ir.Model) -> GraphState:
+        """The state of ``model`` read off the in-memory graph, without serialising it (its weights)."""
+        nodes = list(model.graph)
+        stored = {*model.graph.initializers, *(v.name for n in nodes if n.op_type == "Constant" for v in n.outputs)}
+        parameters: dict[str, np.ndarray] = {}
+        for node in nodes:
+            if node.op_type in QDQ_OPS:
+                for value in node.inputs[1:3]:
+                    if value is not None and (array := _constant(value)) is not None:
+                        parameters[value.name] = array
+        return cls([ir.serde.serialize_node(n) for n in nodes], frozenset(stored), parameters)
 
 
-def check_read_back(before: onnx.ModelProto, after: onnx.ModelProto) -> int:
+def _constant(value: ir.Value) -> np.ndarray | None:
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].as_tensor().numpy()
+    return None
+
+
+def check_read_back(before: GraphState, after: GraphState) -> int:
     """Node by node: only activation zero-points changed, each to z + 128 as uint8; returns nodes moved."""
-    a_nodes, b_nodes = _pairs(before), _pairs(after)
+    a_nodes, b_nodes = before.nodes, after.nodes
     if [n.op_type for n in a_nodes] != [n.op_type for n in b_nodes]:
         raise ActivationDtypeRefused("uint8 read-back: the operator sequence changed")
-    a_consts, b_consts = constant_values(before), constant_values(after)
+    a_consts, b_consts = before.parameters, after.parameters
     moved = 0
     for old, new in zip(a_nodes, b_nodes):
         same_io = list(old.output) == list(new.output) and old.attribute == new.attribute
@@ -107,7 +149,7 @@ def check_read_back(before: onnx.ModelProto, after: onnx.ModelProto) -> int:
             raise ActivationDtypeRefused(f"uint8 read-back: the scale of {old.op_type} {old.name!r} changed")
         zp_old, zp_new = a_consts[old.input[2]], b_consts[new.input[2]]
         if zp_new.dtype == np.int8:
-            if old.input[0] not in a_consts or not np.array_equal(zp_old, zp_new):
+            if old.input[0] not in before.stored or not np.array_equal(zp_old, zp_new):
                 raise ActivationDtypeRefused(f"uint8 read-back: activation {old.op_type} {old.name!r} is still int8")
             continue
         if zp_new.dtype != np.uint8 or not np.array_equal(zp_old.astype(np.int16) + SHIFT, zp_new.astype(np.int16)):

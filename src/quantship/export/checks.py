@@ -3,6 +3,8 @@ pass base class that runs them in ``ensures()``."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from quantship.errors import ExportRefused, one_line
+from quantship.inspect.read import external
 from quantship.inspect.run.verify import ort_session, run_session
 from quantship.progress import step
 
@@ -21,12 +24,28 @@ def run_unoptimized(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np
     return run_session(ort_session(model, optimized=False), inputs)
 
 
+# Above this many bytes of stored tensors, ``check_model`` checks the graph with its weights written beside it
+# instead of in memory: given a model, onnx serialises it and parses it again (two more copies of every weight at
+# once: 1 GB more at the peak of a 2 GB float model's export, measured); written out, one tensor at a time, the
+# checker reads the graph alone and only checks that each tensor's data is there.
+CHECKED_IN_MEMORY_BELOW = 64 << 20
+
+
 def check_model(model: onnx.ModelProto, what: str) -> None:
     """``onnx.checker`` at the opset the graph declares; refuse the rewrite named ``what`` otherwise."""
+    folder = None
     try:
-        onnx.checker.check_model(model)
+        if sum(t.ByteSize() for t in model.graph.initializer) < CHECKED_IN_MEMORY_BELOW:
+            onnx.checker.check_model(model)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="quantship-check-"))
+            external.save_with_external_data(model, folder / "model.onnx", "model.onnx.data")
+            onnx.checker.check_model(str(folder / "model.onnx"))
     except onnx.checker.ValidationError as exc:
         raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_identical(model: onnx.ModelProto, reference: list[np.ndarray], inputs: list[np.ndarray], what: str) -> None:
@@ -95,6 +114,7 @@ class ExactPass(ir.passes.InPlacePass):
     def ensures(self, model: ir.Model) -> None:
         if not self.modified:
             return
+        self.ctx.checked = None  # stale now; not held beside the new serialisation (a copy of every weight)
         with step(f"export check: {self.what}"):
             proto = ir.to_proto(model)
             self.verify(proto)

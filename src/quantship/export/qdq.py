@@ -22,7 +22,7 @@ import onnx_ir as ir
 from quantship import targets
 from quantship.errors import DataRefused, one_line
 from quantship.export import artifact, capture, float_pairs, target_forms, weight_only
-from quantship.export.activations import check_read_back, to_uint8_activations
+from quantship.export.activations import GraphState, check_read_back, to_uint8_activations
 from quantship.export.checks import (
     ExactPass,
     ExportRefused,
@@ -41,7 +41,9 @@ from quantship.export.opset import LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_spec_held, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
+from quantship.heap import give_back
 from quantship.inspect.read.facts import read_file
+from quantship.inspect.run.literal import LITERAL_PART_BYTES, parts_of_at_most
 from quantship.inspect.run.verify import (
     MeasuredPath,
     Readings,
@@ -250,12 +252,12 @@ class ActivationDtypePass(ExactPass):
     """
 
     what = "moving activations to uint8"
-    _before: onnx.ModelProto | None = None  # the graph before the move, for the read-back
+    _before: GraphState | None = None  # the graph before the move (its nodes and Q/DQ parameters), for the read-back
 
     def rewrite(self, model: ir.Model) -> int:
         if self.ctx.activation_dtype != "uint8":
             return 0
-        self._before = ir.to_proto(model)
+        self._before = GraphState.of_ir(model)
         return to_uint8_activations(model)
 
     def changed(self, model: ir.Model) -> bool:
@@ -263,7 +265,7 @@ class ActivationDtypePass(ExactPass):
 
     def verify(self, proto: onnx.ModelProto) -> None:
         before, self._before = self._before, None
-        self.count = check_read_back(before, proto)
+        self.count = check_read_back(before, GraphState.of_proto(proto))
         check_model(proto, self.what)
 
 
@@ -396,6 +398,16 @@ def _export_sample(model: Any, sample: Any, dynamic_batch: bool | None, target: 
     return cut if isinstance(sample, (tuple, list)) else cut[0]
 
 
+# Bytes of weights (stored and dequantized) one literal session of the export's checks holds: a quarter of the
+# ONNX path's part. Here the user's float model and the quantized one stay resident beside the checks (the ONNX
+# path holds neither), so a large model's checks run a few layers at a time in smaller parts (bench/scale.py
+# --methods pt2e: 1 GiB parts peaked 0.75 GB higher at 2 GB of float weights); a file whose weights dequantize to
+# less runs in one session, as before.
+EXPORT_PART_BYTES = LITERAL_PART_BYTES // 4
+# stored bytes from which the export collects the cycles it let go (an onnx_ir model holds every weight until the
+# collector runs) before the next step: a collection costs about 0.25 s, worth it only where it frees hundreds of MB
+COLLECTED_FROM_BYTES = 64 << 20
+
 REFERENCE_ROWS = 2  # rows per torch forward of the reference when the graph's batch is symbolic
 
 
@@ -505,11 +517,14 @@ def export_qdq(
     refuse_batch(model, sample, dynamic)
     names, reference = reference_outputs(model, reference_batches(sample, dynamic), sample)
     output_names = graph_output_names(names, reference, output_names)
-    with artifact.atomic_destination(path) as staged:
+    with artifact.atomic_destination(path) as staged, parts_of_at_most(EXPORT_PART_BYTES):
         with step("export: torch.onnx.export (dynamo)"):
             produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
                                input_names=input_names, output_names=output_names)
             check_outputs_line_up(produced, reference)
+        # a large model's exporter programs and graphs (cycles), freed: the proto is what the passes read
+        large = sum(t.ByteSize() for t in produced.graph.initializer) >= COLLECTED_FROM_BYTES
+        give_back(collect=large)
         inputs = capture.as_arrays(sample)
         ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
                             inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs),
@@ -521,6 +536,7 @@ def export_qdq(
         # output): read literally on the whole sample, it returns the reference bytes
         literal = ctx.reference if ctx.probe is None else None
         del model_ir, ctx, produced
+        give_back(collect=large)  # the passes' graphs (cycles) and sessions, their pages back to the kernel
         with step("export: writing the file"):
             artifact.save_model(final, staged)
         del final
@@ -532,6 +548,7 @@ def export_qdq(
                 check_target(facts, target)
         scales = dict(facts.output_scales)
         del facts
+        give_back(collect=large)
         readings = read_twice(staged, inputs, literal, scales, reference)
     out = MeasuredPath.of(Path(path).expanduser().resolve(), readings)  # a Path; .readings: both ORT readings
     logging.getLogger(__name__).info("%s: %s", out, readings)

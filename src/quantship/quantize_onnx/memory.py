@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantship.errors import DataRefused, FileRefused
+from quantship.heap import give_back
 from quantship.inspect.read.feeds import Feed
 from quantship.inspect.read.loading import file_size
-from quantship.inspect.run.literal import LITERAL_PART_BYTES, give_back
+from quantship.inspect.run.literal import LITERAL_PART_BYTES
 
-__all__ = ["give_back", "literal_part_bytes"]  # give_back: the one definition is the literal reading's
+__all__ = ["give_back", "literal_part_bytes"]  # give_back: the one definition is quantship.heap's
 
 # Bytes of exposed tensors held at once at most (calibration, sensitivity, the weight passes slice to it). Here
 # and not in ``calibrate``: the refusal reads it before torch (which calibrate's observers need) loads.

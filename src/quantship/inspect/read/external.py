@@ -107,10 +107,35 @@ def check_external_data(model: onnx.ModelProto, base_dir: Path, path: Path) -> N
 def fits_one_file(model: onnx.ModelProto, limit: int | None = None) -> bool:
     """True when ``model`` serialises as one protobuf of at most ``limit`` bytes (``SINGLE_FILE_MAX_BYTES``)."""
     try:
-        size = model.ByteSize()
+        size = serialized_size(model)
     except Exception:  # protobuf's EncodeError: over 2 GiB it cannot even count the bytes
         return False
     return size <= (SINGLE_FILE_MAX_BYTES if limit is None else limit)
+
+
+def _split(model: onnx.ModelProto) -> tuple[onnx.ModelProto, onnx.GraphProto, list[int]]:
+    """``model`` without its graph, its graph without initializers, and each initializer's serialised size."""
+    import onnx
+
+    shell = onnx.ModelProto()
+    _copy_fields(model, shell, skip="graph")
+    graph = onnx.GraphProto()
+    _copy_fields(model.graph, graph, skip="initializer")
+    return shell, graph, [t.ByteSize() for t in model.graph.initializer]
+
+
+def _graph_length(head: int, sizes: list[int]) -> int:
+    tag = len(encoded_varint(_GRAPH_INITIALIZER << 3 | _LENGTH_DELIMITED))
+    return head + sum(tag + len(encoded_varint(n)) + n for n in sizes)
+
+
+def serialized_size(model: onnx.ModelProto) -> int:
+    """The bytes ``model`` serialises to, counted a tensor at a time (protobuf's ``ByteSize`` of the whole model
+    serialises it to count: a copy of every weight)."""
+    shell, graph, sizes = _split(model)
+    length = _graph_length(graph.ByteSize(), sizes)
+    return shell.ByteSize() + len(encoded_varint(_MODEL_GRAPH << 3 | _LENGTH_DELIMITED)) + len(
+        encoded_varint(length)) + length
 
 
 def _copy_fields(source, target, skip: str) -> None:
@@ -158,3 +183,209 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, location: str,
         data_path.unlink()
     path.write_bytes(shell.SerializeToString())
     return wrote
+
+
+def save_one_file(model: onnx.ModelProto, path: Path) -> None:
+    """Write ``model`` to ``path`` as one file, its initializers serialised one at a time (``onnx.save_model``
+    serialises the whole model into one string first: a second copy of every weight held while it writes). The
+    graph's fields come in another order than protobuf's own serialisation (the initializers last); any parser
+    reads the same model (``ModelProto.ParseFromString`` of the file equals ``model``). ``model`` is left as it
+    was."""
+    shell, graph, sizes = _split(model)
+    head = graph.SerializeToString()
+    tag = encoded_varint(_GRAPH_INITIALIZER << 3 | _LENGTH_DELIMITED)
+    length = _graph_length(len(head), sizes)
+    with open(path, "wb") as f:
+        f.write(shell.SerializeToString())
+        f.write(encoded_varint(_MODEL_GRAPH << 3 | _LENGTH_DELIMITED) + encoded_varint(length) + head)
+        for tensor, n in zip(model.graph.initializer, sizes):
+            f.write(tag + encoded_varint(n))
+            f.write(tensor.SerializeToString())
+
+
+# ONNX's field numbers (onnx.proto) the reader below walks: ModelProto.graph, GraphProto.initializer,
+# TensorProto.raw_data
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+_LENGTH_DELIMITED = 2
+
+
+def _read_varint(f) -> int:
+    value = shift = 0
+    while True:
+        byte = f.read(1)
+        if not byte:
+            raise ValueError("the file ends inside a varint")
+        value |= (byte[0] & 0x7F) << shift
+        if byte[0] < 0x80:
+            return value
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
+
+
+def encoded_varint(value: int) -> bytes:
+    """``value`` as protobuf writes an unsigned varint (seven bits a byte, the lowest first)."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _fields(f, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """The fields of the protobuf message from ``f``'s position to ``end``: (field number, where the field starts,
+    where its payload starts, where it ends); a length-delimited field's payload is its bytes, any other's its
+    value. The caller may move ``f`` between fields (each starts where the last one ended)."""
+    pos = f.tell()
+    while pos < end:
+        f.seek(pos)
+        tag = _read_varint(f)
+        kind, payload = tag & 7, f.tell()
+        if kind == 0:
+            _read_varint(f)
+            after = f.tell()
+        elif kind == 1:
+            after = payload + 8
+        elif kind == _LENGTH_DELIMITED:
+            length = _read_varint(f)
+            payload = f.tell()
+            after = payload + length
+        elif kind == 5:
+            after = payload + 4
+        else:
+            raise ValueError(f"wire type {kind} (groups) in an ONNX file")
+        if after > end:
+            raise ValueError("a field runs past the end of its message")
+        yield tag >> 3, pos, payload, after
+        pos = after
+
+
+def _read(f, start: int, end: int) -> bytes:
+    f.seek(start)
+    return f.read(end - start)
+
+
+def _delimited(field: int, payload: bytes) -> bytes:
+    return encoded_varint(field << 3 | _LENGTH_DELIMITED) + encoded_varint(len(payload)) + payload
+
+
+def _stripped(path: str | Path) -> tuple[onnx.ModelProto, list[tuple[int, int, int]]]:
+    """The model at ``path`` without the stored bytes of its top-level initializers, and where each left-out
+    ``raw_data`` is in the file: (initializer index, offset, length)."""
+    import onnx
+
+    size = Path(path).stat().st_size
+    model, spans, index = bytearray(), [], 0
+    with open(path, "rb") as f:
+        for field, first, payload, end in _fields(f, size):
+            if field != _MODEL_GRAPH:
+                model += _read(f, first, end)
+                continue
+            graph = bytearray()
+            f.seek(payload)
+            for g_field, g_first, g_payload, g_end in _fields(f, end):
+                if g_field != _GRAPH_INITIALIZER:
+                    graph += _read(f, g_first, g_end)
+                    continue
+                f.seek(g_payload)
+                kept = []
+                for t_field, t_first, t_payload, t_end in _fields(f, g_end):
+                    if t_field == _TENSOR_RAW_DATA:
+                        spans.append((index, t_payload, t_end - t_payload))
+                    else:
+                        kept.append((t_first, t_end))
+                graph += _delimited(_GRAPH_INITIALIZER, b"".join(_read(f, a, b) for a, b in kept))
+                index += 1
+            model += _delimited(_MODEL_GRAPH, bytes(graph))
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(bytes(model))
+    return parsed, spans
+
+
+def graph_without_weights(path: str | Path) -> onnx.ModelProto:
+    """The model at ``path`` with the stored bytes of its top-level initializers left out (``raw_data``; their
+    names, types, dims and external references kept): what finding its data files or its graph needs, read
+    without holding its weights (``onnx.load`` of a single-file model holds them all, twice while it parses). The
+    weights' bytes are skipped on disk, never read. Raises ``ValueError`` (or protobuf's ``DecodeError``) for bytes
+    that are not an ONNX model."""
+    return _stripped(path)[0]
+
+
+def read_one_tensor_at_a_time(path: str | Path) -> tuple[onnx.ModelProto, str | None]:
+    """The model at ``path`` as ``onnx.load`` reads it without its external data, and ``onnx.checker``'s verdict on
+    it (None: valid), read a tensor at a time: the graph first, checked (a file with external data by its path, its
+    graph is small; a single file) with a placeholder of each initializer's
+    stored bytes (a sparse file of their lengths: the checker reads a tensor's shape and the length of its data,
+    not the data), then each initializer's bytes read into it. ``onnx.load`` holds the file's bytes beside the
+    parsed model, and ``onnx.checker`` given the path reads and parses it again: three copies of every weight at
+    the peak where this holds one. Raises ``ValueError`` (or protobuf's ``DecodeError``) for bytes that are not an
+    ONNX model."""
+    import tempfile
+
+    import onnx
+
+    model, spans = _stripped(path)
+    if external_tensors(model) or not spans:  # its own data files resolve beside it: the checker reads the graph
+        try:
+            onnx.checker.check_model(str(path))
+            invalid = None
+        except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
+            invalid = one_line(exc)
+        return _filled(model, spans, path), invalid
+    folder = Path(tempfile.mkdtemp(prefix="quantship-check-"))
+    try:
+        shell = onnx.ModelProto()
+        shell.CopyFrom(model)
+        offset = 0
+        for index, _, length in spans:
+            tensor = shell.graph.initializer[index]
+            tensor.data_location = _EXTERNAL
+            for key, value in (("location", "placeholder.data"), ("offset", str(offset)), ("length", str(length))):
+                tensor.external_data.add(key=key, value=value)
+            offset += length
+        with open(folder / "placeholder.data", "wb") as data:
+            data.truncate(offset)  # a hole: no byte written, none read
+        (folder / "model.onnx").write_bytes(shell.SerializeToString())
+        del shell
+        try:
+            onnx.checker.check_model(str(folder / "model.onnx"))
+            invalid = _short_tensor(model, spans)  # what the checker checks of stored bytes given in the file
+        except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
+            invalid = one_line(exc)
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    return _filled(model, spans, path), invalid
+
+
+def _filled(model: onnx.ModelProto, spans: list[tuple[int, int, int]], path: str | Path) -> onnx.ModelProto:
+    """``model`` with each left-out ``raw_data`` read back from ``path``, one tensor at a time."""
+    with open(path, "rb") as f:
+        for index, start, length in spans:
+            f.seek(start)
+            model.graph.initializer[index].raw_data = f.read(length)
+    return model
+
+
+_FOUR_BIT = (21, 22, 23)  # UINT4, INT4, FLOAT4E2M1: two values a byte
+
+
+def _short_tensor(model: onnx.ModelProto, spans: list[tuple[int, int, int]]) -> str | None:
+    """The checker's refusal of a tensor whose stored bytes are fewer than its shape and type need, or None."""
+    import numpy as np
+    import onnx
+
+    for index, _, length in spans:
+        tensor = model.graph.initializer[index]
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        try:
+            need = (count + 1) // 2 if tensor.data_type in _FOUR_BIT else \
+                count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, TypeError, ValueError):  # a type numpy has no size for: the checker judged it
+            continue
+        if length < need:
+            return (f"TensorProto (tensor name: {tensor.name}) raw_data size ({length} bytes) is too small for the "
+                    f"declared shape and type ({need} bytes required)")
+    return None

@@ -78,7 +78,7 @@ class FileFacts:
             if readers and all(r.op_type in TABLE_READERS and r.input[0] == node.output[0] for r in readers):
                 continue
             if node.op_type == DEQUANTIZE and node.input and node.input[0] in self.view.initializers:
-                values = self.view.value(node.input[0])
+                values = self.view.passing(node.input[0])
                 if values is not None and values.dtype.kind in "iu" and values.size:
                     zero = self.view.value(node.input[2]) if len(node.input) > 2 and node.input[2] else None
                     offset = int(zero.reshape(-1)[0]) if zero is not None and zero.size == 1 else 0
@@ -150,7 +150,7 @@ def _rule(view: GraphView, node: onnx.NodeProto, rules: tuple) -> str:
     quantizers read: op type, group, weight shape), or ""."""
     if not rules or len(node.input) < 2:
         return ""
-    weight = view.value(node.input[1])
+    weight = view.passing(node.input[1])
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "group"}
     shape = tuple(weight.shape) if weight is not None else ()
     return next((r.why for r in rules if r.applies(node.op_type, attributes, shape)), "")

@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 
 from quantship.errors import FileRefused, one_line
-from quantship.inspect.read.external import check_external_data, escapes, external_tensors, locations
+from quantship.inspect.read.external import check_external_data, escapes, locations, read_one_tensor_at_a_time
 
 
 def file_size(path: str | Path) -> int:
@@ -34,29 +34,27 @@ def load_onnx(path: str | Path, *, external_data: bool = True) -> onnx.ModelProt
     if path.is_dir():
         raise FileRefused(f"{path} is a directory; give the path of an .onnx file")
     try:
-        data = path.read_bytes()
+        if path.stat().st_size == 0:
+            raise FileRefused(f"{path} is empty (0 bytes); it is not an ONNX model")
+        # a tensor at a time, checked on the way (onnx.load and onnx.checker would hold three copies of every
+        # weight at once); the checker's verdict is given after the refusals below, which name what is wrong
+        # more precisely
+        model, invalid = read_one_tensor_at_a_time(path)
+    except FileRefused:
+        raise
     except OSError as exc:  # unreadable (permissions, a device, a broken mount)
         raise FileRefused(f"{path} cannot be read ({one_line(exc)}); check its permissions") from None
-    if not data:
-        raise FileRefused(f"{path} is empty (0 bytes); it is not an ONNX model")
-    model = onnx.ModelProto()
-    try:
-        model.ParseFromString(data)
-    except Exception as exc:  # protobuf raises DecodeError (and RuntimeWarning subclasses) here
+    except Exception as exc:  # not a protobuf message (ValueError, protobuf's DecodeError), or cut short
         raise FileRefused(
             f"{path} is not an ONNX model, or is truncated: the protobuf does not parse ({one_line(exc)})"
         ) from None
-    del data  # the parsed model holds the weights now: the file's bytes need not stay beside them
     if model.ir_version <= 0 or not model.HasField("graph"):
         raise FileRefused(f"{path} is not an ONNX model: no IR version or no graph in it")
     if len(model.graph.node) == 0:
         raise FileRefused(f"{path}: the ONNX graph is empty (no nodes); there is nothing to run")
-    external = bool(external_tensors(model))
     check_external_data(model, path.parent, path)
-    try:  # checked before the external weights join it (by path, so their locations resolve beside the file)
-        onnx.checker.check_model(str(path) if external else model)
-    except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
-        raise FileRefused(f"{path} is not a valid ONNX model (truncated or corrupt?): {one_line(exc)}") from None
+    if invalid is not None:  # checked before the external weights join it (locations resolve beside the file)
+        raise FileRefused(f"{path} is not a valid ONNX model (truncated or corrupt?): {invalid}")
     if not external_data:
         return model
     try:

@@ -119,7 +119,7 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     zero = view.value(zp_name) if zp_name else np.zeros(1, dtype=np.int64)
     if zero is not None and zero.dtype.kind not in "iub":
         zero = None
-    stored = view.value(x) if node.op_type == DEQUANTIZE and x in view.initializers else None
+    stored = view.passing(x) if node.op_type == DEQUANTIZE and x in view.initializers else None
     max_abs = None
     if stored is not None and stored.size and np.issubdtype(stored.dtype, np.integer):
         offset = int(zero.reshape(-1)[0]) if zero is not None and zero.size == 1 else 0

@@ -216,6 +216,12 @@ class GraphView:
             self._values[tensor] = self._decode(tensor)
         return self._values[tensor]
 
+    def passing(self, tensor: str) -> np.ndarray | None:
+        """``value(tensor)`` for one use: decoded (or the kept copy when ``value`` decoded it) but not kept, so
+        reading every stored weight once (``quantization``'s integer extent of each) does not hold a decoded copy
+        of all of them beside the model."""
+        return self._values[tensor] if tensor in self._values else self._decode(tensor)
+
     def _decode(self, tensor: str) -> np.ndarray | None:
         proto = self.initializers.get(tensor)
         if proto is None:

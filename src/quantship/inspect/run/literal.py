@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.heap import give_back
 from quantship.inspect.read import external
 from quantship.inspect.read.loading import file_size
 
@@ -33,20 +34,6 @@ from quantship.inspect.read.loading import file_size
 LITERAL_PART_BYTES = 1 << 30
 _FLOAT_BOUND = 8  # a stored weight dequantizes to at most 8x its bytes (int4 -> float32): files below skip parsing
 _PART_BYTES: contextvars.ContextVar[int | None] = contextvars.ContextVar("literal_part_bytes", default=None)
-
-
-def give_back() -> None:
-    """Return the heap pages freed so far to the kernel (glibc's ``malloc_trim``; nothing elsewhere). ONNX
-    Runtime's sessions free megabytes of tensors at a time, which glibc otherwise keeps for reuse: the
-    process's resident size would stay at its largest session's."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def part_bytes() -> int:
