@@ -161,3 +161,30 @@ def test_a_model_written_one_tensor_at_a_time_reads_back_the_same(small_qdq, tmp
     assert again.SerializeToString() == model.SerializeToString()
     onnx.checker.check_model(str(out))
     ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("temporary_folder", ["writable", "missing"])
+def test_a_file_read_a_tensor_at_a_time_is_checked_as_onnx_checks_it(small_qdq, tmp_path, monkeypatch,
+                                                                      temporary_folder):
+    """``load_onnx`` reads a single file a tensor at a time, the checker run on its graph with a placeholder of each
+    tensor's bytes (or, with no temporary folder to write it in, on the file itself): the model onnx reads, and a
+    tensor whose stored bytes are too few for its shape refused as onnx.checker refuses it."""
+    import tempfile
+
+    import onnx
+
+    from quantship.errors import FileRefused
+    from quantship.inspect.read.loading import load_onnx
+
+    if temporary_folder == "missing":
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no" / "such" / "folder"))
+    assert load_onnx(small_qdq).SerializeToString() == onnx.load(str(small_qdq)).SerializeToString()
+    model = onnx.load(str(small_qdq))
+    weight = max(model.graph.initializer, key=lambda t: len(t.raw_data))
+    weight.raw_data = weight.raw_data[:-1]
+    short = tmp_path / "short.onnx"
+    onnx.save(model, str(short))
+    with pytest.raises(onnx.checker.ValidationError, match="too small for the declared shape"):
+        onnx.checker.check_model(str(short))
+    with pytest.raises(FileRefused, match=rf"not a valid ONNX model.*{weight.name}.*too small for the declared shape"):
+        load_onnx(short)

@@ -321,19 +321,36 @@ def read_one_tensor_at_a_time(path: str | Path) -> tuple[onnx.ModelProto, str | 
     parsed model, and ``onnx.checker`` given the path reads and parses it again: three copies of every weight at
     the peak where this holds one. Raises ``ValueError`` (or protobuf's ``DecodeError``) for bytes that are not an
     ONNX model."""
+    model, spans = _stripped(path)
+    invalid = _checked_with_placeholders(model, spans) if spans and not external_tensors(model) else False
+    if invalid is False:  # its own data files resolve beside it (its graph is small), or nowhere to write
+        invalid = _checked(str(path))
+    return _filled(model, spans, path), invalid
+
+
+def _checked(model) -> str | None:
+    """``onnx.checker``'s refusal of ``model`` (a path or a ModelProto) in one line, or None."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(model)
+        return None
+    except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
+        return one_line(exc)
+
+
+def _checked_with_placeholders(model: onnx.ModelProto, spans: list[tuple[int, int, int]]) -> str | None | bool:
+    """The checker's verdict on ``model`` whose ``spans`` were left out, each given as external data in a sparse
+    placeholder file of its length in a temporary folder; False when that folder cannot be written."""
+    import shutil
     import tempfile
 
     import onnx
 
-    model, spans = _stripped(path)
-    if external_tensors(model) or not spans:  # its own data files resolve beside it: the checker reads the graph
-        try:
-            onnx.checker.check_model(str(path))
-            invalid = None
-        except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
-            invalid = one_line(exc)
-        return _filled(model, spans, path), invalid
-    folder = Path(tempfile.mkdtemp(prefix="quantship-check-"))
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="quantship-check-"))
+    except OSError:
+        return False
     try:
         shell = onnx.ModelProto()
         shell.CopyFrom(model)
@@ -347,17 +364,14 @@ def read_one_tensor_at_a_time(path: str | Path) -> tuple[onnx.ModelProto, str | 
         with open(folder / "placeholder.data", "wb") as data:
             data.truncate(offset)  # a hole: no byte written, none read
         (folder / "model.onnx").write_bytes(shell.SerializeToString())
-        del shell
-        try:
-            onnx.checker.check_model(str(folder / "model.onnx"))
-            invalid = _short_tensor(model, spans)  # what the checker checks of stored bytes given in the file
-        except Exception as exc:  # ValidationError, and whatever a corrupt field makes the checker raise
-            invalid = one_line(exc)
-    finally:
-        import shutil
-
+    except OSError:  # a full or read-only temporary folder
         shutil.rmtree(folder, ignore_errors=True)
-    return _filled(model, spans, path), invalid
+        return False
+    try:
+        # what the checker checks of stored bytes given in the file, it does not check of external ones
+        return _checked(str(folder / "model.onnx")) or _short_tensor(model, spans)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _filled(model: onnx.ModelProto, spans: list[tuple[int, int, int]], path: str | Path) -> onnx.ModelProto:
