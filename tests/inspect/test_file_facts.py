@@ -188,3 +188,15 @@ def test_a_file_read_a_tensor_at_a_time_is_checked_as_onnx_checks_it(small_qdq, 
         onnx.checker.check_model(str(short))
     with pytest.raises(FileRefused, match=rf"not a valid ONNX model.*{weight.name}.*too small for the declared shape"):
         load_onnx(short)
+
+
+def test_a_pipe_is_refused_without_being_read(tmp_path):
+    """A pipe named like a model is refused at once (reading it would wait for a writer forever)."""
+    import os
+
+    from quantship.errors import FileRefused
+    from quantship.inspect.read.loading import load_onnx
+
+    os.mkfifo(tmp_path / "pipe.onnx")
+    with pytest.raises(FileRefused, match="not a regular file"):
+        load_onnx(tmp_path / "pipe.onnx")

@@ -33,6 +33,8 @@ def load_onnx(path: str | Path, *, external_data: bool = True) -> onnx.ModelProt
         raise FileNotFoundError(f"{path}: no such file")
     if path.is_dir():
         raise FileRefused(f"{path} is a directory; give the path of an .onnx file")
+    if not path.is_file():  # a pipe or a device: reading it could wait forever
+        raise FileRefused(f"{path} is not a regular file (a pipe or a device?); give the path of an .onnx file")
     try:
         if path.stat().st_size == 0:
             raise FileRefused(f"{path} is empty (0 bytes); it is not an ONNX model")
