@@ -206,4 +206,9 @@ def test_the_checker_refuses_a_broken_graph_in_memory_and_written_out(tiny_pt2e,
     model.graph.node[1].input.append("nowhere")
     with pytest.raises(ExportRefused, match="broken: the rewritten graph fails onnx.checker"):
         checks.check_model(model, "broken")
+    short = onnx.load(str(out))  # stored bytes too few for the tensor's shape: refused either way, as onnx refuses it
+    weight = max(short.graph.initializer, key=lambda t: len(t.raw_data))
+    weight.raw_data = weight.raw_data[:-1]
+    with pytest.raises(ExportRefused, match=f"short: .*{weight.name}.*too small for the declared shape"):
+        checks.check_model(short, "short")
     assert list((tmp_path / "tmp").iterdir()) == []

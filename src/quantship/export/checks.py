@@ -3,8 +3,6 @@ pass base class that runs them in ``ensures()``."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,28 +22,23 @@ def run_unoptimized(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np
     return run_session(ort_session(model, optimized=False), inputs)
 
 
-# Above this many bytes of stored tensors, ``check_model`` checks the graph with its weights written beside it
-# instead of in memory: given a model, onnx serialises it and parses it again (two more copies of every weight at
-# once: 1 GB more at the peak of a 2 GB float model's export, measured); written out, one tensor at a time, the
-# checker reads the graph alone and only checks that each tensor's data is there.
+# Above this many bytes of stored tensors, ``check_model`` checks the graph with a placeholder of each tensor's
+# bytes instead of in memory (``external.checked_without_weights``): given a model, onnx serialises it and parses it
+# again (two more copies of every weight at once: 1 GB more at the peak of a 2 GB float model's export, measured).
 CHECKED_IN_MEMORY_BELOW = 64 << 20
 
 
 def check_model(model: onnx.ModelProto, what: str) -> None:
     """``onnx.checker`` at the opset the graph declares; refuse the rewrite named ``what`` otherwise."""
-    folder = None
-    try:
-        if sum(t.ByteSize() for t in model.graph.initializer) < CHECKED_IN_MEMORY_BELOW:
+    if sum(t.ByteSize() for t in model.graph.initializer) < CHECKED_IN_MEMORY_BELOW:
+        try:
             onnx.checker.check_model(model)
-        else:
-            folder = Path(tempfile.mkdtemp(prefix="quantship-check-"))
-            external.save_with_external_data(model, folder / "model.onnx", "model.onnx.data")
-            onnx.checker.check_model(str(folder / "model.onnx"))
-    except onnx.checker.ValidationError as exc:
-        raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
-    finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+        except onnx.checker.ValidationError as exc:
+            raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
+        return
+    invalid = external.checked_without_weights(model)
+    if invalid is not None:
+        raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {invalid}")
 
 
 def check_identical(model: onnx.ModelProto, reference: list[np.ndarray], inputs: list[np.ndarray], what: str) -> None:

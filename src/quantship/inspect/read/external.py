@@ -328,6 +328,33 @@ def read_one_tensor_at_a_time(path: str | Path) -> tuple[onnx.ModelProto, str | 
     return _filled(model, spans, path), invalid
 
 
+def checked_without_weights(model: onnx.ModelProto) -> str | None:
+    """``onnx.checker``'s verdict on an in-memory ``model`` (None: valid) without a second copy of its weights:
+    given a model, onnx serialises it and parses it again (two more copies of every weight at once). The graph is
+    checked as ``read_one_tensor_at_a_time`` checks a file's, each initializer's stored bytes given as a
+    placeholder of their length; a model with external data, or with no temporary folder to write in, is checked
+    in memory."""
+    import onnx
+
+    if external_tensors(model):  # its locations resolve nowhere but beside its file: checked as it is
+        return _checked(model)
+    stripped = onnx.ModelProto()
+    _copy_fields(model, stripped, skip="graph")
+    _copy_fields(model.graph, stripped.graph, skip="initializer")
+    spans = []
+    for index, tensor in enumerate(model.graph.initializer):
+        if not tensor.HasField("raw_data"):
+            stripped.graph.initializer.add().CopyFrom(tensor)
+            continue
+        # every field but the bytes, set one by one: a copy cleared afterwards would keep its bytes in the
+        # message's arena until the whole message goes (protobuf frees an arena at once)
+        stripped.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                                       doc_string=tensor.doc_string, metadata_props=tensor.metadata_props)
+        spans.append((index, 0, len(tensor.raw_data)))
+    invalid = _checked_with_placeholders(stripped, spans) if spans else False
+    return _checked(model) if invalid is False else invalid
+
+
 def _checked(model) -> str | None:
     """``onnx.checker``'s refusal of ``model`` (a path or a ModelProto) in one line, or None."""
     import onnx

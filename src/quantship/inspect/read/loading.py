@@ -35,15 +35,13 @@ def load_onnx(path: str | Path, *, external_data: bool = True) -> onnx.ModelProt
         raise FileRefused(f"{path} is a directory; give the path of an .onnx file")
     if not path.is_file():  # a pipe or a device: reading it could wait forever
         raise FileRefused(f"{path} is not a regular file (a pipe or a device?); give the path of an .onnx file")
+    if path.stat().st_size == 0:
+        raise FileRefused(f"{path} is empty (0 bytes); it is not an ONNX model")
     try:
-        if path.stat().st_size == 0:
-            raise FileRefused(f"{path} is empty (0 bytes); it is not an ONNX model")
         # a tensor at a time, checked on the way (onnx.load and onnx.checker would hold three copies of every
         # weight at once); the checker's verdict is given after the refusals below, which name what is wrong
         # more precisely
         model, invalid = read_one_tensor_at_a_time(path)
-    except FileRefused:
-        raise
     except OSError as exc:  # unreadable (permissions, a device, a broken mount)
         raise FileRefused(f"{path} cannot be read ({one_line(exc)}); check its permissions") from None
     except Exception as exc:  # not a protobuf message (ValueError, protobuf's DecodeError), or cut short
