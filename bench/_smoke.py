@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # what the bench scripts publish: a smoke run writes none of them
 PUBLISHED = tuple(ROOT / name for name in ("BENCHMARKS.md", "BENCHMARKS-LM.md", "BENCHMARKS-LM-static.md",
                                            "BENCHMARKS-LM-latency.md", "BENCHMARKS-pipeline.md", "ZOO.md",
-                                           "bench/zoo_results.json", "ZOO-segmentation.md", "ZOO-yolo.md",
+                                           "bench/zoo_results.json", "ZOO-segmentation.md", "ZOO-yolo.md", "ZOO-speed.md",
+                                           "bench/zoo_speed_results.json",
                                            "bench/segmentation_results.json", "ZOO-detection.md",
                                            "bench/detection_results.json", "bench/placement_results.md",
                                            "bench/lm_decode_results.md", "bench/lm_embedding_results.md"))

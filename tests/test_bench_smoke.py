@@ -143,6 +143,9 @@ RUNS = {
         "- shared scale: output Concat: ", "INT8 / FP32 latency b1 ")}),
     "zoo": Smoke(("--out", "{tmp}/ZOO.md"), files={"ZOO.md": ("| resnet18 | 11.7 | 32 | ", "- 1 of ", "## hf"),
                                                     "zoo_results.json": ('"model": "resnet18"', '"status": "ok"')}),
+    "zoo_speed": Smoke(("--out", "{tmp}/ZOO-speed.md"), files={
+        "ZOO-speed.md": ("Smoke run", "| torchvision | resnet18 | 11.7 | 32 | ", "- 1 models timed; "),
+        "zoo_speed_results.json": ('"model": "resnet18"', '"status": "ok"', '"default": {', '"search": {')}),
     "zoo_hf": Smoke(("--family", "hf", "--out", "{tmp}/ZOO.md"), script="zoo", files={
         "ZOO.md": ("## torchvision", "## hf", "| bert | 0.1 | 1x16 ids | - | 0 / 16 | ",
                    "quantize time per stage: slowest per stage over the 1 timed record(s): capture bert"),
