@@ -20,6 +20,8 @@ API
     whole batches are used.
 - ``as_numpy(batch)``: the batch as float32 numpy arrays (a dict stays a dict), e.g. the feed of an
   ONNX Runtime ``CalibrationDataReader``.
+- ``counted_sample(x, shape)``: what a histogram observer counts of one activation tensor in the second
+  calibration pass, on both paths (a numpy array or a torch tensor, read through its own methods).
 
 Refusals are ``DataRefused`` (a ``ValueError``) naming the argument (``cap_name``/``batch_size_name``
 let each caller use its own spelling: ``max_calibration_samples``, ``--max-samples``, ``--batch-size``).
@@ -33,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from quantship.errors import DataRefused
+
+OBSERVED_PER_SAMPLE = 1 << 16  # values of one sample of a tensor a histogram counts (an even stride through it)
 
 
 def _first_array(batch: Any) -> Any:
@@ -119,3 +123,19 @@ def as_numpy(batch: Any) -> np.ndarray | dict[str, np.ndarray]:
     if isinstance(batch, Mapping):
         return {str(k): _to_numpy(v) for k, v in batch.items()}
     return _to_numpy(batch)
+
+
+def counted_sample(x: Any, shape: tuple[int, ...]) -> Any:
+    """At most ``OBSERVED_PER_SAMPLE`` values of each sample (each index of ``shape``'s first axis) of an
+    activation, flattened: an even stride through the sample, the same positions whatever the batch holds,
+    so the counts do not depend on the batching. A histogram of a large tensor hardly moves; its cost does.
+    One rule for both paths, so one model calibrated on either counts the same values. ``x`` no longer of
+    ``shape`` (its non-finite values dropped) is strided whole."""
+    size = int(np.prod(shape)) if shape else 1
+    whole = int(np.prod(x.shape)) if len(x.shape) else 1
+    rows = shape[0] if len(shape) > 1 and whole == size and shape[0] else 1
+    per_row = whole // rows
+    if per_row <= OBSERVED_PER_SAMPLE:
+        return x.reshape(-1)
+    step = -(-per_row // OBSERVED_PER_SAMPLE)
+    return x.reshape(rows, per_row)[:, ::step].reshape(-1)

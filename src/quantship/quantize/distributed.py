@@ -214,15 +214,32 @@ def histograms_on_common_range(model: nn.Module, n_samples: int, *, timeout: flo
 @contextlib.contextmanager
 def only_histograms_observe(model: nn.Module) -> Iterator[None]:
     """Inside: every observer of ``model`` but the histogram ones passes its input through untouched
-    (the second calibration pass must not feed a moving average twice, nor redo min/max work)."""
+    (the second calibration pass must not feed a moving average twice, nor redo min/max work), and each
+    histogram observer counts what ``calibration.counted_sample`` takes of its input, the values the ONNX
+    path's second pass counts (one rule for both paths)."""
+    hist = histogram_observers(model)
     others = [obs for _, obs in observers(model) if not _is_histogram(obs)]
     for obs in others:
         obs.forward = _pass_through
+    for obs in hist:
+        obs.forward = _counting(obs)
     try:
         yield
     finally:
-        for obs in others:
+        for obs in (*others, *hist):
             del obs.forward
+
+
+def _counting(obs: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    counts = type(obs).forward
+
+    def forward(x_orig: torch.Tensor) -> torch.Tensor:
+        x = x_orig.detach()
+        if x.numel():
+            counts(obs, calibration.counted_sample(x, tuple(x.shape)).contiguous())
+        return x_orig
+
+    return forward
 
 
 def _pass_through(x: torch.Tensor) -> torch.Tensor:

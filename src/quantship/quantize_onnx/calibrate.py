@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.calibration import counted_sample
 from quantship.inspect.run.consumers import session_of
 from quantship.quantize_onnx.memory import MEMORY_BUDGET  # bytes of exposed tensors held at once
 
-OBSERVED_PER_SAMPLE = 1 << 16  # values of one sample of a tensor a histogram counts (an even stride through it)
 QMIN, QMAX = -128, 127  # observers work in int8, as the PyTorch path's do; uint8 is the same scale, z + 128
 
 
@@ -123,13 +123,14 @@ class TensorObserver:
             self.observer.histogram.zero_()
 
     def count(self, array: np.ndarray) -> None:
-        """The second pass: ``array``'s values (a strided sample of each of its samples) counted."""
+        """The second pass: ``array``'s values (``calibration.counted_sample``: a strided sample of each of its
+        samples, the PyTorch path's rule too) counted."""
         import torch
 
         if self.counts and self.low != np.inf:
             finite = _finite(array)
             if finite.size:
-                self.observer(torch.from_numpy(_sample(finite, array.shape)))
+                self.observer(torch.from_numpy(np.ascontiguousarray(counted_sample(finite, array.shape))))
 
     def qparams(self, symmetric: bool) -> tuple[float, int]:
         """(scale, int8 zero-point) from the observer's range rule; integer-valued tensors that fit
@@ -156,19 +157,6 @@ def _finite(array: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(array, dtype=np.float32)
     ok = np.isfinite(x)
     return x if ok.all() else x[ok]
-
-
-def _sample(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """At most ``OBSERVED_PER_SAMPLE`` values of each sample (each index of ``shape``'s first axis): an even
-    stride through it, the same positions whatever the batch holds, so the counts do not depend on the
-    batching. Histograms of a large tensor hardly move; their cost does. A tensor whose non-finite
-    values were dropped (``x`` no longer of ``shape``) is strided whole."""
-    rows = shape[0] if len(shape) > 1 and x.size == int(np.prod(shape)) and shape[0] else 1
-    per_row = x.size // rows
-    if per_row <= OBSERVED_PER_SAMPLE:
-        return x.reshape(-1)
-    step = -(-per_row // OBSERVED_PER_SAMPLE)
-    return np.ascontiguousarray(x.reshape(rows, per_row)[:, ::step]).reshape(-1)
 
 
 def _checked(scale: float, zero: int) -> tuple[float, int]:
