@@ -74,3 +74,30 @@ def test_bad_input_one_line_exit_2_nothing_written(configs, tmp_path, capsys, mo
     assert code == 2 and err[-1].startswith("quantship quantize: error:") and message in err[-1]
     assert "Traceback" not in "\n".join(err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_decoder_with_gptq_rounds_against_the_calibration_and_matches_its_torch_model(configs, tmp_path, capsys):
+    """``--decoder --gptq``: the weights GPTQ rounds on ``--calib`` (not to nearest: the file's int4 codes differ
+    from the round-to-nearest file's), the greedy check run against that GPTQ torch model, and the report says so."""
+    import numpy as np
+
+    calib = tmp_path / "ids.npy"
+    np.save(calib, np.random.default_rng(0).integers(0, 256, size=(8, 32)).astype(np.int64))
+    files = {}
+    for name, extra in {"gptq": ["--gptq", "--calib", str(calib)], "nearest": []}.items():
+        files[name] = tmp_path / name / "model.onnx"
+        files[name].parent.mkdir()
+        code = main(["quantize", f"hf:{configs / 'llama'}", "--method", "int4_weight_only", "--decoder",
+                     "--group-size", "32", "--check-tokens", "8", "--out", str(files[name]), "--json", *extra])
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0 and report["greedy_check"]["matches"], report["greedy_check"]
+        assert (report["spec"]["weight_algorithm"] == "gptq") == (name == "gptq")
+
+    def codes(path):
+        model = onnx.load(str(path))
+        return {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in model.graph.initializer
+                if t.data_type == onnx.TensorProto.UINT8}
+
+    gptq, nearest = codes(files["gptq"]), codes(files["nearest"])
+    assert gptq.keys() == nearest.keys() and gptq
+    assert sum(gptq[k] != nearest[k] for k in gptq) >= len(gptq) // 2  # most layers' codes moved

@@ -61,14 +61,13 @@ def check_request(args: argparse.Namespace) -> None:
     if not args.model.startswith("hf:"):
         raise UsageError(f"--decoder needs a Hugging Face causal LM (hf:reference, hf:DIR or hf:config.json), "
                          f"not {args.model}")
-    if args.gptq:
-        raise UsageError("--decoder does not take --gptq yet: round to nearest, or write the non-decoder file")
     if args.check_tokens < 0:
         raise UsageError(f"--check-tokens {args.check_tokens}: give 0 (skip) or a positive number of tokens")
 
 
-def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
-    """``choose_group_size``: the weight-only command's own choice of group size (one rule for both files)."""
+def run(args: argparse.Namespace, choose_group_size: Callable, gptq_batches: Callable) -> int:
+    """``choose_group_size``, ``gptq_batches``: the weight-only command's own choice of group size and reading of
+    ``--calib`` for GPTQ (one rule for both files)."""
     # imported when the command runs (torch, onnx behind these), so --help answers at once
     import warnings
 
@@ -97,9 +96,14 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
     kwargs = {"group_size": group, **embedding_request(args)}
     if args.method == "int8_weight_only" and group is not None:
         kwargs["qscheme"] = "per_group"
+    calibration = None
+    if args.gptq:  # the weights rounded against --calib's Hessians; the greedy check's torch model is that model
+        kwargs["weight_algorithm"] = "gptq"
+        calibration = gptq_batches(model, args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(model, None)
+        qmodel = Quantizer("torchao", method=args.method, verbose=ui.verbose, **kwargs).quantize(
+            model, calibration, max_calibration_samples=args.max_samples)
         spec = quant_spec(qmodel)
         path = export_decoder(qmodel, args.out, spec=spec, target=target, context=args.context,
                               accuracy_level=level)
@@ -121,7 +125,8 @@ def run(args: argparse.Namespace, choose_group_size: Callable) -> int:
     rows = [
         ("file", f"{args.out} ({size / 1e6:.2f} MB), {config.name} beside it"),
         ("precision", f"{spec.label} {spec.method}, " + (f"groups of {spec.group_size}" if spec.qscheme == "per_group"
-                                                         else "per output channel")),
+                                                         else "per output channel")
+         + (f", rounded by GPTQ on {sum(len(b) for b in calibration)} calibration samples" if calibration else "")),
         ("form", form),
         embedding_row(spec, target is not None),
         ("layout", f"{layout.layers} layers, {layout.kv_heads} key/value heads x {layout.head_dim}, vocabulary "

@@ -106,7 +106,7 @@ LM_TIMING_BATCH = 4  # an hf: model's file is timed at batch 1 and this many row
 
 def run(args: argparse.Namespace) -> int:
     if args.decoder:  # a decoder file for generation (KV cache, dynamic lengths): its own writer
-        return quantize_decoder.run(args, choose_group_size)
+        return quantize_decoder.run(args, choose_group_size, gptq_batches)
     ui = common.Output(args)
     try:
         return _write_and_report(args, ui)
