@@ -32,6 +32,10 @@ def test_decoder_folder_and_report(configs, tmp_path, capsys):
                  "--context", "80", "--check-tokens", "8", "--out", str(out), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["greedy_check"]["matches"] and report["greedy_check"]["rows"] == 2
+    # a decoder file is for decoding: ONNX Runtime's fast kernel (int8 activations) unless another level is named
+    assert "accuracy_level 4" in report["form"]
+    assert {a.i for n in onnx.load(str(out)).graph.node if n.op_type == "MatMulNBits"
+            for a in n.attribute if a.name == "accuracy_level"} == {4}
     assert report["layout"]["context"] == 80 and report["layout"]["kv_heads"] == 2
     config = json.loads((tmp_path / "genai_config.json").read_text())
     assert config["model"]["context_length"] == 80 and config["model"]["decoder"]["filename"] == "model.onnx"

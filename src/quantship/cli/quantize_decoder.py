@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_position_embeddings; more is refused)")
     parser.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4], default=None,
                         help="weight-only MatMulNBits form: the nodes' accuracy_level (0 float activations, the INT4 "
-                             "default; 4 int8 activations, the INT8 default: INT8 weights run far faster, "
-                             "see docs/weight-only.md)")
+                             "default; 4 int8 activations, the INT8 default and every --decoder file's: far faster, "
+                             "see docs/weight-only.md and docs/decoder.md)")
     parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
 
@@ -88,9 +88,10 @@ def run(args: argparse.Namespace, choose_group_size: Callable, gptq_batches: Cal
         raise UsageError(f"--check-tokens {args.check_tokens}: the check's prompts plus the new tokens exceed the "
                          f"context of {layout.context}; give fewer tokens or 0")
     level = args.accuracy_level
-    if level is None and target is not None and args.method == "int8_weight_only":
-        # ONNX Runtime's 8-bit MatMulNBits kernel with float activations (level 0) decodes far slower than FP32;
-        # level 4 (int8 activations) is its fast one (bench/lm_decode_results.md); INT4's level 0 is kept exact
+    if level is None and target is not None:
+        # decoding is what the file is for: level 4 (int8 activations per block) is ONNX Runtime's fast kernel.
+        # Its 8-bit kernel with float activations (level 0) decodes far slower than FP32, its 4-bit one 1.5-3x
+        # slower than at level 4, with the same perplexity and greedy tokens (docs/decoder.md, "Speed")
         level = 4
     group = choose_group_size(model, args.method, args.group_size, ui)
     kwargs = {"group_size": group, **embedding_request(args)}
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace, choose_group_size: Callable, gptq_batches: Cal
     size = file_size(path)
     form = "int + DequantizeLinear (opset 21)" if target is None else "MatMulNBits" + (
         "" if level is None else f", accuracy_level {level}" + (
-            " (INT8's default: ONNX Runtime's level-0 8-bit kernel is its slow one, docs/decoder.md)"
+            " (the decoder's default: int8 activations, ONNX Runtime's fast decode kernel; docs/decoder.md)"
             if args.accuracy_level is None else ""))
     result = {"version": 1, "model": args.model, "path": args.out, "genai_config": str(config),
               "spec": spec.as_dict(), "label": spec.label, "size_bytes": size, "form": form,
