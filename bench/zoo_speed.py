@@ -168,7 +168,10 @@ def render(records: dict, banner: list[str]) -> str:
              + (f" ({', '.join(unsaid)})" if unsaid else ""),
              f"- CPUs: {', '.join(sorted({r.get('cpu', '?') for r in records.values()}))}; commits: "
              f"{', '.join(sorted({r.get('commit', '?') for r in records.values()}))}",
-             *[f"- {r['model']}: {r['status']}" for r in records.values() if r.get("status") != "ok"], "",
+             *[f"- {r['model']}: {r['status']}" for r in records.values() if r.get("status") != "ok"],
+             *[f"- {family}: not run yet ({len(left)}): {', '.join(left)}" for family in IMAGE_FAMILIES
+               for left in [[e.name for e in entries(family) if f"{family}/{e.name}" not in records]]
+               if left and any(r.get("family") == family for r in records.values())], "",
              "| family | model | params M | input | FP32 ms b1 / b8 | default | plain | search | said (own b1 / b8) | "
              "kept float | quantize CPU s default / plain / search | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

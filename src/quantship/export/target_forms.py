@@ -143,9 +143,12 @@ def _hard_swish_partner(graph_node: ir.Node) -> ir.Node | None:
 
 
 def _take_over(old: ir.Value, new: ir.Value) -> None:
-    """``new`` replaces ``old`` for every reader, graph outputs included, under ``old``'s name."""
+    """``new`` replaces ``old`` for every reader, graph outputs included, under ``old``'s name, type and shape
+    (every rewrite here computes the same tensor; a graph output without a type is not a valid file)."""
     old.replace_all_uses_with(new, replace_graph_outputs=True)
     new.name, old.name = old.name, None
+    new.type = new.type or old.type
+    new.shape = new.shape or old.shape
 
 
 def _replace(graph: ir.Graph, at: ir.Node, nodes: list[ir.Node], removed: ir.Node | list[ir.Node]) -> None:

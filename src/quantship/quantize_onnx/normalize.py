@@ -277,7 +277,30 @@ def fold_bias_add(model: ir.Model) -> int:
     return n
 
 
+def name_nodes(model: ir.Model) -> int:
+    """Every node without a name, or with a name another node already holds, named ``{op_type}_{n}`` (a name no
+    other node of the model holds). ONNX allows unnamed nodes (torch's exporter writes some), but the rewrites
+    name their nodes after the node they replace, and ONNX Runtime refuses two nodes of one name."""
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    taken = {n.name for n in nodes if n.name}
+    seen: set[str] = set()
+    counter = 0
+    renamed = 0
+    for node in nodes:
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        while f"{node.op_type}_{counter}" in taken:
+            counter += 1
+        node.name = f"{node.op_type}_{counter}"
+        taken.add(node.name)
+        seen.add(node.name)
+        renamed += 1
+    return renamed
+
+
 PASSES: tuple[Pass, ...] = (
+    Pass("name_nodes", name_nodes, "exact", "every node has a name of its own (the rewrites name theirs after it)"),
     Pass("lift_constants", lift_constants, "exact", "weights held in Constant nodes are read as weights"),
     Pass("initializers_out_of_inputs", initializers_out_of_inputs, "exact",
          "an initializer listed as an input is a weight, not something to feed"),
