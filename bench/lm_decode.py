@@ -177,6 +177,7 @@ def measure(name: str, args, log) -> list[str]:
                 key = f"decode @{context}, b{batch}"
                 cells[key] = interleaved_ms(sessions, feed(layout, batch, context, 1), args.rounds, args.budget)
                 log(f"{key}: {[round(x, 2) for x in cells[key]]}")
+        order_lines = order_check(files, layout, args, log) if args.order_check else []
         ppl = None
         if name == "byte":
             from quantship.examples import lm
@@ -198,7 +199,39 @@ def measure(name: str, args, log) -> list[str]:
         if ppl:
             row.append(f"{ppl[i]:.4f}")
         lines.append("| " + " | ".join(row) + " |")
-    return lines + [""]
+    return lines + [""] + order_lines
+
+
+ORDERS = (("quantship", "ORT", "quantship'", "ORT'"), ("ORT", "quantship", "ORT'", "quantship'"))
+
+
+def order_check(files, layout, args, log) -> list[str]:
+    """quantship's and ORT's INT4 files at level 4, each in two sessions (the second marked '), timed interleaved in
+    both orders: how far one file's two sessions differ beside how far the two files do."""
+    from quantship.export import onnx_session
+
+    lines = []
+    for group in args.groups:
+        pick = {label.split(" INT4")[0].split(" ")[0]: p for label, level, p in files if level == "4" and f"INT4 g{group}" in label}
+        paths = {"quantship": pick["quantship"], "ORT": pick["ORT"]}
+        lines += [f"### Order check, INT4 g{group}, accuracy_level 4, decode @{args.contexts[0]}", "",
+                  "Each file in two sessions (the second marked '), the four timed interleaved in the order shown "
+                  f"(up to {args.rounds} rounds or {args.budget:.0f} s), then the other order.", "",
+                  "| batch | order | ms each (same order) | quantship / ORT, first sessions | same file, ' / first (max) |",
+                  "|---|---|---|---|---|"]
+        for batch in BATCHES:
+            inputs = feed(layout, batch, args.contexts[0], 1)
+            for order in ORDERS:
+                sessions = [onnx_session(paths[k.rstrip("'")]) for k in order]
+                ms = dict(zip(order, interleaved_ms(sessions, inputs, args.rounds, args.budget)))
+                del sessions
+                gc.collect()
+                spread = max(ms[f"{k}'"] / ms[k] for k in paths)
+                lines.append(f"| {batch} | {' , '.join(order)} | {', '.join(f'{ms[k]:.3f}' for k in order)} | "
+                             f"{ms['quantship'] / ms['ORT']:.3f} | {spread:.3f} |")
+                log(lines[-1])
+        lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="128,1024", help="cache lengths before the timed decode step")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds at most per cell")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds of timing at most per cell")
+    parser.add_argument("--order-check", action="store_true",
+                        help="also time quantship's and ORT's INT4 level-4 files in two sessions each, in both orders")
     parser.add_argument("--out", type=Path, default=None)
     args = _smoke.parse_args(parser, argv, models="smoke", groups="32", prompt=16, contexts="16,64", rounds=1, budget=1.0)
     args.out = _smoke.output(args, args.out, ROOT / "bench" / "lm_decode_results.md")
