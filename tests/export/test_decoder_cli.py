@@ -67,7 +67,8 @@ def test_int8_matmulnbits_decoder_defaults_to_the_fast_accuracy_level(configs, t
     ("bert", [], "does not run with a key/value cache"),
     ("llama", ["--context", "97"], "takes at most 96 positions"),
     ("llama", ["--check-tokens", "90"], "exceed the context of 96"),
-    ("llama", ["--method", "static"], "--decoder writes weight-only files"),
+    ("llama", ["--method", "static", "--equalize"], "--equalize belong(s) to the PyTorch path"),
+    ("llama", ["--method", "static", "--seq-len", "200"], "exceed the context of 96"),
     ("llama", ["--accuracy-level", "4", "--weight-format", "standard"], "--accuracy-level is a MatMulNBits attribute"),
 ])
 def test_bad_input_one_line_exit_2_nothing_written(configs, tmp_path, capsys, model, extra, message):
@@ -105,3 +106,26 @@ def test_decoder_with_gptq_rounds_against_the_calibration_and_matches_its_torch_
     gptq, nearest = codes(files["gptq"]), codes(files["nearest"])
     assert gptq.keys() == nearest.keys() and gptq
     assert sum(gptq[k] != nearest[k] for k in gptq) >= len(gptq) // 2  # most layers' codes moved
+
+
+def test_static_w8a8_decoder_through_the_onnx_engine(configs, tmp_path, capsys):
+    """``--decoder --method static``: the float decoder file quantized W8A8 by the ONNX engine, calibrated on
+    prefills (an empty cache): Q/DQ on the activations, the cache inputs and outputs float, the layout kept
+    (any batch and length), fidelity judged and the greedy check run against the float model."""
+    import numpy as np
+
+    calib = tmp_path / "ids.npy"
+    np.save(calib, np.random.default_rng(0).integers(0, 256, size=(24, 32)).astype(np.int64))
+    out = tmp_path / "model.onnx"
+    code = main(["quantize", f"hf:{configs / 'llama'}", "--method", "static", "--decoder", "--calib", str(calib),
+                 "--seq-len", "32", "--check-tokens", "8", "--out", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["label"] == "W8A8" and report["greedy_check"]["rows"] == 2
+    assert report["fidelity_fp32"]["status"] == "met" and report["greedy_reference"] == "the float model"
+    model = onnx.load(str(out))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("QuantizeLinear") > 5 and "MatMulNBits" not in ops
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["input_ids"] == ["batch", "sequence_length"] and dims["past_key_values.0.key"][2] == "past_sequence_length"
+    assert json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["genai_config.json", "ids.npy", "model.onnx"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantship import targets
-from quantship.cli import common, options, quantize_report, quantize_weight_only
+from quantship.cli import common, options, quantize_decoder, quantize_report, quantize_weight_only
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli import speed as speed_cli
 from quantship.cli.check import exit_code
@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quantize_weight_only.check_request(args)  # before the --out lock and any import
-    speed_cli.refuse(args, not_timed="--decoder" if args.decoder else None)  # weight-only files are timed too
+    # weight-only files are timed too; a weight-only decoder file is not (its static one is: a prefill)
+    speed_cli.refuse(args, not_timed="--decoder" if args.decoder and args.method != "static" else None)
     with common.writing(args) as out:  # the --out lock is held to the end: the report reads the file this run wrote
         with step("quantize: importing torch, torchao and the exporter"):  # seconds before anything else shows
             import torch  # noqa: F401
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             import quantship.export.qdq  # noqa: F401
         if args.method != "static":  # torchao weight-only (W8A16 / W4A16): no calibration, its own writer
             return quantize_weight_only.run(args)
+        if args.decoder:  # W8A8 decoder file: the float decoder file through the ONNX engine
+            return quantize_decoder.run_static(args, out, targets.get(args.target or DEFAULT_TARGET))
         return _static(args, out)
 
 

@@ -19,8 +19,8 @@ _PROMPTS = (b"def main(argv):\n    ", b"import os\nimport sys\n\n\nclass Reader:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoder", action="store_true",
-                        help="weight-only hf: models: write a decoder file for generation (attention mask, past/present "
-                             "key-values, dynamic batch and length) and genai_config.json beside it")
+                        help="hf: models: a decoder file for generation (mask, past/present key-values, any batch and "
+                             "length; weight-only, or static W8A8) and genai_config.json beside it")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="--decoder: the longest total sequence the file is declared for (default: the model's "
                              "max_position_embeddings; more is refused)")
@@ -30,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "see docs/weight-only.md and docs/decoder.md)")
     parser.add_argument("--check-tokens", type=int, default=16, metavar="N",
                         help="--decoder: greedy-decode N tokens in ONNX Runtime and torch and compare (0: skip)")
+
+
+# the static file's PyTorch-path options: the --decoder static file is the ONNX engine's, which takes none of them
+STATIC_OPTIONS_NOT_TAKEN = {"--exclude": "exclude", "--placement": "placement", "--observer": "observer",
+                            "--max-drop": "max_drop", "--smooth-quant": "smooth_quant", "--equalize": "equalize",
+                            "--bias-correction": "bias_correction", "--seq-mse": "seq_mse", "--adaround": "adaround",
+                            "--static-batch": "static_batch", "--eval": "eval", "--config": "config",
+                            "--qscheme": "qscheme"}
 
 
 def embedding_request(args: argparse.Namespace) -> dict:
@@ -57,7 +65,10 @@ def check_request(args: argparse.Namespace) -> None:
             raise UsageError("--context applies to --decoder files; add --decoder or drop it")
         return
     if args.method == "static":
-        raise UsageError("--decoder writes weight-only files: give --method int8_weight_only or int4_weight_only")
+        given = [flag for flag, on in STATIC_OPTIONS_NOT_TAKEN.items() if getattr(args, on, None) not in (None, False, [])]
+        if given:
+            raise UsageError(f"--decoder --method static quantizes the float decoder file with quantship's ONNX "
+                             f"engine and its defaults; {', '.join(given)} belong(s) to the PyTorch path: drop it")
     if not args.model.startswith("hf:"):
         raise UsageError(f"--decoder needs a Hugging Face causal LM (hf:reference, hf:DIR or hf:config.json), "
                          f"not {args.model}")
@@ -134,10 +145,106 @@ def run(args: argparse.Namespace, choose_group_size: Callable, gptq_batches: Cal
                    f"{layout.vocab}, context {layout.context}; any batch and length"),
     ]
     if check is not None:
-        d = check.divergence
-        verdict = (f"{args.check_tokens} tokens x {len(check.onnx_tokens)} prompts equal to the torch model's" if d is None
-                   else f"diverges at token {d.step} of prompt {d.row} (ONNX {d.onnx_token}, torch {d.torch_token}; "
-                        f"torch margin {d.torch_margin:.3g})")
-        rows.append(("greedy decode vs torch", verdict))
+        rows.append(_greedy_row(check, args.check_tokens, "the torch model's"))
     ui.report(result, rows)
     return 0
+
+
+def _decoder_feeds(batch, layout) -> dict:
+    """One batch of token ids as the decoder file's feed: a prefill from an empty cache."""
+    # late, as every import here: --help answers before numpy and torch load
+    import numpy as np
+
+    from quantship.export.decoder import ATTENTION_MASK, INPUT_IDS, PAST_KEY, PAST_VALUE
+
+    ids = (batch[0] if isinstance(batch, (tuple, list)) else batch).numpy().astype(np.int64)
+    empty = np.zeros((len(ids), layout.kv_heads, 0, layout.head_dim), np.float32)
+    return {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids),
+            **{name % i: empty for i in range(layout.layers) for name in (PAST_KEY, PAST_VALUE)}}
+
+
+def run_static(args: argparse.Namespace, out, target) -> int:
+    """``--decoder --method static``: the float decoder file quantized W8A8 by quantship's ONNX engine (all that
+    ``quantize-onnx`` judges, repairs and times), calibrated on prefills of the --calib windows; the greedy
+    check against the float model."""
+    # imported when the command runs (torch, onnx behind these), so --help answers at once
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    from quantship.cli import fidelity as fidelity_cli
+    from quantship.cli import speed as speed_cli
+    from quantship.errors import FidelityMissed, SpeedMissed
+    from quantship.export.decoder import export_decoder, layout_of, probe_cache, write_genai_config
+    from quantship.export.decoder_check import check_greedy
+    from quantship.export.torch_file import read_calibration
+    from quantship.inspect.read.loading import file_size
+    from quantship.quantize_onnx.repair import quantize_onnx
+    from quantship.sources import load_model
+
+    ui = common.Output(args)
+    if not target.runtime_is_onnxruntime:  # onnxruntime-genai runs the folder in ONNX Runtime
+        raise UsageError(f"--target {args.target}: a decoder file is written for ONNX Runtime (onnxruntime-cpu)")
+    budget = fidelity_cli.budget(args)
+    model = load_model(args.model, args.weights)
+    layout = layout_of(model, args.context)
+    probe_cache(model, layout)
+    if args.seq_len > layout.context:
+        raise UsageError(f"--seq-len {args.seq_len}: the calibration windows exceed the context of {layout.context}")
+    if args.check_tokens and max(map(len, _PROMPTS)) + args.check_tokens > layout.context:
+        raise UsageError(f"--check-tokens {args.check_tokens}: the check's prompts plus the new tokens exceed the "
+                         f"context of {layout.context}; give fewer tokens or 0")
+    data = read_calibration(model, args.calib, batch_size=args.batch_size, max_samples=args.max_samples, key=args.key,
+                            preprocessing=common.preprocessing(args), fidelity_data=args.fidelity_data,
+                            judged=not args.no_fidelity, seq_len=args.seq_len)
+    batches = [_decoder_feeds(b, layout) for b in data.batches]
+    held = [_decoder_feeds(b, layout) for b in data.held] if data.held else None
+    ui.say(f"the float decoder file quantized W8A8 by quantship's ONNX engine, calibrated on prefills of "
+           f"{sum(len(b['input_ids']) for b in batches)} windows from {data.source}"
+           + (f"; fidelity to FP32 judged on {data.held_label}" if held else ""))
+    with tempfile.TemporaryDirectory(prefix="quantship-decoder-", dir=Path(out).parent) as scratch:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            float_file = export_decoder(model, Path(scratch) / "fp32_decoder.onnx", context=args.context)
+        try:
+            result, repair = quantize_onnx(float_file, out, batches, target=target, budget=budget, fidelity_data=held,
+                                           repair=not args.no_repair, max_steps=args.max_steps, wait=not args.no_wait,
+                                           log=ui.say, speed=not args.no_speed, require_faster=args.require_faster,
+                                           profile_placement=not args.plain_placement)
+        except SpeedMissed as slower:
+            return speed_cli.missed("quantize", ui, slower, {"version": 1, "model": args.model, "target": target.target})
+        except FidelityMissed as missed:
+            return fidelity_cli.missed("quantize", ui, missed, {"version": 1, "model": args.model, "target": target.target})
+    config = write_genai_config(out)
+    check = None
+    if args.check_tokens:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check = check_greedy(out, model, [[b % layout.vocab for b in p] for p in _PROMPTS], args.check_tokens)
+    stats = result.qdq_stats
+    report = {"version": 1, "model": args.model, "path": str(out), "genai_config": str(config), "label": "W8A8",
+              "method": "static", "size_bytes": file_size(out), "layout": layout.as_dict(),
+              **{k: v for k, v in result.as_dict().items() if k in ("fidelity_fp32", "speed", "plan", "qdq_stats")},
+              "repair": None if repair is None else repair.as_dict(),
+              "greedy_check": None if check is None else check.as_dict(), "greedy_reference": "the float model"}
+    speed_cli.warn("quantize", result.speed, args.quiet)
+    ui.report(report, [
+        *fidelity_cli.rows(result.fp32, repair),
+        *speed_cli.rows(result.speed),
+        *([("timed on", f"prefills of {args.seq_len} tokens (an empty cache); decode: bench/lm_decode.py")]
+          if result.speed is not None else []),
+        ("file", f"{out} ({report['size_bytes'] / 1e6:.2f} MB), {config.name} beside it"),
+        ("precision", f"W8A8 static: int8 weights per channel, activations calibrated ({stats.n_quantize} Q / "
+                      f"{stats.n_dequantize} DQ); the key/value cache stays float"),
+        ("layout", f"{layout.layers} layers, {layout.kv_heads} key/value heads x {layout.head_dim}, vocabulary "
+                   f"{layout.vocab}, context {layout.context}; any batch and length"),
+        *([] if check is None else [_greedy_row(check, args.check_tokens, "the float model's")]),
+    ])
+    return 0
+
+
+def _greedy_row(check, tokens: int, reference: str) -> tuple[str, str]:
+    d = check.divergence
+    return ("greedy decode vs torch", f"{tokens} tokens x {len(check.onnx_tokens)} prompts equal to {reference}"
+            if d is None else f"diverges at token {d.step} of prompt {d.row} (ONNX {d.onnx_token}, torch "
+                              f"{d.torch_token}; torch margin {d.torch_margin:.3g})")
