@@ -70,13 +70,35 @@ def _with_accuracy_level(path: Path, level: int) -> Path:
     return out
 
 
-def write_files(model, folder: Path, groups: tuple[int, ...], log) -> list[tuple[str, str, Path]]:
-    """(label, accuracy level, path) of every file timed: FP32, quantship INT8/INT4, ORT's INT4."""
+def prefills(layout, ids) -> list[dict]:
+    """Token windows [N, T] as the decoder file's calibration feeds: prefills from an empty cache, batches of 8."""
+    import numpy as np
+
+    return [{**feed(layout, len(ids[i:i + 8]), 0, 0), "input_ids": ids[i:i + 8], "attention_mask": np.ones_like(ids[i:i + 8])}
+            for i in range(0, len(ids), 8)]
+
+
+def calibration_windows(name: str, vocab: int, n: int = 32, length: int = 64):
+    """The W8A8 file's calibration: windows of the training files for the trained byte model, random ids else."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    if name != "byte":
+        return rng.integers(0, vocab, (n, length)).astype(np.int64)
+    from quantship.examples import lm
+
+    stream = np.concatenate(lm.load_corpus().train)
+    return np.stack([stream[s:s + length] for s in rng.integers(0, len(stream) - length, n)]).astype(np.int64)
+
+
+def write_files(model, folder: Path, groups: tuple[int, ...], log, calibration) -> list[tuple[str, str, Path]]:
+    """(label, accuracy level, path) of every file timed: FP32, quantship INT8/INT4 and W8A8, ORT's INT4."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from quantship import Quantizer, quant_spec, targets
-    from quantship.export import export_decoder
+    from quantship.export import export_decoder, read_layout
+    from quantship.quantize_onnx import quantize_onnx_file
 
     nbits = targets.get("onnxruntime-cpu")
     fp32 = export_decoder(model, folder / "fp32.onnx")
@@ -91,6 +113,10 @@ def write_files(model, folder: Path, groups: tuple[int, ...], log) -> list[tuple
         gc.collect()
         files += [(label, "0", path), (label, "4", _with_accuracy_level(path, 4))]
         log(f"{label} written")
+    path = folder / "w8a8.onnx"  # W8A8 static: the FP32 decoder file through the ONNX engine, as --decoder writes it
+    quantize_onnx_file(fp32, path, calibration=prefills(read_layout(fp32), calibration), target="onnxruntime-cpu")
+    files.append(("quantship W8A8 static", "-", path))
+    log("W8A8 static written")
     for group in groups:
         quantizer = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=4, block_size=group, is_symmetric=True)
         quantizer.process()
@@ -163,7 +189,8 @@ def measure(name: str, args, log) -> list[str]:
     model, description = build(name)
     lines = [f"## {name}: {description}", ""]
     with tempfile.TemporaryDirectory() as tmp:
-        files = write_files(model, Path(tmp), args.groups, log)
+        files = write_files(model, Path(tmp), args.groups, log,
+                            calibration_windows(name, int(model.config.vocab_size) if hasattr(model, "config") else 256))
         del model
         gc.collect()
         layout = read_layout(files[0][2])

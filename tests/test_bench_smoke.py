@@ -101,7 +101,8 @@ RUNS = {
         "| W4A16 g128 + GPTQ (torch) |", "| W4A16 g128 + GPTQ (MatMulNBits file, ORT) |")}),
     "lm_decode": Smoke(("--order-check", "--out", "{tmp}/lm_decode_results.md"), files={"lm_decode_results.md": (
         "Smoke run", "## smoke: Llama from a config", "| FP32 | - | ", "| quantship INT8 per channel | 4 | ",
-        "| quantship INT4 g32 | 0 | ", "| ORT MatMulNBitsQuantizer INT4 g32 | 4 | ", "decode @64, b4 ms",
+        "| quantship INT4 g32 | 0 | ", "| ORT MatMulNBitsQuantizer INT4 g32 | 4 | ", "| quantship W8A8 static | - | ",
+        "decode @64, b4 ms",
         "tokens/s b1 @16 (x FP32)", "### Order check, INT4 g32, accuracy_level 4, decode @16",
         "| 1 | ORT , quantship , ORT' , quantship' | ")}),
     "lm_embedding": Smoke(("--out", "{tmp}/lm_embedding_results.md"), files={"lm_embedding_results.md": (
