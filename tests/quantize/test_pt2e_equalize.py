@@ -133,3 +133,24 @@ def test_sensitivity_refuses_equalize_in_one_line(tmp_path, capsys):
                  "--out-dir", str(tmp_path / "report"), "--equalize"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--equalize" in err[0] and not (tmp_path / "report").exists()
+
+
+def test_the_per_layer_report_of_an_equalized_step_compares_against_the_model_it_captured():
+    """The fidelity repair ranks layers by their own loss, comparing the quantized model's inner activations
+    with the float model's. An equalized step's inner activations are rescaled per channel: compared with the
+    caller's model every pair's inner layer looked like a collapse and the ranking named the wrong layers (an
+    untrained MNASNet: the repair's 17 candidates were each block's first conv, and keeping all of them float
+    still missed the budget). ``Quantizer.prepared_float`` gives the float model as that step captured it."""
+    from quantship.quantize.layer_error import layer_error
+
+    model, batches = Net().eval(), _batches(2)
+    quantizer = Quantizer.for_target("onnxruntime-cpu", equalize=True)
+    qmodel = quantizer.quantize(model, batches)
+    reference = quantizer.prepared_float(model, batches)
+    assert reference is not model and quantizer.prepared_float(model, batches).state_dict().keys() == model.state_dict().keys()
+    against_caller = {r.module: r.sqnr_db for r in layer_error(model, qmodel, batches).rows}
+    against_captured = {r.module: r.sqnr_db for r in layer_error(reference, qmodel, batches).rows}
+    assert against_captured["c1"] > 25 > against_caller["c1"] + 10  # the rescaled pair: garbage before
+    assert abs(against_captured["fc"] - against_caller["fc"]) < 1.0  # the output: the same function either way
+    plain = Quantizer.for_target("onnxruntime-cpu")
+    assert plain.prepared_float(model, batches) is model  # nothing asked: the caller's model itself

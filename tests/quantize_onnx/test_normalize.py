@@ -157,3 +157,46 @@ def test_unnamed_nodes_are_named_and_two_hard_swishes_rewritten_still_run(tmp_pa
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert session.run(None, {"x": X})[0].shape == (5, 4, 6, 6)
     assert "HardSwish" in {n.op_type for n in onnx.load(str(out)).graph.node}
+
+
+@pytest.fixture(scope="module")
+def amplifying_float_file(tmp_path_factory):
+    """Untrained EfficientNet-B0 at 32 x 32 with its BatchNorms re-estimated on random images (bench/zoo.py's
+    preparation): a deep network that amplifies a last-bit float change to 1e-4 of its output."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.efficientnet_b0(weights=None).eval()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    with torch.no_grad():
+        model(torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+    model.eval()
+    path = tmp_path_factory.mktemp("amplifying") / "fp32.onnx"
+    from quantship.export import export_onnx
+
+    export_onnx(model, torch.randn(1, 3, 32, 32), path)
+    x = np.random.default_rng(1).standard_normal((16, 3, 32, 32)).astype(np.float32)
+    return path, x
+
+
+def test_a_float_pass_within_the_models_own_float_noise_is_accepted(amplifying_float_file, tmp_path, monkeypatch):
+    """A "float" pass is held to 1e-4 of the output's magnitude, or to what ONNX Runtime's own
+    optimizations move the outputs by (times 4), whichever is larger: on this network folding the spatial means
+    into pools moved the outputs by 1.05e-4 of their magnitude (2e-4 with other float threads), about what ORT's
+    own Conv + BatchNormalization fusion moves them by. The file was refused; it is quantized now, and the fixed
+    tolerance alone still refuses it."""
+    from quantship.quantize_onnx import quantize_onnx_file
+
+    path, x = amplifying_float_file
+    out = quantize_onnx_file(path, tmp_path / "int8.onnx", calibration=x, target="onnxruntime-cpu")
+    assert out.path.exists()
+    assert any(p.max_abs_diff for p in out.normalised if p.proof == "float")
+    monkeypatch.setattr(normalize, "NOISE_FACTOR", 0.0)
+    with pytest.raises(ExportRefused, match="moved the outputs by"):
+        quantize_onnx_file(path, tmp_path / "again.onnx", calibration=x, target="onnxruntime-cpu")
+    assert not (tmp_path / "again.onnx").exists()

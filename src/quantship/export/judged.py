@@ -6,8 +6,9 @@ Each step is a whole file: ``Quantizer.for_target`` with the step's options and 
 (``skip_activations``), ``export_qdq`` into a scratch folder beside the destination, then the file run in
 the target's reading (``fidelity_reading``) against the float model run in torch on the same inputs. The
 algorithm steps are ``ALGORITHM_STEPS`` (``repair_loop``'s table); the modules are ranked by the per-layer
-SQNR report's own loss on the best step's model (``quantize.accuracy.own_loss_order``: a layer that only carries an upstream loss
-does not rank); the PyTorch path has no 16-bit activations, so that form is not tried. Only the chosen file is moved to the destination.
+SQNR report's own loss on the best step's model, compared with the float model as that step captured it
+(``Quantizer.prepared_float``: equalized or smoothed) (``quantize.accuracy.own_loss_order``: a layer that only
+carries an upstream loss does not rank); the PyTorch path has no 16-bit activations, so that form is not tried. Only the chosen file is moved to the destination.
 """
 
 from __future__ import annotations
@@ -308,7 +309,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             if isinstance(list(batches)[0], Inputs):
                 return []  # the per-layer SQNR report runs a model with one input: no module to rank
             with progress_step("fidelity repair: per-layer SQNR (own loss)"):
-                return own_loss_order(model, made_step[0], list(batches)[:4])
+                # against the float model as that step captured it (equalized, smoothed: other inner scales)
+                reference = made_step[1].prepared_float(model, list(batches))
+                return own_loss_order(reference, made_step[0], list(batches)[:4])
 
         refusal = None if target.runs_mixed_graphs else (
             f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")

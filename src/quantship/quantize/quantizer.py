@@ -151,6 +151,27 @@ class Quantizer:
         if self.verbose:
             print(message, flush=True)
 
+    def prepared_float(self, model: torch.nn.Module, batches: list, *, record: bool = False) -> torch.nn.Module:
+        """The float model as ``quantize`` captures it: an equalized and/or smoothed copy when those are asked
+        (the same function, other per-channel scales), else ``model`` itself. Deterministic for the same
+        batches, so a per-layer comparison with the quantized model can be made against it afterwards (an
+        equalized model's inner activations are rescaled per channel: compared with the caller's model they
+        rank the wrong layers). ``record``: log and keep what each algorithm did (``quantize``'s call)."""
+        if self.equalize:  # an equalized copy: the caller's model is left as it was
+            model, equalized = equalizing.equalize(model, batches)
+            if record:
+                self.algorithms["equalize"] = equalized.as_dict()
+                self._log(f"equalize: {len(equalized.pairs)} conv pair(s), {equalized.pairs_changed} rescaled in "
+                          f"{equalized.sweeps} sweep(s), float outputs moved by {equalized.max_abs_diff:.3g} at most")
+        if self.smooth_quant is not None:  # a smoothed copy: the caller's model is left as it was
+            model, smoothed = smoothing.smooth(model, batches, self.smooth_quant)
+            if record:
+                self.smoothing = smoothed
+                self.algorithms["smooth_quant"] = smoothed.as_dict()
+                self._log(f"smooth_quant: {len(smoothed.smoothed)} Linear layer(s) smoothed, "
+                          f"{len(smoothed.skipped)} skipped (alpha {smoothed.alpha:g})")
+        return model
+
     def quantize(
         self,
         model: torch.nn.Module,
@@ -190,16 +211,7 @@ class Quantizer:
         elif calibration_dl is not None:
             self._log(f"{spec.backend}: method={spec.method!r} needs no calibration data; ignoring it")
         self.algorithms = {}
-        if self.equalize:  # an equalized copy: the caller's model is left as it was
-            model, equalized = equalizing.equalize(model, batches)
-            self.algorithms["equalize"] = equalized.as_dict()
-            self._log(f"equalize: {len(equalized.pairs)} conv pair(s), {equalized.pairs_changed} rescaled in "
-                      f"{equalized.sweeps} sweep(s), float outputs moved by {equalized.max_abs_diff:.3g} at most")
-        if self.smooth_quant is not None:  # a smoothed copy: the caller's model is left as it was
-            model, self.smoothing = smoothing.smooth(model, batches, self.smooth_quant)
-            self.algorithms["smooth_quant"] = self.smoothing.as_dict()
-            self._log(f"smooth_quant: {len(self.smoothing.smoothed)} Linear layer(s) smoothed, "
-                      f"{len(self.smoothing.skipped)} skipped (alpha {self.smoothing.alpha:g})")
+        model = self.prepared_float(model, batches, record=True)
         backend = importlib.import_module(_BACKEND_MODULES[spec.backend])
         extra = {"strict": True} if self.strict else {}
         if self.bias_correction:

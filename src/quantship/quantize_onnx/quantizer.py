@@ -312,11 +312,28 @@ class ProvenPass(ir.passes.InPlacePass):
                                     "refusing to quantize a rewritten model that is not the same model")
         else:
             scale = max((float(np.abs(a).max()) for a in before if a.size and a.dtype.kind == "f"), default=1.0)
-            if worst > normalize.FLOAT_TOLERANCE * max(scale, 1e-6):
-                raise ExportRefused(f"normalisation pass {name} moved the outputs by {worst:.3g} (tolerance "
-                                    f"{normalize.FLOAT_TOLERANCE:g} x {scale:.3g})")
+            if worst > normalize.FLOAT_TOLERANCE * max(scale, 1e-6):  # then, and only then, the model's own noise
+                noise = _float_noise(model, self.proof["feeds"], after)
+                if worst > normalize.NOISE_FACTOR * noise:
+                    raise ExportRefused(f"normalisation pass {name} moved the outputs by {worst:.3g} (tolerance "
+                                        f"{normalize.FLOAT_TOLERANCE:g} x {scale:.3g}, or {normalize.NOISE_FACTOR:g} "
+                                        f"x the {noise:.3g} ONNX Runtime's own optimizations move them by)")
         self.records.append(PassRecord(name, self.changes, self.p.proof, worst))
         self.proof["before"] = after
+
+
+def _float_noise(model: ir.Model, feeds: Sequence[Feed], literal: list[np.ndarray]) -> float:
+    """How far ONNX Runtime's own default optimizations (its Conv + BatchNormalization fusion, its reordered
+    sums) move the float model's outputs from its literal reading (``literal``): the float rounding this model
+    amplifies. A ``"float"`` pass that moves them no more than a few times this is float rounding too (a deep
+    random network with re-estimated BatchNorms amplified a last-bit change to 1e-4 of its output: untrained
+    EfficientNet-B0, where ORT's own fusion moved it by 0.0507 and folding its spatial means into pools by
+    0.0487). Measured only when the fixed tolerance is passed; 0 when the optimized session cannot run."""
+    try:
+        fused = _run(_session(ir.to_proto(model), base_dir=external_dir(model), optimized=True), feeds)
+    except Exception:  # noqa: BLE001 - ONNX Runtime's own exception types; the literal reading ran
+        return 0.0
+    return max((_max_diff(a, b) for a, b in zip(literal, fused) if a.dtype.kind == "f"), default=0.0)
 
 
 def normalise(model: ir.Model, feeds: Sequence[Feed], passes: Sequence[normalize.Pass] | None = None
