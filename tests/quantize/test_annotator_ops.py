@@ -368,3 +368,36 @@ def test_a_clamp_between_two_numbers_gets_its_own_scale_and_a_one_sided_one_stay
     (user,) = clamp.users
     assert (user.target == qd.quantize_per_tensor.default) == quantized
     assert any("clamp" in f.op for f in report.float_ops) != quantized  # "no INT8 rule" only for the one-sided
+
+
+class ConstantTableBias(nn.Module):
+    """Swin V2's continuous position bias in miniature: an MLP on a constant coordinate table, its output added
+    to a float op's output (a normalisation) before a softmax. No integer kernel reads the MLP's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(9, 2))
+        self.mlp = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.fc = nn.Linear(9, 9)
+
+    def forward(self, x):
+        scores = F.normalize(self.fc(x), dim=-1)
+        bias = 16 * torch.sigmoid(self.mlp(self.table)).transpose(0, 1)
+        return torch.softmax(scores + bias, dim=-1)
+
+
+def test_a_linear_on_constants_read_by_float_ops_stays_float_by_design(tmp_path):
+    """The MLP on the constant table is not annotated (a runtime folds it once, at load); on a target that runs
+    mixed graphs nothing quantized reads it either, so it stays a float Linear after conversion. The
+    conversion's check refused that as a partial result (every Swin V2 of torchvision's zoo); it is recorded as
+    kept float, with the reason, and the file is written."""
+    from quantship import Quantizer, export_qdq
+
+    torch.manual_seed(0)
+    model, x = ConstantTableBias().eval(), torch.randn(4, 3, 9)
+    quantizer = Quantizer.for_target("onnxruntime-cpu")
+    qmodel = quantizer.quantize(model, [x])
+    kept = quantizer.report.kept_float
+    assert len([n for n, why in kept.items() if "constants only" in why]) == 2, kept
+    path = export_qdq(qmodel, x, tmp_path / "int8.onnx", target="onnxruntime-cpu")
+    assert path.exists()

@@ -90,6 +90,8 @@ FLOAT_ARITHMETIC_OPS = {aten.div.Tensor} | (CLAMP_OPS - {aten.relu.default})
 # ONNX Runtime's integer kernels beyond conv/linear/matmul (QLinearAdd, QLinearMul, QLinearAveragePool,
 # QLinearSigmoid): with every input and the output quantized they run on integers (``_pairs_where_integer_kernels_read``)
 INTEGER_BINARY_OPS = ADD_OPS | {aten.mul.Tensor, aten.mul_.Tensor}
+# why a conv/linear computed from constants only stays float: the runtime folds it once, at load
+CONSTANT_INPUT = "computed from constants only: folded by the runtime at load, in float"
 INTEGER_OWN_OPS = {aten.avg_pool1d.default, aten.avg_pool2d.default, aten.sigmoid.default, aten.sigmoid_.default}
 # activation x activation products (attention scores, attention x values): both inputs per tensor
 MATMUL_OPS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
@@ -474,6 +476,8 @@ class QuantshipQuantizer(Quantizer):
                 # folded by convert_pt2e; the op that reads it quantizes it as a weight. This holds for a
                 # conv/linear on constants too (Swin V2's position-bias MLP on its coordinate table): an
                 # annotated one would stay a Gemm run on every call, its input stored at activation range
+                if node.target in ANNOTATED_WEIGHT_OPS:
+                    self.report.kept_float[node.name] = CONSTANT_INPUT  # float by design, not a partial result
                 continue
             if node.target in ANNOTATED_WEIGHT_OPS:
                 self._annotate_weighted(node, cleared)

@@ -134,6 +134,7 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
                          "pass the float model that was quantized, unmodified")
     signal = [0.0] * len(pairs)
     noise = [0.0] * len(pairs)
+    mismatched: set[int] = set()
     out_signal = out_noise = 0.0
     n_samples = 0
     with torch.no_grad():
@@ -143,12 +144,19 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
             q_out, f_out = qrec.run(x), frec.run(x)
             for i, (_, dq, f) in enumerate(pairs):
                 ref, got = frec.values[f.name], qrec.values[dq.name]
+                if ref.shape != got.shape:  # the same name, another tensor (a rewrite renamed the graph)
+                    mismatched.add(i)
+                    continue
                 signal[i] += float((ref * ref).sum())
                 noise[i] += float(((ref - got) ** 2).sum())
             ref_out, got_out = _first_tensor(f_out).double(), _first_tensor(q_out).double()
             out_signal += float((ref_out * ref_out).sum())
             out_noise += float(((ref_out - got_out) ** 2).sum())
             n_samples += x.shape[0]
+    unmatched += [pairs[i][0].name for i in sorted(mismatched)]
+    pairs = [pair for i, pair in enumerate(pairs) if i not in mismatched]
+    signal = [v for i, v in enumerate(signal) if i not in mismatched]
+    noise = [v for i, v in enumerate(noise) if i not in mismatched]
     own = [sqnr_db(signal[i], noise[i]) for i in range(len(pairs))]
     producers = {p.name: i for i, (p, _, _) in enumerate(pairs)}
     rows = [
