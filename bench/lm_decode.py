@@ -72,10 +72,9 @@ def _with_accuracy_level(path: Path, level: int) -> Path:
 
 def prefills(layout, ids) -> list[dict]:
     """Token windows [N, T] as the decoder file's calibration feeds: prefills from an empty cache, batches of 8."""
-    import numpy as np
+    from quantship.export import prefill_feed
 
-    return [{**feed(layout, len(ids[i:i + 8]), 0, 0), "input_ids": ids[i:i + 8], "attention_mask": np.ones_like(ids[i:i + 8])}
-            for i in range(0, len(ids), 8)]
+    return [prefill_feed(ids[i:i + 8], layout) for i in range(0, len(ids), 8)]
 
 
 def calibration_windows(name: str, vocab: int, n: int = 32, length: int = 64):
@@ -168,16 +167,14 @@ def interleaved_ms(sessions: list, inputs: dict, rounds: int, budget_s: float) -
 
 def perplexity_of(path: Path, windows) -> float:
     """Held-out perplexity through the file: each window one prefill from an empty cache."""
-    import numpy as np
-
     from quantship.examples import lm
-    from quantship.export import onnx_session, read_layout
+    from quantship.export import onnx_session, prefill_feed, read_layout
 
     layout = read_layout(path)
     session = onnx_session(path)
 
     def logits(ids):
-        return session.run(None, {**feed(layout, len(ids), 0, 0), "input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+        return session.run(None, prefill_feed(ids, layout))[0]
     return lm.perplexity(lm.file_nll(logits, windows)).value
 
 

@@ -33,11 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # the static file's PyTorch-path options: the --decoder static file is the ONNX engine's, which takes none of them
-STATIC_OPTIONS_NOT_TAKEN = {"--exclude": "exclude", "--placement": "placement", "--observer": "observer",
-                            "--max-drop": "max_drop", "--smooth-quant": "smooth_quant", "--equalize": "equalize",
-                            "--bias-correction": "bias_correction", "--seq-mse": "seq_mse", "--adaround": "adaround",
-                            "--static-batch": "static_batch", "--eval": "eval", "--config": "config",
-                            "--qscheme": "qscheme"}
+STATIC_OPTIONS_NOT_TAKEN = ("--exclude", "--placement", "--observer", "--max-drop", "--smooth-quant", "--equalize",
+                            "--bias-correction", "--seq-mse", "--adaround", "--static-batch", "--eval", "--config",
+                            "--qscheme")
 
 
 def embedding_request(args: argparse.Namespace) -> dict:
@@ -65,7 +63,8 @@ def check_request(args: argparse.Namespace) -> None:
             raise UsageError("--context applies to --decoder files; add --decoder or drop it")
         return
     if args.method == "static":
-        given = [flag for flag, on in STATIC_OPTIONS_NOT_TAKEN.items() if getattr(args, on, None) not in (None, False, [])]
+        given = [flag for flag in STATIC_OPTIONS_NOT_TAKEN
+                 if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False, [])]
         if given:
             raise UsageError(f"--decoder --method static quantizes the float decoder file with quantship's ONNX "
                              f"engine and its defaults; {', '.join(given)} belong(s) to the PyTorch path: drop it")
@@ -150,19 +149,6 @@ def run(args: argparse.Namespace, choose_group_size: Callable, gptq_batches: Cal
     return 0
 
 
-def _decoder_feeds(batch, layout) -> dict:
-    """One batch of token ids as the decoder file's feed: a prefill from an empty cache."""
-    # late, as every import here: --help answers before numpy and torch load
-    import numpy as np
-
-    from quantship.export.decoder import ATTENTION_MASK, INPUT_IDS, PAST_KEY, PAST_VALUE
-
-    ids = (batch[0] if isinstance(batch, (tuple, list)) else batch).numpy().astype(np.int64)
-    empty = np.zeros((len(ids), layout.kv_heads, 0, layout.head_dim), np.float32)
-    return {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids),
-            **{name % i: empty for i in range(layout.layers) for name in (PAST_KEY, PAST_VALUE)}}
-
-
 def run_static(args: argparse.Namespace, out, target) -> int:
     """``--decoder --method static``: the float decoder file quantized W8A8 by quantship's ONNX engine (all that
     ``quantize-onnx`` judges, repairs and times), calibrated on prefills of the --calib windows; the greedy
@@ -175,7 +161,7 @@ def run_static(args: argparse.Namespace, out, target) -> int:
     from quantship.cli import fidelity as fidelity_cli
     from quantship.cli import speed as speed_cli
     from quantship.errors import FidelityMissed, SpeedMissed
-    from quantship.export.decoder import export_decoder, layout_of, probe_cache, write_genai_config
+    from quantship.export.decoder import export_decoder, layout_of, prefill_feed, probe_cache, write_genai_config
     from quantship.export.decoder_check import check_greedy
     from quantship.export.torch_file import read_calibration
     from quantship.inspect.read.loading import file_size
@@ -197,8 +183,11 @@ def run_static(args: argparse.Namespace, out, target) -> int:
     data = read_calibration(model, args.calib, batch_size=args.batch_size, max_samples=args.max_samples, key=args.key,
                             preprocessing=common.preprocessing(args), fidelity_data=args.fidelity_data,
                             judged=not args.no_fidelity, seq_len=args.seq_len)
-    batches = [_decoder_feeds(b, layout) for b in data.batches]
-    held = [_decoder_feeds(b, layout) for b in data.held] if data.held else None
+    def prefill(batch) -> dict:  # a batch of token ids as the decoder file's feed, from an empty cache
+        return prefill_feed((batch[0] if isinstance(batch, (tuple, list)) else batch).numpy(), layout)
+
+    batches = [prefill(b) for b in data.batches]
+    held = [prefill(b) for b in data.held] if data.held else None
     ui.say(f"the float decoder file quantized W8A8 by quantship's ONNX engine, calibrated on prefills of "
            f"{sum(len(b['input_ids']) for b in batches)} windows from {data.source}"
            + (f"; fidelity to FP32 judged on {data.held_label}" if held else ""))

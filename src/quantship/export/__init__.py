@@ -23,6 +23,7 @@ _PUBLIC = {
     # decoder files for generation (docs/decoder.md): the export, its layout, its input names, a session on it
     "export_decoder": "quantship.export.decoder",
     "read_layout": "quantship.export.decoder",
+    "prefill_feed": "quantship.export.decoder",
     "INPUT_IDS": "quantship.export.decoder",
     "ATTENTION_MASK": "quantship.export.decoder",
     "PAST_KEY": "quantship.export.decoder",

@@ -153,6 +153,15 @@ def trace_sample(layout: DecoderLayout, batch: int = _TRACE[0], new: int = _TRAC
     return (ids, mask, *cache)
 
 
+def prefill_feed(ids: np.ndarray, layout: DecoderLayout) -> dict[str, np.ndarray]:
+    """The file's feed for a prefill of token ids [batch, tokens] from an empty cache: every token attended,
+    each past key/value of length 0 (calibration windows, a perplexity window)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    empty = np.zeros((len(ids), layout.kv_heads, 0, layout.head_dim), np.float32)
+    return {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids),
+            **{name % i: empty for i in range(layout.layers) for name in (PAST_KEY, PAST_VALUE)}}
+
+
 def _dynamo_export(decoder: Any, layout: DecoderLayout) -> onnx.ModelProto:
     import warnings
 

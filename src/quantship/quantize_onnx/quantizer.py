@@ -242,9 +242,10 @@ def external_dir(model: ir.Model) -> str | None:
     return None
 
 
-def _ir_session(model: ir.Model):
-    """A literal session of ``model`` as it is now; weights still on disk are mapped by ONNX Runtime, not copied."""
-    return _session(ir.to_proto(model), base_dir=external_dir(model))
+def _ir_session(model: ir.Model, optimized: bool = False):
+    """A session of ``model`` as it is now, literal unless ``optimized``; weights still on disk are mapped by ONNX
+    Runtime, not copied."""
+    return _session(ir.to_proto(model), optimized=optimized, base_dir=external_dir(model))
 
 
 def _run(session, feeds: Sequence[Feed]) -> list[np.ndarray]:
@@ -330,7 +331,7 @@ def _float_noise(model: ir.Model, feeds: Sequence[Feed], literal: list[np.ndarra
     EfficientNet-B0, where ORT's own fusion moved it by 0.0507 and folding its spatial means into pools by
     0.0487). Measured only when the fixed tolerance is passed; 0 when the optimized session cannot run."""
     try:
-        fused = _run(_session(ir.to_proto(model), base_dir=external_dir(model), optimized=True), feeds)
+        fused = _run(_ir_session(model, optimized=True), feeds)
     except Exception:  # noqa: BLE001 - ONNX Runtime's own exception types; the literal reading ran
         return 0.0
     return max((_max_diff(a, b) for a, b in zip(literal, fused) if a.dtype.kind == "f"), default=0.0)
