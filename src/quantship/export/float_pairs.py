@@ -6,13 +6,19 @@ Runtime has integer kernels for when every input is quantized, a Relu/Clip folde
 it). A pair between two ops that both run in float (a hard swish feeding a depthwise Conv a target's float
 rule keeps float) only adds a rounding and two kernels: ``drop_float_pairs`` reads it through, judged by that
 role table, node by node on the exported graph. Not exact: a rounding goes (``export.qdq.FloatPairsPass``).
+
+A conv/linear whose activation input stays float (it reads a module kept float) but whose weight is dequantized
+from a stored integer tensor runs as a float kernel plus a DequantizeLinear on every call: ``store_float_weights``
+stores the values that DequantizeLinear computes instead (``export.qdq.FloatInputWeightPass``: exact, the same
+float32 products).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
-from quantship.export.ir_edit import drop_unused_initializers
+from quantship.export.ir_edit import drop_unused_initializers, fresh_initializer
 from quantship.export.roles import role_of
 
 INTEGER_ROLES = ("shared", "concat", "integer_capable")
@@ -61,3 +67,46 @@ def drop_float_pairs(model: ir.Model) -> int:
     if dropped:
         drop_unused_initializers(graph)
     return len(dropped)
+
+
+def _stored_dequantize(value: ir.Value) -> np.ndarray | None:
+    """The float32 values a DequantizeLinear of stored 8-bit integers computes ((q - zero point) * scale, one
+    product each, as ONNX Runtime computes it), or None when ``value`` is not such an output (blocked, another
+    type, inputs computed at run time)."""
+    dq = value.producer()
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.attributes.get_int("block_size", 0):
+        return None
+    arrays = [v.const_value.numpy() if v is not None and v.const_value is not None else None for v in dq.inputs]
+    if len(arrays) < 2 or arrays[0] is None or arrays[1] is None or arrays[0].dtype not in (np.int8, np.uint8) \
+            or arrays[1].dtype != np.float32 or (len(arrays) > 2 and dq.inputs[2] is not None and arrays[2] is None):
+        return None
+    q, scale = arrays[0].astype(np.int32), arrays[1]
+    zp = arrays[2].astype(np.int32) if len(arrays) > 2 and arrays[2] is not None else np.zeros((), np.int32)
+    if scale.ndim == 1 and scale.size > 1:
+        axis = dq.attributes.get_int("axis", 1) % q.ndim
+        shape = [1] * q.ndim
+        shape[axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape) if zp.ndim else zp
+    return (q - zp).astype(np.float32) * scale
+
+
+def store_float_weights(model: ir.Model) -> int:
+    """Every weight dequantized only for weighted ops whose activation input is float, stored as the float values
+    its DequantizeLinear computes; returns how many."""
+    graph, stored = model.graph, 0
+    for dq in [n for n in graph if n.op_type == "DequantizeLinear"]:
+        out = dq.outputs[0]
+        users = [u.node for u in out.uses()]
+        if not users or out.is_graph_output() or any(
+                role_of(n.op_type, n.domain) != "weighted" or len(n.inputs) < 2 or n.inputs[1] is not out
+                or out in n.inputs[:1] + n.inputs[2:] or _dequantized(n.inputs[0]) for n in users):
+            continue
+        values = _stored_dequantize(out)
+        if values is None:
+            continue
+        out.replace_all_uses_with(fresh_initializer(graph, f"{out.name}_float", values))
+        graph.remove(dq, safe=True)
+        stored += 1
+    if stored:
+        drop_unused_initializers(graph)
+    return stored

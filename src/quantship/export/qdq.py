@@ -146,6 +146,21 @@ class KernelShapePass(ExactPass):
         return write_kernel_shapes(model)
 
 
+class FloatInputWeightPass(ExactPass):
+    """For a runtime that runs mixed graphs: a conv/linear whose activation input stays float keeps the weight
+    values the quantized model computes, stored as floats (``float_pairs.store_float_weights``) instead of a
+    DequantizeLinear run on every call; ensured by an identical ORT run."""
+
+    what = "storing the weights of float-input ops as floats"
+
+    def rewrite(self, model: ir.Model) -> int:
+        target = self.ctx.target
+        return float_pairs.store_float_weights(model) if target is not None and target.runs_mixed_graphs else 0
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
+
+
 class PlacementPass(ir.passes.InPlacePass):
     """For a runtime that runs mixed graphs, the ONNX path's placement on the PyTorch path's file: a hard swish
     written out with a Q/DQ pair after its ops becomes one HardSwish between x's pair and the output's
@@ -320,8 +335,8 @@ class MetadataPass(ir.passes.InPlacePass):
 # The pass list: one place, run in order by export_qdq (each class is built with the ExportContext).
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
-    MetadataPass, LowerOpsetPass, KernelShapePass, PlacementPass, TargetFormsPass, ActivationDtypePass, BinaryConstantDtypePass,
-    ReluRequantizePass,
+    MetadataPass, LowerOpsetPass, KernelShapePass, FloatInputWeightPass, PlacementPass, TargetFormsPass,
+    ActivationDtypePass, BinaryConstantDtypePass, ReluRequantizePass,
 )
 
 
