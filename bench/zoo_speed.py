@@ -147,7 +147,9 @@ def cell(got: dict | None) -> str:
         return "not run"
     if "speedup_b1" not in got:
         return f"no file: {got.get('refused', '?')[:70]}"
-    return " / ".join(f"{got[f'speedup_b{b}']:.2f}x" for b in BATCHES)
+    speed = " / ".join(f"{got[f'speedup_b{b}']:.2f}x" for b in BATCHES)
+    # a file written with a non-zero exit: the verdict was not "accepted" (e.g. inconclusive on a constant output)
+    return f"{speed} (exit {got['exit']})" if got.get("exit") else speed
 
 
 def render(records: dict, banner: list[str]) -> str:
@@ -161,7 +163,9 @@ def render(records: dict, banner: list[str]) -> str:
              f"--plain-placement`, `quantize-onnx --speed-search --max-steps {SEARCH_STEPS}` on the `export-onnx` "
              "file). Speed-up over FP32 in ONNX Runtime, 1 thread, thread CPU time, interleaved, median, b1 / b8 "
              "(REAL.md's method). `said`: the default run's own reading and whether its report's first line said "
-             "SLOWER. `kept float`: what the default's placement by profile kept float for speed.", "",
+             "SLOWER. `kept float`: what the default's placement by profile kept float for speed. `(exit 1)`: the "
+             "file was written but its verdict was not `accepted` (e.g. `inconclusive`: an untrained model whose "
+             "output is the same for every input).", "",
              f"- {len(rows)} models timed; default file under 1.00x FP32 at a batch here: {len(slow)}"
              + (f" ({', '.join(r['model'] for r in slow)})" if slow else "")
              + f"; of those, not called slower by their own report: {len(unsaid)}"
