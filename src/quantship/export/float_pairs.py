@@ -96,10 +96,10 @@ def store_float_weights(model: ir.Model) -> int:
     graph, stored = model.graph, 0
     for dq in [n for n in graph if n.op_type == "DequantizeLinear"]:
         out = dq.outputs[0]
-        users = [u.node for u in out.uses()]
-        if not users or out.is_graph_output() or any(
-                role_of(n.op_type, n.domain) != "weighted" or len(n.inputs) < 2 or n.inputs[1] is not out
-                or out in n.inputs[:1] + n.inputs[2:] or _dequantized(n.inputs[0]) for n in users):
+        uses = list(out.uses())
+        if not uses or out.is_graph_output() or any(  # read only as the weight of ops whose input is float
+                u.idx != 1 or role_of(u.node.op_type, u.node.domain) != "weighted" or _dequantized(u.node.inputs[0])
+                for u in uses):
             continue
         values = _stored_dequantize(out)
         if values is None:
