@@ -132,7 +132,8 @@ class QuantSpec:
     """A resolved precision request: frozen, hashable, comparable.
 
     ``layer_bits`` is a sorted tuple of ``(layer name, bits)`` pairs; ``skip_activations`` a
-    sorted tuple of module names. Build one with ``resolve_spec`` (or ``Quantizer``), which
+    sorted tuple of module names; ``int16`` one of the modules whose activations are stored in 16 bits
+    (the activations they read and write, weights int8; none inside a ``skip_activations`` module). Build one with ``resolve_spec`` (or ``Quantizer``), which
     validates it against the support matrix.
     """
 
@@ -153,6 +154,7 @@ class QuantSpec:
     # weight-only: the token embedding table stored in the weights' bits (True) or float (False); None before the
     # backend applied its rule to a model (a quantized model's spec holds what was done)
     quantize_embedding: bool | None = None
+    int16: tuple[str, ...] | None = None
 
     @property
     def label(self) -> str:
@@ -177,7 +179,7 @@ class QuantSpec:
             value = getattr(self, f.name)
             if f.name == "layer_bits" and value is not None:
                 value = {name: bits for name, bits in value}
-            elif f.name == "skip_activations" and value is not None:
+            elif f.name in ("skip_activations", "int16") and value is not None:
                 value = list(value)
             out[f.name] = value
         return out
@@ -195,8 +197,9 @@ class QuantSpec:
         kwargs = dict(data)
         if kwargs.get("layer_bits") is not None:
             kwargs["layer_bits"] = tuple(sorted((str(k), int(v)) for k, v in kwargs["layer_bits"].items()))
-        if kwargs.get("skip_activations") is not None:
-            kwargs["skip_activations"] = tuple(kwargs["skip_activations"])
+        for name in ("skip_activations", "int16"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(kwargs[name])
         return cls(**kwargs)
 
     @classmethod
@@ -270,6 +273,7 @@ def resolve_spec(
     reduce_range: bool | None = None,
     weight_algorithm: str | None = None,
     quantize_embedding: bool | None = None,
+    int16: Iterable[str] | None = None,
 ) -> QuantSpec:
     """Validate a request against the support matrix and return the resolved ``QuantSpec``.
 
@@ -342,20 +346,15 @@ def resolve_spec(
             f"{_can(_backends_where(pt2e_only))}"
         )
 
-    skip: tuple[str, ...] | None = None
-    if skip_activations is not None:
-        if isinstance(skip_activations, str):
-            raise TypeError(f"skip_activations={skip_activations!r} must be a list of module names, not a string")
-        skip = tuple(sorted(dict.fromkeys(skip_activations)))
-        if not all(isinstance(s, str) and s for s in skip):
-            raise TypeError(f"skip_activations={list(skip)} must hold non-empty module names (str)")
-        if backend != "pt2e":
-            raise SpecRefused(
-                f"skip_activations={list(skip)}: {where} cannot keep chosen activations float. "
-                f"{_can(_backends_where(pt2e_only))}"
-            )
-        if not skip:
-            skip = None
+    skip = _module_names("skip_activations", skip_activations, backend, where, "keep chosen activations float")
+    wide = _module_names("int16", int16, backend, where, "store chosen activations in 16 bits")
+    covered = [n for n in wide or () if under_modules(n, skip or ())]
+    if covered:
+        raise SpecRefused(f"int16={covered}: skip_activations keeps {'it' if len(covered) == 1 else 'them'} float; "
+                          "name each module in one of the two")
+    if wide is not None and cell.method != "static":
+        raise SpecRefused(f"int16={list(wide)}: {where} has no activation pairs to widen; 16-bit activations "
+                          "need static quantization (method='static')")
 
     if act_observer is None:
         act_observer = cell.act_observers[0]
@@ -395,7 +394,23 @@ def resolve_spec(
         qscheme=qscheme, symmetric=symmetric, group_size=group_size, layer_bits=layer_bits,
         qdq_placement=qdq_placement, skip_activations=skip, engine=engine, act_observer=act_observer,
         reduce_range=reduce_range, weight_algorithm=weight_algorithm, quantize_embedding=quantize_embedding,
+        int16=wide,
     )
+
+
+def _module_names(name: str, given: Iterable[str] | None, backend: str, where: str, what: str) -> tuple[str, ...] | None:
+    """A list of module names as a sorted tuple (None when not given or empty); pt2e only."""
+    if given is None:
+        return None
+    if isinstance(given, str):
+        raise TypeError(f"{name}={given!r} must be a list of module names, not a string")
+    names = tuple(sorted(dict.fromkeys(given)))
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{name}={list(names)} must hold non-empty module names (str)")
+    if backend != "pt2e":
+        raise SpecRefused(f"{name}={list(names)}: {where} cannot {what}. "
+                          f"{_can(_backends_where(lambda c: c.backend == 'pt2e'))}")
+    return names or None
 
 
 def precision_table() -> str:

@@ -69,15 +69,13 @@ class Algorithms:
 FIELDS = tuple(f.name for f in fields(Algorithms))
 
 
-def takes_algorithms(renamed: Mapping[str, str] | None = None, *, absent: Iterable[str] = ()) -> Callable:
+def takes_algorithms(renamed: Mapping[str, str] | None = None) -> Callable:
     """Let a function that takes the algorithm choices as keywords also take ``algorithms=Algorithms(...)``.
 
     ``renamed``: field -> the function's keyword where it spells one differently (``Quantizer``'s
-    ``act_observer``, ``skip_activations``). ``absent``: fields the function cannot honour: asked for, they
-    are refused by name. A keyword given both ways is refused; the object's defaults leave the keywords as
-    they are."""
+    ``act_observer``, ``skip_activations``). A keyword given both ways is refused; the object's defaults leave
+    the keywords as they are."""
     spelled = {name: (renamed or {}).get(name, name) for name in FIELDS}
-    missing = frozenset(absent)
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -88,12 +86,10 @@ def takes_algorithms(renamed: Mapping[str, str] | None = None, *, absent: Iterab
                 raise SpecRefused(f"algorithms={algorithms!r}: give a quantship.Algorithms")
             where = getattr(fn, "__qualname__", "this entry point").replace(".__init__", "")
             for name, value in algorithms.asked().items():
-                if name in missing:
-                    raise SpecRefused(f"{where} cannot run {name}={value!r} (Algorithms); it is the ONNX path's")
                 key = spelled[name]
                 if key in kwargs:
                     raise SpecRefused(f"{where}: {key} given both as a keyword and in algorithms; give it once")
-                kwargs[key] = list(value) if key == "skip_activations" else value
+                kwargs[key] = list(value) if key in ("skip_activations", "int16") else value
             return fn(*args, **kwargs)
 
         return call

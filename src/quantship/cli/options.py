@@ -16,7 +16,7 @@ from quantship.cli.usage import UsageError
 # every Quantizer keyword a config file may set (the signature of quantship.Quantizer)
 QUANTIZER_KEYS = ("backend", "method", "weight_bits", "act_bits", "qscheme", "symmetric", "group_size",
                   "qdq_placement", "skip_activations", "act_observer", "reduce_range", "max_accuracy_drop",
-                  "smooth_quant", "equalize", "bias_correction", "seq_mse", "adaround")
+                  "smooth_quant", "equalize", "bias_correction", "seq_mse", "adaround", "int16")
 CONFIG_KEYS = (*QUANTIZER_KEYS, "target")
 
 
@@ -25,6 +25,9 @@ def add_quantizer_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a TOML file with Quantizer options ({', '.join(CONFIG_KEYS)}); flags win over it")
     parser.add_argument("--exclude", nargs="+", metavar="MODULE", default=None,
                         help="module names whose activations stay float (skip_activations), e.g. layer4 fc")
+    parser.add_argument("--int16", nargs="+", metavar="MODULE", default=None,
+                        help="module names whose activations (read and written) are stored in 16 bits, weights int8 "
+                             "(targets that run 16-bit activations: onnxruntime-cpu)")
     parser.add_argument("--placement", choices=("per_op", "skip_conv_add"), default=None,
                         help="where Q/DQ pairs go (qdq_placement)")
     parser.add_argument("--observer", choices=("histogram", "minmax", "percentile", "mse"), default=None,
@@ -94,7 +97,7 @@ def read_config(path: str | None) -> dict[str, Any]:
 def quantizer_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
     """Quantizer keywords: the config file's, then the command line's flags on top."""
     options = {k: v for k, v in config.items() if k in QUANTIZER_KEYS}
-    flags = {"skip_activations": args.exclude, "qdq_placement": args.placement, "act_observer": args.observer,
+    flags = {"skip_activations": args.exclude, "int16": getattr(args, "int16", None), "qdq_placement": args.placement, "act_observer": args.observer,
              "max_accuracy_drop": args.max_drop, "qscheme": getattr(args, "qscheme", None),
              "smooth_quant": getattr(args, "smooth_quant", None), "equalize": getattr(args, "equalize", None),
              "bias_correction": getattr(args, "bias_correction", None), "seq_mse": getattr(args, "seq_mse", None),

@@ -1,4 +1,5 @@
-"""``activation_dtype='uint8'``: activation Q/DQ pairs move to uint8 with zero-point z + 128, same scale.
+"""``activation_dtype='uint8'``: activation Q/DQ pairs move to uint8 with zero-point z + 128, same scale (a
+16-bit pair, ``int16``, to uint16 with z + 32768).
 
 Weight pairs (a DequantizeLinear reading a stored tensor) keep their int8 zero-point. The move is
 exact: saturate(round(x/s) + z + 128, 0, 255) is saturate(round(x/s) + z, -128, 127) + 128, the same
@@ -18,6 +19,9 @@ from quantship.inspect.read.counts import QDQ_OPS
 from quantship.inspect.read.view import GraphView
 
 SHIFT = 128
+# signed activation type -> its unsigned form and the shift between them
+UNSIGNED = {np.dtype(np.int8): (np.uint8, SHIFT, ir.DataType.UINT8),
+            np.dtype(np.int16): (np.uint16, 32768, ir.DataType.UINT16)}
 
 
 def _is_stored(value: ir.Value) -> bool:
@@ -25,15 +29,25 @@ def _is_stored(value: ir.Value) -> bool:
     return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
 
 
-def _int8_zero_point(node: ir.Node) -> np.ndarray:
+def _signed_zero_point(node: ir.Node) -> np.ndarray:
     zp = node.inputs[2] if len(node.inputs) > 2 else None
     if zp is None or zp.const_value is None:
         raise ActivationDtypeRefused(f"{node.op_type} {node.name!r} has no constant zero-point to shift")
     array = zp.const_value.numpy()
-    if array.dtype != np.int8:
+    if array.dtype not in UNSIGNED:
         raise ActivationDtypeRefused(f"{node.op_type} {node.name!r} has a {array.dtype} zero-point; only "
-                                     "int8 activation pairs are moved to uint8")
+                                     "int8 (and 16-bit int16) activation pairs are moved to uint8 (uint16)")
     return array
+
+
+def sixteen_bit_values(model: onnx.ModelProto) -> list[str]:
+    """The values a QuantizeLinear with a 16-bit zero-point reads, in graph order (the file's 16-bit activations)."""
+    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    types.update({n.output[0]: a.t.data_type for n in model.graph.node if n.op_type == "Constant"
+                  for a in n.attribute if a.name == "value"})
+    return [n.input[0] for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and len(n.input) > 2 and types.get(n.input[2]) in wide]
 
 
 def to_uint8_activations(model: ir.Model) -> int:
@@ -45,7 +59,9 @@ def to_uint8_activations(model: ir.Model) -> int:
     def uint8_of(node: ir.Node) -> ir.Value:
         zp = node.inputs[2]
         if zp.name not in shifted:
-            array = (_int8_zero_point(node).astype(np.int16) + SHIFT).astype(np.uint8)
+            signed = _signed_zero_point(node)
+            unsigned, shift, _ = UNSIGNED[signed.dtype]
+            array = (signed.astype(np.int32) + shift).astype(unsigned)
             new = ir.Value(name=f"{zp.name}_uint8", const_value=ir.tensor(array, name=f"{zp.name}_uint8"))
             graph.register_initializer(new)
             shifted[zp.name] = new
@@ -63,7 +79,7 @@ def to_uint8_activations(model: ir.Model) -> int:
             out = node.outputs[0]
             if out.is_graph_output():
                 raise ActivationDtypeRefused(f"QuantizeLinear {node.name!r} feeds a graph output directly")
-            out.dtype = ir.DataType.UINT8
+            out.dtype = UNSIGNED[old.const_value.numpy().dtype][2]
             n_moved += 1
             for consumer in {use.node for use in out.uses()}:
                 if consumer.op_type != "DequantizeLinear":
@@ -71,7 +87,7 @@ def to_uint8_activations(model: ir.Model) -> int:
                         f"{consumer.op_type} {consumer.name!r} reads the int8 output of QuantizeLinear "
                         f"{node.name!r} directly; only DequantizeLinear consumers can be moved to uint8")
                 dq_zp = consumer.inputs[2]
-                if dq_zp is not old and not np.array_equal(_int8_zero_point(consumer), old.const_value.numpy()):
+                if dq_zp is not old and not np.array_equal(_signed_zero_point(consumer), old.const_value.numpy()):
                     raise ActivationDtypeRefused(f"DequantizeLinear {consumer.name!r} does not use the zero-point "
                                                  f"of its QuantizeLinear {node.name!r}")
                 consumer.replace_input_with(2, node.inputs[2])
@@ -152,7 +168,9 @@ def check_read_back(before: GraphState, after: GraphState) -> int:
             if old.input[0] not in before.stored or not np.array_equal(zp_old, zp_new):
                 raise ActivationDtypeRefused(f"uint8 read-back: activation {old.op_type} {old.name!r} is still int8")
             continue
-        if zp_new.dtype != np.uint8 or not np.array_equal(zp_old.astype(np.int16) + SHIFT, zp_new.astype(np.int16)):
-            raise ActivationDtypeRefused(f"uint8 read-back: {old.op_type} {old.name!r} zero-point is not z + 128")
+        unsigned, shift, _ = UNSIGNED.get(zp_old.dtype, (None, 0, None))
+        if zp_new.dtype != unsigned or not np.array_equal(zp_old.astype(np.int32) + shift, zp_new.astype(np.int32)):
+            raise ActivationDtypeRefused(f"uint8 read-back: {old.op_type} {old.name!r} zero-point is not z + {shift or 128} "
+                                         "in its unsigned type")
         moved += 1
     return moved

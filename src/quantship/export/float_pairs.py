@@ -30,6 +30,21 @@ def _dequantized(value: ir.Value | None) -> bool:
     return producer is not None and producer.op_type == "DequantizeLinear"
 
 
+def _stored_float_pays(reader: ir.Node) -> bool:
+    """A weight read by ``reader`` is better stored as floats: its activation input is float, or (a MatMul) 16-bit
+    (``int16``). ONNX Runtime 1.32 at its default optimizations turns DequantizeLinear(int8 weight) -> MatMul with
+    a 16-bit input into MatMulNBits, which re-quantizes that input to 8 bits per block; a Conv or Gemm between a
+    16-bit pair keeps its int8 weight (run in float, exactly), for ONNX Runtime would quantize a float one per
+    tensor (its weight and bias quantization of a float op between a DequantizeLinear and a QuantizeLinear)."""
+    value = reader.inputs[0]
+    if not _dequantized(value):
+        return True
+    source, zero = value.producer().inputs[0], (list(value.producer().inputs) + [None] * 3)[2]
+    known = [v.dtype for v in (source, zero) if v is not None] + (
+        [zero.const_value.dtype] if zero is not None and zero.const_value is not None else [])
+    return reader.op_type == "MatMul" and any(t in (ir.DataType.INT16, ir.DataType.UINT16) for t in known)
+
+
 def _integer(node: ir.Node) -> bool:
     """``node`` runs as an integer kernel when its pairs stay (the role table's rules, on a QDQ graph)."""
     role = role_of(node.op_type, node.domain)
@@ -91,14 +106,14 @@ def _stored_dequantize(value: ir.Value) -> np.ndarray | None:
 
 
 def store_float_weights(model: ir.Model) -> int:
-    """Every weight dequantized only for weighted ops whose activation input is float, stored as the float values
-    its DequantizeLinear computes; returns how many."""
+    """Every weight dequantized only for weighted ops whose activation input is float (or a MatMul's 16-bit input,
+    ``_stored_float_pays``), stored as the float values its DequantizeLinear computes; returns how many."""
     graph, stored = model.graph, 0
     for dq in [n for n in graph if n.op_type == "DequantizeLinear"]:
         out = dq.outputs[0]
         uses = list(out.uses())
         if not uses or out.is_graph_output() or any(  # read only as the weight of ops whose input is float
-                u.idx != 1 or role_of(u.node.op_type, u.node.domain) != "weighted" or _dequantized(u.node.inputs[0])
+                u.idx != 1 or role_of(u.node.op_type, u.node.domain) != "weighted" or not _stored_float_pays(u.node)
                 for u in uses):
             continue
         values = _stored_dequantize(out)

@@ -8,7 +8,8 @@ the target's reading (``fidelity_reading``) against the float model run in torch
 algorithm steps are ``ALGORITHM_STEPS`` (``repair_loop``'s table); the modules are ranked by the per-layer
 SQNR report's own loss on the best step's model, compared with the float model as that step captured it
 (``Quantizer.prepared_float``: equalized or smoothed) (``quantize.accuracy.own_loss_order``: a layer that only
-carries an upstream loss does not rank); the PyTorch path has no 16-bit activations, so that form is not tried. Only the chosen file is moved to the destination.
+carries an upstream loss does not rank); for a target that runs 16-bit activations each ranked module is tried in
+16 bits (``int16``) before float, as on the ONNX path. Only the chosen file is moved to the destination.
 """
 
 from __future__ import annotations
@@ -275,17 +276,17 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     data = held_label if held else "calibration sample(s) (in-sample: none held out)"
     numbers = itertools.count()
     shared: dict = {}  # the float model's outputs on the held samples, run once for every file made below
-    base = tuple(overrides.get("skip_activations") or ())
-    options = {k: v for k, v in overrides.items() if k != "skip_activations"}
-    made: dict[Path, tuple[dict, tuple]] = {}  # each step's file -> its options and modules kept float
+    base, base_wide = tuple(overrides.get("skip_activations") or ()), tuple(overrides.get("int16") or ())
+    options = {k: v for k, v in overrides.items() if k not in ("skip_activations", "int16")}
+    made: dict[Path, tuple[dict, tuple, tuple]] = {}  # each step's file -> its options, modules float and in 16 bits
     timed = speed and target.runtime_is_onnxruntime
     opset = (export_kwargs or {}).get("opset_version", 18)
     in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
     with artifact.workdir_beside(final) as scratch:
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
             k = next(numbers)
-            asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None}.items()
-                     if v is not None}
+            asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None,
+                                           "int16": list(wide) or None}.items() if v is not None}
             try:
                 quantizer = make_quantizer(target, **asked)
                 qmodel = quantizer.quantize(model, batches, **(quantize_kwargs or {}))
@@ -302,7 +303,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
                                   native=in_runtime[0], float_outputs=shared, held_out=bool(held))
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
-            made[Path(path)] = (opts, tuple(excluded))
+            made[Path(path)] = (opts, tuple(excluded), tuple(wide))
             return fidelity, (qmodel, quantizer, path, fidelity)
 
         def order(made_step: tuple, opts: dict) -> list[str]:
@@ -317,20 +318,21 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")
 
         def repaired() -> tuple[Repair, tuple]:
-            return run_repair(attempt, budget=budget, options=options, base=base, algorithm_steps=ALGORITHM_STEPS,
-                              order=order, mixed_refusal=refusal, enabled=repair, max_steps=max_steps, log=log)
+            return run_repair(attempt, budget=budget, options=options, base=base, base_wide=base_wide,
+                              algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
+                              sixteen=target.runs_int16, enabled=repair, max_steps=max_steps, log=log)
 
         if budget is None:
-            record, chosen = None, attempt("as asked", options, base, ())[1]
+            record, chosen = None, attempt("as asked", options, base, base_wide)[1]
         else:
             record, chosen = repaired()
         reference = _float_reference(model, sample, chosen[2], scratch, opset) if timed else None
         profile = None
         if timed and profile_placement and target.runs_mixed_graphs:
-            opts, excluded = made[Path(chosen[2])]
+            opts, excluded, wide = made[Path(chosen[2])]
 
             def requantize(modules: tuple[str, ...]) -> placement.Made:
-                done = attempt("placement by profile", opts, tuple(sorted({*excluded, *modules})), ())
+                done = attempt("placement by profile", opts, tuple(sorted({*excluded, *modules})), wide)
                 if done is None:
                     raise QuantshipError(f"keeping {', '.join(modules)} float gives no file")
                 return placement.Made(Path(done[1][2]), fp32=done[0], payload=done[1])

@@ -12,6 +12,7 @@ from quantship.targets import TARGET_KEY
 
 VERSION_KEY = "quantship.version"
 ACTIVATION_DTYPE_KEY = "quantship.activation_dtype"
+INT16_KEY = "quantship.int16"  # provenance: the activation tensors stored in 16 bits (both front-ends)
 ALGORITHMS_KEY = "quantship.algorithms"  # the post-training algorithms that ran, and what each changed
 # per-node properties torch's exporter writes that a deployable file should not carry: the Python stack
 # of each op (absolute paths and source lines of the exporting machine) and the FX node's text. The

@@ -19,6 +19,7 @@ AXES_MOVED_AT_18 = frozenset({
     "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
 })
 LOWEST_OPSET = 17
+INT16_OPSET = 21  # QuantizeLinear / DequantizeLinear accept int16 / uint16 zero-points from opset 21
 
 
 def _since(op_type: str, opset: int) -> int | None:

@@ -38,6 +38,8 @@ def check_spec_held(path: Path | FileFacts, spec: QuantSpec, *, activation_dtype
             if q.dtype in WIDE_DTYPES and q.op_type == "QuantizeLinear"}  # a DequantizeLinear names its output
     if wide != set(int16_tensors):
         problems.append(f"16-bit activations {sorted(wide)} where the file names {sorted(int16_tensors)}")
+    if spec.int16 and not wide:
+        problems.append(f"no 16-bit activation although the spec stores {list(spec.int16)}'s in 16 bits")
     all_wide = bool(wide) and all(q.dtype in WIDE_DTYPES for q in facts.quant.of_role("activation"))
     declared = facts.opset_imports
     if declared.get("") != opset_version:

@@ -22,7 +22,7 @@ import onnx_ir as ir
 from quantship import targets
 from quantship.errors import DataRefused, one_line
 from quantship.export import artifact, capture, float_pairs, target_forms, weight_only
-from quantship.export.activations import GraphState, check_read_back, to_uint8_activations
+from quantship.export.activations import GraphState, check_read_back, sixteen_bit_values, to_uint8_activations
 from quantship.export.checks import (
     ExactPass,
     ExportRefused,
@@ -35,9 +35,15 @@ from quantship.export.checks import (
 )
 from quantship.export.ir_edit import replace_model
 from quantship.export.kernel_shape import write_kernel_shapes
-from quantship.export.metadata import ALGORITHMS_KEY, algorithms_summary, strip_source_metadata, write_metadata
+from quantship.export.metadata import (
+    ALGORITHMS_KEY,
+    INT16_KEY,
+    algorithms_summary,
+    strip_source_metadata,
+    write_metadata,
+)
 from quantship.export.named_outputs import check_outputs_line_up, graph_output_names, reference_outputs
-from quantship.export.opset import LOWEST_OPSET, lower_opset
+from quantship.export.opset import INT16_OPSET, LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_spec_held, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
@@ -525,6 +531,8 @@ def export_qdq(
             target = travelled
     dtype = resolve_activation_dtype(activation_dtype, target)
     _check_opset(opset_version)
+    if spec.int16 and opset_version < INT16_OPSET:  # a model with 16-bit activations is written at opset 21 at least
+        opset_version = INT16_OPSET
     dynamic = resolve_dynamic_batch(dynamic_batch, target)
     sample = _export_sample(model, sample, dynamic_batch, target)
     # the torch reference first: a forward right after torch.export of the same module was measured 3-10x
@@ -547,6 +555,10 @@ def export_qdq(
         model_ir = ir.from_proto(produced)
         run_passes([make(ctx) for make in PASSES], model_ir)
         final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
+        wide = sixteen_bit_values(final)
+        if wide:  # provenance (no output changes): the activations stored in 16 bits
+            onnx.helper.set_model_props(final, {**{p.key: p.value for p in final.metadata_props},
+                                                INT16_KEY: ", ".join(wide)})
         # the file is the last checked graph (or the produced one plus metadata, which changes no
         # output): read literally on the whole sample, it returns the reference bytes
         literal = ctx.reference if ctx.probe is None else None
@@ -557,7 +569,7 @@ def export_qdq(
         del final
         with step("export check: the file holds the spec"):
             facts = read_file(staged)
-            check_spec_held(facts, spec, activation_dtype=dtype, opset_version=opset_version)
+            check_spec_held(facts, spec, activation_dtype=dtype, opset_version=opset_version, int16_tensors=wide)
         if target is not None:
             with step(f"export check: {target.target} rules"):
                 check_target(facts, target)

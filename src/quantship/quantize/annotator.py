@@ -13,7 +13,8 @@ tensors of a ``torch.export`` graph carry an observer (PTQ) or a fake-quantizer 
 ``qdq_placement='skip_conv_add'`` leaves the residual addend that comes from a single-user
 convolution partition unquantized; ``skip_activations`` keeps the named modules in float: the activations
 they produce, and the weights of their conv/linear layers (as the ONNX path keeps an excluded node: a weight
-dequantized for a float input would be a DequantizeLinear run on every call, for no integer kernel).
+dequantized for a float input would be a DequantizeLinear run on every call, for no integer kernel); ``int16``
+stores the activations the named modules read and write in 16 bits (``_widen``), weights int8.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
+from quantship.errors import SpecRefused
 from quantship.precision import QuantSpec, under_modules
 from quantship.quantize import observers
 from quantship.quantize.constants import store_constructed_constants
@@ -229,6 +231,7 @@ class AnnotationReport:
     float_outputs: list[str] = field(default_factory=list)  # outputs only convs kept float read: no pair
     hard_swishes: int = 0  # hard swishes written out, made one aten.hardswish (decompose.hard_swish_as_one_op)
     batch_norms_as_affine: int = 0  # lone batch norms written as mul + add (decompose.batch_norm_as_affine)
+    int16_values: list[str] = field(default_factory=list)  # values stored in 16 bits (``int16``), graph order
 
     @property
     def unannotated_ops(self) -> dict[str, int]:
@@ -252,7 +255,7 @@ class AnnotationReport:
                 "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module(),
                 "kept_float": dict(self.kept_float), "functions_of_one_tensor": dict(self.functions),
                 "float_outputs": list(self.float_outputs), "hard_swishes_as_one_op": self.hard_swishes,
-                "batch_norms_as_affine": self.batch_norms_as_affine}
+                "batch_norms_as_affine": self.batch_norms_as_affine, "int16_values": list(self.int16_values)}
 
 
 class QuantshipQuantizer(Quantizer):
@@ -276,20 +279,23 @@ class QuantshipQuantizer(Quantizer):
         self.is_qat = is_qat
         self.report = AnnotationReport()
         self._act = self._activation_qspec()
+        self._act16 = self._activation_qspec(bits=16)
         self._weight = self._weight_qspec()
         self._weight_transposed = self._weight_qspec(axis=1)
         self._const = self._weight_qspec(per_channel=False)
         self._constant_memo: dict[Node, bool] = {}
 
     # -- qspecs ----------------------------------------------------------------------------
-    def _activation_qspec(self) -> QuantizationSpec:
+    def _activation_qspec(self, bits: int = 8) -> QuantizationSpec:
+        """8 bits: the spec's observer; 16 bits: the exact range seen (at 16 bits a rounding costs 256x less than at
+        8, so clipping a tail no longer pays), as the ONNX path's ``int16``."""
         qscheme = torch.per_tensor_symmetric if self.spec.symmetric else torch.per_tensor_affine
         if self.is_qat:
             ctr = FakeQuantize.with_args(observer=MovingAverageMinMaxObserver)
         else:
-            ctr = activation_observer(self.spec.act_observer or "histogram")
-        return QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=qscheme,
-                                observer_or_fake_quant_ctr=ctr)
+            ctr = activation_observer(self.spec.act_observer or "histogram") if bits == 8 else MinMaxObserver
+        dtype, low, high = (torch.int8, -128, 127) if bits == 8 else (torch.int16, -32768, 32767)
+        return QuantizationSpec(dtype=dtype, quant_min=low, quant_max=high, qscheme=qscheme, observer_or_fake_quant_ctr=ctr)
 
     def _weight_qspec(self, per_channel: bool | None = None, axis: int = 0) -> QuantizationSpec:
         """Weights of conv/linear (per channel when the spec says so, along ``axis``: 1 for a transposed conv);
@@ -492,7 +498,54 @@ class QuantshipQuantizer(Quantizer):
                 self._no_rule(node)
         if self.mixed:
             self._pairs_where_integer_kernels_read(model)
+        if self.spec.int16:
+            self._widen(model)
         return model
+
+    def _widen(self, model: GraphModule) -> None:
+        """``int16``: every quantized activation a node under the named modules reads, and its own quantization
+        point (past the activation its kernel fuses), stored in 16 bits, with every value tied to one of them
+        (a shared scale: data movement, a concatenation), so no tie is split across two grids. Refused when the
+        names cover no quantized activation."""
+        anns = {n: n.meta["quantization_annotation"] for n in model.graph.nodes
+                if n.op == "call_function" and self._annotated(n)}
+        chosen: set[Node] = set()
+        for name in self.spec.int16:
+            found: set[Node] = set()
+            for n in (n for n in anns if under_modules(module_path(n), (name,))):
+                found |= {a for a, q in anns[n].input_qspec_map.items() if q is not None and not self._constant(a)}
+                ends = {n, self._weighted_partition(n)[-1], self._single_user_next(n, FUSABLE_ACTIVATIONS)}
+                found |= {e for e in ends if e in anns and anns[e].output_qspec is not None}
+            if not found:
+                raise SpecRefused(f"int16 names {name!r}, a module that reads and writes no quantized activation here "
+                                  "(kept float, or not quantized for this target); name a quantized module (quantship "
+                                  "sensitivity lists them)")
+            chosen |= found
+        root: dict[Node, Node] = {}
+
+        def find(x: Node) -> Node:
+            while root.get(x, x) is not x:
+                x = root[x]
+            return x
+
+        def tie(x: Node, shared: SharedQuantizationSpec) -> None:
+            other = shared.edge_or_node[0] if isinstance(shared.edge_or_node, tuple) else shared.edge_or_node
+            root[find(x)] = find(other)
+
+        for n, ann in anns.items():
+            for a, q in ann.input_qspec_map.items():
+                if isinstance(q, SharedQuantizationSpec):
+                    tie(a, q)
+            if isinstance(ann.output_qspec, SharedQuantizationSpec):
+                tie(n, ann.output_qspec)
+        groups = {find(x) for x in chosen}
+        wide = {x for x in {*anns, *(a for ann in anns.values() for a in ann.input_qspec_map)} if find(x) in groups}
+        for n, ann in anns.items():
+            ann.input_qspec_map = {a: self._act16 if a in wide and q is self._act else q
+                                   for a, q in ann.input_qspec_map.items()}
+            if n in wide and ann.output_qspec is self._act:
+                ann.output_qspec = self._act16
+        self.report.int16_values = [n.name for n in model.graph.nodes if n in wide]
 
     def _pairs_where_integer_kernels_read(self, model: GraphModule) -> None:
         """Pairs only where an integer kernel reads or writes them (the ONNX path's ``integer`` placement, over

@@ -39,8 +39,8 @@ def annotation_report(model: object) -> AnnotationReport | None:
     return report if isinstance(report, AnnotationReport) else None
 
 
-def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None) -> None:
-    """Refuse ``skip_activations`` names that are not modules of the model."""
+def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None, flag: str = "skip_activations") -> None:
+    """Refuse ``flag``'s names (``skip_activations``, ``int16``) that are not modules of the model."""
     if not names:
         return
     known = {n for n, _ in model.named_modules() if n}
@@ -48,7 +48,7 @@ def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None) ->
     if unknown:
         sample = sorted(n for n in known if "." not in n)[:12]
         raise ValueError(
-            f"skip_activations names {unknown} that are not modules of {type(model).__name__}; "
+            f"{flag} names {unknown} that are not modules of {type(model).__name__}; "
             f"use names from model.named_modules(), e.g. {sample}"
         )
 
@@ -81,6 +81,7 @@ def quantize_pt2e(
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     check_module_names(model, spec.skip_activations)
+    check_module_names(model, spec.int16, "int16")
     log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
     with step("quantize: capture (torch.export)"):
         captured = capture_untouched(model, batches[0], log=log)

@@ -56,7 +56,7 @@ class Quantizer:
     'W8A8'
     """
 
-    @takes_algorithms(RENAMED, absent=("int16",))
+    @takes_algorithms(RENAMED)
     def __init__(
         self,
         backend: str = "pt2e",
@@ -136,6 +136,9 @@ class Quantizer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a preset's affine choice is deliberate
             q = cls(verbose=verbose, **kwargs)
+        why = p.int16_refusal(f"int16={list(q.spec.int16)}") if q.spec.int16 else None
+        if why is not None:
+            raise SpecRefused(why)
         q.preset = p
         return q
 

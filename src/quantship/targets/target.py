@@ -85,6 +85,15 @@ class Target(Preset):
         """It accepts 16-bit activations of its preset's kind."""
         return self.wide_activation_dtype in self.file_rules.activation_dtypes
 
+    def int16_refusal(self, flag: str) -> str | None:
+        """Why ``flag`` (the caller's spelling of a 16-bit request) cannot be honoured here; None when it can."""
+        if self.runs_int16:
+            return None
+        way_out = (f"drop {flag}, or keep those nodes in float with --exclude" if self.runs_mixed_graphs
+                   else f"drop {flag} (it needs one integer type throughout)")
+        return (f"{flag}: {self.consumer} (target {self.name}) does not run {self.wide_activation_dtype} activations "
+                f"(it accepts {', '.join(self.file_rules.activation_dtypes)}); {way_out}")
+
     @property
     def runs_mixed_graphs(self) -> bool:
         """It runs float activations between integer ones (else every activation needs a Q/DQ pair)."""
