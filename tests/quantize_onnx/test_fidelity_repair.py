@@ -332,3 +332,18 @@ def test_the_pytorch_path_judges_too_few_held_out_decisions_with_the_calibration
     in_sample = judge_file(path, model, calibration[:1], target, Budget(), "calibration", fallback=calibration,
                            held_out=False)
     assert in_sample.data == "8 calibration" and in_sample.unjudged
+
+
+def test_a_16_bit_node_the_profile_keeps_float_is_float(files):
+    """The repair keeps the budget with the front conv in 16 bits; the placement by profile then keeps that conv
+    float where its float form runs faster. It used to ask for the node in 16 bits and in float at once, which
+    was refused ("gives no file"), and the slower 16-bit file was written."""
+    cal = np.load(files / "cal.npy")
+    done, record = quantize_onnx(files / "float.onnx", files / "profiled.onnx", cal[:32], target="onnxruntime-cpu",
+                                 fidelity_data=cal[32:])
+    wide = record.steps[record.chosen].int16
+    profile = done.profile.as_dict()
+    assert wide and record.steps[record.chosen].status == "met"
+    if not set(wide) & set(profile["candidates"]):
+        pytest.skip(f"this CPU's profile found the 16-bit node no slower than float: {profile}")
+    assert profile["not_run"] is None and profile["verified_ms"], profile

@@ -49,6 +49,7 @@ from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.timing import cpu_line
 from quantship.inspect.run.verify import MeasuredPath
+from quantship.precision import under_modules
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
 from quantship.quantize.calibration import Inputs
@@ -332,7 +333,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             opts, excluded, wide = made[Path(chosen[2])]
 
             def requantize(modules: tuple[str, ...]) -> placement.Made:
-                done = attempt("placement by profile", opts, tuple(sorted({*excluded, *modules})), wide)
+                floated = tuple(sorted({*excluded, *modules}))  # a 16-bit module the profile keeps float is float
+                done = attempt("placement by profile", opts, floated, tuple(w for w in wide if not under_modules(w, floated)))
                 if done is None:
                     raise QuantshipError(f"keeping {', '.join(modules)} float gives no file")
                 return placement.Made(Path(done[1][2]), fp32=done[0], payload=done[1])

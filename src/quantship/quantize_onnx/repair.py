@@ -110,8 +110,8 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
             with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
                 chosen, done.profile = place_by_profile(src, done, feeds, lambda names: quantize_onnx_file(
                     src, scratch / f"profile{next(files)}.onnx", calibration, target=p, exclude=(*excluded, *names),
-                    int16=wide, fidelity_data=fidelity_data, budget=budget, wait=wait, float_reference=shared, **opts),
-                    log=log)
+                    int16=tuple(w for w in wide if w not in names),  # a 16-bit node the profile keeps float is float
+                    fidelity_data=fidelity_data, budget=budget, wait=wait, float_reference=shared, **opts), log=log)
             chosen.profile = done.profile
             add_file_metadata(chosen.path, done.profile.metadata())
             return chosen
