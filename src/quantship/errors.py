@@ -24,6 +24,14 @@ class SpecRefused(QuantshipError):
     """A precision request that no backend honours, or a model the request cannot apply to."""
 
 
+class Int16Uncovered(SpecRefused):
+    """A 16-bit name (``int16``) that covers no quantized activation; ``name`` is it."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name
+
+
 class DataRefused(QuantshipError):
     """Calibration, evaluation or probe data that cannot be used (empty, non-finite, wrong shape)."""
 

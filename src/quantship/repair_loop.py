@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantship.errors import FidelityMissed, QuantshipError, one_line
+from quantship.errors import FidelityMissed, Int16Uncovered, QuantshipError, one_line
 from quantship.fidelity import MET, MISSED, Budget, Fidelity
 from quantship.search_engine import Engine, fewest_nodes, try_options
 
@@ -148,6 +148,18 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
             "if the task allows it", record.as_dict())
     record.chosen = engine.steps.index(chosen)
     return record, chosen.artifact
+
+
+def dropping_uncovered(make: Callable[[tuple], Any], wide: tuple) -> Any:
+    """``make(wide)``; a 16-bit name that no longer covers a quantized activation (the placement by profile keeps
+    its neighbours float, so nothing it reads or writes is quantized) is dropped and ``make`` called again."""
+    while True:
+        try:
+            return make(wide)
+        except Int16Uncovered as exc:
+            if exc.name not in wide:
+                raise
+            wide = tuple(w for w in wide if w != exc.name)
 
 
 def native_repair(enabled: bool, missed: QuantshipError, in_runtime: list[bool], log: Callable[[str], None]) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quantship.errors import QuantshipError, one_line
+from quantship.errors import Int16Uncovered, QuantshipError, one_line
 from quantship.export import artifact, placement, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
@@ -54,7 +54,7 @@ from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
 from quantship.quantize.calibration import Inputs
 from quantship.quantize.quantizer import RENAMED
-from quantship.repair_loop import Repair, algorithm_steps, native_repair
+from quantship.repair_loop import Repair, algorithm_steps, dropping_uncovered, native_repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
@@ -284,7 +284,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     opset = (export_kwargs or {}).get("opset_version", 18)
     in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
     with artifact.workdir_beside(final) as scratch:
-        def attempt(what: str, opts: dict, excluded: tuple, wide: tuple):
+        def attempt(what: str, opts: dict, excluded: tuple, wide: tuple, strict: bool = True):
             k = next(numbers)
             asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None,
                                            "int16": list(wide) or None}.items() if v is not None}
@@ -297,7 +297,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                     path = export_qdq(qmodel, sample, scratch / f"step{k}.onnx", target=target,
                                       **(export_kwargs or {}))
             except QuantshipError as exc:
-                if not k:
+                if not k or (not strict and isinstance(exc, Int16Uncovered)):
                     raise  # the file as asked cannot be made: the caller's refusal, not a repair's
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
@@ -334,7 +334,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
 
             def requantize(modules: tuple[str, ...]) -> placement.Made:
                 floated = tuple(sorted({*excluded, *modules}))  # a 16-bit module the profile keeps float is float
-                done = attempt("placement by profile", opts, floated, tuple(w for w in wide if not under_modules(w, floated)))
+                done = dropping_uncovered(lambda kept: attempt("placement by profile", opts, floated, kept, strict=False),
+                                          tuple(w for w in wide if not under_modules(w, floated)))
                 if done is None:
                     raise QuantshipError(f"keeping {', '.join(modules)} float gives no file")
                 return placement.Made(Path(done[1][2]), fp32=done[0], payload=done[1])

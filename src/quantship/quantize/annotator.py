@@ -39,7 +39,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from quantship.errors import SpecRefused
+from quantship.errors import Int16Uncovered
 from quantship.precision import QuantSpec, under_modules
 from quantship.quantize import observers
 from quantship.quantize.constants import store_constructed_constants
@@ -517,9 +517,9 @@ class QuantshipQuantizer(Quantizer):
                 ends = {n, self._weighted_partition(n)[-1], self._single_user_next(n, FUSABLE_ACTIVATIONS)}
                 found |= {e for e in ends if e in anns and anns[e].output_qspec is not None}
             if not found:
-                raise SpecRefused(f"int16 names {name!r}, a module that reads and writes no quantized activation here "
-                                  "(kept float, or not quantized for this target); name a quantized module (quantship "
-                                  "sensitivity lists them)")
+                raise Int16Uncovered(f"int16 names {name!r}, a module that reads and writes no quantized activation "
+                                     "here (kept float, or not quantized for this target); name a quantized module "
+                                     "(quantship sensitivity lists them)", name)
             chosen |= found
         root: dict[Node, Node] = {}
 

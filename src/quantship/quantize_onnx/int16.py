@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quantship import targets
-from quantship.errors import SpecRefused
+from quantship.errors import Int16Uncovered, SpecRefused
 from quantship.export.metadata import INT16_KEY  # noqa: F401  (the front-end's name for the shared key)
 from quantship.export.opset import INT16_OPSET
 from quantship.quantize_onnx import normalize, place, selection
@@ -83,9 +83,9 @@ def chosen_tensors(layout: place.Plan, patterns: Iterable[str], excluded: set[in
         found = set().union(*(by_node.get(i, set()) for i in hits - excluded))
         if not found:
             names = ", ".join(sorted(selection.node_label(nodes[i], i) for i in hits)[:4])
-            raise SpecRefused(f"--int16 {pattern!r} names nodes ({names}) that read and write no quantized "
-                              "activation here (kept in float, or not quantized by this target's placement); "
-                              "name a quantized node (quantship sensitivity lists them)")
+            raise Int16Uncovered(f"--int16 {pattern!r} names nodes ({names}) that read and write no quantized "
+                                 "activation here (kept in float, or not quantized by this target's placement); "
+                                 "name a quantized node (quantship sensitivity lists them)", pattern)
         chosen |= found
     return [t for t in layout.tensors if t in _with_ties(chosen, layout)]
 

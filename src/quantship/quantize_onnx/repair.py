@@ -36,7 +36,7 @@ from quantship.quantize_onnx.quantizer import (
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.quantize_onnx.speed import SpeedSearch, calibration_sample, speed_search_onnx, timing_feeds
 from quantship.recipe import takes_algorithms
-from quantship.repair_loop import Repair, algorithm_steps, native_repair
+from quantship.repair_loop import Repair, algorithm_steps, dropping_uncovered, native_repair
 from quantship.repair_loop import repair as run_repair
 from quantship.targets import Target
 
@@ -108,10 +108,12 @@ def quantize_onnx(float_path: str | Path, out_path: str | Path, calibration: Any
             feeds = timing_feeds(src, calibration, (1, calibration_sample(src, calibration)[1]))
             files = itertools.count()  # one file per trial: the placement times each against the best so far
             with progress_step("placement by profile: the float and the plain INT8 file, per node (1 thread)"):
-                chosen, done.profile = place_by_profile(src, done, feeds, lambda names: quantize_onnx_file(
-                    src, scratch / f"profile{next(files)}.onnx", calibration, target=p, exclude=(*excluded, *names),
-                    int16=tuple(w for w in wide if w not in names),  # a 16-bit node the profile keeps float is float
-                    fidelity_data=fidelity_data, budget=budget, wait=wait, float_reference=shared, **opts), log=log)
+                chosen, done.profile = place_by_profile(src, done, feeds, lambda names: dropping_uncovered(
+                    lambda kept: quantize_onnx_file(
+                        src, scratch / f"profile{next(files)}.onnx", calibration, target=p,
+                        exclude=(*excluded, *names), int16=kept, fidelity_data=fidelity_data, budget=budget, wait=wait,
+                        float_reference=shared, **opts),
+                    tuple(w for w in wide if w not in names)), log=log)  # a 16-bit node kept float is float
             chosen.profile = done.profile
             add_file_metadata(chosen.path, done.profile.metadata())
             return chosen
