@@ -232,7 +232,7 @@ def _report(run: _Run) -> int:
         *speed_cli.profile_rows(judged.profile),
         ("file", f"{args.out} ({size / 1e6:.2f} MB)"),
         ("weights", weights),
-        ("precision", f"{result['label']} {target.target} preset ({target.activation_dtype} activations)"),
+        quantize_report.precision_row(spec, target),
         ("batch", "any (symbolic 'batch' dimension)" if served is None else f"static {served}"),
         *quantize_report.float_rows(left_float),
         ("Q / DQ nodes", f"{stats.n_quantize} / {stats.n_dequantize}, {stats.n_per_channel} per-channel, "

@@ -3,6 +3,8 @@ data, a model with one input), the accuracy-aware search, and what the file leav
 
 from __future__ import annotations
 
+from typing import Any
+
 from quantship.cli import common
 from quantship.cli.usage import UsageError
 from quantship.progress import step
@@ -51,6 +53,12 @@ def accuracy_rows(run, result: dict) -> list[tuple[str, str]]:
         rows.append(("accuracy-aware search", f"{len(search.steps)} quantization(s); kept in "
                      f"float: {', '.join(search.chosen.excluded) or 'nothing'}"))
     return rows
+
+
+def precision_row(spec: Any, target: Any) -> tuple[str, str]:
+    """The precision, the target's preset and its activation type, and the modules stored in 16 bits."""
+    wide = f"; 16-bit activations in {', '.join(spec.int16)}" if spec.int16 else ""
+    return "precision", f"{spec.label} {target.target} preset ({target.activation_dtype} activations{wide})"
 
 
 def float_rows(left_float: dict) -> list[tuple[str, str]]:
