@@ -505,8 +505,8 @@ class QuantshipQuantizer(Quantizer):
     def _widen(self, model: GraphModule) -> None:
         """``int16``: every quantized activation a node under the named modules reads, and its own quantization
         point (past the activation its kernel fuses), stored in 16 bits, with every value tied to one of them
-        (a shared scale: data movement, a concatenation), so no tie is split across two grids. Refused when the
-        names cover no quantized activation."""
+        (a shared scale: data movement, a concatenation), so no tie is split across two grids. A name that covers
+        no quantized activation is refused (``Int16Uncovered``)."""
         anns = {n: n.meta["quantization_annotation"] for n in model.graph.nodes
                 if n.op == "call_function" and self._annotated(n)}
         chosen: set[Node] = set()

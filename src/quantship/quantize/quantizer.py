@@ -72,7 +72,8 @@ class Quantizer:
         adaround: bool | int = False,
         **request: Any,
     ):
-        """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ...).
+        """``request``: the other keywords of ``quantship.resolve_spec`` (``weight_bits``, ``act_bits``, ``int16``:
+        modules whose activations are stored in 16 bits, ...).
         ``smooth_quant``: SmoothQuant's alpha in [0, 1] (``quantize.smooth_quant``); ``equalize``: cross-layer
         equalization of conv pairs before capture (``quantize.equalize``); ``bias_correction``: each quantized
         conv / linear bias corrected for the shift of its output mean (``quantize.bias_correction``);
