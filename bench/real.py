@@ -410,9 +410,11 @@ def quantship_cli(task: Task, out: Path, preset: str, extra: tuple[str, ...] = (
         return f"written; quantize-onnx exit 1, its check: {' '.join(verdicts[-1].split()) if verdicts else '?'}"[:300]
     if done.returncode != 0 or not out.exists():
         lines = [ln.strip() for ln in (done.stderr + "\n" + done.stdout).splitlines() if ln.strip()]
-        errors = [ln for ln in lines if re.match(r"^(error|quantship|refused)", ln, re.I)]
+        # the CLI's own one-line refusal first (a report's table rows may also start with "quantship")
+        errors = [ln for ln in lines if re.match(r"^quantship \S+: (?!warning)", ln)] or [
+            ln for ln in lines if re.match(r"^(error|quantship|refused)", ln, re.I)]
         message = (errors or lines or ["no message"])[-1].replace(str(task.float_path), task.float_path.name)
-        message = re.sub(r"^quantship quantize-onnx: error: ", "", message)
+        message = re.sub(r"^quantship quantize-onnx: (error: )?", "", message)
         raise Refused(f"`quantize-onnx` refused (exit {done.returncode}): {message[:400]}")
     return ""
 
