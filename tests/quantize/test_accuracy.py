@@ -9,6 +9,7 @@ import torch
 from quantship import Quantizer, quant_spec
 from quantship.errors import DataRefused, SpecRefused
 from quantship.examples import digits
+from quantship.precision import under_modules
 from quantship.quantize.accuracy import AccuracyBudgetMissed, search
 
 BS = 40
@@ -220,3 +221,18 @@ def test_a_custom_metric_drives_the_search_and_keeps_the_collapsing_layer_float(
     assert s.order[0] == "spread" and [step.excluded for step in s.steps] == [(), ("spread",)]
     assert s.met and s.chosen is s.steps[-1] and quant_spec(qmodel).skip_activations == ("spread",)
     assert minus_logit_error(qmodel) == pytest.approx(s.chosen.metric) and s.drop(s.chosen) <= budget
+
+
+def test_a_16_bit_module_the_search_keeps_float_is_float(task):
+    """``int16`` names and the accuracy search's float modules may meet: the module is then float (it used to be
+    asked in both forms at once, which the annotator refuses: the search stopped there, "gives no file"). The
+    metric asks for ``block1.conv1`` float, so the search has to reach it."""
+    model, calib, labelled = task
+
+    def conv_float(candidate) -> float:
+        spec = quant_spec(candidate)
+        return 1.0 if spec is None or under_modules("block1.conv1", spec.skip_activations or ()) else 0.0
+
+    q = Quantizer(backend="pt2e", int16=["block1.conv1", "stem.0"], max_accuracy_drop=0.5)
+    spec = quant_spec(q.quantize(model, calib, metric=conv_float))
+    assert under_modules("block1.conv1", spec.skip_activations) and spec.int16 == ("stem.0",)

@@ -491,6 +491,9 @@ def export_qdq(
     from the quantized torch model by the roundings it removes (up to 4 LSB measured on a small Llama), so
     it is asked for, never the default: by default the file is the quantized model, exactly.
 
+    A model with 16-bit activations (``Quantizer(int16=...)``) is written at opset 21 at least, the first opset whose
+    QuantizeLinear / DequantizeLinear take 16-bit zero-points.
+
     ``activation_dtype``: ``'int8'`` (default; zero-point as quantized) or ``'uint8'`` (activation
     zero-points shifted by 128, same scales; weights stay int8). ``target`` takes the activation
     dtype from the deployment preset, records the target, and refuses a file that target's rules
