@@ -127,6 +127,12 @@ def under_modules(path: str, names: Iterable[str]) -> bool:
     return any(path == n or path.startswith(n + ".") for n in names)
 
 
+def outside_modules(names: Iterable[str], modules: Iterable[str]) -> tuple[str, ...]:
+    """``names`` less those ``modules`` cover (``under_modules``): a module kept float is not also in 16 bits."""
+    covering = tuple(modules)
+    return tuple(n for n in names if not under_modules(n, covering))
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """A resolved precision request: frozen, hashable, comparable.

@@ -40,16 +40,6 @@ def _signed_zero_point(node: ir.Node) -> np.ndarray:
     return array
 
 
-def sixteen_bit_values(model: onnx.ModelProto) -> list[str]:
-    """The values a QuantizeLinear with a 16-bit zero-point reads, in graph order (the file's 16-bit activations)."""
-    wide = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
-    types = {t.name: t.data_type for t in model.graph.initializer}
-    types.update({n.output[0]: a.t.data_type for n in model.graph.node if n.op_type == "Constant"
-                  for a in n.attribute if a.name == "value"})
-    return [n.input[0] for n in model.graph.node
-            if n.op_type == "QuantizeLinear" and len(n.input) > 2 and types.get(n.input[2]) in wide]
-
-
 def to_uint8_activations(model: ir.Model) -> int:
     """Rewrite every activation Q/DQ pair in place; returns the number of nodes moved."""
     graph = model.graph
@@ -62,7 +52,8 @@ def to_uint8_activations(model: ir.Model) -> int:
             signed = _signed_zero_point(node)
             unsigned, shift, _ = UNSIGNED[signed.dtype]
             array = (signed.astype(np.int32) + shift).astype(unsigned)
-            new = ir.Value(name=f"{zp.name}_uint8", const_value=ir.tensor(array, name=f"{zp.name}_uint8"))
+            name = f"{zp.name}_{array.dtype.name}"  # _uint8, or _uint16 for a 16-bit pair
+            new = ir.Value(name=name, const_value=ir.tensor(array, name=name))
             graph.register_initializer(new)
             shifted[zp.name] = new
             old_zero_points.append(zp)
@@ -144,6 +135,13 @@ def _constant(value: ir.Value) -> np.ndarray | None:
     if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
         return producer.attributes["value"].as_tensor().numpy()
     return None
+
+
+def sixteen_bit_values(model: onnx.ModelProto) -> list[str]:
+    """The values a QuantizeLinear with a 16-bit zero-point reads, in graph order (the file's 16-bit activations)."""
+    state = GraphState.of_proto(model)
+    return [n.input[0] for n in state.nodes if n.op_type == "QuantizeLinear" and len(n.input) > 2
+            and getattr(state.parameters.get(n.input[2]), "dtype", None) in (np.int16, np.uint16)]
 
 
 def check_read_back(before: GraphState, after: GraphState) -> int:

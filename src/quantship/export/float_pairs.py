@@ -39,10 +39,10 @@ def _stored_float_pays(reader: ir.Node) -> bool:
     value = reader.inputs[0]
     if not _dequantized(value):
         return True
-    source, zero = value.producer().inputs[0], (list(value.producer().inputs) + [None] * 3)[2]
-    known = [v.dtype for v in (source, zero) if v is not None] + (
-        [zero.const_value.dtype] if zero is not None and zero.const_value is not None else [])
-    return reader.op_type == "MatMul" and any(t in (ir.DataType.INT16, ir.DataType.UINT16) for t in known)
+    wide = (ir.DataType.INT16, ir.DataType.UINT16)
+    typed = [v for v in value.producer().inputs[::2] if v is not None]  # the quantized input and the zero-point
+    return reader.op_type == "MatMul" and any(
+        v.dtype in wide or (v.const_value is not None and v.const_value.dtype in wide) for v in typed)
 
 
 def _integer(node: ir.Node) -> bool:

@@ -49,7 +49,7 @@ from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
 from quantship.inspect.run.timing import cpu_line
 from quantship.inspect.run.verify import MeasuredPath
-from quantship.precision import under_modules
+from quantship.precision import outside_modules
 from quantship.progress import step as progress_step
 from quantship.quantize.accuracy import own_loss_order
 from quantship.quantize.calibration import Inputs
@@ -335,7 +335,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             def requantize(modules: tuple[str, ...]) -> placement.Made:
                 floated = tuple(sorted({*excluded, *modules}))  # a 16-bit module the profile keeps float is float
                 done = dropping_uncovered(lambda kept: attempt("placement by profile", opts, floated, kept, strict=False),
-                                          tuple(w for w in wide if not under_modules(w, floated)))
+                                          outside_modules(wide, floated))
                 if done is None:
                     raise QuantshipError(f"keeping {', '.join(modules)} float gives no file")
                 return placement.Made(Path(done[1][2]), fp32=done[0], payload=done[1])

@@ -560,8 +560,7 @@ def export_qdq(
         final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
         wide = sixteen_bit_values(final)
         if wide:  # provenance (no output changes): the activations stored in 16 bits
-            onnx.helper.set_model_props(final, {**{p.key: p.value for p in final.metadata_props},
-                                                INT16_KEY: ", ".join(wide)})
+            final.metadata_props.append(onnx.StringStringEntryProto(key=INT16_KEY, value=", ".join(wide)))
         # the file is the last checked graph (or the produced one plus metadata, which changes no
         # output): read literally on the whole sample, it returns the reference bytes
         literal = ctx.reference if ctx.probe is None else None

@@ -18,7 +18,7 @@ import torch
 
 from quantship import targets
 from quantship.errors import DataRefused, SpecRefused
-from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, quant_spec, resolve_spec, tag_model, under_modules
+from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec, outside_modules, quant_spec, resolve_spec, tag_model
 from quantship.quantize import accuracy
 from quantship.quantize import equalize as equalizing
 from quantship.quantize import smooth_quant as smoothing
@@ -251,7 +251,7 @@ class Quantizer:
 
         def quantize_without(excluded: tuple[str, ...]) -> torch.nn.Module:
             skip = tuple(sorted({*(spec.skip_activations or ()), *excluded})) or None
-            wide = tuple(n for n in spec.int16 or () if not under_modules(n, skip or ())) or None  # float wins
+            wide = outside_modules(spec.int16 or (), skip or ()) or None  # float wins
             return run(dataclasses.replace(spec, skip_activations=skip, int16=wide))
 
         quantized, self.accuracy_search = accuracy.search(quantize_without, model, labelled_data, self.max_accuracy_drop,
