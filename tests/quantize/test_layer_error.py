@@ -75,9 +75,9 @@ def test_suggest_and_measure_skip(reference):
     model, split, calib, _, report = reference
     names = suggest_skip(report, 2)
     assert len(names) == 2
-    assert names[0] == report.worst(1)[0].module
-    known = {n for n, _ in model.named_modules()}
-    assert set(names) <= known  # usable as skip_activations
+    assert names[0] == report.worst(1)[0].unit
+    known = {n for n, _ in model.named_modules()} | {r.node for r in report.rows}
+    assert set(names) <= known  # usable as skip_activations: modules, or ops of the captured graph
     evals = [(split.x_test[i:i + 32], split.y_test[i:i + 32]) for i in range(0, 128, 32)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

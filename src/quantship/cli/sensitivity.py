@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             model, batches, max_calibration_samples=args.max_samples)
         ui.say("sensitivity: measuring every quantized layer output against float")
         report = layer_error(model, qmodel, batches)
-    suggested = suggest_skip(report, k=min(args.k, max(1, len({r.module for r in report.rows if r.module}))))
+    suggested = suggest_skip(report, k=args.k)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = report.plot(out_dir / "sensitivity.png", worst=args.k)
     worst = {r.node for r in report.worst(args.k)}

@@ -8,8 +8,8 @@ the two things only a torch export needs:
   the float file's weighted nodes are renamed after the INT8 file's integer ones from the same module
   (module path, op type, k-th such node in graph order); a node either file leaves unscoped, or whose
   module appears in one file and not the other, is not profiled.
-- a node is kept float by keeping its module float (``skip_activations``), the same way the fidelity
-  repair does; a node of the model's own forward (no module) cannot be, and is left out of the profile.
+- a node is kept float through ``skip_activations``, the same way the fidelity repair does: by its module when
+  no other integer weighted node of the file is in that module, else by its torch op's name (the last name scope).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 
 from quantship.errors import QuantshipError
-from quantship.inspect.read.float_ops import module_path
+from quantship.inspect.read.float_ops import module_path, torch_op
+from quantship.precision import under_modules
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
@@ -42,7 +43,7 @@ class Made:
 
 def _by_module(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool]) -> dict[tuple[str, str, int], str]:
     """(module path, op type, k-th such node of that module in graph order) -> node name, for the weighted
-    nodes ``keep`` accepts; unscoped and top-level nodes are left out."""
+    nodes ``keep`` accepts; unscoped nodes are left out."""
     seen: dict[tuple[str, str], int] = {}
     out: dict[tuple[str, str, int], str] = {}
     for node in model.graph.node:
@@ -51,7 +52,7 @@ def _by_module(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool]) -
         module = module_path(node)
         key = (module or "", node.op_type)
         k = seen[key] = seen.get(key, -1) + 1
-        if module and keep(node):
+        if module is not None and torch_op(node) and keep(node):
             out[(module, node.op_type, k)] = node.name
     return out
 
@@ -90,11 +91,15 @@ def _same(a: tuple, b: tuple) -> bool:
 
 def float_named_as(float_model: onnx.ModelProto, int8_model: onnx.ModelProto) -> dict[str, str]:
     """Rename, in ``float_model``, each weighted node after the INT8 file's integer node it is; returns the
-    matched INT8 node names -> their module paths. When both files hold the same weighted ops in the same
+    matched INT8 node names -> the names that keep each float (``skip_activations``: its module when no other
+    integer weighted node is in it, else its torch op, ``torch_op``). When both files hold the same weighted ops in the same
     order with the same stored weight shapes, they are paired by position (a BatchNorm the float export folds
     into its Conv scopes that Conv under the BatchNorm's module); otherwise by module (module docstring)."""
     wanted = integer_weighted(int8_model)
-    modules = {name: key[0] for key, name in wanted.items()}
+    ops = {n.name: torch_op(n) for n in int8_model.graph.node}
+    paths = [key[0] for key in wanted]
+    modules = {name: key[0] if key[0] and sum(under_modules(p, (key[0],)) for p in paths) == 1 else ops[name]
+               for key, name in wanted.items()}
     ours, theirs = _in_order(int8_model), _in_order(float_model)
     if len(ours) == len(theirs) and all(_same(a, b) for a, b in zip(ours, theirs)):
         pairs = [(a[0], b[0]) for a, b in zip(ours, theirs) if a[0] in modules]
@@ -112,7 +117,7 @@ def float_named_as(float_model: onnx.ModelProto, int8_model: onnx.ModelProto) ->
 
 def profiled_reference(float_path: Path, int8_path: Path, out: Path) -> dict[str, str]:
     """The float reference written to ``out`` with its weighted nodes named after ``int8_path``'s; returns the
-    INT8 node names the profile can compare -> their modules. Raises ``QuantshipError`` when none match."""
+    INT8 node names the profile can compare -> the names that keep each float (``float_named_as``). Raises ``QuantshipError`` when none match."""
     float_model = onnx.load(str(float_path))
     matched = float_named_as(float_model, onnx.load(str(int8_path), load_external_data=False))
     if not matched:

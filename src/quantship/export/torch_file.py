@@ -152,10 +152,11 @@ def left_float(quantizer: Any, facts: Any, for_speed: Sequence[str] = ()) -> dic
     out = float_ops(facts, no_rule_modules=no_rule, for_speed=for_speed)
     out["no_int8_rule"] = no_rule
     floated = [f.module for f in facts.float_compute if f.module is not None]
+    floated_ops = {f.op for f in facts.float_compute}
     requested = [m for m in ((facts.spec.get("skip_activations") or []) if isinstance(facts.spec, dict) else [])
                  if m not in for_speed]
     # a module kept float whose compute ops all read and write INT8 in the file: the ops around it quantize
     # its inputs and outputs for their own sake (e.g. a conv whose ReLU is another module)
-    out["requested_but_int8"] = [name for name in requested
-                                 if not any(m == name or m.startswith(name + ".") for m in floated)]
+    out["requested_but_int8"] = [name for name in requested if name not in floated_ops
+                                 and not any(m == name or m.startswith(name + ".") for m in floated)]
     return out

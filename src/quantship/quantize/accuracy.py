@@ -69,16 +69,18 @@ def count_correct(model: Callable, batches: Sequence[tuple[torch.Tensor, torch.T
 
 
 def sensitivity_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
-    """Module names to keep in float, most sensitive first (lowest SQNR of the layer output)."""
+    """Modules or ops to keep in float (``LayerError.unit``), most sensitive first (lowest SQNR of the layer
+    output)."""
     rows = sorted(layer_error(model, quantized, list(batches)).rows, key=lambda r: r.sqnr_db)
-    return list(dict.fromkeys(r.module for r in rows if r.module))
+    return list(dict.fromkeys(r.unit for r in rows))
 
 
 def own_loss_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
-    """Module names to keep in float for the fidelity repair, the layer that loses the most signal itself
-    first (``LayerError.own_loss_db``: a layer that only carries an upstream loss does not rank)."""
+    """Modules or ops to keep in float or in 16 bits for the fidelity repair (``LayerError.unit``), the layer that
+    loses the most signal itself first (``LayerError.own_loss_db``: a layer that only carries an upstream loss does
+    not rank)."""
     rows = sorted(layer_error(model, quantized, list(batches)).rows, key=lambda r: (-r.own_loss_db, r.order))
-    return list(dict.fromkeys(r.module for r in rows if r.module and r.own_loss_db > 0))
+    return list(dict.fromkeys(r.unit for r in rows if r.own_loss_db > 0))
 
 
 def search(

@@ -14,11 +14,14 @@ tensors of a ``torch.export`` graph carry an observer (PTQ) or a fake-quantizer 
 convolution partition unquantized; ``skip_activations`` keeps the named modules in float: the activations
 they produce, and the weights of their conv/linear layers (as the ONNX path keeps an excluded node: a weight
 dequantized for a float input would be a DequantizeLinear run on every call, for no integer kernel); ``int16``
-stores the activations the named modules read and write in 16 bits (``_widen``), weights int8.
+stores the activations the named modules read and write in 16 bits (``_widen``), weights int8. Either list may
+also name one op of the captured graph (``quantship sensitivity`` lists them: ``matmul_1``, ``conv2d_3``), which
+changes that op alone, with the activation fused into it (``fused_head``), not the rest of its module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -184,6 +187,17 @@ def module_path(node: Node) -> str:
     return module_of(node) or ""
 
 
+def fused_head(node: Node) -> Node:
+    """The op whose annotation covers ``node``: for a ReLU / ReLU6 fused into the conv, linear or binary op before
+    it (through a batch norm), that op; else ``node``. Its name is the one ``skip_activations`` and ``int16`` take
+    to change this output alone."""
+    head = node.args[0] if node.op == "call_function" and node.target in FUSABLE_ACTIVATIONS and node.args else None
+    while isinstance(head, Node) and head.op == "call_function" and head.target in (BATCH_NORM_OPS | {operator.getitem}):
+        head = head.args[0]
+    fused = isinstance(head, Node) and head.op == "call_function" and head.target in (ANNOTATED_WEIGHT_OPS | BINARY_OPS)
+    return head if fused else node
+
+
 def _node_args(node: Node) -> list[Node]:
     found: list[Node] = []
     torch.fx.node.map_arg((node.args, node.kwargs), found.append)
@@ -261,8 +275,12 @@ class AnnotationReport:
 class QuantshipQuantizer(Quantizer):
     """A torchao pt2e ``Quantizer`` that applies one exportable ``QuantSpec`` (W8A8)."""
 
-    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, target: Target | None = None):
+    def __init__(self, spec: QuantSpec, *, is_qat: bool = False, target: Target | None = None,
+                 modules: frozenset[str] | None = None):
+        """``modules``: the model's module names; a ``skip_activations`` or ``int16`` name that is none of them
+        must then name an op of the captured graph (refused otherwise, at annotation)."""
         super().__init__()
+        self.modules = modules
         # a target that runs float ops between integer ones (``Target.runs_mixed_graphs``) gets its placement
         # knowledge: pairs only where integer kernels read them (``_pairs_where_integer_kernels_read``), a function
         # of one tensor written out quantized at its output only (``_functions_of_one_tensor``), its float rules
@@ -336,8 +354,7 @@ class QuantshipQuantizer(Quantizer):
         return result
 
     def _skipped(self, node: Node) -> bool:
-        names = self.spec.skip_activations or ()
-        return bool(names) and under_modules(module_path(node), names)
+        return _named(node, self.spec.skip_activations or ())
 
     def _quantizable_input(self, arg: object) -> bool:
         """A float tensor not produced under a ``skip_activations`` module (those stay float even
@@ -469,6 +486,16 @@ class QuantshipQuantizer(Quantizer):
         return found
 
     def annotate(self, model: GraphModule) -> GraphModule:
+        nodes = {n.name: n for n in model.graph.nodes}
+        if self.modules is not None:
+            for flag in ("skip_activations", "int16"):
+                refuse_unknown_names(self.modules, getattr(self.spec, flag), flag, set(nodes))
+
+        def heads(names: tuple[str, ...] | None) -> tuple[str, ...] | None:  # a fused ReLU named: its conv's op
+            return names and tuple(sorted({*names, *(fused_head(nodes[n]).name for n in names if n in nodes)}))
+
+        self.spec = dataclasses.replace(self.spec, skip_activations=heads(self.spec.skip_activations),
+                                        int16=heads(self.spec.int16))
         cleared = self._cleared_conv_outputs(model) if self.spec.qdq_placement == "skip_conv_add" else set()
         if self.mixed:
             for last, ops in self._functions_of_one_tensor(model).items():
@@ -512,13 +539,13 @@ class QuantshipQuantizer(Quantizer):
         chosen: set[Node] = set()
         for name in self.spec.int16:
             found: set[Node] = set()
-            for n in (n for n in anns if under_modules(module_path(n), (name,))):
+            for n in (n for n in anns if _named(n, (name,))):
                 found |= {a for a, q in anns[n].input_qspec_map.items() if q is not None and not self._constant(a)}
                 ends = {n, self._weighted_partition(n)[-1], self._single_user_next(n, FUSABLE_ACTIVATIONS)}
                 found |= {e for e in ends if e in anns and anns[e].output_qspec is not None}
             if not found:
-                raise Int16Uncovered(f"int16 names {name!r}, a module that reads and writes no quantized activation "
-                                     "here (kept float, or not quantized for this target); name a quantized module "
+                raise Int16Uncovered(f"int16 names {name!r}, which reads and writes no quantized activation here "
+                                     "(kept float, or not quantized for this target); name a quantized module or op "
                                      "(quantship sensitivity lists them)", name)
             chosen |= found
         root: dict[Node, Node] = {}
@@ -772,6 +799,21 @@ class QuantshipQuantizer(Quantizer):
 
     def validate(self, model: GraphModule) -> None:
         return None
+
+
+def _named(node: Node, names: tuple[str, ...]) -> bool:
+    """Whether ``names`` covers ``node``: its module or one above it, or its op (``fused_head``) by name."""
+    return bool(names) and (under_modules(module_path(node), names) or fused_head(node).name in names)
+
+
+def refuse_unknown_names(modules: frozenset[str], names: tuple[str, ...] | None, flag: str, ops: set[str]) -> None:
+    """Refuse ``flag``'s names (``skip_activations``, ``int16``) that are neither a module (``modules``) nor an op
+    of the captured graph (``ops``)."""
+    unknown = [n for n in names or () if n not in modules and n not in ops]
+    if unknown:
+        sample = sorted(n for n in modules if "." not in n)[:12]
+        raise ValueError(f"{flag} names {unknown}: neither modules of the model nor ops of its captured graph; use "
+                         f"names from model.named_modules(), e.g. {sample}, or the ops quantship sensitivity lists")
 
 
 def activation_observer(name: str):

@@ -192,13 +192,11 @@ class QuantizeCallback(Callback):
         from torchao.quantization.pt2e import allow_exported_model_train_eval
         from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-
-        pt2e.check_module_names(model, self.spec.skip_activations)
         self._log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
         captured = capture(model.train(), example, log=self._log)
         if not captured.symbolic:
             self._check_one_batch_size(captured.static_batch, captured.reason)
-        quantizer = QuantshipQuantizer(self.spec, is_qat=True)
+        quantizer = QuantshipQuantizer(self.spec, is_qat=True, modules=pt2e.module_names(model))
         with fuse_what_can_match(captured.graph):
             prepared = prepare_qat_pt2e(captured.graph, quantizer)
         carry_static_batch(captured.graph, prepared)

@@ -22,8 +22,9 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from quantship.fidelity import sqnr_db
+from quantship.precision import under_modules
 from quantship.quantize.algorithms.sensitivity import LayerError, LayerErrorReport
-from quantship.quantize.annotator import BATCH_NORM_OPS, BINARY_OPS, FUSABLE_ACTIVATIONS, WEIGHTED_OPS, module_path
+from quantship.quantize.annotator import BATCH_NORM_OPS, fused_head, module_path
 from quantship.quantize.capture import capture
 
 qd = torch.ops.quantized_decomposed
@@ -87,16 +88,24 @@ def _float_equivalent(node: Node) -> Node:
 
 
 def skip_name(node: Node) -> str:
-    """The module name that ``skip_activations`` needs to keep this output in float.
+    """The module name that ``skip_activations`` needs to keep this output in float: a ReLU fused into a
+    conv/linear or an add belongs to that op's annotation (``fused_head``), so the name is that op's module."""
+    return module_path(fused_head(node))
 
-    A ReLU fused into a conv/linear or an add belongs to that op's annotation, so the name is the
-    producing op's module.
-    """
-    if node.target in FUSABLE_ACTIVATIONS and isinstance(node.args[0], Node):
-        head = node.args[0]
-        if head.op == "call_function" and head.target in (WEIGHTED_OPS | BINARY_OPS):
-            return module_path(head)
-    return module_path(node)
+
+def _units(producers: list[Node], upstream: list[set[int]], own: list[float]) -> list[str]:
+    """For each output, the smallest name that changes it alone (``LayerError.unit``): its module when no other
+    of ``producers`` is in that module or below it, else its op (``fused_head``). An op that reads no quantized
+    value itself (a float op after a quantized one: a log, a power) only shows a loss made upstream, which it may
+    magnify: its unit is that of the worst output it reads (``upstream``, ``own`` their SQNRs), where the loss is
+    made and can be repaired."""
+    heads = [fused_head(p) for p in producers]
+    modules = [module_path(h) for h in heads]
+    units = [m if m and sum(under_modules(other, (m,)) for other in modules) == 1 else h.name
+             for h, m in zip(heads, modules)]
+    reads = [any(a.op == "call_function" and a.target in _DEQUANTIZE for a in h.all_input_nodes) for h in heads]
+    return [units[i] if reads[i] or not upstream[i] else units[min(upstream[i], key=lambda u: own[u])]
+            for i in range(len(units))]
 
 
 def _as_batches(inputs: torch.Tensor | Iterable) -> list[torch.Tensor]:
@@ -159,10 +168,11 @@ def layer_error(float_model: torch.nn.Module, quantized_model: GraphModule,
     noise = [v for i, v in enumerate(noise) if i not in mismatched]
     own = [sqnr_db(signal[i], noise[i]) for i in range(len(pairs))]
     producers = {p.name: i for i, (p, _, _) in enumerate(pairs)}
+    upstream = [_upstream(p, producers) - {i} for i, (p, _, _) in enumerate(pairs)]
+    units = _units([p for p, _, _ in pairs], upstream, own)
     rows = [
         LayerError(order=i, node=p.name, module=skip_name(p), op=str(getattr(p.target, "__name__", p.target)),
-                   sqnr_db=own[i], upstream_db=min((own[u] for u in _upstream(p, producers) if u != i),
-                                                   default=math.inf))
+                   sqnr_db=own[i], upstream_db=min((own[u] for u in upstream[i]), default=math.inf), unit=units[i])
         for i, (p, _, _) in enumerate(pairs)
     ]
     return LayerErrorReport(rows, sqnr_db(out_signal, out_noise), n_samples, unmatched)
@@ -175,13 +185,8 @@ def _first_tensor(out) -> torch.Tensor:
 
 
 def suggest_skip(report: LayerErrorReport, k: int = 1) -> list[str]:
-    """Module names for ``skip_activations`` covering the ``k`` worst layers (top-level ops skipped)."""
+    """Names for ``skip_activations`` covering the ``k`` worst layers (``LayerError.unit``: a module, or one op
+    where its module holds other quantized outputs)."""
     if k < 1:
         raise ValueError(f"k={k!r}: ask for at least one layer (k >= 1)")
-    names: list[str] = []
-    for row in sorted(report.rows, key=lambda r: r.sqnr_db):
-        if row.module and row.module not in names:
-            names.append(row.module)
-        if len(names) == k:
-            break
-    return names
+    return list(dict.fromkeys(r.unit for r in sorted(report.rows, key=lambda r: r.sqnr_db)))[:k]

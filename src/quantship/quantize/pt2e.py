@@ -39,18 +39,10 @@ def annotation_report(model: object) -> AnnotationReport | None:
     return report if isinstance(report, AnnotationReport) else None
 
 
-def check_module_names(model: torch.nn.Module, names: tuple[str, ...] | None, flag: str = "skip_activations") -> None:
-    """Refuse ``flag``'s names (``skip_activations``, ``int16``) that are not modules of the model."""
-    if not names:
-        return
-    known = {n for n, _ in model.named_modules() if n}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        sample = sorted(n for n in known if "." not in n)[:12]
-        raise ValueError(
-            f"{flag} names {unknown} that are not modules of {type(model).__name__}; "
-            f"use names from model.named_modules(), e.g. {sample}"
-        )
+def module_names(model: torch.nn.Module) -> frozenset[str]:
+    """The model's module names: a ``skip_activations`` or ``int16`` name that is none of them must name an op of
+    the captured graph (``annotator.refuse_unknown_names``, at annotation)."""
+    return frozenset(n for n, _ in model.named_modules() if n)
 
 
 def quantize_pt2e(
@@ -80,13 +72,11 @@ def quantize_pt2e(
     from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    check_module_names(model, spec.skip_activations)
-    check_module_names(model, spec.int16, "int16")
     log("pt2e: capturing the model with torch.export (symbolic batch dimension)")
     with step("quantize: capture (torch.export)"):
         captured = capture_untouched(model, batches[0], log=log)
     check_batch_sizes(captured, batches)
-    quantizer = QuantshipQuantizer(spec, target=target)
+    quantizer = QuantshipQuantizer(spec, target=target, modules=module_names(model))
     with step("quantize: insert observers (prepare_pt2e)"):
         prepared = prepare_pt2e(captured.graph, quantizer)
     report_placement(quantizer, spec, log)

@@ -22,7 +22,7 @@ import onnx
 
 from quantship.errors import FileRefused, cause
 from quantship.inspect.read.counts import FLOAT_WEIGHT, QDQStats, count_qdq, float_compute_nodes
-from quantship.inspect.read.float_ops import FloatCompute, module_path
+from quantship.inspect.read.float_ops import FloatCompute, module_path, torch_op
 from quantship.inspect.read.loading import load_onnx
 from quantship.inspect.read.quantization import QuantFacts, quant_facts
 from quantship.inspect.read.view import DEQUANTIZE, TABLE_READERS, GraphView, node_label
@@ -161,7 +161,7 @@ def read_model(model: onnx.ModelProto, source: str = "the model") -> FileFacts:
     view = GraphView.of(model, source)
     rules = _float_rules(model)
     float_compute = tuple(FloatCompute(node_label(node, i), node.op_type, module_path(node), seen,
-                                       _rule(view, node, rules) if seen == FLOAT_WEIGHT else "")
+                                       _rule(view, node, rules) if seen == FLOAT_WEIGHT else "", torch_op(node))
                           for i, node, seen in float_compute_nodes(view))
     return FileFacts(path=source, model=model, view=view, quant=quant_facts(view),
                      stats=count_qdq(view, n_float_compute=len(float_compute)), output_scales=_output_scales(view),

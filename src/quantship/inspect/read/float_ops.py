@@ -57,19 +57,21 @@ _SEEN = {"input": WHY_INPUT, "weight": WHY_WEIGHT, "output": WHY_OUTPUT}
 @dataclass(frozen=True)
 class FloatCompute:
     """One compute op that runs in float: its node, op type, module path (None: not recorded), what shows it is
-    float (``counts.FLOAT_INPUT``, ``FLOAT_WEIGHT``, ``FLOAT_OUTPUT``), and, for a float weight, the reason of the
-    file's target's float rule that keeps such an op float ("" when none does)."""
+    float (``counts.FLOAT_INPUT``, ``FLOAT_WEIGHT``, ``FLOAT_OUTPUT``), for a float weight the reason of the
+    file's target's float rule that keeps such an op float ("" when none does), and the torch op it was exported
+    from (``torch_op``; None: not recorded)."""
 
     node: str
     op_type: str
     module: str | None
     seen: str = "input"
     rule: str = ""
+    op: str | None = None
 
 
-def module_path(node: onnx.NodeProto) -> str | None:
-    """The dotted path of the innermost module ``node`` was exported from ('' = the model's own forward),
-    read from its ``pkg.torch.onnx.name_scopes``; None when the node carries no readable scopes."""
+def _scopes(node: onnx.NodeProto) -> list[str] | None:
+    """``node``'s ``pkg.torch.onnx.name_scopes`` (the modules from the root down, then the torch op's own name);
+    None when it carries no readable scopes."""
     text = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES_KEY), None)
     if not isinstance(text, str) or len(text) > _MAX_SCOPES_CHARS:
         return None
@@ -79,7 +81,23 @@ def module_path(node: onnx.NodeProto) -> str | None:
         return None
     if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
         return None
+    return scopes
+
+
+def module_path(node: onnx.NodeProto) -> str | None:
+    """The dotted path of the innermost module ``node`` was exported from ('' = the model's own forward),
+    read from its ``pkg.torch.onnx.name_scopes``; None when the node carries no readable scopes."""
+    scopes = _scopes(node)
+    if scopes is None:
+        return None
     return scopes[-2] if len(scopes) >= 2 else ""
+
+
+def torch_op(node: onnx.NodeProto) -> str | None:
+    """The name of the torch op ``node`` was exported from (``conv2d_3``, ``matmul_1``: the names ``skip_activations``
+    and ``int16`` take for one op), the last of its name scopes; None when it carries none."""
+    scopes = _scopes(node)
+    return scopes[-1] if scopes and len(scopes) >= 2 else None
 
 
 def _record(model: onnx.ModelProto, key: str) -> dict:
@@ -121,12 +139,14 @@ def _requested(spec: Any) -> tuple[str, ...]:
     return tuple(s for s in skip if isinstance(s, str)) if isinstance(skip, list) else ()
 
 
-def _named(names: tuple[str, ...], modules: set[str], nodes: list[str]) -> bool:
-    """True when ``names`` covers a group: each of its modules (under one of them), or each of its nodes by
-    name (the ONNX path's records name nodes, whatever scopes the file carries)."""
+def _named(names: tuple[str, ...], modules: set[str], nodes: list[str], ops: list[str | None]) -> bool:
+    """True when ``names`` covers a group: each of its modules (under one of them), each of its nodes by name
+    (the ONNX path's records name nodes, whatever scopes the file carries), or each of its nodes by the name of
+    the torch op it was exported from (the PyTorch path's records name an op where its module holds others)."""
     if not names:
         return False
-    return (bool(modules) and all(under_modules(m, names) for m in modules)) or all(n in names for n in nodes)
+    return ((bool(modules) and all(under_modules(m, names) for m in modules)) or all(n in names for n in nodes)
+            or all(o in names for o in ops))
 
 
 def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
@@ -153,12 +173,14 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
     modules: dict[str, set[str]] = {}
     seen: dict[str, str] = {}
     rules: dict[str, set[str]] = {}
+    torch_ops: dict[str, list[str | None]] = {}
     for f in facts.float_compute:  # a node without scopes is named by itself (a file from another tool)
         key = f.node if f.module is None else (f.module or TOP_LEVEL)
         group = groups.setdefault(key, {"module": key, "ops": [], "nodes": [], "why": ""})
         if f.op_type not in group["ops"]:
             group["ops"].append(f.op_type)
         group["nodes"].append(f.node)
+        torch_ops.setdefault(key, []).append(f.op)
         if f.module is not None:
             modules.setdefault(key, set()).add(f.module)
         if key not in seen or list(_SEEN).index(f.seen) < list(_SEEN).index(seen[key]):
@@ -167,11 +189,11 @@ def float_ops(facts: FileFacts, *, no_rule_modules: Iterable[str] | None = None,
     for key, group in groups.items():
         found = modules.get(key, set())
         shown = _SEEN[seen[key]]
-        if _named(speed, found, group["nodes"]):
+        if _named(speed, found, group["nodes"], torch_ops[key]):
             group["why"] = WHY_SPEED
-        elif _named(repaired, found, group["nodes"]):
+        elif _named(repaired, found, group["nodes"], torch_ops[key]):
             group["why"] = WHY_REPAIR
-        elif _named(requested, found, group["nodes"]):
+        elif _named(requested, found, group["nodes"], torch_ops[key]):
             group["why"] = WHY_REQUESTED
         elif len(rules[key]) == 1 and "" not in rules[key]:  # every op of the group kept float by one rule
             group["why"] = f"{WHY_RULE}: {next(iter(rules[key]))}"

@@ -23,6 +23,8 @@ class LayerError:
     op: str
     sqnr_db: float
     upstream_db: float = math.inf  # the worst SQNR among the quantized layer outputs it reads (inf: none)
+    # the name that keeps this output alone float or in 16 bits: its module when no other row is in it, else its op
+    unit: str = ""
 
     @property
     def own_loss_db(self) -> float:
