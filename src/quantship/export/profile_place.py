@@ -83,7 +83,8 @@ class ProfilePlacement:
     verified_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "plain" / "profile" -> batch -> ms
     chosen: bool = False
     not_run: str | None = None  # why the plain file stays without a verification
-    modules: dict[str, str] = field(default_factory=dict)  # PyTorch path: candidate node -> the module kept float
+    # PyTorch path: candidate node -> the module, or the op where its module holds others, kept float
+    modules: dict[str, str] = field(default_factory=dict)
     grown: tuple[str, ...] = ()  # kept float after the candidates, each verified faster (``grow``)
     grown_ms: list[dict[str, dict[int, float]]] = field(default_factory=list)  # each growth step's timing
 
@@ -94,7 +95,7 @@ class ProfilePlacement:
 
     @property
     def kept_modules(self) -> list[str]:
-        """The modules the written file keeps float for speed (PyTorch path; empty on the ONNX path)."""
+        """The modules (or ops) the written file keeps float for speed (PyTorch path; empty on the ONNX path)."""
         return sorted({self.modules[n] for n in self.kept_float if n in self.modules})
 
     @property
@@ -108,8 +109,9 @@ class ProfilePlacement:
         return gain
 
     def _named(self, node: str) -> str:
-        """A node by its module when the PyTorch path recorded one (``--exclude`` takes it), else by name."""
-        return f"module {self.modules[node]} ({node})" if node in self.modules else node
+        """A node by the name ``--exclude`` takes when the PyTorch path recorded one (a module, or an op), else by
+        its own."""
+        return f"{self.modules[node]} ({node})" if node in self.modules else node
 
     def why(self) -> str:
         """Each op kept float by its full name and its measured per-node ms at the largest batch."""
