@@ -2,7 +2,8 @@
 
 The ONNX path's 16-bit form, on the PyTorch path: the named modules' activations (read and written) are observed
 over their exact range and stored in 16 bits, weights int8; the file is opset 21 and says which values are 16-bit.
-The repair tries a ranked module in 16 bits before keeping it float, where the target runs 16-bit activations.
+The repair tries a ranked module in 16 bits before keeping it float where the runtime computes on 16-bit activations
+(``tests.sixteen``); on onnxruntime-cpu, which runs an op between 16-bit pairs in float, it keeps the module float.
 ``Collapsing`` (a filter bank whose channels span 60 dB, then power and log) loses its output at 8 bits (about
 -4 dB SQNR against FP32); its bank in 16 bits keeps it."""
 
@@ -25,6 +26,7 @@ from quantship.inspect.judge.check import check_file
 from quantship.inspect.read.facts import read_file
 from quantship.targets import get
 from tests.quantize_onnx.test_fidelity_repair import Collapsing
+from tests.sixteen import INT16_KERNELS
 
 
 class ConvLinear(torch.nn.Module):
@@ -88,15 +90,24 @@ def test_16_bits_where_8_lose_the_signal_bring_it_back_in_both_readings(tmp_path
     assert max(got[()]) < 0.0 < 20.0 < min(got[("front",)]), got  # measured: -4.0 dB, then 29.3 dB both ways
 
 
-def test_the_repair_tries_16_bits_before_float(tmp_path, data):
+def test_the_repair_tries_16_bits_before_float_where_the_runtime_computes_on_them(tmp_path, data):
     said: list[str] = []
     judged = quantize_export_judged(Collapsing().eval(), [data[:32]], data[:1], tmp_path / "r.onnx",
-                                    target=get("onnxruntime-cpu"), overrides={}, held=[data[32:]], held_label="held",
+                                    target=INT16_KERNELS, overrides={}, held=[data[32:]], held_label="held",
                                     budget=Budget(), make_quantizer=Quantizer.for_target, log=said.append, speed=False)
     chosen = judged.repair.steps[judged.repair.chosen]
     assert judged.repair.steps[0].status == "missed" and chosen.status == "met"
     assert chosen.int16 == ("front",) and chosen.excluded == ()  # 16 bits kept the budget: nothing kept float
     assert _props(judged.path)[INT16_KEY] and json.loads(_props(judged.path)["quantship.repair"])["met"]
+
+
+def test_on_onnx_runtime_cpu_the_repair_keeps_float_what_16_bits_would_run_in_float(tmp_path, data):
+    judged = quantize_export_judged(Collapsing().eval(), [data[:32]], data[:1], tmp_path / "r.onnx",
+                                    target=get("onnxruntime-cpu"), overrides={}, held=[data[32:]], held_label="held",
+                                    budget=Budget(), make_quantizer=Quantizer.for_target, speed=False)
+    steps = judged.repair.steps
+    assert steps[judged.repair.chosen].excluded == ("front",) and steps[judged.repair.chosen].status == "met"
+    assert not any(s.int16 for s in steps) and INT16_KEY not in _props(judged.path)  # no 16-bit step tried
 
 
 @pytest.mark.parametrize("target", ["tensorrt", "tigris"])
@@ -128,7 +139,7 @@ def test_a_16_bit_module_the_profile_keeps_float_is_float(tmp_path, data):
     in 16 bits is one of them when its float conv beats its 16-bit pairs (measured on the notes example: 8 such
     modules, the file 0.91x FP32 at batch 1 with the placement refused, 1.14x with them float)."""
     judged = quantize_export_judged(Collapsing().eval(), [data[:32]], data[:1], tmp_path / "p.onnx",
-                                    target=get("onnxruntime-cpu"), overrides={}, held=[data[32:]], held_label="held",
+                                    target=INT16_KERNELS, overrides={}, held=[data[32:]], held_label="held",
                                     budget=Budget(), make_quantizer=Quantizer.for_target)
     profile = judged.profile
     assert judged.repair.steps[judged.repair.chosen].int16 == ("front",)

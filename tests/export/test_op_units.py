@@ -24,6 +24,7 @@ from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.float_ops import WHY_REQUESTED, float_ops
 from quantship.quantize.layer_error import layer_error
 from quantship.targets import get
+from tests.sixteen import INT16_KERNELS
 
 
 class Block(nn.Module):
@@ -77,15 +78,27 @@ def test_rows_are_named_by_op_inside_a_module_of_several_and_a_magnified_loss_by
     assert block[1].node.startswith("relu") and block[1].unit != block[1].node  # a fused ReLU: its conv's name
 
 
+def _repaired(model: nn.Module, data: torch.Tensor, path, target) -> object:
+    return quantize_export_judged(model, [data[:32]], data[:1], path, target=target, overrides={}, held=[data[32:]],
+                                  held_label="held", budget=Budget(), make_quantizer=Quantizer.for_target, speed=False)
+
+
+def test_the_repair_keeps_float_the_one_op_that_loses_the_signal_not_its_module(tmp_path, data):
+    model = Pair().eval()
+    bank, plain = _convs(model, data)
+    judged = _repaired(model, data, tmp_path / "r.onnx", get("onnxruntime-cpu"))
+    chosen = judged.repair.steps[judged.repair.chosen]
+    assert judged.repair.steps[0].status == "missed" and chosen.status == "met"
+    assert chosen.excluded == (bank,) and chosen.int16 == ()  # measured: -3.9 dB as asked
+    assert [f.op for f in read_file(judged.path).float_compute] == [bank]  # the plain conv beside it stays integer
+
+
 def test_the_repair_widens_the_one_op_that_loses_the_signal_not_its_module(tmp_path, data):
     model = Pair().eval()
     bank, plain = _convs(model, data)
-    judged = quantize_export_judged(model, [data[:32]], data[:1], tmp_path / "r.onnx", target=get("onnxruntime-cpu"),
-                                    overrides={}, held=[data[32:]], held_label="held", budget=Budget(),
-                                    make_quantizer=Quantizer.for_target, speed=False)
+    judged = _repaired(model, data, tmp_path / "r.onnx", INT16_KERNELS)  # a runtime with 16-bit kernels
     chosen = judged.repair.steps[judged.repair.chosen]
-    assert judged.repair.steps[0].status == "missed" and chosen.status == "met"
-    assert chosen.int16 == (bank,) and chosen.excluded == ()  # measured: -3.9 dB as asked, 39.5 dB so
+    assert chosen.int16 == (bank,) and chosen.excluded == () and chosen.status == "met"  # measured: 39.5 dB
     wide = set(judged.quantizer.report.int16_values)
     whole = Quantizer.for_target("onnxruntime-cpu", int16=["block"])
     whole.quantize(model, [data[:32]])

@@ -8,8 +8,8 @@ the target's reading (``fidelity_reading``) against the float model run in torch
 algorithm steps are ``ALGORITHM_STEPS`` (``repair_loop``'s table); the modules are ranked by the per-layer
 SQNR report's own loss on the best step's model, compared with the float model as that step captured it
 (``Quantizer.prepared_float``: equalized or smoothed) (``quantize.accuracy.own_loss_order``: a layer that only
-carries an upstream loss does not rank); for a target that runs 16-bit activations each ranked module is tried in
-16 bits (``int16``) before float, as on the ONNX path. Only the chosen file is moved to the destination.
+carries an upstream loss does not rank); for a target that computes on 16-bit activations in integer kernels
+(``Target.repairs_with_int16``) each ranked unit is tried in 16 bits (``int16``) before float, as on the ONNX path. Only the chosen file is moved to the destination.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
         def repaired() -> tuple[Repair, tuple]:
             return run_repair(attempt, budget=budget, options=options, base=base, base_wide=base_wide,
                               algorithm_steps=ALGORITHM_STEPS, order=order, mixed_refusal=refusal,
-                              sixteen=target.runs_int16, enabled=repair, max_steps=max_steps, log=log)
+                              sixteen=target.repairs_with_int16, enabled=repair, max_steps=max_steps, log=log)
 
         if budget is None:
             record, chosen = None, attempt("as asked", options, base, base_wide)[1]

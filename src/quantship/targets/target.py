@@ -65,6 +65,9 @@ class Target(Preset):
     hard_swish_faster_as_one_op: bool = False
     weight_only_form: str | None = None  # its own weight-only operator ("MatMulNBits"); None: none
     integer_recurrent_ops: tuple[str, ...] = ()  # recurrent ONNX ops it runs as integer kernels (others stay float)
+    # it computes on 16-bit activations in integer kernels; False: it runs an op between 16-bit pairs in float (ONNX
+    # Runtime's CPU), so 16 bits buy a unit nothing over float (``repairs_with_int16``)
+    int16_kernels: bool = False
 
     @property
     def runs_integer_lstm(self) -> bool:
@@ -84,6 +87,16 @@ class Target(Preset):
     def runs_int16(self) -> bool:
         """It accepts 16-bit activations of its preset's kind."""
         return self.wide_activation_dtype in self.file_rules.activation_dtypes
+
+    @property
+    def repairs_with_int16(self) -> bool:
+        """The fidelity repair and the labelled search try a ranked unit in 16-bit activations before float: only
+        where its runtime computes on them in integer kernels. Where it runs an op between 16-bit pairs in float,
+        the same unit kept float is at least as faithful (no rounding at all) and at least as fast: a 16-bit value
+        also takes its producer and its readers out of their 8-bit integer kernels, a float one costs one
+        QuantizeLinear or DequantizeLinear at each edge (tests/quantize_onnx/test_int16_policy.py counts both
+        in ONNX Runtime's optimized graph)."""
+        return self.runs_int16 and self.int16_kernels
 
     def int16_refusal(self, flag: str) -> str | None:
         """Why ``flag`` (the caller's spelling of a 16-bit request) cannot be honoured here; None when it can."""
