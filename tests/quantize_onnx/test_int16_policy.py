@@ -45,8 +45,8 @@ def test_a_16_bit_unit_runs_fewer_integer_kernels_than_the_same_unit_float_and_i
     made = {form: quantize_onnx_file(tmp_path / "float.onnx", tmp_path / f"{form}.onnx", x[:32], target="onnxruntime-cpu",
                                      **{form: ["conv2"]}).path for form in ("exclude", "int16")}
     integer = {form: sum(ort_optimized_ops(path)[op] for op in INTEGER_KERNELS) for form, path in made.items()}
-    # float: conv1 and conv3 stay integer kernels; 16 bits: conv2's input and output are 16-bit values, so conv1
-    # (which writes one) and conv3 (which reads one) run in float too (measured: 2 and 0)
+    # float: conv1 and conv3 stay integer kernels; 16 bits: conv2's output is a 16-bit value, so conv3, which reads
+    # it, runs in float too (measured: 2 and 1)
     assert integer["exclude"] > integer["int16"], integer
     assert onnx.load(str(made["int16"])).opset_import[0].version >= 21  # the 16-bit file is what it says
     fidelity = {form: _sqnr(tmp_path / "float.onnx", path, x[32:]) for form, path in made.items()}

@@ -11,6 +11,15 @@ A conv/linear whose activation input stays float (it reads a module kept float) 
 from a stored integer tensor runs as a float kernel plus a DequantizeLinear on every call: ``store_float_weights``
 stores the values that DequantizeLinear computes instead (``export.qdq.FloatInputWeightPass``: exact, the same
 float32 products).
+
+ONNX Runtime (1.21 and later, at its default optimizations) quantizes the float weight of a Conv, ConvTranspose
+or Gemm itself, symmetric int8 per tensor, when the op reads a per-tensor DequantizeLinear and its one output path
+(through Relu or Clip) ends in a QuantizeLinear, and then runs it as an integer kernel: a conv kept float on
+request, by the fidelity repair or by a target's float rule would run with per-tensor int8 weights (a 60 dB
+channel span lost, a slow depthwise kernel chosen again). ``float_reads_per_axis`` gives each such op its own
+DequantizeLinear with the scale and zero-point repeated along the channel axis: the same values bit for bit, no
+longer a per-tensor pair that rewrite takes, so the op runs in float as the file says
+(``Target.quantizes_float_convs``; ``export.qdq.FloatReadsPass``, ``quantize_onnx.quantizer``).
 """
 
 from __future__ import annotations
@@ -43,6 +52,63 @@ def _stored_float_pays(reader: ir.Node) -> bool:
     typed = [v for v in value.producer().inputs[::2] if v is not None]  # the quantized input and the zero-point
     return reader.op_type == "MatMul" and any(
         v.dtype in wide or (v.const_value is not None and v.const_value.dtype in wide) for v in typed)
+
+
+# the ops whose float weight ONNX Runtime quantizes between a per-tensor DequantizeLinear and a QuantizeLinear
+WEIGHT_QUANTIZED_BY_RUNTIME = ("Conv", "ConvTranspose", "Gemm")
+
+
+def _one_path_to_quantize(node: ir.Node) -> bool:
+    """``node``'s one output reaches a QuantizeLinear through single-reader Relu / Clip ops only."""
+    while len(node.outputs) == 1 and not node.outputs[0].is_graph_output():
+        uses = list(node.outputs[0].uses())
+        if len(uses) != 1:
+            return False
+        node = uses[0].node
+        if node.op_type == "QuantizeLinear":
+            return True
+        if node.op_type not in ("Relu", "Clip"):
+            return False
+    return False
+
+
+def _channels(node: ir.Node, weight: np.ndarray) -> int | None:
+    """The size of axis 1 of ``node``'s activation input, read off its weight (None when it cannot be)."""
+    if node.op_type == "Conv" and weight.ndim >= 3:
+        return weight.shape[1] * node.attributes.get_int("group", 1)
+    if node.op_type == "ConvTranspose" and weight.ndim >= 3:
+        return weight.shape[0]
+    if node.op_type == "Gemm" and weight.ndim == 2 and not node.attributes.get_int("transA", 0):
+        return weight.shape[1] if node.attributes.get_int("transB", 0) else weight.shape[0]
+    return None
+
+
+def float_reads_per_axis(model: ir.Model) -> int:
+    """Each float Conv / ConvTranspose / Gemm that ONNX Runtime would quantize itself (module docstring) reads its
+    input through its own DequantizeLinear whose scale and zero-point are repeated along axis 1; returns how many.
+    Exact: the same products as the per-tensor DequantizeLinear it replaces for that reader."""
+    graph, changed = model.graph, 0
+    if int(model.opset_imports.get("", 0)) < 13:  # per-axis DequantizeLinear: opset 13
+        return 0
+    for node in [n for n in graph if n.op_type in WEIGHT_QUANTIZED_BY_RUNTIME and n.domain in ("", "ai.onnx")]:
+        x, w = (node.inputs[0], node.inputs[1]) if len(node.inputs) > 1 else (None, None)
+        dq = x.producer() if x is not None else None
+        if dq is None or dq.op_type != "DequantizeLinear" or w is None or w.const_value is None:
+            continue  # a weight read through a DequantizeLinear is an integer kernel's, as written
+        given = [v for v in dq.inputs[1:3] if v is not None]
+        stored = [v.const_value.numpy() for v in given if v.const_value is not None]
+        channels = _channels(node, w.const_value.numpy())
+        if len(stored) != len(given) or not stored or any(a.size != 1 for a in stored) or channels is None \
+                or not _one_path_to_quantize(node):
+            continue
+        inputs = [dq.inputs[0], *(fresh_initializer(graph, f"{x.name}_{what}_per_axis", np.full(channels, a.item(),
+                                                    a.dtype), a.dtype) for what, a in zip(("scale", "zero_point"), stored))]
+        read = ir.node("DequantizeLinear", inputs, attributes={"axis": 1}, name=f"{node.name}_float_read")
+        read.outputs[0].name, read.outputs[0].type, read.outputs[0].shape = f"{x.name}_float_read", x.type, x.shape
+        graph.insert_before(node, read)
+        node.replace_input_with(0, read.outputs[0])
+        changed += 1
+    return changed
 
 
 def _integer(node: ir.Node) -> bool:

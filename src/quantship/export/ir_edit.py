@@ -43,16 +43,16 @@ def convert_opset(model: ir.Model, version: int) -> int:
     return 1
 
 
-def fresh_initializer(graph: ir.Graph, base: str, array: float | np.ndarray) -> ir.Value:
-    """A float32 initializer holding ``array`` (a scalar, or an array as given) under ``base``, or ``base_1``, ``base_2``... when a tensor of
-    the graph already has that name."""
+def fresh_initializer(graph: ir.Graph, base: str, array: float | np.ndarray, dtype: type = np.float32) -> ir.Value:
+    """An initializer holding ``array`` (a scalar, or an array as given) as ``dtype`` (float32 by default) under
+    ``base``, or ``base_1``, ``base_2``... when a tensor of the graph already has that name."""
     used = set(graph.initializers) | {o.name for n in graph for o in n.outputs} | {v.name for v in graph.inputs}
     name, k = base, 0
     while name in used:
         k += 1
         name = f"{base}_{k}"
-    array = np.asarray(array, dtype=np.float32)
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.FLOAT),
+    array = np.asarray(array, dtype=dtype)
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      const_value=ir.tensor(array, name=name))
     graph.register_initializer(value)
     return value

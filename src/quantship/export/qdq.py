@@ -198,6 +198,21 @@ class PlacementPass(ir.passes.InPlacePass):
             self.ctx.rebase(proto)
 
 
+class FloatReadsPass(ExactPass):
+    """For a runtime that quantizes a float Conv/Gemm between a per-tensor pair itself (``Target.quantizes_float_convs``):
+    each such op kept float reads its input through its own per-axis DequantizeLinear, the same values
+    (``float_pairs.float_reads_per_axis``); ensured by an identical ORT run."""
+
+    what = "keeping float convs float in the runtime"
+
+    def rewrite(self, model: ir.Model) -> int:
+        target = self.ctx.target
+        return float_pairs.float_reads_per_axis(model) if target is not None and target.quantizes_float_convs else 0
+
+    def verify(self, proto: onnx.ModelProto) -> None:
+        check_model(proto, self.what)
+
+
 # forms that write the same operation with another ONNX Runtime kernel whose float sums run in another order: a
 # mean over H and W as GlobalAveragePool (on random NCHW tensors 2,827 of 3,489 means differed by an ulp or two
 # from ReduceMean's, read literally), so a QuantizeLinear after it can round a value differently. Each is kept when
@@ -342,7 +357,7 @@ class MetadataPass(ir.passes.InPlacePass):
 # Metadata first: it changes no output, and the last rewrite's checked graph is then the file's.
 PASSES: tuple[Callable[[ExportContext], ir.passes.PassBase], ...] = (
     MetadataPass, LowerOpsetPass, KernelShapePass, FloatInputWeightPass, PlacementPass, TargetFormsPass,
-    ActivationDtypePass, BinaryConstantDtypePass, ReluRequantizePass,
+    ActivationDtypePass, BinaryConstantDtypePass, ReluRequantizePass, FloatReadsPass,
 )
 
 

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from quantship import targets
 from quantship.errors import ExportRefused, FileRefused, SpecRefused, cause
-from quantship.export import artifact, target_forms
+from quantship.export import artifact, float_pairs, target_forms
 from quantship.export.checks import run_passes
 from quantship.export.kernel_shape import write_kernel_shapes
 from quantship.export.metadata import ALGORITHMS_KEY, add_file_metadata, algorithms_summary, write_metadata
@@ -650,6 +650,8 @@ def quantize_onnx_file(float_path: str | Path, out_path: str | Path, calibration
                       weight_bound=placement.weight_bound)
     counts["integer_recurrent"] = len(integer_recurrent)
     counts["kernel_shape_written"] = write_kernel_shapes(model)
+    if p.quantizes_float_convs:
+        counts["float_reads_per_axis"] = float_pairs.float_reads_per_axis(model)
     skipped = sorted(selection.node_label(nodes[i], i) for i in excluded)
     spec_kwargs = dict(p.spec_kwargs)
     if per_tensor:

@@ -60,4 +60,5 @@ TARGET = Target(
     weight_only_form="MatMulNBits",  # com.microsoft
     # com.microsoft DynamicQuantizeLSTM (int8 W and R, activations quantized in the kernel); no integer GRU or RNN
     integer_recurrent_ops=("LSTM",),
+    quantizes_float_convs=True,  # its weight and bias quantization (1.21+), at its default optimizations
 )

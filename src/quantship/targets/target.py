@@ -68,6 +68,9 @@ class Target(Preset):
     # it computes on 16-bit activations in integer kernels; False: it runs an op between 16-bit pairs in float (ONNX
     # Runtime's CPU), so 16 bits buy a unit nothing over float (``repairs_with_int16``)
     int16_kernels: bool = False
+    # its optimizer quantizes the float weight of a Conv / ConvTranspose / Gemm read through a per-tensor
+    # DequantizeLinear and written into a QuantizeLinear (``export.float_pairs.float_reads_per_axis`` keeps it float)
+    quantizes_float_convs: bool = False
 
     @property
     def runs_integer_lstm(self) -> bool:
