@@ -78,9 +78,13 @@ def sensitivity_order(model: torch.nn.Module, quantized: torch.nn.Module, batche
 def own_loss_order(model: torch.nn.Module, quantized: torch.nn.Module, batches: Sequence[torch.Tensor]) -> list[str]:
     """Modules or ops to keep in float or in 16 bits for the fidelity repair (``LayerError.unit``), the layer that
     loses the most signal itself first (``LayerError.own_loss_db``: a layer that only carries an upstream loss does
-    not rank)."""
-    rows = sorted(layer_error(model, quantized, list(batches)).rows, key=lambda r: (-r.own_loss_db, r.order))
-    return list(dict.fromkeys(r.unit for r in rows if r.own_loss_db > 0))
+    not rank), then the modules that hold the ranked ops, in the same order: they also cover the ops the report
+    cannot measure (one the annotator wrote itself, an attention decomposed), so a repair that the ops alone do not
+    make can still be found, coarser."""
+    rows = [r for r in sorted(layer_error(model, quantized, list(batches)).rows, key=lambda r: (-r.own_loss_db, r.order))
+            if r.own_loss_db > 0]
+    units = list(dict.fromkeys(r.unit for r in rows))
+    return units + [m for m in dict.fromkeys(r.module for r in rows if r.module) if m not in units]
 
 
 def search(
