@@ -22,6 +22,7 @@ from quantship.export.onnx_float import export_onnx
 from quantship.export.placement import float_named_as
 from quantship.inspect.read.facts import read_file
 from quantship.inspect.read.float_ops import WHY_REQUESTED, float_ops
+from quantship.quantize.accuracy import own_loss_order
 from quantship.quantize.layer_error import layer_error
 from quantship.targets import get
 from tests.sixteen import INT16_KERNELS
@@ -76,6 +77,8 @@ def test_rows_are_named_by_op_inside_a_module_of_several_and_a_magnified_loss_by
     log = by_node["log"]
     assert log.own_loss_db > 20 and log.unit == block[0].unit  # the log shows the bank's loss: the bank is charged
     assert block[1].node.startswith("relu") and block[1].unit != block[1].node  # a fused ReLU: its conv's name
+    order = own_loss_order(model, Quantizer.for_target("onnxruntime-cpu").quantize(model, [data[:32]]), [data[:32]])
+    assert order[0] == block[0].unit and order[-1] == "block"  # the ops first, then the modules holding them
 
 
 def _repaired(model: nn.Module, data: torch.Tensor, path, target) -> object:
