@@ -23,7 +23,6 @@ from quantship.export import export_onnx
 from quantship.fidelity import DEFAULT_MIN_SQNR_DB, METADATA_KEY, Budget
 from quantship.quantize_onnx import quantize_onnx, quantize_onnx_file
 from quantship.repair_loop import METADATA_KEY as REPAIR_KEY
-from tests.sixteen import INT16_KERNELS
 
 
 class Collapsing(nn.Module):
@@ -340,7 +339,7 @@ def test_a_16_bit_node_the_profile_keeps_float_is_float(files):
     float where its float form runs faster. It used to ask for the node in 16 bits and in float at once, which
     was refused ("gives no file"), and the slower 16-bit file was written."""
     cal = np.load(files / "cal.npy")
-    done, record = quantize_onnx(files / "float.onnx", files / "profiled.onnx", cal[:32], target=INT16_KERNELS,
+    done, record = quantize_onnx(files / "float.onnx", files / "profiled.onnx", cal[:32], target="onnxruntime-cpu",
                                  fidelity_data=cal[32:])
     wide = record.steps[record.chosen].int16
     profile = done.profile.as_dict()

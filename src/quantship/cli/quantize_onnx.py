@@ -12,8 +12,8 @@ weight-only MatMulNBits instead (``cli.quantize_onnx_weight_only``: no calibrati
 
 ``--eval LABELLED`` scores top-1 of the float file and of the written file in ONNX Runtime (default
 optimizations, Wilson 95% intervals); with ``--max-drop POINTS`` the accuracy search
-(``quantize_onnx.search``) gives the worst-SQNR nodes 16-bit activations (where the target computes
-on them in integer kernels) or keeps them in float, one at a time, until the drop fits,
+(``quantize_onnx.search``) gives the worst-SQNR nodes 16-bit activations (where the target runs
+them) or keeps them in float, one at a time, until the drop fits,
 and exits 1, writing nothing, when no step does.
 """
 
@@ -82,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="labelled data (.npz with x and y, or a folder of class folders): top-1 of the float "
                              "file and of the INT8 file in ONNX Runtime, with Wilson 95%% intervals")
     parser.add_argument("--max-drop", type=float, default=None, metavar="POINTS",
-                        help="accuracy search: give the worst-SQNR nodes 16-bit activations (where the target "
-                             "computes on them in integer kernels) or keep them in float until the top-1 drop on --eval "
+                        help="accuracy search: give the worst-SQNR nodes 16-bit activations (where the target runs "
+                             "them) or keep them in float until the top-1 drop on --eval "
                              "is at most POINTS percentage points (exit 1, nothing written, if no step fits)")
     parser.add_argument("--speed-search", action="store_true",
                         help="onnxruntime-cpu: time the file in ONNX Runtime on this CPU (1 thread, batch 1 and 8) "

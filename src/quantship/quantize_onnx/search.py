@@ -4,9 +4,7 @@ in float, until the metric of the written file fits a budget.
 
 Each step's file is measured in ONNX Runtime at its default optimizations (what a user runs); the
 per-node SQNR report (``sensitivity.node_sqnr``, on step 0's file) orders the nodes worst first; 16-bit
-is tried first where the target computes on it in integer kernels (``Target.repairs_with_int16``: none of
-today's; ONNX Runtime's CPU runs an op between 16-bit pairs in float, so float is tried alone), and float wins
-a tie.
+is tried first where the target runs it (``Target.runs_int16``, as the ONNX path's repair), and float wins a tie.
 Every step is quantized into a temporary folder beside ``out_path``; only the accepted file is moved
 there. When no step fits, ``OnnxBudgetMissed`` names the best set and every step; nothing is written.
 
@@ -102,8 +100,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                 log: Callable[[str], None] = lambda _: None) -> tuple[OnnxQuantizeResult, OnnxSearch]:
     """Quantize ``float_path`` for ``target`` with the fewest nodes changed whose file loses at most ``max_drop``
     of the metric (module docstring); write ``out_path``. ``exclude`` / ``int16``: nodes in float / 16-bit in
-    every step; ``try_int16``: 16-bit before float (where the target computes on it:
-    ``Target.repairs_with_int16``); the algorithm options as
+    every step; ``try_int16``: 16-bit before float (where the target runs it); the algorithm options as
     ``quantize_onnx_file``'s, in every step; ``max_steps``: at most that many candidate nodes after step 0
     (None: all). Returns the file's ``OnnxQuantizeResult`` and the search, or raises ``OnnxBudgetMissed``.
     """
@@ -138,7 +135,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
             report = node_sqnr(src, calibration, exclude=base[0], quantized_path=done.path, **options)
             return [r.node for r in report.candidates()]
 
-        done = metric_search(attempt, result, order, sixteen=try_int16 and get_target(target).repairs_with_int16, max_nodes=max_steps,
+        done = metric_search(attempt, result, order, sixteen=try_int16 and get_target(target).runs_int16, max_nodes=max_steps,
                              base=base, log=log,
                              advice="Raise --max-drop, allow more steps, or give more calibration data")
         with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:

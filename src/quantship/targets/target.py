@@ -93,8 +93,9 @@ class Target(Preset):
 
     @property
     def repairs_with_int16(self) -> bool:
-        """The fidelity repair and the labelled search try a ranked unit in 16-bit activations before float: only
-        where its runtime computes on them in integer kernels. Where it runs an op between 16-bit pairs in float,
+        """The PyTorch path's fidelity repair tries a ranked unit in 16-bit activations before float only where its
+        runtime computes on them in integer kernels (the ONNX path's tries them wherever they run, measured:
+        docs/fidelity.md). Where it runs an op between 16-bit pairs in float,
         the same unit kept float is at least as faithful (no rounding at all) and at least as fast: a 16-bit value
         also takes its producer and its readers out of their 8-bit integer kernels, a float one costs one
         QuantizeLinear or DequantizeLinear at each edge (tests/quantize_onnx/test_int16_policy.py counts both
