@@ -10,7 +10,7 @@ This module imports only ``quantship.errors`` and ``quantship.lazy`` from quants
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -125,6 +125,14 @@ def under_modules(path: str, names: Iterable[str]) -> bool:
     """Whether the module at dotted ``path`` is one of ``names`` or inside one of them: what a
     ``skip_activations`` name covers (a module and everything below it)."""
     return any(path == n or path.startswith(n + ".") for n in names)
+
+
+def smallest_names(modules: Sequence[str], ops: Sequence[str]) -> list[str]:
+    """For each op (``ops[i]``, traced under module ``modules[i]``; '' at top level), the smallest name
+    ``skip_activations`` and ``int16`` take to change it alone: its module when no other of these ops is in that
+    module or below it, else the op's own name."""
+    return [m if m and sum(under_modules(other, (m,)) for other in modules) == 1 else op
+            for m, op in zip(modules, ops)]
 
 
 def outside_modules(names: Iterable[str], modules: Iterable[str]) -> tuple[str, ...]:

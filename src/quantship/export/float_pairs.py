@@ -101,9 +101,9 @@ def float_reads_per_axis(model: ir.Model) -> int:
         if len(stored) != len(given) or not stored or any(a.size != 1 for a in stored) or channels is None \
                 or not _one_path_to_quantize(node):
             continue
-        inputs = [dq.inputs[0], *(fresh_initializer(graph, f"{x.name}_{what}_per_axis", np.full(channels, a.item(),
-                                                    a.dtype), a.dtype) for what, a in zip(("scale", "zero_point"), stored))]
-        read = ir.node("DequantizeLinear", inputs, attributes={"axis": 1}, name=f"{node.name}_float_read")
+        per_axis = [fresh_initializer(graph, f"{x.name}_{what}_per_axis", np.full(channels, a.item(), a.dtype), a.dtype)
+                    for what, a in zip(("scale", "zero_point"), stored)]
+        read = ir.node("DequantizeLinear", [dq.inputs[0], *per_axis], attributes={"axis": 1}, name=f"{node.name}_float_read")
         read.outputs[0].name, read.outputs[0].type, read.outputs[0].shape = f"{x.name}_float_read", x.type, x.shape
         graph.insert_before(node, read)
         node.replace_input_with(0, read.outputs[0])

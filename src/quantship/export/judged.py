@@ -9,7 +9,8 @@ algorithm steps are ``ALGORITHM_STEPS`` (``repair_loop``'s table); the modules a
 SQNR report's own loss on the best step's model, compared with the float model as that step captured it
 (``Quantizer.prepared_float``: equalized or smoothed) (``quantize.accuracy.own_loss_order``: a layer that only
 carries an upstream loss does not rank); for a target that computes on 16-bit activations in integer kernels
-(``Target.repairs_with_int16``) each ranked unit is tried in 16 bits (``int16``) before float, as on the ONNX path. Only the chosen file is moved to the destination.
+(``Target.repairs_with_int16``) each ranked unit is tried in 16 bits (``int16``) before float. Only the chosen
+file is moved to the destination.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import onnx
 
 from quantship.errors import QuantshipError
 from quantship.inspect.read.float_ops import module_path, torch_op
-from quantship.precision import under_modules
+from quantship.precision import smallest_names
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
@@ -91,15 +91,13 @@ def _same(a: tuple, b: tuple) -> bool:
 
 def float_named_as(float_model: onnx.ModelProto, int8_model: onnx.ModelProto) -> dict[str, str]:
     """Rename, in ``float_model``, each weighted node after the INT8 file's integer node it is; returns the
-    matched INT8 node names -> the names that keep each float (``skip_activations``: its module when no other
-    integer weighted node is in it, else its torch op, ``torch_op``). When both files hold the same weighted ops in the same
+    matched INT8 node names -> the names that keep each float (``precision.smallest_names`` of its module and its
+    torch op, ``torch_op``, among the integer weighted nodes). When both files hold the same weighted ops in the same
     order with the same stored weight shapes, they are paired by position (a BatchNorm the float export folds
     into its Conv scopes that Conv under the BatchNorm's module); otherwise by module (module docstring)."""
     wanted = integer_weighted(int8_model)
     ops = {n.name: torch_op(n) for n in int8_model.graph.node}
-    paths = [key[0] for key in wanted]
-    modules = {name: key[0] if key[0] and sum(under_modules(p, (key[0],)) for p in paths) == 1 else ops[name]
-               for key, name in wanted.items()}
+    modules = dict(zip(wanted.values(), smallest_names([key[0] for key in wanted], [ops[n] for n in wanted.values()])))
     ours, theirs = _in_order(int8_model), _in_order(float_model)
     if len(ours) == len(theirs) and all(_same(a, b) for a, b in zip(ours, theirs)):
         pairs = [(a[0], b[0]) for a, b in zip(ours, theirs) if a[0] in modules]
@@ -117,7 +115,8 @@ def float_named_as(float_model: onnx.ModelProto, int8_model: onnx.ModelProto) ->
 
 def profiled_reference(float_path: Path, int8_path: Path, out: Path) -> dict[str, str]:
     """The float reference written to ``out`` with its weighted nodes named after ``int8_path``'s; returns the
-    INT8 node names the profile can compare -> the names that keep each float (``float_named_as``). Raises ``QuantshipError`` when none match."""
+    INT8 node names the profile can compare -> the names that keep each float (``float_named_as``). Raises
+    ``QuantshipError`` when none match."""
     float_model = onnx.load(str(float_path))
     matched = float_named_as(float_model, onnx.load(str(int8_path), load_external_data=False))
     if not matched:

@@ -28,6 +28,7 @@ from quantship.inspect.read.float_ops import float_ops
 from quantship.inspect.read.lsb import lsb_error, output_scales
 from quantship.inspect.run.consumers import ort_session
 from quantship.inspect.run.outputs import output_arrays
+from quantship.precision import under_modules
 from quantship.quantize.calibration import Inputs
 
 
@@ -158,5 +159,5 @@ def left_float(quantizer: Any, facts: Any, for_speed: Sequence[str] = ()) -> dic
     # a module kept float whose compute ops all read and write INT8 in the file: the ops around it quantize
     # its inputs and outputs for their own sake (e.g. a conv whose ReLU is another module)
     out["requested_but_int8"] = [name for name in requested if name not in floated_ops
-                                 and not any(m == name or m.startswith(name + ".") for m in floated)]
+                                 and not any(under_modules(m, (name,)) for m in floated)]
     return out

@@ -22,7 +22,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from quantship.fidelity import sqnr_db
-from quantship.precision import under_modules
+from quantship.precision import smallest_names
 from quantship.quantize.algorithms.sensitivity import LayerError, LayerErrorReport
 from quantship.quantize.annotator import BATCH_NORM_OPS, fused_head, module_path
 from quantship.quantize.capture import capture
@@ -100,9 +100,7 @@ def _units(producers: list[Node], upstream: list[set[int]], own: list[float]) ->
     magnify: its unit is that of the worst output it reads (``upstream``, ``own`` their SQNRs), where the loss is
     made and can be repaired."""
     heads = [fused_head(p) for p in producers]
-    modules = [module_path(h) for h in heads]
-    units = [m if m and sum(under_modules(other, (m,)) for other in modules) == 1 else h.name
-             for h, m in zip(heads, modules)]
+    units = smallest_names([module_path(h) for h in heads], [h.name for h in heads])
     reads = [any(a.op == "call_function" and a.target in _DEQUANTIZE for a in h.all_input_nodes) for h in heads]
     return [units[i] if reads[i] or not upstream[i] else units[min(upstream[i], key=lambda u: own[u])]
             for i in range(len(units))]

@@ -4,7 +4,7 @@ in float, until the metric of the written file fits a budget.
 
 Each step's file is measured in ONNX Runtime at its default optimizations (what a user runs); the
 per-node SQNR report (``sensitivity.node_sqnr``, on step 0's file) orders the nodes worst first; 16-bit
-is tried first where the target runs it (``Target.runs_int16``, as the ONNX path's repair), and float wins a tie.
+is tried first where the target runs it (``int16.runs_int16``, as the ONNX path's repair), and float wins a tie.
 Every step is quantized into a temporary folder beside ``out_path``; only the accepted file is moved
 there. When no step fits, ``OnnxBudgetMissed`` names the best set and every step; nothing is written.
 
@@ -28,12 +28,12 @@ from quantship.errors import DataRefused, ExportRefused, SpecRefused, one_line
 from quantship.export import artifact
 from quantship.inspect.run.consumers import ort_session
 from quantship.progress import step as progress_step
+from quantship.quantize_onnx.int16 import runs_int16
 from quantship.quantize_onnx.quantizer import FloatReference, OnnxQuantizeResult, quantize_onnx_file
 from quantship.quantize_onnx.sensitivity import node_sqnr
 from quantship.recipe import takes_algorithms
 from quantship.search_engine import TOP1, BudgetMissed, MetricSearch, MetricStep, metric_search, metric_step
 from quantship.targets import Target
-from quantship.targets import get as get_target
 
 Run = Callable[[Any], list[np.ndarray]]
 OnnxSearchStep, OnnxSearch, OnnxBudgetMissed = MetricStep, MetricSearch, BudgetMissed  # the names this path had
@@ -135,7 +135,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
             report = node_sqnr(src, calibration, exclude=base[0], quantized_path=done.path, **options)
             return [r.node for r in report.candidates()]
 
-        done = metric_search(attempt, result, order, sixteen=try_int16 and get_target(target).runs_int16, max_nodes=max_steps,
+        done = metric_search(attempt, result, order, sixteen=try_int16 and runs_int16(target), max_nodes=max_steps,
                              base=base, log=log,
                              advice="Raise --max-drop, allow more steps, or give more calibration data")
         with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:

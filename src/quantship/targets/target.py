@@ -93,13 +93,12 @@ class Target(Preset):
 
     @property
     def repairs_with_int16(self) -> bool:
-        """The PyTorch path's fidelity repair tries a ranked unit in 16-bit activations before float only where its
-        runtime computes on them in integer kernels (the ONNX path's tries them wherever they run, measured:
-        docs/fidelity.md). Where it runs an op between 16-bit pairs in float,
-        the same unit kept float is at least as faithful (no rounding at all) and at least as fast: a 16-bit value
-        also takes its producer and its readers out of their 8-bit integer kernels, a float one costs one
-        QuantizeLinear or DequantizeLinear at each edge (tests/quantize_onnx/test_int16_policy.py counts both
-        in ONNX Runtime's optimized graph)."""
+        """The PyTorch path's fidelity repair tries a ranked unit in 16-bit activations before float only where the
+        runtime computes on them in integer kernels. Where it runs an op between 16-bit pairs in float, a 16-bit value
+        also takes its reader out of its 8-bit integer kernel, where a float unit costs one QuantizeLinear or
+        DequantizeLinear at each edge (tests/quantize_onnx/test_int16_policy.py counts both in ONNX Runtime's
+        optimized graph); float units were faster at the same budget there (docs/fidelity.md). The ONNX path's
+        repair tries 16 bits wherever they run (``runs_int16``): measured, docs/fidelity.md."""
         return self.runs_int16 and self.int16_kernels
 
     def int16_refusal(self, flag: str) -> str | None:

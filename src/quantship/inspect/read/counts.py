@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnx
 
-from quantship.inspect.read.quantization import one_value
+from quantship.inspect.read.quantization import one_pair
 from quantship.inspect.read.view import DEQUANTIZE, FLOAT_TYPES, FUSED_ACTIVATIONS, QUANTIZE, SHAPE_ONLY, GraphView
 from quantship.inspect.read.weight_only import float_weights_of
 
@@ -145,8 +145,7 @@ def count_qdq(view: GraphView, n_float_compute: int | None = None) -> QDQStats:
         counts[node.op_type] += 1
         scale = view.value(node.input[1]) if len(node.input) > 1 and node.input[1] else None
         zero_point = view.value(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-        if scale is not None and scale.size > 1 and not (one_value(scale) and (zero_point is None
-                                                                      or one_value(zero_point))):
+        if scale is not None and scale.size > 1 and not one_pair(scale, zero_point):
             n_per_channel += 1
         if zero_point is not None:
             if zero_point.dtype.kind in "iufb" and np.any(zero_point != 0):

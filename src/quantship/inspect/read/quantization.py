@@ -81,9 +81,10 @@ class QuantFacts:
         return sorted({q.dtype for q in self.of_role("activation")})
 
 
-def one_value(a: np.ndarray) -> bool:
-    """``a`` holds one value, however many times (a per-axis tensor of a per-tensor pair)."""
-    return a.size >= 1 and bool(np.all(a == a.reshape(-1)[0]))
+def one_pair(scale: np.ndarray, zero: np.ndarray | None) -> bool:
+    """``scale`` and ``zero`` (None: absent) each hold one value, however many times: a per-tensor pair, written per
+    axis when repeated (``export.float_pairs.float_reads_per_axis``)."""
+    return all(a.size >= 1 and bool(np.all(a == a.reshape(-1)[0])) for a in (scale, zero) if a is not None)
 
 
 def default_opset(model: onnx.ModelProto) -> int | None:
@@ -123,9 +124,7 @@ def _qdq_node(view: GraphView, node: onnx.NodeProto, index: int) -> QDQNode:
     zero = view.value(zp_name) if zp_name else np.zeros(1, dtype=np.int64)
     if zero is not None and zero.dtype.kind not in "iub":
         zero = None
-    # one scale and one zero-point repeated along an axis is a per-tensor pair written per axis
-    # (``export.float_pairs.float_reads_per_axis``)
-    if scale is not None and one_value(scale) and (zero is None or one_value(zero)):
+    if scale is not None and one_pair(scale, zero):
         scale, zero = scale.reshape(-1)[:1], zero.reshape(-1)[:1] if zero is not None else None
     per_channel = scale is not None and scale.size > 1 or (scale is None and bool(view.shape.get(scale_name)))
     stored = view.passing(x) if node.op_type == DEQUANTIZE and x in view.initializers else None
