@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from quantship.errors import ExportRefused, one_line
 from quantship.inspect.read import external
+from quantship.inspect.run.literal import tensors_folder
 from quantship.inspect.run.verify import ort_session, run_session
 from quantship.progress import step
 
@@ -29,7 +30,19 @@ CHECKED_IN_MEMORY_BELOW = 64 << 20
 
 
 def check_model(model: onnx.ModelProto, what: str) -> None:
-    """``onnx.checker`` at the opset the graph declares; refuse the rewrite named ``what`` otherwise."""
+    """``onnx.checker`` at the opset the graph declares; refuse the rewrite named ``what`` otherwise. A graph whose
+    tensors are in ``literal.tensors_in``'s folder is checked there, beside them."""
+    folder = tensors_folder()
+    if folder is not None and external.external_tensors(model):
+        beside = Path(folder) / "checked.onnx"
+        beside.write_bytes(model.SerializeToString())
+        try:
+            onnx.checker.check_model(str(beside))
+        except onnx.checker.ValidationError as exc:
+            raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
+        finally:
+            beside.unlink(missing_ok=True)
+        return
     if sum(t.ByteSize() for t in model.graph.initializer) < CHECKED_IN_MEMORY_BELOW:
         try:
             onnx.checker.check_model(model)

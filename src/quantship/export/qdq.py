@@ -47,9 +47,9 @@ from quantship.export.opset import INT16_OPSET, LOWEST_OPSET, lower_opset
 from quantship.export.ort_fusion import constants_to_uint8, requantize_before_relu
 from quantship.export.postconditions import check_spec_held, check_target
 from quantship.export.refusals import exportable_spec, resolve_activation_dtype
-from quantship.heap import give_back
+from quantship.heap import LARGE_MODEL_BYTES, give_back, large_blocks_mapped, module_bytes
 from quantship.inspect.read.facts import read_file
-from quantship.inspect.run.literal import LITERAL_PART_BYTES, parts_of_at_most
+from quantship.inspect.run.literal import LITERAL_PART_BYTES, parts_of_at_most, tensors_in, weights_to_disk
 from quantship.inspect.run.verify import (
     MeasuredPath,
     Readings,
@@ -443,6 +443,12 @@ EXPORT_PART_BYTES = LITERAL_PART_BYTES // 4
 # stored bytes from which the export collects the cycles it let go (an onnx_ir model holds every weight until the
 # collector runs) before the next step: a collection costs about 0.25 s, worth it only where it frees hundreds of MB
 COLLECTED_FROM_BYTES = 64 << 20
+# A produced graph of LARGE_MODEL_BYTES of stored tensors or more keeps those of OFFLOADED_FROM bytes or more in a data
+# file in WEIGHTS_FOLDER of the work folder while the passes run: its in-memory graph refers to them, each check maps
+# them, and the file is written with them back inside. The graph as protobuf held them (one copy) and each pass's
+# checked graph another (bench/scale.py --methods pt2e at 4 GB of float: 1 GB each, beside the user's two models).
+WEIGHTS_FOLDER = "weights"
+OFFLOADED_FROM = 1 << 20
 
 REFERENCE_ROWS = 2  # rows per torch forward of the reference when the graph's batch is symbolic
 
@@ -558,29 +564,41 @@ def export_qdq(
     refuse_batch(model, sample, dynamic)
     names, reference = reference_outputs(model, reference_batches(sample, dynamic), sample)
     output_names = graph_output_names(names, reference, output_names)
-    with artifact.atomic_destination(path) as staged, parts_of_at_most(EXPORT_PART_BYTES):
+    with artifact.atomic_destination(path) as staged, parts_of_at_most(EXPORT_PART_BYTES), \
+            large_blocks_mapped(module_bytes(model)):
         with step("export: torch.onnx.export (dynamo)"):
             produced = produce(model, sample, opset_version=opset_version, dynamic_batch=dynamic,
                                input_names=input_names, output_names=output_names)
             check_outputs_line_up(produced, reference)
+        stored = sum(t.ByteSize() for t in produced.graph.initializer)
+        large = stored >= COLLECTED_FROM_BYTES
+        folder = None
+        if stored >= LARGE_MODEL_BYTES:  # every check maps the weights from a file instead of copying them
+            folder = staged.parent / WEIGHTS_FOLDER
+            folder.mkdir()
+            produced, _ = weights_to_disk(produced, folder, OFFLOADED_FROM)
         # a large model's exporter programs and graphs (cycles), freed: the proto is what the passes read
-        large = sum(t.ByteSize() for t in produced.graph.initializer) >= COLLECTED_FROM_BYTES
         give_back(collect=large)
         inputs = capture.as_arrays(sample)
-        ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
-                            inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs),
-                            algorithms=getattr(model, ALGORITHMS_ATTRIBUTE, None), place_as_onnx=place_as_onnx)
-        model_ir = ir.from_proto(produced)
-        run_passes([make(ctx) for make in PASSES], model_ir)
-        final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
-        wide = sixteen_bit_values(final)
-        if wide:  # provenance (no output changes): the activations stored in 16 bits
-            final.metadata_props.append(onnx.StringStringEntryProto(key=INT16_KEY, value=", ".join(wide)))
-        # the file is the last checked graph (or the produced one plus metadata, which changes no
-        # output): read literally on the whole sample, it returns the reference bytes
-        literal = ctx.reference if ctx.probe is None else None
-        del model_ir, ctx, produced
-        give_back(collect=large)  # the passes' graphs (cycles) and sessions, their pages back to the kernel
+        with tensors_in(folder):
+            ctx = ExportContext(spec=spec, opset_version=opset_version, activation_dtype=dtype, target=target,
+                                inputs=inputs, produced=produced, probe=one_row_probe(produced, inputs),
+                                algorithms=getattr(model, ALGORITHMS_ATTRIBUTE, None), place_as_onnx=place_as_onnx)
+            model_ir = ir.from_proto(produced)
+            if folder is not None:
+                ir.external_data.set_base_dir(model_ir.graph, folder)
+            run_passes([make(ctx) for make in PASSES], model_ir)
+            final = ctx.checked if ctx.checked is not None else ir.to_proto(model_ir)
+            wide = sixteen_bit_values(final)
+            if wide:  # provenance (no output changes): the activations stored in 16 bits
+                final.metadata_props.append(onnx.StringStringEntryProto(key=INT16_KEY, value=", ".join(wide)))
+            # the file is the last checked graph (or the produced one plus metadata, which changes no
+            # output): read literally on the whole sample, it returns the reference bytes
+            literal = ctx.reference if ctx.probe is None else None
+            del model_ir, ctx, produced
+            give_back(collect=large)  # the passes' graphs (cycles) and sessions, their pages back to the kernel
+        if folder is not None:  # the weights back in the graph, the only copy held now
+            onnx.external_data_helper.load_external_data_for_model(final, str(folder))
         with step("export: writing the file"):
             artifact.save_model(final, staged)
         del final

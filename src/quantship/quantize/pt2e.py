@@ -13,7 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from quantship.errors import SpecRefused
-from quantship.heap import give_back
+from quantship.heap import give_back, large_blocks_mapped, module_bytes
 from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec
 from quantship.progress import step
 from quantship.quantize import bias_correction as bias_correcting
@@ -91,12 +91,13 @@ def quantize_pt2e(
     rounds = seq_mse or adaround_iterations > 0
     reference = bias_correcting.float_reference(prepared) if bias_correction or rounds else None
     log("pt2e: converting to a quantized graph")
-    with step("quantize: convert (convert_pt2e)"), fold_what_can_match(prepared, qat=False):
-        converted = convert_pt2e(prepared)
-    carry_static_batch(captured.graph, converted)
-    drop_unread_tensors(converted)
-    weights_read_where_used(converted)
-    unshare(converted, model)
+    with large_blocks_mapped(module_bytes(model)):
+        with step("quantize: convert (convert_pt2e)"), fold_what_can_match(prepared, qat=False):
+            converted = convert_pt2e(prepared)
+        carry_static_batch(captured.graph, converted)
+        drop_unread_tensors(converted)
+        weights_read_where_used(converted)
+        unshare(converted, model)
     give_back()  # convert's float copies of the weights, freed: about the int8 model's size again at 2 GB of float
     check_converted(converted, {*quantizer.report.kept_float, *quantizer.report.skipped_nodes})
     algorithms: dict[str, dict] = {}

@@ -40,11 +40,13 @@ def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
     ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
     kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
     the graph ONNX Runtime builds; ``config``: session config entries (``inspect.run.weight_only``'s readings).
-    ``base_dir``: as ``session_of``'s. Read literally, a file whose dequantized weights exceed the part size
+    ``base_dir``: as ``session_of``'s (default for an in-memory model: ``literal.tensors_in``'s). Read literally, a file whose dequantized weights exceed the part size
     (``literal.part_bytes``) comes back as a ``literal.SplitSession``: run a few layers at a time.
     """
     import onnxruntime as ort
 
+    if base_dir is None and isinstance(model, onnx.ModelProto):
+        base_dir = literal.tensors_folder()
     if not optimized and optimized_model_filepath is None and not config:
         split = literal.split_session(model, base_dir)
         if split is not None:

@@ -52,6 +52,42 @@ def parts_of_at_most(n_bytes: int | None) -> Iterator[None]:
         _PART_BYTES.reset(token)
 
 
+_TENSORS_IN: contextvars.ContextVar[str | None] = contextvars.ContextVar("literal_tensors_in", default=None)
+
+
+def tensors_folder() -> str | None:
+    """The folder of the innermost ``tensors_in``: where an in-memory model's external tensors are."""
+    return _TENSORS_IN.get()
+
+
+@contextlib.contextmanager
+def tensors_in(folder: str | Path | None) -> Iterator[None]:
+    """Sessions made inside of an in-memory model find its external tensors in ``folder`` (None: nothing changes);
+    ``export_qdq`` keeps a large graph's weights there, mapped by every check instead of copied into each graph."""
+    token = _TENSORS_IN.set(None if folder is None else str(folder))
+    try:
+        yield
+    finally:
+        _TENSORS_IN.reset(token)
+
+
+def weights_to_disk(model: onnx.ModelProto, folder: str | Path | None = None,
+                    min_bytes: int = external.EXTERNAL_TENSOR_MIN_BYTES) -> tuple[onnx.ModelProto, str]:
+    """``model``'s graph, its stored tensors of ``min_bytes`` or more written to a data file in ``folder`` (default:
+    a new temporary folder) one at a time, page-aligned, so ONNX Runtime maps them; and that folder. Tensors a
+    session maps are file pages the kernel can drop, where a copy held in this process would stay resident."""
+    made = folder is None
+    folder = tempfile.mkdtemp(prefix="quantship-literal-") if made else str(folder)
+    try:
+        graph = Path(folder) / "model.onnx"
+        external.save_with_external_data(model, graph, "model.onnx.data", min_bytes)
+        return onnx.load(str(graph), load_external_data=False), folder
+    except BaseException:
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 @dataclass(frozen=True)
 class Arg:
     """A graph input or output as ``InferenceSession.get_inputs()`` describes it."""
@@ -304,25 +340,13 @@ def split_session(model: str | Path | onnx.ModelProto, base_dir: str | Path | No
     if cut is None or len(cut.parts) < 2:
         return None
     folder = None
-    if any(t.HasField("raw_data") and len(t.raw_data) >= external.EXTERNAL_TENSOR_MIN_BYTES
-           for t in model.graph.initializer):
-        model, folder = _weights_to_disk(model)  # every part maps its weights: none held here
+    # a model whose weights are already in a data file (``tensors_in``'s) keeps them there
+    if not external.external_tensors(model) and any(
+            t.HasField("raw_data") and len(t.raw_data) >= external.EXTERNAL_TENSOR_MIN_BYTES
+            for t in model.graph.initializer):
+        model, folder = weights_to_disk(model)  # every part maps its weights: none held here
         base_dir = folder
     return SplitSession(model, cut, None if base_dir is None else str(base_dir), folder)
-
-
-def _weights_to_disk(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
-    """``model``'s graph, its stored tensors written to a data file in a new temporary folder (one at a time,
-    page-aligned, so ONNX Runtime maps them), and that folder. Tensors a part session maps are file pages the
-    kernel can drop, where a copy held in this process would stay resident beside each session."""
-    folder = tempfile.mkdtemp(prefix="quantship-literal-")
-    try:
-        graph = Path(folder) / "model.onnx"
-        external.save_with_external_data(model, graph, "model.onnx.data")
-        return onnx.load(str(graph), load_external_data=False), folder
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
 
 
 def graph_only(path: str | Path) -> onnx.ModelProto:
