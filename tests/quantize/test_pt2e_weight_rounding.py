@@ -178,7 +178,8 @@ def test_cli_flags_reach_the_file_and_refusals_write_nothing(tmp_path, capsys):
     np.save(tmp_path / "cal.npy", torch.cat(_batches(2)).numpy())
     common = [f"{tmp_path / 'net.py'}:build", "--calib", str(tmp_path / "cal.npy"), "--quiet"]
     out = tmp_path / "m.onnx"
-    assert main(["quantize", *common, "--out", str(out), "--seq-mse", "--adaround", "20"]) == 0
+    # the plain placement: the placement by profile may keep a conv float on a loaded machine (then 2 layers rounded)
+    assert main(["quantize", *common, "--out", str(out), "--seq-mse", "--adaround", "20", "--plain-placement"]) == 0
     summary = {p.key: p.value for p in onnx.load(str(out)).metadata_props}["quantship.algorithms"]
     assert summary.startswith("seq_mse: n_layers 3") and "; adaround: iterations 20, n_layers 3" in summary
     (tmp_path / "qat.toml").write_text('method = "qat"\n')
