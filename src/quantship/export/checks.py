@@ -32,24 +32,14 @@ CHECKED_IN_MEMORY_BELOW = 64 << 20
 def check_model(model: onnx.ModelProto, what: str) -> None:
     """``onnx.checker`` at the opset the graph declares; refuse the rewrite named ``what`` otherwise. A graph whose
     tensors are in ``literal.tensors_in``'s folder is checked there, beside them."""
-    folder = tensors_folder()
-    if folder is not None and external.external_tensors(model):
-        beside = Path(folder) / "checked.onnx"
-        beside.write_bytes(model.SerializeToString())
-        try:
-            onnx.checker.check_model(str(beside))
-        except onnx.checker.ValidationError as exc:
-            raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
-        finally:
-            beside.unlink(missing_ok=True)
-        return
-    if sum(t.ByteSize() for t in model.graph.initializer) < CHECKED_IN_MEMORY_BELOW:
+    folder = tensors_folder() if external.external_tensors(model) else None
+    if folder is None and sum(t.ByteSize() for t in model.graph.initializer) < CHECKED_IN_MEMORY_BELOW:
         try:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as exc:
             raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {one_line(exc)}") from exc
         return
-    invalid = external.checked_without_weights(model)
+    invalid = external.checked_without_weights(model, folder)
     if invalid is not None:
         raise ExportRefused(f"{what}: the rewritten graph fails onnx.checker: {invalid}")
 

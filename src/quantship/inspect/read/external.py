@@ -328,16 +328,23 @@ def read_one_tensor_at_a_time(path: str | Path) -> tuple[onnx.ModelProto, str | 
     return _filled(model, spans, path), invalid
 
 
-def checked_without_weights(model: onnx.ModelProto) -> str | None:
+def checked_without_weights(model: onnx.ModelProto, base_dir: str | Path | None = None) -> str | None:
     """``onnx.checker``'s verdict on an in-memory ``model`` (None: valid) without a second copy of its weights:
     given a model, onnx serialises it and parses it again (two more copies of every weight at once). The graph is
     checked as ``read_one_tensor_at_a_time`` checks a file's, each initializer's stored bytes given as a
-    placeholder of their length; a model with external data, or with no temporary folder to write in, is checked
-    in memory."""
+    placeholder of their length; a model with external data is checked beside its tensors when ``base_dir`` (the
+    folder they are in) is given, else in memory, as is one with no temporary folder to write in."""
     import onnx
 
-    if external_tensors(model):  # its locations resolve nowhere but beside its file: checked as it is
-        return _checked(model)
+    if external_tensors(model):  # its locations resolve nowhere but beside its file
+        if base_dir is None:
+            return _checked(model)
+        beside = Path(base_dir) / "checked.onnx"
+        beside.write_bytes(model.SerializeToString())
+        try:
+            return _checked(str(beside))
+        finally:
+            beside.unlink(missing_ok=True)
     stripped = onnx.ModelProto()
     _copy_fields(model, stripped, skip="graph")
     _copy_fields(model.graph, stripped.graph, skip="initializer")

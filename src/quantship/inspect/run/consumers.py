@@ -40,8 +40,9 @@ def ort_session(model: str | Path | onnx.ModelProto, *, optimized: bool = False,
     ``optimized=True`` is ONNX Runtime's default level (``ORT_ENABLE_ALL``): its fused integer
     kernels, i.e. what a user's ``InferenceSession(path)`` runs. ``optimized_model_filepath`` saves
     the graph ONNX Runtime builds; ``config``: session config entries (``inspect.run.weight_only``'s readings).
-    ``base_dir``: as ``session_of``'s (default for an in-memory model: ``literal.tensors_in``'s). Read literally, a file whose dequantized weights exceed the part size
-    (``literal.part_bytes``) comes back as a ``literal.SplitSession``: run a few layers at a time.
+    ``base_dir``: as ``session_of``'s (default for an in-memory model: ``literal.tensors_in``'s). Read literally,
+    a file whose dequantized weights exceed the part size (``literal.part_bytes``) comes back as a
+    ``literal.SplitSession``: run a few layers at a time.
     """
     import onnxruntime as ort
 
