@@ -12,7 +12,15 @@ import pytest
 from onnx import helper
 
 from quantship.cli.main import main
-from quantship.export.profile_place import NodeCost, choose, neighbours, next_along_run, place_by_profile, profile_costs
+from quantship.export.profile_place import (
+    NodeCost,
+    choose,
+    least_loss,
+    neighbours,
+    next_along_run,
+    place_by_profile,
+    profile_costs,
+)
 from quantship.export.speed_gate import SEARCH_KEY, TOLERANCE, faster
 from quantship.inspect.run.node_costs import run_costs
 from quantship.quantize_onnx.quantizer import quantize_onnx_file
@@ -92,6 +100,23 @@ def test_adjacent_candidates_are_kept_float_together_or_not_at_all():
     assert estimated == {"a": {1: 1.0}, "b": {1: 2.0}}
     costs[1] = cost("b", 1.9, 1.0)  # b with its crossing now costs more float: a loses its partner and goes too
     assert choose(costs, {1: 1.0}, before, after) == ((), {})
+
+
+def test_when_every_weighted_op_loses_as_an_integer_the_one_that_loses_least_stays_integer():
+    """Every weighted op float is no INT8 file (the quantizer refuses it: the placement used to give up with "gives
+    no file", the plain file kept); the fastest INT8 file keeps integer the op whose integer cost is nearest its
+    float one (geometric mean over the batches). Not when an op stays integer already."""
+    def cost(node, int_ms, float_ms):
+        return NodeCost(node, {1: int_ms[0], 8: int_ms[1]}, {1: float_ms[0], 8: float_ms[1]}, {1: 10, 8: 80},
+                        {1: 10, 8: 80})
+
+    costs = [cost("a", (2.0, 9.0), (1.0, 4.0)), cost("b", (1.1, 4.6), (1.0, 4.0)), cost("c", (3.0, 5.0), (1.0, 4.0))]
+    before, after = {"a": set(), "b": {"a"}, "c": {"b"}}, {"a": {"b"}, "b": {"c"}, "c": set()}
+    kept, estimated = choose(costs, {1: 0.0, 8: 0.0}, before, after)
+    assert kept == ("a", "b", "c")
+    assert least_loss(kept, estimated, costs, ["a", "b", "c"]) == "b"  # 1.1x and 1.15x: the nearest to float
+    assert least_loss(("a", "c"), estimated, costs, ["a", "b", "c"]) is None  # b stays integer already
+    assert least_loss((), {}, costs, ["a", "b", "c"]) is None
 
 
 def test_a_chosen_set_grows_along_its_run_by_the_largest_loss_first():
