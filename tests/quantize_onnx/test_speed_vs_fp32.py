@@ -54,7 +54,9 @@ def test_the_reading_records_both_batches_the_cpu_and_the_slowest_nodes(slow_cas
     assert set(reading.flags) <= set(INT8_FLAGS)
     assert reading.slower, reading.describe()
     assert reading.profiled_batch in reading.slower_at and reading.slowest
-    assert {"conv_a", "conv_b"} <= {n.source for n in reading.slowest if n.op_type == "QLinearConv"}
+    # the top five of six nodes (Q, two Transposes, the two QLinearConvs, DQ): the 1 -> 4 conv may fall out under load
+    convs = {n.source for n in reading.slowest if n.op_type == "QLinearConv"}
+    assert convs and convs <= {"conv_a", "conv_b"}, reading.describe()
     assert set(reading.keep_float_names()) <= {"conv_a", "conv_b"} and "--exclude" in reading.hint
     report = result.as_dict()["speed"]
     assert report["speedup"].keys() == {"1", "16"} and report["slowest_nodes"][0]["node"]
