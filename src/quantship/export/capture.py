@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ EXPORTER_OPSET = 18  # the opset torch's dynamo exporter translates natively; lo
 BATCH_DIM_NAME = "batch"  # the name of the symbolic batch dimension in every dynamic file
 # Written by quantship.quantize.capture on a graph captured at a static batch (the reason why).
 STATIC_BATCH_ATTRIBUTE = "quantship_static_batch_reason"
+EXTERNAL_MIN_BYTES = 1024  # dynamo_export_file: smaller tensors (scales, shapes) stay in the graph
 
 
 def as_inputs(sample: Any) -> tuple:
@@ -170,7 +172,7 @@ def one_registry() -> Iterator[None]:
         ONNXRegistry.from_torchlib = built
 
 
-def dynamo_export(
+def dynamo_program(
     model: Any,
     sample: Any,
     *,
@@ -178,8 +180,8 @@ def dynamo_export(
     dynamic_batch: bool,
     input_names: Sequence[str] | None,
     output_names: Sequence[str] | None,
-) -> onnx.ModelProto:
-    """``torch.onnx.export(..., dynamo=True)`` to an in-memory ModelProto (nothing touches disk)."""
+) -> Any:
+    """``torch.onnx.export(..., dynamo=True)``'s program (its tensors are the model's own: nothing copied yet)."""
     import torch
 
     inputs = _trace_inputs(as_inputs(sample), dynamic_batch)
@@ -200,7 +202,35 @@ def dynamo_export(
             )
     if program is None:
         raise RuntimeError("torch.onnx.export returned no ONNX program")
-    proto = program.model_proto
+    return program
+
+
+def dynamo_export(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,
+                  input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> onnx.ModelProto:
+    """``torch.onnx.export(..., dynamo=True)`` to an in-memory ModelProto (nothing touches disk)."""
+    proto = dynamo_program(model, sample, opset_version=opset_version, dynamic_batch=dynamic_batch,
+                           input_names=input_names, output_names=output_names).model_proto
     if dynamic_batch:
         name_batch_dim(proto)
     return proto
+
+
+def dynamo_export_file(model: Any, sample: Any, path: Path, data_name: str, *, opset_version: int,
+                       dynamic_batch: bool, input_names: Sequence[str] | None,
+                       output_names: Sequence[str] | None) -> onnx.ModelProto:
+    """``dynamo_export`` written to ``path`` with its tensors in ``data_name`` beside it, streamed from the model's
+    own (onnx_ir writes one tensor at a time, each page-aligned so ONNX Runtime can map it): no serialised copy of
+    the weights is held, where ``dynamo_export``'s ModelProto is a second copy of them. Returns the graph without
+    its weights."""
+    import onnx_ir as ir
+
+    program = dynamo_program(model, sample, opset_version=opset_version, dynamic_batch=dynamic_batch,
+                             input_names=input_names, output_names=output_names)
+    ir.save(program.model, path, external_data=data_name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
+            alignment=4096)
+    del program
+    graph = onnx.load(str(path), load_external_data=False)
+    if dynamic_batch:
+        name_batch_dim(graph)
+        path.write_bytes(graph.SerializeToString())
+    return graph

@@ -6,6 +6,7 @@ must go through ``export_qdq`` instead.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,13 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from quantship import heap
 from quantship.export import artifact, capture, ort_quantize
 from quantship.export.checks import check_identical, check_model, run_unoptimized
 from quantship.export.named_outputs import float_output_names
 from quantship.export.opset import lower_opset
 from quantship.export.refusals import has_pt2e_ops
+from quantship.inspect.read import external
 from quantship.precision import quant_spec
 
 QUANTIZE_MODES = ("dynamic", "static")
@@ -58,6 +61,42 @@ def _float_graph(model: Any, sample: Any, opset_version: int, dynamic_batch: boo
     inputs = capture.as_arrays(sample)
     check_identical(lowered, run_unoptimized(produced, inputs), inputs, what)
     return lowered
+
+
+def _write_float_graph(model: Any, sample: Any, path: Path, opset_version: int, dynamic_batch: bool,
+                       input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> None:
+    """The float graph written at ``path``: a model of ``heap.LARGE_MODEL_BYTES`` of weights or more at the
+    exporter's own opset streamed from its tensors with external data (``capture.dynamo_export_file``: no
+    serialised copy of its weights in memory), any other as ``_float_graph`` makes it, in one file when it fits."""
+    if opset_version < capture.EXPORTER_OPSET or heap.module_bytes(model) < heap.LARGE_MODEL_BYTES:
+        artifact.save_model(_float_graph(model, sample, opset_version, dynamic_batch, input_names, output_names),
+                            path)
+        return
+    if output_names is None:
+        output_names = float_output_names(model, sample)
+    graph = capture.dynamo_export_file(model, sample, path, artifact.external_data_name(path),
+                                       opset_version=opset_version, dynamic_batch=dynamic_batch,
+                                       input_names=input_names, output_names=output_names)
+    if dynamic_batch and not capture.batch_dim_is_dynamic(graph):
+        raise ValueError("dynamic_batch=True: the exporter kept the batch dimension fixed for this model; "
+                         "use dynamic_batch=False")
+
+
+def _place(current: Path, staged: Path) -> None:
+    """The float file at ``current`` written as ``staged``: in one file when its tensors fit
+    (``artifact.EXTERNAL_DATA_THRESHOLD``), else its one data file renamed for ``staged`` (its tensors never
+    read into memory)."""
+    locations = artifact.external_locations(current)
+    stored = sum((current.parent / name).stat().st_size for name in locations)
+    if len(locations) != 1 or stored <= artifact.EXTERNAL_DATA_THRESHOLD:
+        artifact.save_model(onnx.load(str(current)), staged)
+        return
+    (old,) = locations
+    new = artifact.external_data_name(staged)
+    graph = onnx.load(str(current), load_external_data=False)
+    external.relocate(graph, old, new)
+    os.replace(current.parent / old, staged.parent / new)
+    staged.write_bytes(graph.SerializeToString())
 
 
 def _optimize(src: Path, dst: Path) -> None:
@@ -116,9 +155,8 @@ def export_onnx(
     model.eval()
     try:
         with artifact.atomic_destination(output_path) as staged:
-            graph = _float_graph(model, sample, opset_version, dynamic_batch, input_names, output_names)
             exported = staged.with_name(staged.stem + ".exported.onnx")
-            artifact.save_model(graph, exported)
+            _write_float_graph(model, sample, exported, opset_version, dynamic_batch, input_names, output_names)
             current = exported
             if optimize:
                 optimized = staged.with_name(staged.stem + ".optimized.onnx")
@@ -127,7 +165,7 @@ def export_onnx(
             if quantize:
                 _quantize(current, staged, quantize_mode, calibration_data)
             else:
-                artifact.save_model(onnx.load(str(current)), staged)
+                _place(current, staged)
     finally:
         model.train(was_training)
     return Path(output_path).expanduser().resolve()

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from quantship.errors import QuantshipError
+from quantship.inspect.read import external
 from quantship.inspect.read.float_ops import module_path, torch_op
 from quantship.precision import smallest_names
 
@@ -117,11 +118,13 @@ def profiled_reference(float_path: Path, int8_path: Path, out: Path) -> dict[str
     """The float reference written to ``out`` with its weighted nodes named after ``int8_path``'s; returns the
     INT8 node names the profile can compare -> the names that keep each float (``float_named_as``). Raises
     ``QuantshipError`` when none match."""
-    float_model = onnx.load(str(float_path))
+    float_model = onnx.load(str(float_path), load_external_data=False)  # a large one's weights stay in its data file
     matched = float_named_as(float_model, onnx.load(str(int8_path), load_external_data=False))
     if not matched:
         raise QuantshipError("no integer weighted node of the INT8 file records the module it was exported from")
-    onnx.save(float_model, str(out))
+    if external.locations(float_model) and out.parent.resolve() != Path(float_path).parent.resolve():
+        raise QuantshipError(f"the float reference's renamed graph must sit beside its data file, in {Path(float_path).parent}")
+    out.write_bytes(float_model.SerializeToString())  # refers to the same data file, beside it
     return matched
 
 

@@ -74,6 +74,14 @@ def locations(model: onnx.ModelProto) -> set[str]:
     return {t.location for t in external_tensors(model)}
 
 
+def relocate(model: onnx.ModelProto, old: str, new: str) -> None:
+    """Point every tensor of ``model`` stored in ``old`` at ``new`` (the data file renamed, its offsets kept)."""
+    for tensor in _tensors(model.graph):
+        for entry in tensor.external_data if _is_external(tensor) else ():
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+
+
 def escapes(location: str) -> bool:
     """True when ``location`` is absolute or climbs out of the folder it is relative to."""
     if not location or PurePosixPath(location).is_absolute() or PureWindowsPath(location).is_absolute():
