@@ -16,7 +16,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from quantship import targets
+from quantship import heap, targets
 from quantship.cli import common, options, quantize_decoder, quantize_report, quantize_weight_only
 from quantship.cli import fidelity as fidelity_cli
 from quantship.cli import speed as speed_cli
@@ -98,7 +98,6 @@ def _static(args: argparse.Namespace, out) -> int:
     run = _request(args)
     _read_model_and_data(run)
     from quantship.export.torch_file import export_sample  # torch loads with it: when the command runs
-
     sample, dynamic = export_sample(run.data.batches, args.static_batch)
     quantize_report.read_labelled_batches(run)
     try:
@@ -109,7 +108,8 @@ def _static(args: argparse.Namespace, out) -> int:
     except SpeedMissed as slower:
         return speed_cli.missed("quantize", run.ui, slower, {"version": 1, "model": args.model,
                                                              "target": run.target.target})
-    return _report(run)
+    with heap.large_blocks_mapped(heap.module_bytes(run.model)):  # the checks' sessions freed back as they go
+        return _report(run)
 
 
 def _request(args: argparse.Namespace) -> _Run:

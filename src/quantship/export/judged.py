@@ -28,11 +28,12 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quantship import heap
 from quantship.errors import Int16Uncovered, QuantshipError, one_line
 from quantship.export import artifact, placement, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
-from quantship.export.onnx_float import export_onnx
+from quantship.export.onnx_float import export_float_reference
 from quantship.export.profile_place import ProfilePlacement, place_by_profile
 from quantship.export.qdq import export_qdq
 from quantship.fidelity import (
@@ -202,8 +203,8 @@ def _float_reference(model: Any, sample: Any, staged: Path, scratch: Path, opset
     try:
         with progress_step("speed: exporting the float model to ONNX as the reference"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the reference's export warnings are not the user's file's
-            path = export_onnx(model, sample, scratch / "float_reference.onnx", opset_version=opset_version,
-                               dynamic_batch=not fixed, input_names=names, optimize=False)  # keeps module scopes
+            path = export_float_reference(model, sample, scratch / "float_reference.onnx", opset_version=opset_version,
+                                          dynamic_batch=not fixed, input_names=names)  # keeps module scopes
     except Exception as exc:  # the reading is reported, it never costs the file (unless require_faster)
         return None, f"the float model's ONNX export failed: {one_line(exc)}", names, fixed
     return Path(path), None, names, fixed
@@ -212,7 +213,7 @@ def _float_reference(model: Any, sample: Any, staged: Path, scratch: Path, opset
 def time_against_float(model: Any, sample: Any, staged: Path, scratch: Path, batches: Sequence[Any], *,
                        opset_version: int = 18, require_faster: bool = False,
                        reference: tuple[Path | None, str | None, list[str], bool] | None = None) -> SpeedReading:
-    """The ``staged`` INT8 file timed against the float model exported to ONNX (``export_onnx``, into
+    """The ``staged`` INT8 file timed against the float model exported to ONNX (``export_float_reference``, into
     ``scratch``, with the INT8 file's input names and batch form; ``reference``: that export already made)
     at batch 1 and the first calibration batch's size (``speed_gate.gate``: metadata, ``require_faster``)."""
     path, why, names, _ = reference or _float_reference(model, sample, staged, scratch, opset_version)
@@ -284,7 +285,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     timed = speed and target.runtime_is_onnxruntime
     opset = (export_kwargs or {}).get("opset_version", 18)
     in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
-    with artifact.workdir_beside(final) as scratch:
+    # a large model's sessions, exports and copies freed back to the kernel as they go (``heap``)
+    with artifact.workdir_beside(final) as scratch, heap.large_blocks_mapped(heap.module_bytes(model)):
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple, strict: bool = True):
             k = next(numbers)
             asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None,

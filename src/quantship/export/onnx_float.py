@@ -63,6 +63,20 @@ def _float_graph(model: Any, sample: Any, opset_version: int, dynamic_batch: boo
     return lowered
 
 
+def export_float_reference(model: Any, sample: Any, path: Path, *, opset_version: int, dynamic_batch: bool,
+                           input_names: Sequence[str] | None) -> Path:
+    """The float model written at ``path`` (in a work folder: no atomic move) as ``export_onnx(optimize=False)``
+    writes it, except that a large model's tensors stay in the data file they were streamed to, whatever their
+    size (``_write_float_graph``): the sessions that time and profile it map them instead of reading a copy."""
+    was_training = getattr(model, "training", False)
+    model.eval()
+    try:
+        _write_float_graph(model, sample, path, opset_version, dynamic_batch, input_names, None)
+    finally:
+        model.train(was_training)
+    return path
+
+
 def _write_float_graph(model: Any, sample: Any, path: Path, opset_version: int, dynamic_batch: bool,
                        input_names: Sequence[str] | None, output_names: Sequence[str] | None) -> None:
     """The float graph written at ``path``: a model of ``heap.LARGE_MODEL_BYTES`` of weights or more at the
