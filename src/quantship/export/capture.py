@@ -16,6 +16,7 @@ BATCH_DIM_NAME = "batch"  # the name of the symbolic batch dimension in every dy
 # Written by quantship.quantize.capture on a graph captured at a static batch (the reason why).
 STATIC_BATCH_ATTRIBUTE = "quantship_static_batch_reason"
 EXTERNAL_MIN_BYTES = 1024  # dynamo_export_file: smaller tensors (scales, shapes) stay in the graph
+IN_FLIGHT_BYTES = 64 << 20  # dynamo_export_file: tensor bytes being written at once (onnx_ir's default: 1 GiB)
 
 
 def as_inputs(sample: Any) -> tuple:
@@ -227,7 +228,7 @@ def dynamo_export_file(model: Any, sample: Any, path: Path, data_name: str, *, o
     program = dynamo_program(model, sample, opset_version=opset_version, dynamic_batch=dynamic_batch,
                              input_names=input_names, output_names=output_names)
     ir.save(program.model, path, external_data=data_name, size_threshold_bytes=EXTERNAL_MIN_BYTES,
-            alignment=4096)
+            alignment=4096, max_in_flight_bytes=IN_FLIGHT_BYTES)
     del program
     graph = onnx.load(str(path), load_external_data=False)
     if dynamic_batch:

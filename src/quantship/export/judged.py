@@ -46,6 +46,7 @@ from quantship.fidelity import (
     missed_in_runtime,
     widened,
 )
+from quantship.inspect.read import external
 from quantship.inspect.run.consumers import fidelity_reading, joined, native_runtime, ort_session
 from quantship.inspect.run.outputs import output_arrays
 from quantship.inspect.run.speed import SpeedReading, unmeasured
@@ -195,7 +196,7 @@ def _float_reference(model: Any, sample: Any, staged: Path, scratch: Path, opset
     (its path or None, why not, the input names, whether the batch is fixed). Not pre-optimized: ONNX
     Runtime's session applies the same optimizations when it loads the file, and the nodes keep the module
     scopes the placement by profile matches on (``export.placement``)."""
-    int8 = onnx.load(str(staged), load_external_data=False)
+    int8 = external.graph_without_weights(staged)
     stored = {t.name for t in int8.graph.initializer}
     names = [i.name for i in int8.graph.input if i.name not in stored]
     first = int8.graph.input[0].type.tensor_type.shape.dim

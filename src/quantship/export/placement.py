@@ -119,7 +119,7 @@ def profiled_reference(float_path: Path, int8_path: Path, out: Path) -> dict[str
     INT8 node names the profile can compare -> the names that keep each float (``float_named_as``). Raises
     ``QuantshipError`` when none match."""
     float_model = onnx.load(str(float_path), load_external_data=False)  # a large one's weights stay in its data file
-    matched = float_named_as(float_model, onnx.load(str(int8_path), load_external_data=False))
+    matched = float_named_as(float_model, external.graph_without_weights(int8_path))
     if not matched:
         raise QuantshipError("no integer weighted node of the INT8 file records the module it was exported from")
     if external.locations(float_model) and out.parent.resolve() != Path(float_path).parent.resolve():

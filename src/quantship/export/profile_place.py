@@ -44,6 +44,7 @@ import onnx
 from quantship.errors import QuantshipError, one_line
 from quantship.export.speed_gate import SEARCH_KEY, faster, time_files
 from quantship.fidelity import missed
+from quantship.inspect.read import external
 from quantship.inspect.run.node_costs import run_costs
 from quantship.inspect.run.timing import cpu_line
 
@@ -268,7 +269,7 @@ def place_by_profile(float_path: Path, plain: Any, feeds: Mapping[int, Mapping[s
     try:
         record.costs, record.crossing_ns, record.crossing_fixed_ms = profile_costs(float_path, plain.path, weighted,
                                                                                  feeds, seconds)
-        before, after = neighbours(onnx.load(str(plain.path), load_external_data=False), weighted)
+        before, after = neighbours(external.graph_without_weights(plain.path), weighted)
     except Exception as exc:  # ORT's own types, a trace it could not write: the plain file stays, said so
         record.not_run = f"the profile could not run ({one_line(exc)})"
         return plain, record

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import torch
 
 from quantship.errors import DataRefused, QuantshipError, cause
 from quantship.export.data import forward_arguments, forward_inputs, npz_keys, read_held_out, split_held_out
 from quantship.export.judged import file_outputs
 from quantship.fidelity import HELD_OUT_MAX
+from quantship.inspect.read import external
 from quantship.inspect.read.feeds import Preprocessing, cut
 from quantship.inspect.read.float_ops import float_ops
 from quantship.inspect.read.lsb import lsb_error, output_scales
@@ -124,7 +124,7 @@ def export_sample(batches: list, static_batch: int | None):
 
 def file_batch(path: str | Path) -> int | None:
     """The file's static batch, or None when its batch dimension is symbolic."""
-    dim = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
+    dim = external.graph_without_weights(path).graph.input[0].type.tensor_type.shape.dim[0]
     return dim.dim_value if dim.HasField("dim_value") else None
 
 

@@ -214,6 +214,7 @@ def save_one_file(model: onnx.ModelProto, path: Path) -> None:
 # ONNX's field numbers (onnx.proto) the reader below walks: ModelProto.graph, GraphProto.initializer,
 # TensorProto.raw_data
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+_MODEL_METADATA_PROPS = 14  # ModelProto.metadata_props
 _LENGTH_DELIMITED = 2
 
 
@@ -309,6 +310,49 @@ def _stripped(path: str | Path) -> tuple[onnx.ModelProto, list[tuple[int, int, i
     parsed = onnx.ModelProto()
     parsed.ParseFromString(bytes(model))
     return parsed, spans
+
+
+def set_metadata_streamed(path: str | Path, entries: dict[str, str], chunk: int = 16 << 20) -> None:
+    """Set ``entries`` in the ``metadata_props`` of the model at ``path`` without reading its graph: every other
+    top-level field is copied as it is, ``chunk`` bytes at a time, in field-number order (a repeated field's
+    entries in their own), the entries (the file's own in their order, values replaced, new keys last) in their
+    place: the order ONNX's serialiser writes, which readers that sniff a file's first fields expect (OpenVINO
+    refused a file whose graph came after its metadata, as onnx_ir writes one). The new file replaces the old one
+    whole (``os.replace``); the old one stays on any failure."""
+    import onnx
+
+    path = Path(path)
+    size = path.stat().st_size
+    props: dict[str, str] = {}
+    staged = path.with_name(path.name + ".metadata.tmp")
+    try:
+        with open(path, "rb") as f, open(staged, "wb") as out:
+            fields = sorted(_fields(f, size), key=lambda found: found[0])  # stable: repeated fields keep order
+            for field, _, payload, end in fields:
+                if field == _MODEL_METADATA_PROPS:
+                    entry = onnx.StringStringEntryProto()
+                    entry.ParseFromString(_read(f, payload, end))
+                    props[entry.key] = entry.value
+            props.update(entries)
+            written = False
+            for field, first, _, end in fields:
+                if not written and field >= _MODEL_METADATA_PROPS:
+                    for key, value in props.items():
+                        out.write(_delimited(_MODEL_METADATA_PROPS,
+                                             onnx.StringStringEntryProto(key=key, value=value).SerializeToString()))
+                    written = True
+                if field == _MODEL_METADATA_PROPS:
+                    continue
+                f.seek(first)
+                for at in range(first, end, chunk):
+                    out.write(f.read(min(chunk, end - at)))
+            if not written:
+                for key, value in props.items():
+                    out.write(_delimited(_MODEL_METADATA_PROPS,
+                                         onnx.StringStringEntryProto(key=key, value=value).SerializeToString()))
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def graph_without_weights(path: str | Path) -> onnx.ModelProto:

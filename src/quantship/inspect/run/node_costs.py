@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quantship.inspect.read import external
 from quantship.inspect.read.counts import COMPUTE_OPS
 from quantship.inspect.run.speed import source_of, sources, traced_nodes
 
@@ -97,7 +98,7 @@ def profiled_kernels(path: str | Path, feed: Mapping[str, np.ndarray], seconds: 
     with tempfile.TemporaryDirectory(prefix="quantship-optimized-") as folder:
         optimized = Path(folder) / "optimized.onnx"
         traced = traced_nodes(path, feed, RUNS, seconds, optimized_to=optimized)
-        graph = onnx.load(str(optimized), load_external_data=False).graph
+        graph = external.graph_without_weights(optimized).graph
     wiring = {n.name: (tuple(n.input), tuple(n.output)) for n in graph.node}
     out = []
     for name, (durations, args) in traced.items():
@@ -147,7 +148,7 @@ def _glue(kernel: Kernel, source: str | None, file_ops: Mapping[str, str]) -> bo
 def run_costs(path: str | Path, feed: Mapping[str, np.ndarray], seconds: float, weighted: Iterable[str]) -> RunCosts:
     """Profile ``path`` on ``feed`` and charge the time to the file's ``weighted`` nodes (module docstring)."""
     wanted = set(weighted)
-    model = onnx.load(str(path), load_external_data=False)
+    model = external.graph_without_weights(path)
     names, sources_of_file = owners(model), sources(model)
     file_ops = {n.name: n.op_type for n in model.graph.node}
     del model

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quantship.inspect.read import external
 from quantship.inspect.read.counts import COMPUTE_OPS
 from quantship.inspect.read.float_ops import module_path
 from quantship.inspect.run.consumers import cpu_info
@@ -246,9 +247,9 @@ def slowest_nodes(int8_path: str | Path, float_path: str | Path, feed: Mapping[s
                   top: int = TOP_NODES) -> tuple[NodeTime, ...]:
     """The ``top`` slowest nodes of the INT8 file's optimized graph, with where each came from and the
     float file's time for its source node."""
-    int8_model = onnx.load(str(int8_path), load_external_data=False)
+    int8_model = external.graph_without_weights(int8_path)
     int8_nodes, int8_names = {n.name: n for n in int8_model.graph.node}, sources(int8_model)
-    float_names = sources(onnx.load(str(float_path), load_external_data=False))
+    float_names = sources(external.graph_without_weights(float_path))
     int8, fp32 = profile(int8_path, feed, runs), profile(float_path, feed, runs)
     float_by_source: dict[str, float] = {}
     for name, (_, ms) in fp32.items():
