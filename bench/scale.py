@@ -111,6 +111,9 @@ def quantize_command(method: str, float_path: Path, calib: Path, out: Path, widt
     if method == "pt2e":  # the PyTorch path: this script's own child builds the torch encoder and quantizes it
         return [sys.executable, str(Path(__file__).resolve()), "--pt2e-child", str(width), str(layers), str(calib),
                 str(out)]
+    if method == "pt2e-cli":  # the command a user of the PyTorch path runs, on this file's factory (CONFIG_VARIABLE)
+        return [sys.executable, "-m", "quantship", "quantize", f"{Path(__file__).resolve()}:cli_encoder", "--calib",
+                str(calib), "--batch-size", str(BATCH), "--out", str(out), "--json"]
     raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
 
 
@@ -139,6 +142,29 @@ def torch_encoder(width: int, layers: int, seed: int = 0):
             if name.endswith("weight") and value.ndim == 2:
                 value.normal_(0.0, 1.0 / math.sqrt(value.shape[1]))
     return model
+
+
+CONFIG_VARIABLE = "QUANTSHIP_SCALE_CONFIG"  # "<width>x<layers>": the encoder cli_encoder builds
+
+
+def cli_encoder():
+    """The encoder of the size the bench names in ``CONFIG_VARIABLE``: the factory ``quantship quantize`` loads."""
+    width, layers = (int(v) for v in os.environ[CONFIG_VARIABLE].split("x"))
+    return torch_encoder(width, layers)
+
+
+def weighted_census(path: Path) -> dict:
+    """The file's MatMul/Gemm nodes whose weight is stored: how many read it through a DequantizeLinear (low-bit)
+    and how many read it in float."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    stored, dequantized = {t.name for t in graph.initializer}, set()
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in stored:
+            dequantized.add(node.output[0])
+    weighted = [n for n in graph.node if n.op_type in ("MatMul", "Gemm")
+                and (n.input[1] in stored or n.input[1] in dequantized)]
+    low_bit = sum(1 for n in weighted if n.input[1] in dequantized)
+    return {"n_integer": low_bit, "n_float": len(weighted) - low_bit}
 
 
 def _peak_rss_bytes() -> int | None:
@@ -172,16 +198,8 @@ def pt2e_child(width: int, layers: int, calib: Path, out: Path) -> dict:
     with torch.no_grad():
         ref = model(batches[0]).numpy().astype(np.float64)
     sqnr = float(10 * np.log10((ref ** 2).sum() / max(((ref - got) ** 2).sum(), 1e-30)))
-    graph = onnx.load(str(path), load_external_data=False).graph
-    stored, dequantized = {t.name for t in graph.initializer}, set()
-    for node in graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in stored:
-            dequantized.add(node.output[0])
-    weighted = [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and (n.input[1] in stored or n.input[1] in dequantized)]
-    low_bit = sum(1 for n in weighted if n.input[1] in dequantized)
     return {"fidelity_fp32": {"sqnr_db": sqnr}, "verdict": "export_qdq's post-conditions held",
-            "quantship_peak_rss_bytes": quantship_peak,
-            "census": {"n_integer": low_bit, "n_float": len(weighted) - low_bit}}
+            "quantship_peak_rss_bytes": quantship_peak, "census": weighted_census(path)}
 
 
 METHODS = {"int8": "INT8 static (`quantize-onnx --no-speed`: normalise, calibrate, write, post-conditions, both ORT "
@@ -190,7 +208,10 @@ METHODS = {"int8": "INT8 static (`quantize-onnx --no-speed`: normalise, calibrat
                    "group 128, symmetric; run in ORT against FP32; no QDQ check applies)",
            "pt2e": "INT8 static, PyTorch path (the same encoder built in torch in the process, its weights held there as "
                    "a user's are; `Quantizer.for_target('onnxruntime-cpu')` and `export_qdq` with its post-conditions "
-                   "and both ORT readings, then the file in ORT against the torch model on one batch)"}
+                   "and both ORT readings, then the file in ORT against the torch model on one batch)",
+           "pt2e-cli": "INT8 static, PyTorch path's command (`quantship quantize scale.py:cli_encoder`, its defaults: "
+                       "fidelity to FP32 on 3 held-out samples judged and repaired, the float reference exported, "
+                       "placement by profile, speed against FP32 at batch 1 and the calibration batch, the target's check --run)"}
 
 
 def build_size(size_gb: float, work: Path) -> dict:
@@ -214,9 +235,10 @@ def measure(size_gb: float, work: Path, method: str = "int8") -> dict:
     folder = built["folder"]
     out = folder / f"{method}.onnx"
     command = quantize_command(method, built["float_path"], built["calib"], out, built["width"], built["layers"])
+    env = {**os.environ, CONFIG_VARIABLE: f"{built['width']}x{built['layers']}"}
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
+        child = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - start
@@ -226,6 +248,8 @@ def measure(size_gb: float, work: Path, method: str = "int8") -> dict:
     if child.returncode != 0:
         raise SystemExit(f"{method} exited {child.returncode} at {size_gb:g} GB: {errors.strip()[-2000:]}")
     result = json.loads(report)
+    if method == "pt2e-cli":
+        result["census"] = weighted_census(out)
     fidelity = result.get("fidelity_fp32") or {}
     census = result.get("census") or {}
     files = sorted(p.name for p in folder.iterdir() if p.name.startswith(out.name))

@@ -331,6 +331,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             record, chosen = None, attempt("as asked", options, base, base_wide)[1]
         else:
             record, chosen = repaired()
+        large = heap.module_bytes(model) >= heap.LARGE_MODEL_BYTES
+        heap.give_back(collect=large)  # the repair's discarded quantized models (cycles) before the float export
         reference = _float_reference(model, sample, chosen[2], scratch, opset) if timed else None
         profile = None
         if timed and profile_placement and target.runs_mixed_graphs:
@@ -364,6 +366,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
         reading = None
         if timed:
+            heap.give_back(collect=large)  # the placement's losing model before two sessions are timed side by side
             reading = time_against_float(model, sample, path, scratch, batches, require_faster=require_faster,
                                          opset_version=opset, reference=reference)
         with artifact.atomic_destination(final) as staged:
