@@ -111,9 +111,10 @@ def quantize_command(method: str, float_path: Path, calib: Path, out: Path, widt
     if method == "pt2e":  # the PyTorch path: this script's own child builds the torch encoder and quantizes it
         return [sys.executable, str(Path(__file__).resolve()), "--pt2e-child", str(width), str(layers), str(calib),
                 str(out)]
-    if method == "pt2e-cli":  # the command a user of the PyTorch path runs, on this file's factory (CONFIG_VARIABLE)
+    if method in ("pt2e-cli", "pt2e-cli-no-speed"):  # the PyTorch path's command, on this file's factory
         return [sys.executable, "-m", "quantship", "quantize", f"{Path(__file__).resolve()}:cli_encoder", "--calib",
-                str(calib), "--batch-size", str(BATCH), "--out", str(out), "--json"]
+                str(calib), "--batch-size", str(BATCH), "--out", str(out), "--json",
+                *(["--no-speed"] if method.endswith("no-speed") else [])]
     raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
 
 
@@ -211,7 +212,10 @@ METHODS = {"int8": "INT8 static (`quantize-onnx --no-speed`: normalise, calibrat
                    "and both ORT readings, then the file in ORT against the torch model on one batch)",
            "pt2e-cli": "INT8 static, PyTorch path's command (`quantship quantize scale.py:cli_encoder`, its defaults: "
                        "fidelity to FP32 on 3 held-out samples judged and repaired, the float reference exported, "
-                       "placement by profile, speed against FP32 at batch 1 and the calibration batch, the target's check --run)"}
+                       "placement by profile, speed against FP32 at batch 1 and the calibration batch, the target's check --run)",
+           "pt2e-cli-no-speed": "INT8 static, PyTorch path's command with `--no-speed` (as the row above, without the "
+                                "float reference, the placement by profile and the speed reading: no float ONNX "
+                                "Runtime session beside the user's model)"}
 
 
 def build_size(size_gb: float, work: Path) -> dict:
@@ -248,7 +252,7 @@ def measure(size_gb: float, work: Path, method: str = "int8") -> dict:
     if child.returncode != 0:
         raise SystemExit(f"{method} exited {child.returncode} at {size_gb:g} GB: {errors.strip()[-2000:]}")
     result = json.loads(report)
-    if method == "pt2e-cli":
+    if method.startswith("pt2e-cli"):
         result["census"] = weighted_census(out)
     fidelity = result.get("fidelity_fp32") or {}
     census = result.get("census") or {}

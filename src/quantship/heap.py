@@ -79,3 +79,20 @@ def large_blocks_mapped(n_bytes: int) -> Iterator[None]:
         if _depth == 0:
             libc.mallopt(_M_MMAP_THRESHOLD, DYNAMIC_MAX)
             libc.malloc_trim(0)
+
+
+def forget_module_caches() -> None:
+    """Empty the per-module device caches of torchao (``utils._assert_and_get_unique_device``) and torch.ao
+    (``quantization.fx.utils.assert_and_get_unique_device``): each is a ``functools.cache`` keyed by the module,
+    filled by prepare_pt2e, convert_pt2e and the graph passes after them, so it keeps every model it was given
+    alive, weights and all, for the life of the process; each quantized model a repair step or the placement made
+    and let go stayed resident (0.47 GiB each on bench/scale.py's 2 GB encoder). The caches only spare a walk over
+    a module's parameters. A library not loaded yet has nothing cached (it is not imported here); a cache that is
+    not there is left alone."""
+    import sys
+
+    for module, name in (("torchao.utils", "_assert_and_get_unique_device"),
+                         ("torch.ao.quantization.fx.utils", "assert_and_get_unique_device")):
+        cached = getattr(sys.modules.get(module), name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quantship.heap import forget_module_caches
+
 EXPORTER_OPSET = 18  # the opset torch's dynamo exporter translates natively; lower ones are rewritten
 BATCH_DIM_NAME = "batch"  # the name of the symbolic batch dimension in every dynamic file
 # Written by quantship.quantize.capture on a graph captured at a static batch (the reason why).
@@ -201,9 +203,31 @@ def dynamo_program(
                 input_names=list(input_names) if input_names else None,
                 output_names=list(output_names) if output_names else None,
             )
+    release_rewriter_graphs()
+    forget_module_caches()  # the exported model is the caller's to keep or let go, not torch's caches'
     if program is None:
         raise RuntimeError("torch.onnx.export returned no ONNX program")
     return program
+
+
+def release_rewriter_graphs() -> None:
+    """Let go of the graph onnxscript's default rewrite rules last matched on. Those rules are module-level objects,
+    and each one's pattern matcher keeps the graph, node and match of its last call until its next one; after
+    torch.onnx's optimization that is the exported graph, whose tensors are the model's own: a quantized model
+    deleted after its export kept every weight resident (0.47 GiB on bench/scale.py's 2 GB encoder, beside the
+    next step's model). A matcher sets these again on its next call. onnxscript's private layout: nothing is done
+    where it is not the one this reads."""
+    try:
+        from onnxscript import rewriter
+
+        rules = tuple(rewriter._DEFAULT_REWRITE_RULES)
+    except (ImportError, AttributeError, TypeError):
+        return
+    for rule in rules:
+        matcher = getattr(rule, "_matcher", None)
+        for state in ("_graph", "_current_node", "_match", "_tracer"):
+            if getattr(matcher, state, None) is not None:
+                setattr(matcher, state, None)
 
 
 def dynamo_export(model: Any, sample: Any, *, opset_version: int, dynamic_batch: bool,

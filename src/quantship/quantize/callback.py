@@ -24,6 +24,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from quantship.errors import DataRefused
+from quantship.heap import forget_module_caches
 from quantship.precision import QuantSpec, resolve_spec, tag_model
 from quantship.quantize import distributed, fx, pt2e
 from quantship.quantize.annotator import QuantshipQuantizer
@@ -259,6 +260,7 @@ class QuantizeCallback(Callback):
         pt2e.drop_unread_tensors(converted)
         pt2e.weights_read_where_used(converted)
         pt2e.check_converted(converted)
+        forget_module_caches()  # the trained float graph, converted in place, is not kept alive by torchao
         allow_exported_model_train_eval(converted)
         return converted
 

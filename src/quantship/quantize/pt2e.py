@@ -13,7 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from quantship.errors import SpecRefused
-from quantship.heap import give_back, large_blocks_mapped, module_bytes
+from quantship.heap import forget_module_caches, give_back, large_blocks_mapped, module_bytes
 from quantship.precision import ALGORITHMS_ATTRIBUTE, QuantSpec
 from quantship.progress import step
 from quantship.quantize import bias_correction as bias_correcting
@@ -98,6 +98,7 @@ def quantize_pt2e(
         drop_unread_tensors(converted)
         weights_read_where_used(converted)
         unshare(converted, model)
+        forget_module_caches()
     give_back()  # convert's float copies of the weights, freed: about the int8 model's size again at 2 GB of float
     check_converted(converted, {*quantizer.report.kept_float, *quantizer.report.skipped_nodes})
     algorithms: dict[str, dict] = {}
