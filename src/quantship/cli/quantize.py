@@ -206,9 +206,10 @@ def _report(run: _Run) -> int:
     spec = quant_spec(run.qmodel)
     facts = read_file(path)
     stats = facts.stats
+    left_float = left_float_ops(run.quantizer, facts, judged.kept_for_speed)
+    del facts  # its model holds every weight: the check reads the file again, and not beside this copy
     size = file_size(path)
-    # every --calib sample (calibration and held out): real inputs for the run
-    real = run.data.whole()
+    real = run.data.whole()  # every --calib sample (calibration and held out): real inputs for the run
     verdict = check_file(path, target, run=True, inputs=real)
     readings = path.readings
     weights = weights_origin(args.model, args.weights)
@@ -222,8 +223,7 @@ def _report(run: _Run) -> int:
         "verdict": verdict.verdict, "check": verdict.as_dict(),
         **judged.as_dict(),  # fidelity_fp32, repair, speed, placement_by_profile
     }
-    result["float_ops"] = left_float = left_float_ops(run.quantizer, facts, judged.kept_for_speed)
-    del facts
+    result["float_ops"] = left_float
     rows_eval = quantize_report.accuracy_rows(run, result)
     speed_cli.warn("quantize", judged.speed, run.args.quiet)
     rows = [
