@@ -286,8 +286,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     timed = speed and target.runtime_is_onnxruntime
     opset = (export_kwargs or {}).get("opset_version", 18)
     in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
+    weight_bytes = heap.module_bytes(model)
     # a large model's sessions, exports and copies freed back to the kernel as they go (``heap``)
-    with artifact.workdir_beside(final) as scratch, heap.large_blocks_mapped(heap.module_bytes(model)):
+    with artifact.workdir_beside(final) as scratch, heap.large_blocks_mapped(weight_bytes):
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple, strict: bool = True):
             k = next(numbers)
             asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None,
@@ -331,8 +332,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             record, chosen = None, attempt("as asked", options, base, base_wide)[1]
         else:
             record, chosen = repaired()
-        large = heap.module_bytes(model) >= heap.LARGE_MODEL_BYTES
-        heap.give_back(collect=large)  # the repair's discarded quantized models (cycles) before the float export
+        large = weight_bytes >= heap.LARGE_MODEL_BYTES
+        if large:
+            heap.give_back(collect=True)  # the repair's discarded quantized models (cycles) before the float export
         reference = _float_reference(model, sample, chosen[2], scratch, opset) if timed else None
         profile = None
         if timed and profile_placement and target.runs_mixed_graphs:
@@ -366,7 +368,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
         reading = None
         if timed:
-            heap.give_back(collect=large)  # the placement's losing model before two sessions are timed side by side
+            if large:
+                heap.give_back(collect=True)  # the placement's losing model before two sessions are timed side by side
             reading = time_against_float(model, sample, path, scratch, batches, require_faster=require_faster,
                                          opset_version=opset, reference=reference)
         with artifact.atomic_destination(final) as staged:

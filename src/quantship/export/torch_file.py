@@ -133,14 +133,13 @@ def output_error(qmodel: Any, path: str | Path, sample: Any, served: int | None 
     """The file read literally in ONNX Runtime against the quantized torch model on the first output (on the
     first ``served`` samples: the file's static batch): an ``LSBError`` in output steps, or a dict in absolute
     terms when the output stays float (no output scale). A large model's session and read of the file are
-    freed back to the kernel (``heap.large_blocks_mapped``): they held 0.5 GiB of a 2 GB model's command after it."""
+    freed back to the kernel (``heap.large_blocks_mapped``, which trims the heap on leaving)."""
     if served is not None:
         sample = Inputs(x[:served] for x in sample) if isinstance(sample, Inputs) else sample[:served]
     with heap.large_blocks_mapped(heap.module_bytes(qmodel)):
         _, (reference, *_) = output_arrays(qmodel, [sample])
         got = file_outputs(ort_session(path), [sample], None)[0]
         scale = next(iter(output_scales(path).values()), None)
-    heap.give_back()
     if scale is not None:
         return lsb_error(reference, got, scale)
     diff = np.abs(reference - got)

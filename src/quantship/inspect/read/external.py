@@ -327,29 +327,24 @@ def set_metadata_streamed(path: str | Path, entries: dict[str, str], chunk: int 
     staged = path.with_name(path.name + ".metadata.tmp")
     try:
         with open(path, "rb") as f, open(staged, "wb") as out:
-            fields = sorted(_fields(f, size), key=lambda found: found[0])  # stable: repeated fields keep order
-            for field, _, payload, end in fields:
-                if field == _MODEL_METADATA_PROPS:
+            # the entries' place: after every field numbered below theirs (a stable sort keeps a repeated field's order)
+            place = (_MODEL_METADATA_PROPS, -1, -1, -1)
+            fields = sorted([*_fields(f, size), place], key=lambda found: found[0])
+            for field, first, payload, end in fields:
+                if field == _MODEL_METADATA_PROPS and first >= 0:
                     entry = onnx.StringStringEntryProto()
                     entry.ParseFromString(_read(f, payload, end))
                     props[entry.key] = entry.value
             props.update(entries)
-            written = False
             for field, first, _, end in fields:
-                if not written and field >= _MODEL_METADATA_PROPS:
+                if field != _MODEL_METADATA_PROPS:
+                    f.seek(first)
+                    for at in range(first, end, chunk):
+                        out.write(f.read(min(chunk, end - at)))
+                elif first < 0:
                     for key, value in props.items():
                         out.write(_delimited(_MODEL_METADATA_PROPS,
                                              onnx.StringStringEntryProto(key=key, value=value).SerializeToString()))
-                    written = True
-                if field == _MODEL_METADATA_PROPS:
-                    continue
-                f.seek(first)
-                for at in range(first, end, chunk):
-                    out.write(f.read(min(chunk, end - at)))
-            if not written:
-                for key, value in props.items():
-                    out.write(_delimited(_MODEL_METADATA_PROPS,
-                                         onnx.StringStringEntryProto(key=key, value=value).SerializeToString()))
         os.replace(staged, path)
     finally:
         staged.unlink(missing_ok=True)
