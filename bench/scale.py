@@ -99,9 +99,9 @@ def build(width: int, layers: int, folder: Path, seed: int = 0) -> tuple[Path, i
 def quantize_command(method: str, float_path: Path, calib: Path, out: Path, width: int = 0, layers: int = 0) -> list[str]:
     """The CLI call that quantizes ``float_path`` by ``method`` (``METHODS``; pt2e: the encoder of ``width`` and
     ``layers`` built in torch)."""
-    if method == "int8":
+    if method in ("int8", "int8-default"):
         return [sys.executable, "-m", "quantship", "quantize-onnx", str(float_path), "--calib", str(calib), "--out",
-                str(out), "--batch-size", str(BATCH), "--no-speed", "--json"]
+                str(out), "--batch-size", str(BATCH), "--json", *(["--no-speed"] if method == "int8" else [])]
     if method == "int4":  # no CLI for it yet: the public API in a fresh process, its result as JSON
         code = ("import json, sys; import numpy as np; "
                 "from quantship.quantize_onnx import quantize_weight_only_file; "
@@ -168,6 +168,15 @@ def weighted_census(path: Path) -> dict:
     return {"n_integer": low_bit, "n_float": len(weighted) - low_bit}
 
 
+def file_speedup(path: Path) -> dict | None:
+    """The speed reading the command stored in the file's metadata: FP32 ms / INT8 ms per batch (None: not timed)."""
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    reading = json.loads(props.get("quantship.speed", "null")) or {}
+    if not reading.get("int8_ms"):
+        return None
+    return {b: reading["fp32_ms"][b] / reading["int8_ms"][b] for b in reading["int8_ms"]}
+
+
 def _peak_rss_bytes() -> int | None:
     """This process's peak resident size so far (``VmHWM``; None where the kernel does not say: not Linux)."""
     try:
@@ -205,6 +214,8 @@ def pt2e_child(width: int, layers: int, calib: Path, out: Path) -> dict:
 
 METHODS = {"int8": "INT8 static (`quantize-onnx --no-speed`: normalise, calibrate, write, post-conditions, both ORT "
                    "readings, fidelity to FP32, `check --run`)",
+           "int8-default": "INT8 static (`quantize-onnx` with its defaults: as the row above, and the placement by "
+                           "profile, the speed reading against the float file at batch 1 and the calibration batch)",
            "int4": "INT4 weight-only (`quantize_onnx.weight_only_file`: each weighted MatMul as MatMulNBits, 4 bits, "
                    "group 128, symmetric; run in ORT against FP32; no QDQ check applies)",
            "pt2e": "INT8 static, PyTorch path (the same encoder built in torch in the process, its weights held there as "
@@ -263,7 +274,7 @@ def measure(size_gb: float, work: Path, method: str = "int8") -> dict:
             # torch forward of the float model, the user's own check, not quantship's cost); the process's in the record
             "peak_rss_bytes": result.get("quantship_peak_rss_bytes") or usage.ru_maxrss * 1024,
             "process_peak_rss_bytes": usage.ru_maxrss * 1024, "out_bytes": file_size(out), "out_files": files,
-            "sqnr_db": fidelity.get("sqnr_db"),
+            "sqnr_db": fidelity.get("sqnr_db"), "speedup": file_speedup(out),
             "verdict": result.get("verdict", "runs in ORT" if method == "int4" else None),
             "integer_kernels": census.get("n_integer", result.get("n_matmul_nbits")),
             "float_kernels": census.get("n_float", len(result.get("kept_float", [])))}
@@ -313,6 +324,12 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
                          f"{r['out_bytes']:,} | {', '.join(r['out_files'])} | {r.get('integer_kernels')} / "
                          f"{r.get('float_kernels')} | {sqnr} | {r.get('verdict')} |")
         lines.append("")
+        timed = [r for r in mine if r.get("speedup")]
+        if timed:
+            lines.append("- Speed against FP32 the command measured (its file's metadata; FP32 ms / INT8 ms, batch "
+                         "1 / the calibration batch, 1 thread): " + ", ".join(
+                             f"{' / '.join(f'{v:.2f}x' for v in r['speedup'].values())} ({r['float_bytes'] / 1e9:.1f} GB)"
+                             for r in timed))
         for key, what_of in (("cpu_s", "CPU time"), ("wall_s", "wall time"), ("peak_rss_bytes", "peak RSS")):
             slope = exponent(mine, key)
             lines.append(f"- Fitted exponent of {what_of} against float size: "

@@ -184,7 +184,7 @@ def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
                              "labelled_data": run.labelled_batches if searching else None},
             export_kwargs={"opset_version": args.opset, "dynamic_batch": dynamic},
             repair=not args.no_repair, max_steps=args.max_steps, log=ui.say, speed=not args.no_speed,
-            require_faster=args.require_faster, profile_placement=not args.plain_placement)
+            require_faster=args.require_faster, profile_placement=not args.plain_placement, own_model=True)
         run.quantizer, run.qmodel, run.path = run.judged.quantizer, run.judged.qmodel, run.judged.path
         run.served = file_batch(run.path)
         run.error = output_error(run.qmodel, run.path, sample, run.served)

@@ -34,6 +34,7 @@ from quantship.export import artifact, placement, speed_gate
 from quantship.export.capture import as_arrays
 from quantship.export.metadata import add_file_metadata
 from quantship.export.onnx_float import export_float_reference
+from quantship.export.parked import park
 from quantship.export.profile_place import ProfilePlacement, place_by_profile
 from quantship.export.qdq import export_qdq
 from quantship.fidelity import (
@@ -92,7 +93,8 @@ def _samples_key(batches: Sequence[tuple]) -> tuple | None:
 
 def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: Target, budget: Budget | None,
                data: str, fallback: Sequence[Any] = (), native: bool = False,
-               float_outputs: dict | None = None, held_out: bool = True) -> Fidelity:
+               float_outputs: dict | None = None, held_out: bool = True,
+               float_done: Callable[[], None] = lambda: None) -> Fidelity:
     """The file at ``path`` against ``float_model`` (torch, on the same inputs): ``quantship.fidelity.measure``
     in the target's reading (``fidelity_reading``; ``native``: in the target's own runtime where it is not ONNX
     Runtime and runs here, ``consumers.native_runtime``). A fixed-batch file reads whole multiples of its batch;
@@ -101,12 +103,22 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     so that the loop's files (the repair's steps, the runtime's confirmation) run the float model once.
     ``held_out``: ``held`` is not calibration data; where its decisions are too few to judge agreement, up to
     ``HELD_OUT_MAX`` samples of ``fallback`` join them (``fidelity.widened``). False when ``held`` is
-    calibration data already: nothing is added twice."""
+    calibration data already: nothing is added twice. ``float_done``: called each time the float model has run,
+    before the file does (the file's session opens after the float model's outputs are in hand)."""
     fused, runtime = fidelity_reading(target)
     in_runtime = native_runtime(target) if native else None
-    session = ort_session(path, optimized=fused)
-    first = session.get_inputs()[0].shape[0]
-    fixed = first if isinstance(first, int) and first > 0 else None
+    opened: list = []
+
+    def session() -> Any:
+        if not opened:
+            opened.append(ort_session(path, optimized=fused))
+        return opened[0]
+
+    graph = external.graph_without_weights(path).graph
+    stored = {t.name for t in graph.initializer}
+    dims = next(i for i in graph.input if i.name not in stored).type.tensor_type.shape.dim
+    fixed = dims[0].dim_value if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0 else None
+    del graph
     batches = [b if isinstance(b, (tuple, list)) else (b,) for b in held]
     def whole(given: Sequence[Any]) -> list[tuple]:
         cut = [tuple(x[:len(x) - len(x) % fixed] for x in (b if isinstance(b, (tuple, list)) else (b,)))
@@ -127,12 +139,13 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
             names, reference = float_outputs[key]
         else:
             names, reference = output_arrays(float_model, batches)
+            float_done()
             if key is not None:
                 float_outputs[key] = (names, reference)
         if in_runtime is None:
-            return names, reference, file_outputs(session, batches, fixed)
+            return names, reference, file_outputs(session(), batches, fixed)
         runner, _ = in_runtime
-        inputs = [i.name for i in session.get_inputs()]
+        inputs = [i.name for i in session().get_inputs()]
         feeds = [{n: np.ascontiguousarray(as_arrays(b)[k]) for k, n in enumerate(inputs)} for b in batches]
         if fixed:
             feeds = [{n: a[s:s + fixed] for n, a in f.items()} for f in feeds
@@ -146,7 +159,7 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
     if in_runtime is not None:
         runtime = in_runtime[1]
     names, reference, outputs = outputs_on(batches)
-    names = names or [o.name for o in session.get_outputs()]
+    names = names or [o.name for o in session().get_outputs()]
     n = sum(len(b[0]) for b in batches)
     judged = measure(names, reference, outputs, budget=budget, data=f"{n} {data}", runtime=runtime)
     calibration = [b if isinstance(b, (tuple, list)) else (b,) for b in fallback] if held_out else []
@@ -263,7 +276,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                            make_quantizer: Callable[..., Any], quantize_kwargs: dict | None = None,
                            export_kwargs: dict | None = None, repair: bool = True, max_steps: int | None = None,
                            log: Callable[[str], None] = lambda _: None, speed: bool = True,
-                           require_faster: bool = False, profile_placement: bool = True) -> Judged:
+                           require_faster: bool = False, profile_placement: bool = True,
+                           own_model: bool = False) -> Judged:
     """Quantize ``model`` for ``target`` (``make_quantizer(target, **options)``, then ``.quantize(model, batches,
     **quantize_kwargs)``), export it (``export_qdq(..., **export_kwargs)``) and hold the file to the float model
     on ``held`` (``held_label`` says what they are; None: the first calibration batch, said in-sample) by
@@ -273,7 +287,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     targets); ``require_faster``: ``SpeedMissed`` (nothing written) when it is slower. ``profile_placement``
     (with ``speed``, targets that run a mixed graph in ONNX Runtime): the chosen file profiled per node against
     the float model's export, the modules whose integer ops cost more kept float when the whole file, timed
-    once, is faster and keeps the budget (``export.placement``; ``Judged.profile``)."""
+    once, is faster and keeps the budget (``export.placement``; ``Judged.profile``). ``own_model``: the caller
+    built ``model`` and lends it: a large one's weights are moved to a file in the work folder and kept out of
+    memory between its uses, while the exports and ONNX Runtime's sessions run (``export.parked``; same values)."""
     final = artifact.refuse_unsafe_destination(out)
     speed_gate.refuse_unmeasurable(target, speed=speed, require_faster=require_faster)
     held_batches = list(held) if held else list(batches)[:1]
@@ -288,7 +304,11 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     in_runtime = [False]  # each step judged in the target's own runtime (the second repair, ``native_repair``)
     weight_bytes = heap.module_bytes(model)
     # a large model's sessions, exports and copies freed back to the kernel as they go (``heap``)
+    large = weight_bytes >= heap.LARGE_MODEL_BYTES
     with artifact.workdir_beside(final) as scratch, heap.large_blocks_mapped(weight_bytes):
+        parked = park(model, scratch) if large and own_model else None
+        page_out = parked.page_out if parked is not None else lambda: None  # after each use of the float model
+
         def attempt(what: str, opts: dict, excluded: tuple, wide: tuple, strict: bool = True):
             k = next(numbers)
             asked = {key: v for key, v in {**opts, "skip_activations": list(excluded) or None,
@@ -296,6 +316,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             try:
                 quantizer = make_quantizer(target, **asked)
                 qmodel = quantizer.quantize(model, batches, **(quantize_kwargs or {}))
+                page_out()  # the export, its sessions and the judgement's run the quantized model, not this one
                 with warnings.catch_warnings() if k else contextlib.nullcontext():
                     if k:
                         warnings.simplefilter("ignore")  # a repair step's warnings are not the user's file's
@@ -307,7 +328,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                 log(f"fidelity repair: {what} gives no file ({one_line(exc)})")
                 return None
             fidelity = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
-                                  native=in_runtime[0], float_outputs=shared, held_out=bool(held))
+                                  native=in_runtime[0], float_outputs=shared, held_out=bool(held), float_done=page_out)
             add_file_metadata(path, {METADATA_KEY: fidelity.metadata()})
             made[Path(path)] = (opts, tuple(excluded), tuple(wide))
             return fidelity, (qmodel, quantizer, path, fidelity)
@@ -318,7 +339,9 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             with progress_step("fidelity repair: per-layer SQNR (own loss)"):
                 # against the float model as that step captured it (equalized, smoothed: other inner scales)
                 reference = made_step[1].prepared_float(model, list(batches))
-                return own_loss_order(reference, made_step[0], list(batches)[:4])
+                ranked = own_loss_order(reference, made_step[0], list(batches)[:4])
+                page_out()
+                return ranked
 
         refusal = None if target.runs_mixed_graphs else (
             f"{target.target} runs a fully integer graph (no float node): no module can be kept float for it")
@@ -332,10 +355,10 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             record, chosen = None, attempt("as asked", options, base, base_wide)[1]
         else:
             record, chosen = repaired()
-        large = weight_bytes >= heap.LARGE_MODEL_BYTES
         if large:
             heap.give_back(collect=True)  # the repair's discarded quantized models (cycles) before the float export
         reference = _float_reference(model, sample, chosen[2], scratch, opset) if timed else None
+        page_out()
         profile = None
         if timed and profile_placement and target.runs_mixed_graphs:
             opts, excluded, wide = made[Path(chosen[2])]
@@ -356,7 +379,7 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
         qmodel, quantizer, path, fidelity = chosen
         if native_runtime(target) is not None:  # the repair read ONNX Runtime literally: confirm in the runtime
             confirmed = judge_file(path, model, held_batches, target, budget, data, fallback=list(batches),
-                                   native=True, float_outputs=shared, held_out=bool(held))
+                                   native=True, float_outputs=shared, held_out=bool(held), float_done=page_out)
             if budget is not None and confirmed.status == MISSED:
                 missed = missed_in_runtime(fidelity, confirmed, target.target)
                 if not native_repair(repair, missed, in_runtime, log):
