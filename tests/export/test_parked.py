@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import onnxruntime as ort
 import torch
 
 import quantship.heap as heap
@@ -49,6 +50,16 @@ def test_parked_weights_keep_their_objects_and_values_and_ties(tmp_path):
         assert torch.equal(model[0](x), torch.nn.functional.linear(x, 2 * _original(), model[0].bias))
 
 
+def _in_file(address: int, maps: str, ending: str) -> bool:
+    """Is ``address`` in a mapping of a file whose name ends with ``ending`` (``/proc/self/maps``)?"""
+    for line in maps.splitlines():
+        if line.endswith(ending):
+            start, end = (int(v, 16) for v in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
 def _original() -> torch.Tensor:
     torch.manual_seed(0)
     return torch.nn.Linear(256, 256).weight.detach()
@@ -62,9 +73,9 @@ def test_a_model_without_a_large_cpu_tensor_is_left_alone(tmp_path):
 class Convs(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a = torch.nn.Conv2d(3, 64, 3, padding=1)
-        self.b = torch.nn.Conv2d(64, 64, 3, padding=1)  # 147 kB of weights: parked
-        self.fc = torch.nn.Linear(64, 10)
+        self.a = torch.nn.Conv2d(3, 96, 3, padding=1)
+        self.b = torch.nn.Conv2d(96, 96, 3, padding=1)  # 332 kB of float weights, 83 kB in int8: both parked
+        self.fc = torch.nn.Linear(96, 10)
 
     def forward(self, x):
         return self.fc(torch.relu(self.b(torch.relu(self.a(x)))).mean((2, 3)))
@@ -72,7 +83,8 @@ class Convs(torch.nn.Module):
 
 def test_the_judged_command_parks_its_own_model_and_writes_the_same_file(tmp_path, monkeypatch):
     """Every model counted large, ``own_model``: the float model's large weights end mapped from the work folder's
-    file (gone with the folder, the mapping kept), its outputs unchanged, the file judged, timed and written."""
+    file (gone with the folder, the mapping kept), its outputs unchanged, the file judged, timed and written; the
+    quantized model kept is mapped from its own file and still runs as the written file does."""
     torch.manual_seed(0)
     model = Convs().eval()
     data = torch.rand(40, 3, 16, 16)
@@ -84,10 +96,17 @@ def test_the_judged_command_parks_its_own_model_and_writes_the_same_file(tmp_pat
                                     make_quantizer=Quantizer.for_target, own_model=True)
     maps = open("/proc/self/maps").read()
     assert "parked_weights.bin (deleted)" in maps  # the work folder is gone, the mapping the model reads stays
+    int8 = [t for t in judged.qmodel.buffers() if t.dtype == torch.int8 and t.numel() >= SMALLEST]
+    assert int8 and all(_in_file(t.data_ptr(), maps, "_weights.bin (deleted)") for t in int8)
+    assert not any(_in_file(t.data_ptr(), maps, "parked_weights.bin (deleted)") for t in int8)  # its own file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx"]
     with torch.no_grad():
         assert torch.equal(model(data[:4]), expected)
     assert judged.fidelity.status == "met" and judged.speed is not None and judged.speed.not_measured is None
+    session = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
+    literal = session.run(None, {session.get_inputs()[0].name: data[:4].numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(judged.qmodel(data[:4]).numpy(), literal, atol=0.05)
 
 
 _CHILD = """

@@ -289,7 +289,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
     the float model's export, the modules whose integer ops cost more kept float when the whole file, timed
     once, is faster and keeps the budget (``export.placement``; ``Judged.profile``). ``own_model``: the caller
     built ``model`` and lends it: a large one's weights are moved to a file in the work folder and kept out of
-    memory between its uses, while the exports and ONNX Runtime's sessions run (``export.parked``; same values)."""
+    memory between its uses, while the exports and ONNX Runtime's sessions run, and so are each quantized model's
+    once it is exported (``export.parked``; same values)."""
     final = artifact.refuse_unsafe_destination(out)
     speed_gate.refuse_unmeasurable(target, speed=speed, require_faster=require_faster)
     held_batches = list(held) if held else list(batches)[:1]
@@ -322,6 +323,8 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
                         warnings.simplefilter("ignore")  # a repair step's warnings are not the user's file's
                     path = export_qdq(qmodel, sample, scratch / f"step{k}.onnx", target=target,
                                       **(export_kwargs or {}))
+                if parked is not None:  # exported: the quantized model is read again only if it is the one kept
+                    park(qmodel, scratch, f"step{k}_weights.bin")
             except QuantshipError as exc:
                 if not k or (not strict and isinstance(exc, Int16Uncovered)):
                     raise  # the file as asked cannot be made: the caller's refusal, not a repair's

@@ -1,19 +1,21 @@
 """A float model's weights moved to a file while other work holds the memory.
 
-The ``quantize`` command builds the float model itself and needs it only now and then after the repair: to
-export the float reference, and to quantize again when the placement by profile tries a candidate. Between
-those uses ONNX Runtime's sessions (the float reference's own copy of the weights among them) would sit beside
-it. ``park`` writes each weight to a page-aligned file in a work folder and makes the tensor a shared mapping of
+The ``quantize`` command builds the float model itself and needs it only now and then: to quantize (each
+repair step, each candidate of the placement by profile), to give the judgement its reference outputs, to export
+the float reference. Between those uses the exports and ONNX Runtime's sessions (the float reference's own copy
+of the weights among them) would sit beside it; so would each quantized model the command made, of which it
+needs only the one it keeps. ``park`` writes each weight to a page-aligned file in a work folder and makes the tensor a shared mapping of
 it (the same ``Parameter`` objects, the same values, every other holder of the tensor included); ``page_out``
 then drops the mapped pages from the process (``madvise(MADV_DONTNEED)``: a shared file mapping keeps its
 contents in the file, and the next read maps them back in). Only tensors that own their whole storage on the
-CPU are moved; the rest stay where they are.
+CPU are moved; the rest stay where they are. Linux only (elsewhere nothing is parked).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,20 +53,22 @@ def _movable(tensor: Any) -> bool:
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
-def park(module: Any, folder: Path) -> Parked | None:
-    """``module``'s large CPU weights (parameters and buffers) moved to ``folder/parked_weights.bin`` and mapped
+def park(module: Any, folder: Path, name: str = "parked_weights.bin") -> Parked | None:
+    """``module``'s large CPU weights (parameters and buffers) moved to ``folder/name`` and mapped
     from it, in place (module docstring); None when none qualifies, or when the file cannot be written (a full
     disk: the weights stay in memory, as without parking). The caller must own ``module``: its tensors' storage
     changes, not their values."""
     import torch
 
+    if not sys.platform.startswith("linux"):
+        return None
     seen: dict[int, Any] = {}
     for tensor in (*module.parameters(), *module.buffers()):
         if _movable(tensor.data):
             seen.setdefault(tensor.untyped_storage().data_ptr(), tensor)
     if not seen:
         return None
-    path = Path(folder) / "parked_weights.bin"
+    path = Path(folder) / name
     places, offset = [], 0
     try:
         with open(path, "wb") as out:
