@@ -94,6 +94,26 @@ def external_data_name(path: Path) -> str:
     return f"{path.name}.{secrets.token_hex(4)}.data"
 
 
+def move_with_data(current: Path, staged: Path) -> None:
+    """The graph at ``current`` moved to ``staged`` with the external-data files it refers to, each renamed for
+    ``staged`` (``external_data_name``) into ``staged``'s folder and the graph pointed at the new names (its
+    tensors are not read); a single-file graph is just moved. A file made in one scratch folder and committed
+    from another (``atomic_destination``) keeps its weights so."""
+    import onnx
+
+    locations = external_locations(current)
+    if not locations:
+        os.replace(current, staged)
+        return
+    graph = onnx.load(str(current), load_external_data=False)
+    for old in sorted(locations):
+        new = external_data_name(staged)
+        external.relocate(graph, old, new)
+        os.replace(current.parent / old, staged.parent / new)
+    staged.write_bytes(graph.SerializeToString())
+    current.unlink()
+
+
 def _own_data(path: Path) -> re.Pattern:
     return re.compile(rf"^{re.escape(path.name)}(\.[0-9a-f]{{8}})?\.data$")
 

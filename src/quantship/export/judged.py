@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import itertools
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -399,5 +398,5 @@ def quantize_export_judged(model: Any, batches: Sequence[Any], sample: Any, out:
             reading = time_against_float(model, sample, path, scratch, batches, require_faster=require_faster,
                                          opset_version=opset, reference=reference)
         with artifact.atomic_destination(final) as staged:
-            os.replace(path, staged)
+            artifact.move_with_data(Path(path), staged)
     return Judged(qmodel, quantizer, MeasuredPath.of(final, path.readings), fidelity, record, reading, profile)

@@ -10,7 +10,6 @@ passed (``export.artifact``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -156,7 +155,7 @@ class OnnxQuantizeResult:
         """The file, written in a scratch folder, moved into place at ``final`` (``artifact.atomic_destination``:
         ``src`` is never overwritten); its path and verdict's path are then ``final``."""
         with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
-            os.replace(self.path, staged)
+            artifact.move_with_data(Path(self.path), staged)
         self.path = final
         self.verdict.path = str(final)
         return self

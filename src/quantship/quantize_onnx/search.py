@@ -17,7 +17,6 @@ single-input file, else a dict by input name) and returns its outputs.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -139,7 +138,7 @@ def search_onnx(float_path: str | Path, out_path: str | Path, calibration: Any, 
                              base=base, log=log,
                              advice="Raise --max-drop, allow more steps, or give more calibration data")
         with artifact.atomic_destination(final, wait=wait, inputs=(src,)) as staged:
-            os.replace(done.path, staged)
+            artifact.move_with_data(Path(done.path), staged)
     done.path = final
     done.verdict.path = str(final)
     return done, result
