@@ -9,6 +9,7 @@ This module imports only ``quantship.errors`` and ``quantship.lazy`` from quants
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -121,10 +122,25 @@ def _can_at(cell: Cell, accepts) -> str:
     return f"No {cell.label} backend can honour it; at another precision: {found}."
 
 
+def is_pattern(name: str) -> bool:
+    """Whether a ``skip_activations`` / ``int16`` name is a glob pattern (``*``, ``?``, ``[``: characters no
+    module or op name holds), as the ONNX path's ``--exclude`` takes them."""
+    return any(c in name for c in "*?[")
+
+
+def names_match(name: str, given: str) -> bool:
+    """Whether ``given`` (a name, or a glob pattern, ``is_pattern``) names ``name`` itself."""
+    return name == given or (is_pattern(given) and fnmatch.fnmatchcase(name, given))
+
+
 def under_modules(path: str, names: Iterable[str]) -> bool:
     """Whether the module at dotted ``path`` is one of ``names`` or inside one of them: what a
-    ``skip_activations`` name covers (a module and everything below it)."""
-    return any(path == n or path.startswith(n + ".") for n in names)
+    ``skip_activations`` name covers (a module and everything below it); a glob pattern covers every module
+    it matches and everything below them."""
+    parts = path.split(".")
+    return any(path == n or path.startswith(n + ".")
+               or (is_pattern(n) and any(fnmatch.fnmatchcase(".".join(parts[:k]), n) for k in range(1, len(parts) + 1)))
+               for n in names)
 
 
 def smallest_names(modules: Sequence[str], ops: Sequence[str]) -> list[str]:

@@ -24,7 +24,8 @@ def add_quantizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="quant.toml",
                         help=f"a TOML file with Quantizer options ({', '.join(CONFIG_KEYS)}); flags win over it")
     parser.add_argument("--exclude", nargs="+", metavar="MODULE", default=None,
-                        help="module names whose activations stay float (skip_activations), e.g. layer4 fc")
+                        help="module or op names whose activations stay float (skip_activations), e.g. layer4 fc, "
+                             "or glob patterns ('layer4.*')")
     parser.add_argument("--int16", nargs="+", metavar="MODULE", default=None,
                         help="module names whose activations (read and written) are stored in 16 bits, weights int8 "
                              "(targets that run 16-bit activations: onnxruntime-cpu)")

@@ -43,7 +43,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from quantship.errors import Int16Uncovered
-from quantship.precision import QuantSpec, under_modules
+from quantship.precision import QuantSpec, is_pattern, names_match, under_modules
 from quantship.quantize import observers
 from quantship.quantize.constants import store_constructed_constants
 from quantship.quantize.decompose import (
@@ -492,7 +492,8 @@ class QuantshipQuantizer(Quantizer):
                 refuse_unknown_names(self.modules, getattr(self.spec, flag), flag, set(nodes))
 
         def heads(names: tuple[str, ...] | None) -> tuple[str, ...] | None:  # a fused ReLU named: its conv's op
-            return names and tuple(sorted({*names, *(fused_head(nodes[n]).name for n in names if n in nodes)}))
+            named = [node for n in names or () for k, node in nodes.items() if names_match(k, n)]
+            return names and tuple(sorted({*names, *(fused_head(node).name for node in named)}))
 
         self.spec = dataclasses.replace(self.spec, skip_activations=heads(self.spec.skip_activations),
                                         int16=heads(self.spec.int16))
@@ -803,16 +804,19 @@ class QuantshipQuantizer(Quantizer):
 
 def _named(node: Node, names: tuple[str, ...]) -> bool:
     """Whether ``names`` covers ``node``: its module or one above it, or its op (``fused_head``) by name."""
-    return bool(names) and (under_modules(module_path(node), names) or fused_head(node).name in names)
+    head = fused_head(node).name
+    return bool(names) and (under_modules(module_path(node), names) or any(names_match(head, n) for n in names))
 
 
 def refuse_unknown_names(modules: frozenset[str], names: tuple[str, ...] | None, flag: str, ops: set[str]) -> None:
     """Refuse ``flag``'s names (``skip_activations``, ``int16``) that are neither a module (``modules``) nor an op
-    of the captured graph (``ops``)."""
-    unknown = [n for n in names or () if n not in modules and n not in ops]
+    of the captured graph (``ops``), and glob patterns that match none of them."""
+    unknown = [n for n in names or () if n not in modules and n not in ops
+               and not (is_pattern(n) and any(names_match(m, n) for m in (*modules, *ops)))]
     if unknown:
         sample = sorted(n for n in modules if "." not in n)[:12]
-        raise ValueError(f"{flag} names {unknown}: neither modules of the model nor ops of its captured graph; use "
+        raise ValueError(f"{flag} names {unknown}: neither modules of the model nor ops of its captured graph (a "
+                         "glob pattern must match one); use "
                          f"names from model.named_modules(), e.g. {sample}, or the ops quantship sensitivity lists")
 
 
