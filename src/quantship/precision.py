@@ -138,9 +138,8 @@ def under_modules(path: str, names: Iterable[str]) -> bool:
     ``skip_activations`` name covers (a module and everything below it); a glob pattern covers every module
     it matches and everything below them."""
     parts = path.split(".")
-    return any(path == n or path.startswith(n + ".")
-               or (is_pattern(n) and any(fnmatch.fnmatchcase(".".join(parts[:k]), n) for k in range(1, len(parts) + 1)))
-               for n in names)
+    above = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]  # the module and each one above it
+    return any(names_match(module, n) for n in names for module in above)
 
 
 def smallest_names(modules: Sequence[str], ops: Sequence[str]) -> list[str]:

@@ -165,8 +165,8 @@ def _quantize_and_export(run: _Run, out, sample, dynamic: bool | None) -> None:
     import warnings
 
     from quantship import Quantizer
-    from quantship.export.judged import quantize_export_judged
-    from quantship.export.torch_file import file_batch, output_error
+    from quantship.export.judged import file_batch, quantize_export_judged
+    from quantship.export.torch_file import output_error
     from quantship.inspect.run.verify import FusedKernelDrift
 
     args, ui = run.args, run.ui

@@ -80,6 +80,15 @@ def file_outputs(session: Any, batches: Sequence[Any], fixed_batch: int | None) 
     return [np.concatenate(p) for p in parts]
 
 
+def file_batch(path: str | Path) -> int | None:
+    """The file's static batch (its first input's first dimension, read without the weights), or None when that
+    dimension is symbolic."""
+    graph = external.graph_without_weights(path).graph
+    stored = {t.name for t in graph.initializer}
+    dims = next(i for i in graph.input if i.name not in stored).type.tensor_type.shape.dim
+    return dims[0].dim_value if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0 else None
+
+
 def _samples_key(batches: Sequence[tuple]) -> tuple | None:
     """What the float model's outputs on ``batches`` depend on: each input's shape, dtype and sum (another draw
     of the same shape is another key); None for inputs that are not arrays or tensors (not shared)."""
@@ -113,11 +122,7 @@ def judge_file(path: str | Path, float_model: Any, held: Sequence[Any], target: 
             opened.append(ort_session(path, optimized=fused))
         return opened[0]
 
-    graph = external.graph_without_weights(path).graph
-    stored = {t.name for t in graph.initializer}
-    dims = next(i for i in graph.input if i.name not in stored).type.tensor_type.shape.dim
-    fixed = dims[0].dim_value if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0 else None
-    del graph
+    fixed = file_batch(path)
     batches = [b if isinstance(b, (tuple, list)) else (b,) for b in held]
     def whole(given: Sequence[Any]) -> list[tuple]:
         cut = [tuple(x[:len(x) - len(x) % fixed] for x in (b if isinstance(b, (tuple, list)) else (b,)))

@@ -6,7 +6,6 @@ must go through ``export_qdq`` instead.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from quantship.export.checks import check_identical, check_model, run_unoptimize
 from quantship.export.named_outputs import float_output_names
 from quantship.export.opset import lower_opset
 from quantship.export.refusals import has_pt2e_ops
-from quantship.inspect.read import external
 from quantship.precision import quant_spec
 
 QUANTIZE_MODES = ("dynamic", "static")
@@ -105,12 +103,7 @@ def _place(current: Path, staged: Path) -> None:
     if len(locations) != 1 or stored <= artifact.EXTERNAL_DATA_THRESHOLD:
         artifact.save_model(onnx.load(str(current)), staged)
         return
-    (old,) = locations
-    new = artifact.external_data_name(staged)
-    graph = onnx.load(str(current), load_external_data=False)
-    external.relocate(graph, old, new)
-    os.replace(current.parent / old, staged.parent / new)
-    staged.write_bytes(graph.SerializeToString())
+    artifact.move_with_data(current, staged)
 
 
 def _optimize(src: Path, dst: Path) -> None:

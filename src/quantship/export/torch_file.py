@@ -23,7 +23,6 @@ from quantship.errors import DataRefused, QuantshipError, cause
 from quantship.export.data import forward_arguments, forward_inputs, npz_keys, read_held_out, split_held_out
 from quantship.export.judged import file_outputs
 from quantship.fidelity import HELD_OUT_MAX
-from quantship.inspect.read import external
 from quantship.inspect.read.feeds import Preprocessing, cut
 from quantship.inspect.read.float_ops import float_ops
 from quantship.inspect.read.lsb import lsb_error, output_scales
@@ -121,12 +120,6 @@ def export_sample(batches: list, static_batch: int | None):
                           "give at least that many, or a smaller --static-batch")
     cut_ = tuple(s[:static_batch] for s in samples)
     return (Inputs(cut_) if several else cut_[0]), False
-
-
-def file_batch(path: str | Path) -> int | None:
-    """The file's static batch, or None when its batch dimension is symbolic."""
-    dim = external.graph_without_weights(path).graph.input[0].type.tensor_type.shape.dim[0]
-    return dim.dim_value if dim.HasField("dim_value") else None
 
 
 def output_error(qmodel: Any, path: str | Path, sample: Any, served: int | None = None):
