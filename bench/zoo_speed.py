@@ -9,7 +9,10 @@ subprocess each, ``--json``):
   fidelity judged and repaired, placement by profile, speed measured);
 - ``plain``: the same with ``--plain-placement`` (the placement before the profile);
 - ``search``: ``quantship quantize-onnx FP32.onnx --calib CAL.npy --speed-search --max-steps N`` (the whole-file
-  search exists on the ONNX path only).
+  search exists on the ONNX path only);
+- ``unjudged``, only when the budget refused every default file (an untrained network that amplifies each
+  rounding step, ZOO.md): ``quantize ... --no-fidelity``, the fast file such a user can still ask for, timed
+  beside the rest and shown in the default's cell after its refusal.
 
 Speed: FP32 and every file written in ONNX Runtime, one thread each, thread CPU time, interleaved round after
 round, median (REAL.md's method, ``bench/_real_timing.steady_ms``), at batch 1 and 8 on random images. The
@@ -47,6 +50,7 @@ BENCH = Path(__file__).resolve().parent
 TABLE = ROOT / "ZOO-speed.md"
 RESULTS = BENCH / "zoo_speed_results.json"
 MODES = ("default", "plain", "search")
+UNJUDGED = "unjudged"  # run only when the default wrote no file: `quantize --no-fidelity`
 BATCHES = (1, 8)
 CALIB = 16  # random calibration images (the CLI holds a slice out for the fidelity judgement)
 SEARCH_STEPS = 3  # the speed search's bound: each step quantizes and times the whole file again
@@ -122,7 +126,8 @@ def run_model(key: str, tmp: Path, smoke: bool) -> dict:
                 "plain": ("quantize", f"{factory}:build", "--weights", str(weights), "--plain-placement"),
                 "search": ("quantize-onnx", str(fp32), "--speed-search", "--max-steps", steps)}
     files = {}
-    for mode, command in commands.items():
+    queue = list(commands.items())
+    for mode, command in queue:
         out = work / f"{mode}.onnx"
         done, wall, cpu = quantship(*command, "--calib", str(cal), "--out", str(out), "--json")
         row[mode] = {"exit": done.returncode, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), **reported(done)}
@@ -131,6 +136,9 @@ def run_model(key: str, tmp: Path, smoke: bool) -> dict:
         else:
             row[mode]["refused"] = one_line(done)
         print(f"{name} {mode}: exit {done.returncode}, {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+        if mode == "default" and "default" not in files:
+            # the budget refused every file: what the user's fast file (--no-fidelity, not judged) would run at
+            queue.append((UNJUDGED, (*command, "--no-fidelity")))
     x = np.random.default_rng(5).standard_normal((8, 3, size, size)).astype(np.float32)
     sessions = [session(fp32)] + [session(p) for p in files.values()]
     for b in BATCHES:
@@ -141,12 +149,12 @@ def run_model(key: str, tmp: Path, smoke: bool) -> dict:
     return {**row, "status": "ok", "load": round(os.getloadavg()[0], 1)}
 
 
-def cell(got: dict | None) -> str:
-    """A file's speed-ups b1 / b8, or why there is none."""
+def cell(got: dict | None, fast: dict | None = None) -> str:
+    """A file's speed-ups b1 / b8, or why there is none (and, given ``fast``, the unjudged file's)."""
     if not got:
         return "not run"
     if "speedup_b1" not in got:
-        return f"no file: {got.get('refused', '?')[:70]}"
+        return f"no file: {got.get('refused', '?')[:70]}" + (f"; `--no-fidelity`: {cell(fast)}" if fast else "")
     speed = " / ".join(f"{got[f'speedup_b{b}']:.2f}x" for b in BATCHES)
     # a file written with a non-zero exit: the verdict was not "accepted" (e.g. inconclusive on a constant output)
     return f"{speed} (exit {got['exit']})" if got.get("exit") else speed
@@ -186,7 +194,7 @@ def render(records: dict, banner: list[str]) -> str:
             f" ({' / '.join(f'{v:.2f}x' for v in own.values())})" if own else "")
         kept = ", ".join(d.get("kept_for_speed") or []) or "-"
         lines.append(f"| {r['family']} | {r['model']} | {r['params_m']} | {r['size']} | {r['fp32_ms_b1']:.3f} / {r['fp32_ms_b8']:.3f} | "
-                     f"{cell(d)} | {cell(r.get('plain'))} | {cell(r.get('search'))} | {said} | {kept[:120]} | "
+                     f"{cell(d, r.get(UNJUDGED))} | {cell(r.get('plain'))} | {cell(r.get('search'))} | {said} | {kept[:120]} | "
                      + " / ".join(f"{r[m]['cpu_s']:.0f}" if m in r else "-" for m in MODES) + f" | {r['load']} |")
     return "\n".join(lines) + "\n"
 
