@@ -16,13 +16,13 @@ from _real_timing import WALL
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("onnxruntime-cpu", "tensorrt", "openvino", "tigris")
 SPEED_TOOL = "quantship-speed:onnxruntime-cpu"  # quantize-onnx --speed-search, the onnxruntime-cpu preset
-MODELS = ("ocr_cls", "magika", "ocr_det", "nudenet", "mtcnn_pnet", "mtcnn_rnet", "mtcnn_onet")
+MODELS = ("ocr_cls", "magika", "ocr_det", "nudenet", "mtcnn_pnet", "mtcnn_rnet", "mtcnn_onet", "ocr_rec")
 
 
 def row_keys(task_name: str) -> list[tuple[str, str]]:
     """(path, tool) of every row of a model, in table order."""
     keys = [("onnx", "fp32"), ("onnx", "ort-defaults"), ("onnx", "ort-per-channel"), ("onnx", "nncf")]
-    if task_name == "magika":
+    if task_name in ("magika", "ocr_rec"):
         keys.append(("onnx", "nncf-transformer"))
     keys += [("onnx", f"quantship:{p}") for p in PRESETS] + [("onnx", SPEED_TOOL)]
     keys += [("pt2e", "fp32")] + [("pt2e", f"quantship:{p}") for p in PRESETS]

@@ -220,10 +220,38 @@ def _mtcnn(net: str, smoke: bool, workdir: Path) -> Task:
                      f"{len(calib.y)} other crops (seed 1)")
 
 
+def _ocr_rec(smoke: bool) -> Task:
+    from quantship.examples.real import ocr_rec
+
+    n = 48 if smoke else 600
+    lines, calib = ocr_rec.make_lines(n, seed=0), ocr_rec.make_lines(16 if smoke else 64, seed=1)
+
+    def score(out, ref):
+        result = {"lines read": ocr_rec.accuracy(out, lines.text[:len(out)])}
+        if ref is not None:
+            result["agrees with FP32"] = ocr_rec.agreement(out, ref)
+        return result
+
+    def no_torch():
+        from quantship.examples.real.convert import to_torch
+
+        return to_torch(ocr_rec.model_path(), _example(calib.x))
+
+    return Task("ocr_rec", "PP-OCRv4 text recognizer (rapidocr-onnxruntime 1.4.4, `ch_PP-OCRv4_rec_infer.onnx`, "
+                "10.9 MB, SVTR-style: convolutions then attention, CTC over 6,625 characters)", ocr_rec.model_path(),
+                calib.x, lines.x, score, ("lines read", "agrees with FP32"), eval_batch=50, calib_batch=8,
+                subset=None if smoke else 200, reps=(1, 1) if smoke else (10, 5), torch_model=no_torch,
+                transformer=True,
+                data=f"{n} rendered lines of 1-4 words (seed 0); calibration: {len(calib.x)} other lines (seed 1); "
+                     "rapidocr's resize/normalise to 3 x 48 x 320; greedy CTC reading over the file's own character "
+                     "list; a line is read when it equals the rendered string, spaces ignored")
+
+
 def make_task(name: str, smoke: bool, workdir: Path) -> Task:
     if name.startswith("mtcnn_"):
         return _mtcnn(name.removeprefix("mtcnn_"), smoke, workdir)
-    return {"ocr_cls": _ocr_cls, "magika": _magika, "ocr_det": _ocr_det, "nudenet": _nudenet}[name](smoke)
+    return {"ocr_cls": _ocr_cls, "magika": _magika, "ocr_det": _ocr_det, "nudenet": _nudenet,
+            "ocr_rec": _ocr_rec}[name](smoke)
 
 
 # ---------------------------------------------------------------- running files

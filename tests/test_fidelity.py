@@ -13,6 +13,7 @@ import pytest
 
 from quantship.errors import DataRefused
 from quantship.fidelity import (
+    FOREGROUND,
     INCONCLUSIVE,
     MET,
     MIN_DECISIONS,
@@ -183,6 +184,47 @@ def test_positives_count_the_positive_sets_not_the_negatives():
     assert judged.worst.agreement == pytest.approx(both / positives.sum()) and judged.worst.agreement < 0.8
     assert judged.status == MISSED
     assert _judge(reference, 1 / (1 + np.exp(-(logits + 0.01))), Budget(min_sqnr_db=0.0)).status == MET
+
+
+def _ctc_columns(n=24, t=40, classes=30, seed=3):
+    """N x T x C per-column distributions as a CTC recognizer writes them: class 0 (the blank) is the answer at
+    about three columns in four, a character at the rest."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((n, t, classes))
+    chars = rng.random((n, t)) < 0.25
+    logits[..., 0] += np.where(chars, -4.0, 6.0)
+    logits[np.nonzero(chars) + (rng.integers(1, classes, chars.sum()),)] += 8.0
+    return logits
+
+
+def _softmax(logits):
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_sequence_distributions_are_judged_off_their_background_class():
+    """A recognizer's INT8 file that reads one character in four wrong: over every column it agrees at about
+    0.95 (the blanks agree whatever the characters became) and would pass; over the columns either side reads a
+    character it agrees at about 0.8, and misses. One answer a sample (N x C) keeps the plain argmax, whatever
+    the most common class."""
+    logits = _ctc_columns()
+    reference = _softmax(logits)
+    assert agreement_rule(reference) == FOREGROUND
+    wrong = logits.copy()
+    rng = np.random.default_rng(4)
+    chars = np.argwhere(reference.argmax(-1) != 0)
+    for i, j in chars[rng.random(len(chars)) < 0.25]:
+        wrong[i, j, reference[i, j].argmax()] -= 20.0  # the character lost: another one read there
+    output = _softmax(wrong)
+    assert (reference.argmax(-1) == output.argmax(-1)).mean() > 0.9
+    judged = _judge(reference, output, Budget(min_sqnr_db=0.0))
+    either = (reference.argmax(-1) != 0) | (output.argmax(-1) != 0)
+    assert judged.worst.rule == FOREGROUND and judged.worst.n_decisions == either.sum()
+    assert judged.worst.agreement < 0.85 and judged.status == MISSED
+    assert _judge(reference, _softmax(logits + 0.01 * rng.standard_normal(logits.shape)),
+                  Budget(min_sqnr_db=0.0)).status == MET
+    one_answer = _softmax(np.where(np.arange(10) == 0, 5.0, 0.0) + RNG.standard_normal((200, 10)))
+    assert (one_answer.argmax(-1) == 0).mean() > 0.5 and agreement_rule(one_answer) == "argmax"
 
 
 def _detector_output(scores_shift=0.0, box_noise=0.0, seed=1):

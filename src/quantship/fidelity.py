@@ -8,7 +8,10 @@ inputs (held out from range calibration where there are any), as
 - SQNR in dB: ``10 log10(sum ref^2 / sum (ref - int8)^2)`` over every value of the output;
 - an agreement that fits what the output is (``agreement_rule``): argmax over classes for class
   scores, the positive set at 0.5 for probabilities that are not a distribution (the elements either
-  side puts above 0.5, so that the negatives of a sparse map do not make agreement trivially ~1), signs
+  side puts above 0.5, so that the negatives of a sparse map do not make agreement trivially ~1), for
+  distributions along a sequence (N x T x C) whose most common answer is one background class (a CTC
+  blank, silence) the argmax at the positions where either side answers something else (the same
+  reason: a line's blank columns agree whatever its characters became), signs
   for signed values; none for outputs where none of these means anything (e.g. a non-negative regression).
 
 An output that joins parts of different kinds (``output_parts``: channels in [0, 1] beside channels an
@@ -55,6 +58,8 @@ MIN_DECISIONS = 20  # an agreement over fewer decisions is reported, not judged:
 PART_RATIO = 10.0  # channels in [0, 1] beside channels this many times larger are judged apart (output_parts)
 MAX_PARTS = 4  # more runs of alternating kinds than this is not a concatenation of parts: judged whole
 POSITIVES = "positives > 0.5"  # the rule of probabilities that are not a distribution
+FOREGROUND = "foreground argmax"  # distributions along a sequence whose most common answer is background
+BACKGROUND_SHARE = 0.5  # a class that is FP32's answer at more than this share of a sequence output's positions
 
 MET, MISSED, INCONCLUSIVE, NOT_JUDGED = "met", "missed", "inconclusive", "not judged"
 
@@ -253,7 +258,7 @@ def agreement_rule(reference: np.ndarray) -> str:
     in_unit = ref.min() >= 0.0 and ref.max() <= 1.0
     if ref.ndim >= 2 and ref.shape[-1] >= 2:
         if in_unit and np.allclose(ref.sum(axis=-1), 1.0, atol=1e-3):
-            return "argmax"
+            return FOREGROUND if _background(ref) is not None else "argmax"
         if ref.ndim == 2 and not in_unit:
             return "argmax"
     if in_unit and ref.max() > ref.min():
@@ -270,6 +275,10 @@ def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | Non
 
     if rule == "argmax":
         same = ref.argmax(-1) == out.argmax(-1)
+    elif rule == FOREGROUND:  # over the positions either side answers other than the background class
+        background, ref_best, out_best = _background(ref), ref.argmax(-1), out.argmax(-1)
+        either = (ref_best != background) | (out_best != background)
+        same = ref_best[either] == out_best[either]
     elif rule == POSITIVES:  # over the union of both positive sets: |both| / |either| (the negatives left out)
         ref_pos, out_pos = ref > 0.5, out > 0.5
         same = ref_pos[ref_pos | out_pos] & out_pos[ref_pos | out_pos]
@@ -360,11 +369,25 @@ def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
             rule = agreement_rule(ref)
             if rule == "argmax":
                 counts.append(int(np.prod(ref.shape[:-1])))
+            elif rule == FOREGROUND:
+                counts.append(int((ref.argmax(-1) != _background(ref)).sum()))
             elif rule == POSITIVES:
                 counts.append(int((ref > 0.5).sum()))
             elif rule == "sign":
                 counts.append(int(_sign_counted(ref).sum()))
     return counts
+
+
+def _background(ref: np.ndarray) -> int | None:
+    """The class FP32 answers at more than ``BACKGROUND_SHARE`` of the positions of a sequence output (N x T x C,
+    several positions a sample), else None (one answer a sample: every answer is a decision)."""
+    import numpy as np  # measuring only (module docstring)
+
+    if ref.ndim < 3 or ref.size == 0:
+        return None
+    classes, counts = np.unique(ref.argmax(-1), return_counts=True)
+    top = int(counts.argmax())
+    return int(classes[top]) if counts[top] > BACKGROUND_SHARE * counts.sum() else None
 
 
 def _sign_counted(ref: np.ndarray) -> np.ndarray:
