@@ -1,5 +1,9 @@
 """Small onnx_ir edits shared by the ONNX front-end's passes and the export's: a pass record, opset
-reading and conversion, fresh initializers, the statistics of a BatchNormalization."""
+reading and conversion, fresh initializers, Constant nodes lifted to initializers, the statistics of a
+BatchNormalization.
+
+No Constant node is left by an edit here (``lift_constants`` after a conversion or a fold): TiGrIS's compiler
+fails on one (the PP-OCRv4 recognizer's tigris file: an IndexError), and the rules read initializers."""
 
 from __future__ import annotations
 
@@ -24,6 +28,41 @@ class Pass:
     why: str
 
 
+def _constant_tensor(node: ir.Node) -> ir.TensorProtocol | None:
+    """The value of a ``Constant`` node, whatever attribute holds it (None for sparse values)."""
+    for name, attr in node.attributes.items():
+        if name == "value":
+            return attr.as_tensor()
+        if name in ("value_float", "value_int"):
+            dtype = np.float32 if name == "value_float" else np.int64
+            return ir.tensor(np.array(attr.value, dtype=dtype))
+        if name in ("value_floats", "value_ints"):
+            dtype = np.float32 if name == "value_floats" else np.int64
+            return ir.tensor(np.array(list(attr.value), dtype=dtype))
+    return None
+
+
+def lift_constants(model: ir.Model) -> int:
+    """``Constant`` nodes become initializers under their output's name (Paddle keeps every weight in one)."""
+    graph = model.graph
+    n = 0
+    for node in list(graph):
+        if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS:
+            continue
+        value = node.outputs[0]
+        tensor = _constant_tensor(node)
+        if tensor is None or value.is_graph_output() or not value.name or value.name in graph.initializers:
+            continue
+        fresh = ir.Value(name=value.name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                         const_value=tensor)
+        value.name = None  # free the name for the initializer
+        value.replace_all_uses_with(fresh)
+        graph.remove(node, safe=True)
+        graph.register_initializer(fresh)
+        n += 1
+    return n
+
+
 def default_opset(model: ir.Model) -> int:
     return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
 
@@ -40,6 +79,7 @@ def convert_opset(model: ir.Model, version: int) -> int:
     if default_opset(model) >= version:
         return 0
     replace_model(model, ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), version)))
+    lift_constants(model)  # the converter writes an attribute that became an input (Squeeze's axes at 13) as a Constant
     return 1
 
 

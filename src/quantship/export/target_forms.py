@@ -60,6 +60,7 @@ from quantship.export.ir_edit import (
     default_opset,
     drop_unused_initializers,
     fresh_initializer,
+    lift_constants,
     replace_model,
 )
 from quantship.export.opset import constant_axes
@@ -116,6 +117,7 @@ def static_shapes(sample: Feed, run_outputs) -> Pass:
             onnxscript.optimizer.remove_unused_nodes(model)
             if len(model.graph) == before:
                 break
+        lift_constants(model)  # onnxscript folds a computed shape into a Constant node
         drop_unused_initializers(model.graph)
         for value, array in zip(model.graph.outputs, run_outputs(model)):
             value.shape = ir.Shape(tuple(int(d) for d in np.shape(array)))

@@ -24,6 +24,7 @@ from quantship.export.ir_edit import (  # noqa: F401  (the passes' shared edits;
     default_opset,
     drop_unused_initializers,
     fresh_initializer,
+    lift_constants,
     replace_model,
 )
 
@@ -33,41 +34,6 @@ NOISE_FACTOR = 4.0  # or this many times what ONNX Runtime's own optimizations m
 # network amplifies two last-bit perturbations to amounts 2-3x apart: measured 0.172 vs 0.082 on EfficientNet-B0)
 # data-movement ops a constant can be pushed through with numpy, bit for bit
 _FOLDABLE = ("Reshape", "Unsqueeze", "Squeeze", "Transpose", "Identity", "Flatten")
-
-
-def _constant_tensor(node: ir.Node) -> ir.TensorProtocol | None:
-    """The value of a ``Constant`` node, whatever attribute holds it (None for sparse values)."""
-    for name, attr in node.attributes.items():
-        if name == "value":
-            return attr.as_tensor()
-        if name in ("value_float", "value_int"):
-            dtype = np.float32 if name == "value_float" else np.int64
-            return ir.tensor(np.array(attr.value, dtype=dtype))
-        if name in ("value_floats", "value_ints"):
-            dtype = np.float32 if name == "value_floats" else np.int64
-            return ir.tensor(np.array(list(attr.value), dtype=dtype))
-    return None
-
-
-def lift_constants(model: ir.Model) -> int:
-    """``Constant`` nodes become initializers under their output's name (Paddle keeps every weight in one)."""
-    graph = model.graph
-    n = 0
-    for node in list(graph):
-        if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS:
-            continue
-        value = node.outputs[0]
-        tensor = _constant_tensor(node)
-        if tensor is None or value.is_graph_output() or not value.name or value.name in graph.initializers:
-            continue
-        fresh = ir.Value(name=value.name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
-                         const_value=tensor)
-        value.name = None  # free the name for the initializer
-        value.replace_all_uses_with(fresh)
-        graph.remove(node, safe=True)
-        graph.register_initializer(fresh)
-        n += 1
-    return n
 
 
 def initializers_out_of_inputs(model: ir.Model) -> int:
@@ -167,6 +133,7 @@ def dynamic_dims(model: ir.Model) -> int:
 def upgrade_opset(model: ir.Model) -> int:
     """Files below opset 13 are converted to 13 (``onnx.version_converter``): per-channel Q/DQ needs it."""
     return convert_opset(model, MIN_OPSET)
+
 
 
 def _single_use(value: ir.Value) -> bool:
