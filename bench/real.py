@@ -87,23 +87,38 @@ def _example(x: np.ndarray):
     return torch.from_numpy(x[:1])
 
 
+def _converted(path: Path, x: np.ndarray) -> Callable[[], object]:
+    """The PyTorch model onnx2torch makes of ``path`` (``convert.to_torch``), built when a row asks for it."""
+    def build():
+        from quantship.examples.real.convert import to_torch
+
+        return to_torch(path, _example(x))
+
+    return build
+
+
+def _answers(metric: str, accuracy: Callable, agreement: Callable, truth) -> Callable:
+    """A task's score: ``metric`` against ``truth``, and agreement with FP32's outputs when they are given."""
+    def score(out, ref):
+        result = {metric: accuracy(out, truth[:len(out)])}
+        if ref is not None:
+            result["agrees with FP32"] = agreement(out, ref)
+        return result
+
+    return score
+
+
 def _ocr_cls(smoke: bool) -> Task:
     from quantship.examples.real import ocr_cls
-    from quantship.examples.real.convert import to_torch
 
     n = 48 if smoke else 600
     lines, calib = ocr_cls.make_lines(n, seed=0), ocr_cls.make_lines(16 if smoke else 64, seed=1)
-
-    def score(out, ref):
-        result = {"accuracy": ocr_cls.accuracy(out, lines.y[:len(out)])}
-        if ref is not None:
-            result["agrees with FP32"] = ocr_cls.agreement(out, ref)
-        return result
+    score = _answers("accuracy", ocr_cls.accuracy, ocr_cls.agreement, lines.y)
 
     return Task("ocr_cls", "PP-OCR text-orientation classifier (rapidocr-onnxruntime 1.4.4, "
                 "`ch_ppocr_mobile_v2.0_cls_infer.onnx`, 0.6 MB)", ocr_cls.model_path(), calib.x, lines.x, score,
                 ("accuracy", "agrees with FP32"), subset=None if smoke else 200, reps=(1, 1) if smoke else (20, 10),
-                torch_model=lambda: to_torch(ocr_cls.model_path(), _example(calib.x)),
+                torch_model=_converted(ocr_cls.model_path(), calib.x),
                 data=f"{n} rendered lines (seed 0), half rotated 180 degrees; calibration: {len(calib.y)} other "
                      "lines (seed 1); rapidocr's resize/normalise to 3 x 48 x 192")
 
@@ -117,21 +132,13 @@ def _magika(smoke: bool) -> Task:
     calib = magika_files.make_files(n_cal, seed=0, skip=0)
     labels = sorted({magika_files.labels_space()[i] for i in files.y})
 
-    def score(out, ref):
-        result = {"accuracy": magika_files.accuracy(out, files.y[:len(out)])}
-        if ref is not None:
-            result["agrees with FP32"] = magika_files.agreement(out, ref)
-        return result
-
-    def no_torch():
-        from quantship.examples.real.convert import to_torch
-
-        return to_torch(magika_files.model_path(), _example(calib.x))
+    score = _answers("accuracy", magika_files.accuracy, magika_files.agreement, files.y)
 
     return Task("magika", "magika 1.0.3 file-type model (`standard_v3_3/model.onnx`, 3.2 MB, int32 input "
                 "`bytes` [N, 2048], 214 labels)", magika_files.model_path(), calib.x, files.x, score,
                 ("accuracy", "agrees with FP32"), eval_batch=250, calib_batch=10, subset=None if smoke else 500,
-                reps=(1, 1) if smoke else (20, 10), torch_model=no_torch, transformer=True,
+                reps=(1, 1) if smoke else (20, 10), torch_model=_converted(magika_files.model_path(), calib.x),
+                transformer=True,
                 data=f"{n} files of this machine ({len(labels)} labels from unambiguous extensions, drawn round-robin "
                      f"over labels, seed 0) after {n_cal} calibration files of the same draw (disjoint); "
                      "magika's own feature extraction; top-1 label before magika's thresholds")
@@ -139,7 +146,6 @@ def _magika(smoke: bool) -> Task:
 
 def _ocr_det(smoke: bool) -> Task:
     from quantship.examples.real import ocr_det
-    from quantship.examples.real.convert import to_torch
 
     n = 2 if smoke else 40
     pages, calib = ocr_det.make_pages(n, seed=0), ocr_det.make_pages(1 if smoke else 8, seed=1)
@@ -152,7 +158,7 @@ def _ocr_det(smoke: bool) -> Task:
     return Task("ocr_det", "PP-OCRv4 text detector (rapidocr-onnxruntime 1.4.4, `ch_PP-OCRv4_det_infer.onnx`, "
                 "4.7 MB)", ocr_det.model_path(), calib.x, pages.x, score, ("line recall", "precision"),
                 eval_batch=1, calib_batch=1, subset=None if smoke else 10, reps=(1, 1) if smoke else (5, 2),
-                torch_model=lambda: to_torch(ocr_det.model_path(), _example(calib.x)),
+                torch_model=_converted(ocr_det.model_path(), calib.x),
                 data=f"{n} rendered pages of 736 x 992 (seed 0), {sum(len(b) for b in pages.boxes)} lines; "
                      f"calibration: {len(calib.x)} other pages (seed 1); rapidocr's DetPreProcess and DB "
                      "post-processing with its packaged config; IoU >= 0.5, one-to-one")
@@ -160,7 +166,6 @@ def _ocr_det(smoke: bool) -> Task:
 
 def _nudenet(smoke: bool) -> Task:
     from quantship.examples.real import nudenet_yolo
-    from quantship.examples.real.convert import to_torch
 
     n = 8 if smoke else 200
     images, calib = nudenet_yolo.make_images(n, seed=0), nudenet_yolo.make_images(4 if smoke else 32, seed=1)
@@ -180,7 +185,7 @@ def _nudenet(smoke: bool) -> Task:
                 "fidelity to FP32 only", nudenet_yolo.model_path(), calib.x, images.x, score,
                 ("FP32 detections reproduced", "detections FP32 has"), eval_batch=8, calib_batch=4,
                 subset=None if smoke else 64, reps=(1, 1) if smoke else (10, 4),
-                torch_model=lambda: to_torch(nudenet_yolo.model_path(), _example(calib.x)),
+                torch_model=_converted(nudenet_yolo.model_path(), calib.x),
                 data=f"{n} random crops of the photos shipped in matplotlib/scikit-learn (seed 0), letterboxed by "
                      f"nudenet's own `_read_image`; calibration: {len(calib.x)} other crops (seed 1); decoded by "
                      "nudenet's `_postprocess` (score >= 0.2, NMS); a detection is reproduced by one of the same "
@@ -226,21 +231,13 @@ def _ocr_rec(smoke: bool) -> Task:
     n = 48 if smoke else 600
     lines, calib = ocr_rec.make_lines(n, seed=0), ocr_rec.make_lines(16 if smoke else 64, seed=1)
 
-    def score(out, ref):
-        result = {"lines read": ocr_rec.accuracy(out, lines.text[:len(out)])}
-        if ref is not None:
-            result["agrees with FP32"] = ocr_rec.agreement(out, ref)
-        return result
-
-    def no_torch():
-        from quantship.examples.real.convert import to_torch
-
-        return to_torch(ocr_rec.model_path(), _example(calib.x))
+    score = _answers("lines read", ocr_rec.accuracy, ocr_rec.agreement, lines.text)
 
     return Task("ocr_rec", "PP-OCRv4 text recognizer (rapidocr-onnxruntime 1.4.4, `ch_PP-OCRv4_rec_infer.onnx`, "
                 "10.9 MB, SVTR-style: convolutions then attention, CTC over 6,625 characters)", ocr_rec.model_path(),
                 calib.x, lines.x, score, ("lines read", "agrees with FP32"), eval_batch=50, calib_batch=8,
-                subset=None if smoke else 200, reps=(1, 1) if smoke else (10, 5), torch_model=no_torch,
+                subset=None if smoke else 200, reps=(1, 1) if smoke else (10, 5),
+                torch_model=_converted(ocr_rec.model_path(), calib.x),
                 transformer=True,
                 data=f"{n} rendered lines of 1-4 words (seed 0); calibration: {len(calib.x)} other lines (seed 1); "
                      "rapidocr's resize/normalise to 3 x 48 x 320; greedy CTC reading over the file's own character "

@@ -8,13 +8,12 @@ rapidocr's own (``TextClassifier.resize_norm_img``: height 48, width up to 192, 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from quantship.examples.real import Count, data_dir, package_file, require, save_npz
+from quantship.examples.real import Count, data_dir, package_file, save_npz
 from quantship.examples.real import text as _text
 
 MODULE = "rapidocr_onnxruntime"
@@ -56,19 +55,10 @@ def render_line(rng: np.random.Generator) -> np.ndarray:
     return np.repeat(grey[:, :, None], 3, axis=2)
 
 
-@functools.cache
-def _preprocessor():
-    require(MODULE)
-    from rapidocr_onnxruntime.ch_ppocr_cls.text_cls import TextClassifier
-
-    cls = object.__new__(TextClassifier)  # only its pre-processing: no session is built
-    cls.cls_image_shape = list(INPUT_SHAPE)
-    return cls.resize_norm_img
-
-
 def preprocess(images: list[np.ndarray]) -> np.ndarray:
     """rapidocr's resize and normalisation of the cls model, batched: N x 3 x 48 x 192 float32."""
-    resize_norm = _preprocessor()
+    resize_norm = _text.rapidocr_resize("rapidocr_onnxruntime.ch_ppocr_cls.text_cls", "TextClassifier",
+                                        "cls_image_shape", INPUT_SHAPE)
     return np.stack([resize_norm(img) for img in images]).astype(np.float32)
 
 

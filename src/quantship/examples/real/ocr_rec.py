@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantship.examples.real import Count, data_dir, package_file, require, save_npz
+from quantship.examples.real import Count, data_dir, package_file, save_npz
 from quantship.examples.real import text as _text
 
 MODULE = "rapidocr_onnxruntime"
@@ -79,19 +79,10 @@ def render_line(rng: np.random.Generator) -> tuple[np.ndarray, str]:
     return np.repeat(grey[:, :, None], 3, axis=2), line
 
 
-@functools.cache
-def _preprocessor():
-    require(MODULE)
-    from rapidocr_onnxruntime.ch_ppocr_rec.text_recognize import TextRecognizer
-
-    rec = object.__new__(TextRecognizer)  # only its pre-processing: no session is built
-    rec.rec_image_shape = list(INPUT_SHAPE)
-    return rec.resize_norm_img
-
-
 def preprocess(images: list[np.ndarray]) -> np.ndarray:
     """rapidocr's resize and normalisation at the default width: N x 3 x 48 x 320 float32."""
-    resize_norm = _preprocessor()
+    resize_norm = _text.rapidocr_resize("rapidocr_onnxruntime.ch_ppocr_rec.text_recognize", "TextRecognizer",
+                                        "rec_image_shape", INPUT_SHAPE)
     ratio = INPUT_SHAPE[2] / INPUT_SHAPE[1]
     return np.stack([resize_norm(img, ratio) for img in images]).astype(np.float32)
 

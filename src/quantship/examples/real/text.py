@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +71,15 @@ def add_noise(image: np.ndarray, rng: np.random.Generator, sigma: float) -> np.n
         return image
     noisy = image.astype(np.float32) + rng.normal(0.0, sigma, image.shape).astype(np.float32)
     return np.clip(np.rint(noisy), 0, 255).astype(np.uint8)
+
+
+@functools.cache
+def rapidocr_resize(module: str, name: str, shape_field: str, shape: tuple[int, int, int]):
+    """The ``resize_norm_img`` of rapidocr's class ``module.name`` (its pre-processing only: the instance is made
+    without ``__init__``, no session is built) with ``shape_field`` set to ``shape``."""
+    from quantship.examples.real import require
+
+    require("rapidocr_onnxruntime")
+    part = object.__new__(getattr(importlib.import_module(module), name))
+    setattr(part, shape_field, list(shape))
+    return part.resize_norm_img

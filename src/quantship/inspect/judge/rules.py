@@ -152,10 +152,12 @@ RULES: dict[str, Rule] = {r.id: r for r in (
                        if q.dtype == "int8" and q.max_abs_int is not None and q.max_abs_int > 63
                        and f.format != "weight-only"]),
     Rule("tigris_kernels", "operators in the forms TiGrIS has kernels for: Clip as ReLU (min 0) or ReLU6 (0, 6); "
-         "ReduceSum/Mean/Max of a rank-3 input over one constant axis, or of a rank-4 one over H and W",
+         "ReduceSum/Mean/Max of a rank-3 input over one constant axis, or of a rank-4 one over H and W; Slice "
+         "of a rank-4 input at most",
          "{n} operator(s) in a form {consumer} has no kernel for ({what}), so it compiles no plan",
          "keep such ops out of the model (a hard sigmoid as HardSigmoid, not a Clip to [0, 1]; a "
-         "LayerNorm or softmax over a rank-3 tensor), or deploy to a runtime that has them",
+         "LayerNorm or softmax over a rank-3 tensor; attention's q, k, v split from one rank-5 tensor), or "
+         "deploy to a runtime that has them",
          lambda f, t: [f"{node} ({form})" for node, form in f.operator_forms]),
     Rule("one_scale_pairs", "each activation QuantizeLinear -> DequantizeLinear pair holds one scale and zero-point",
          "{n} activation Q/DQ pair(s) read the integers at another scale than they were written with ({what}); "

@@ -1,7 +1,8 @@
 """The form of the operators whose kernels some runtimes have only in one form: Clip's bounds, a
 reduction's input rank and axes (TiGrIS 0.12.1, measured with ``tigris analyze``: Clip runs as ReLU
 (min 0, no max) or ReLU6 (0, 6) only; ReduceSum/Mean/Max need a rank-3 input and one constant axis,
-or a rank-4 input over its two spatial axes, a global pool)."""
+or a rank-4 input over its two spatial axes, a global pool; ``tigris compile``: a Slice of a rank-5 input
+fails, "StridedSlice supports rank at most 4" (an attention's q, k, v split in the PP-OCRv4 recognizer))."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import onnx
 from quantship.inspect.read.view import GraphView, node_label
 
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"})
+MAX_SLICE_RANK = 4
 
 
 def _bound(view: GraphView, node: onnx.NodeProto, index: int, attribute: str) -> float | None | str:
@@ -35,8 +37,9 @@ def _axes(view: GraphView, node: onnx.NodeProto) -> list[int] | None:
 
 
 def operator_forms(view: GraphView) -> list[tuple[str, str]]:
-    """(node label, its form) of every Clip that is not ReLU or ReLU6, and every reduction that is
-    neither over one constant axis of a rank-3 input nor a global pool: what TiGrIS has no kernel for."""
+    """(node label, its form) of every Clip that is not ReLU or ReLU6, every reduction that is neither over
+    one constant axis of a rank-3 input nor a global pool, every Slice of an input above rank 4: what TiGrIS
+    has no kernel for."""
     found = []
     for index, node in enumerate(view.nodes):
         if node.op_type == "Clip":
@@ -46,6 +49,10 @@ def operator_forms(view: GraphView) -> list[tuple[str, str]]:
                 show = [("-inf" if low is None else f"{low:g}") if not isinstance(low, str) else low,
                         ("inf" if high is None else f"{high:g}") if not isinstance(high, str) else high]
                 found.append((node_label(node, index), f"Clip {show[0]}..{show[1]}"))
+        elif node.op_type == "Slice" and node.input:
+            shape = view.shape.get(node.input[0])
+            if shape is not None and len(shape) > MAX_SLICE_RANK:
+                found.append((node_label(node, index), f"Slice of a rank-{len(shape)} input"))
         elif node.op_type in REDUCTIONS and node.input:
             shape = view.shape.get(node.input[0])
             axes = _axes(view, node)
