@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from quantship.examples.real import require
+
 FONT_NAMES = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSansMono.ttf",
               "DejaVuSansMono-Bold.ttf", "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSerif-Italic.ttf")
 
@@ -77,8 +79,6 @@ def add_noise(image: np.ndarray, rng: np.random.Generator, sigma: float) -> np.n
 def rapidocr_resize(module: str, name: str, shape_field: str, shape: tuple[int, int, int]):
     """The ``resize_norm_img`` of rapidocr's class ``module.name`` (its pre-processing only: the instance is made
     without ``__init__``, no session is built) with ``shape_field`` set to ``shape``."""
-    from quantship.examples.real import require
-
     require("rapidocr_onnxruntime")
     part = object.__new__(getattr(importlib.import_module(module), name))
     setattr(part, shape_field, list(shape))
