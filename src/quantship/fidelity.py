@@ -258,7 +258,7 @@ def agreement_rule(reference: np.ndarray) -> str:
     in_unit = ref.min() >= 0.0 and ref.max() <= 1.0
     if ref.ndim >= 2 and ref.shape[-1] >= 2:
         if in_unit and np.allclose(ref.sum(axis=-1), 1.0, atol=1e-3):
-            return FOREGROUND if _background(ref) is not None else "argmax"
+            return FOREGROUND if _background(ref.argmax(-1)) is not None else "argmax"
         if ref.ndim == 2 and not in_unit:
             return "argmax"
     if in_unit and ref.max() > ref.min():
@@ -276,7 +276,8 @@ def _agreement(rule: str, ref: np.ndarray, out: np.ndarray) -> tuple[float | Non
     if rule == "argmax":
         same = ref.argmax(-1) == out.argmax(-1)
     elif rule == FOREGROUND:  # over the positions either side answers other than the background class
-        background, ref_best, out_best = _background(ref), ref.argmax(-1), out.argmax(-1)
+        ref_best, out_best = ref.argmax(-1), out.argmax(-1)
+        background = _background(ref_best)
         either = (ref_best != background) | (out_best != background)
         same = ref_best[either] == out_best[either]
     elif rule == POSITIVES:  # over the union of both positive sets: |both| / |either| (the negatives left out)
@@ -370,7 +371,8 @@ def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
             if rule == "argmax":
                 counts.append(int(np.prod(ref.shape[:-1])))
             elif rule == FOREGROUND:
-                counts.append(int((ref.argmax(-1) != _background(ref)).sum()))
+                best = ref.argmax(-1)
+                counts.append(int((best != _background(best)).sum()))
             elif rule == POSITIVES:
                 counts.append(int((ref > 0.5).sum()))
             elif rule == "sign":
@@ -378,14 +380,15 @@ def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
     return counts
 
 
-def _background(ref: np.ndarray) -> int | None:
-    """The class FP32 answers at more than ``BACKGROUND_SHARE`` of the positions of a sequence output (N x T x C,
-    several positions a sample), else None (one answer a sample: every answer is a decision)."""
+def _background(best: np.ndarray) -> int | None:
+    """The class FP32 answers (``best``: its argmax over the classes) at more than ``BACKGROUND_SHARE`` of the
+    positions of a sequence output (N x T x C: ``best`` N x T), else None (one answer a sample: every answer is a
+    decision)."""
     import numpy as np  # measuring only (module docstring)
 
-    if ref.ndim < 3 or ref.size == 0:
+    if best.ndim < 2 or best.size == 0:
         return None
-    classes, counts = np.unique(ref.argmax(-1), return_counts=True)
+    classes, counts = np.unique(best, return_counts=True)
     top = int(counts.argmax())
     return int(classes[top]) if counts[top] > BACKGROUND_SHARE * counts.sum() else None
 

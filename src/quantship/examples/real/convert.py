@@ -10,28 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 
 from quantship.examples.real import require
+from quantship.export import ir_edit
 
 
 def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """A copy of ``model`` whose tensor-valued ``Constant`` nodes are initializers; returns (copy, how many)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
-    kept, lifted = [], 0
-    for node in graph.node:
-        value = next((a for a in node.attribute if a.name == "value"), None)
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and value is not None and len(node.attribute) == 1:
-            tensor = numpy_helper.to_array(value.t)
-            graph.initializer.append(numpy_helper.from_array(tensor, node.output[0]))
-            lifted += 1
-        else:
-            kept.append(node)
-    del graph.node[:]
-    graph.node.extend(kept)
-    return out, lifted
+    """A copy of ``model`` whose ``Constant`` nodes are initializers (``export.ir_edit.lift_constants``, the ONNX
+    path's own lift); returns (copy, how many)."""
+    graph = ir.from_proto(model)
+    lifted = ir_edit.lift_constants(graph)
+    return ir.to_proto(graph), lifted
 
 
 def to_torch(path: str | Path, example=None):
