@@ -117,7 +117,7 @@ def test_only_the_targets_that_need_them_get_them():
     assert names == {"onnxruntime-cpu": ["hard_swish_one_op", "prelu_written_out", "spatial_mean_as_global_pool"],
                      "tensorrt": [], "openvino": [],
                      "tigris": ["static_shapes", "batch_norm_written_out", "hard_sigmoid_written_out",
-                                "spatial_mean_as_global_pool"]}
+                                "spatial_mean_as_global_pool", "layer_norm_one_op", "slice_rank_lowered"]}
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +133,9 @@ def test_the_tigris_file_is_batch_1_without_hard_sigmoid_and_tigris_compiles_it(
     dims = [d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim]
     assert dims == [1, 3, 8, 8]
     assert not {n.op_type for n in written.graph.node} & {"HardSigmoid", "Shape", "Range", "ConstantOfShape"}
-    assert [r.name for r in result.normalised][-4:] == ["static_shapes", "batch_norm_written_out",
-                                                         "hard_sigmoid_written_out", "spatial_mean_as_global_pool"]
+    assert [r.name for r in result.normalised][-6:] == ["static_shapes", "batch_norm_written_out",
+                                                         "hard_sigmoid_written_out", "spatial_mean_as_global_pool",
+                                                         "layer_norm_one_op", "slice_rank_lowered"]
     tigris = next(r for r in result.verdict.runs if r.consumer == "TiGrIS")
     assert tigris.ran and tigris.n_inputs > 0 and tigris.max_lsb is not None, tigris  # it compiled a plan and ran it
 
@@ -266,3 +267,90 @@ def test_a_squeeze_excitation_reducemean_is_a_global_pool_for_tigris_on_the_floa
     assert record.proof == "float"
     tigris = next(r for r in result.verdict.runs if r.consumer == "TiGrIS")
     assert tigris.ran and tigris.max_lsb is not None, tigris
+
+
+def split_attention(opset: int = 13) -> onnx.ModelProto:
+    """An attention block as Paddle writes it (the PP-OCRv4 recognizer's form): one q/k/v projection reshaped to
+    [n, tokens, 3, heads, width] and transposed to [3, n, heads, tokens, width], q, k and v sliced off its first axis
+    (Slices of a rank-5 input) and squeezed, then a layer norm written out: ReduceMean with no keepdims stated, Sub,
+    Pow 2, ReduceMean, Add eps, Sqrt, Div, Mul by the scale, Add the bias."""
+    ints = {"qkv_shape": [0, 6, 3, 2, 4], "zero": [0], "one": [1], "two": [2], "three": [3], "axis0": [0],
+            "back_shape": [0, 6, 8]}
+    floats = {"two_f": 2.0, "eps": 1e-5}
+    nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"], name="proj_qkv"),
+             helper.make_node("Reshape", ["qkv", "qkv_shape"], ["qkv5"], name="heads"),
+             helper.make_node("Transpose", ["qkv5"], ["qkv_t"], perm=[2, 0, 3, 1, 4], name="split_first")]
+    for i, part in enumerate("qkv"):
+        nodes += [helper.make_node("Slice", ["qkv_t", ("zero", "one", "two")[i], ("one", "two", "three")[i], "axis0"],
+                                   [f"{part}5"], name=f"slice_{part}"),
+                  helper.make_node("Squeeze", [f"{part}5", "axis0"], [part], name=f"squeeze_{part}")]
+    nodes += [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2], name="kt"),
+              helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+              helper.make_node("Softmax", ["s"], ["p"], axis=-1, name="softmax"),
+              helper.make_node("MatMul", ["p", "v"], ["c"], name="context"),
+              helper.make_node("Transpose", ["c"], ["ct"], perm=[0, 2, 1, 3], name="tokens_first"),
+              helper.make_node("Reshape", ["ct", "back_shape"], ["h"], name="merge_heads"),
+              helper.make_node("ReduceMean", ["h"], ["mu"], axes=[-1], name="mean"),
+              helper.make_node("Sub", ["h", "mu"], ["d"], name="centre"),
+              helper.make_node("Pow", ["d", "two_f"], ["d2"], name="square"),
+              helper.make_node("ReduceMean", ["d2"], ["var"], axes=[-1], name="variance"),
+              helper.make_node("Add", ["var", "eps"], ["ve"], name="add_eps"),
+              helper.make_node("Sqrt", ["ve"], ["sd"], name="sqrt"),
+              helper.make_node("Div", ["d", "sd"], ["n1"], name="normalise"),
+              helper.make_node("Mul", ["n1", "ln_g"], ["n2"], name="ln_scale"),
+              helper.make_node("Add", ["n2", "ln_b"], ["n3"], name="ln_bias"),
+              helper.make_node("MatMul", ["n3", "w_out"], ["y"], name="proj_out")]
+    inits = [graphs.weight(8, 24, name="w_qkv"), graphs.weight(8, name="ln_b"), graphs.weight(8, 5, name="w_out"),
+             numpy_helper.from_array(np.linspace(0.5, 1.5, 8).astype(np.float32), "ln_g")]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in floats.items()]
+    return graphs.model(nodes, [graphs.value("x", ["n", 6, 8])], [graphs.value("y", ["n", 6, 5])], inits, opset=opset)
+
+
+def _static(model: onnx.ModelProto) -> ir.Model:
+    """The model at batch 1 with its shapes inferred, as the tigris passes meet it after ``static_shapes``."""
+    m = ir.from_proto(model)
+    target_forms.static_shapes({"x": np.zeros((1, 6, 8), np.float32)}, lambda _: [np.zeros((1, 6, 5))]).run(m)
+    return m
+
+
+def test_a_slice_of_a_rank_5_input_becomes_a_rank_3_view_and_the_outputs_keep_their_bytes():
+    x = np.random.default_rng(2).standard_normal((1, 6, 8)).astype(np.float32)
+    m = _static(split_attention())
+    before = _run(m, x)
+    assert target_forms.slice_rank_lowered(4)(m) == 3  # q, k and v
+    slices = [n for n in m.graph if n.op_type == "Slice"]
+    assert len(slices) == 3 and all(len(n.inputs[0].shape) == 3 for n in slices)
+    assert sum(n.op_type == "Reshape" for n in m.graph) == 2 + 1 + 3  # the model's two, one shared view, 3 back
+    np.testing.assert_array_equal(_run(m, x), before)
+    assert target_forms.slice_rank_lowered(5)(_static(split_attention())) == 0  # within the limit: left alone
+
+
+def test_a_written_out_layer_norm_becomes_one_op_and_a_file_without_one_keeps_its_opset():
+    x = np.random.default_rng(3).standard_normal((2, 6, 8)).astype(np.float32) * 3
+    m = ir.from_proto(split_attention())
+    before = _run(m, x)
+    assert target_forms.layer_norm_one_op(m) == 2  # the normalisation, then its bias taken in
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("LayerNormalization") == 1 and not {"Pow", "Sqrt", "ReduceMean"} & set(ops)
+    assert m.opset_imports[""] == target_forms.LAYER_NORM_OPSET
+    np.testing.assert_allclose(_run(m, x), before, rtol=1e-5, atol=1e-5)
+    plain = ir.from_proto(graphs.written_layernorm())  # no scale: not the form the matcher knows
+    assert target_forms.layer_norm_one_op(plain) == 0 and plain.opset_imports[""] == 17
+
+
+def test_tigris_compiles_and_runs_the_split_attention_file(tmp_path):
+    """Both rewrites are what TiGrIS 0.12.1 needs for this block: without them its compile refused the rank-5 Slices
+    ("StridedSlice supports rank at most 4") and the written-out norm (no Pow kernel; int8 reductions only on
+    quantized tensors)."""
+    if tigris_executable() is None:
+        pytest.skip("the tigris CLI is not installed (pip install -e '.[test]')")
+    path = graphs.save(split_attention(), tmp_path / "attention.onnx")
+    x = np.random.default_rng(4).standard_normal((32, 6, 8)).astype(np.float32)
+    result = quantize_onnx_file(path, tmp_path / "tigris.onnx", x, target="tigris")
+    changed = {r.name: r.changes for r in result.normalised if r.changes}
+    assert changed["slice_rank_lowered"] == 3 and changed["layer_norm_one_op"] == 2, changed
+    tigris = next(r for r in result.verdict.runs if r.consumer == "TiGrIS")
+    # a rank-3 input read channels last ([1, 8, 6] for [1, 6, 8]), its output back in the file's layout
+    assert tigris.ran and tigris.ok and tigris.max_lsb <= 4.0, tigris
+    assert result.verdict.verdict == "accepted", result.verdict

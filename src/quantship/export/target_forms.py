@@ -51,6 +51,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxscript.optimizer
+from onnxscript.rewriter.rules.fusion._layer_norm import fuse_layer_normalization  # no public name in 0.7.2
 
 from quantship.export.ir_edit import (
     DEFAULT_DOMAINS,
@@ -71,6 +72,7 @@ Feed = dict[str, np.ndarray]
 # (10 x 10 x 10) ran 0.69x -> 0.58x FP32 written out, RNet's 13,552 0.80x -> 1.01x (batch 1, one thread)
 PRELU_MIN_VALUES = 4096
 HARD_SWISH_OPSET = 14
+LAYER_NORM_OPSET = 18  # LayerNormalization is 17; ReduceMean reads its axes as an input from 18
 MAX_FOLDS = 8  # rounds of shape inference + constant folding (a shape chain folds in one or two)
 _HARD_SWISH = (1.0 / 6.0, 0.5)
 
@@ -291,6 +293,34 @@ def hard_swish_one_op(model: ir.Model) -> int:
     return len(found)
 
 
+def _written_out_layer_norms(model: ir.Model) -> bool:
+    """Whether the graph may hold a layer normalisation written out: both of its reductions' signs, a ReduceMean and
+    a Sqrt (the matcher itself decides; this keeps a file without one at its opset)."""
+    ops = {n.op_type for n in model.graph if n.domain in DEFAULT_DOMAINS}
+    return {"ReduceMean", "Sqrt"} <= ops
+
+
+def layer_norm_one_op(model: ir.Model) -> int:
+    """A layer normalisation over the last axis written out (its mean, the deviation, its square or ``Pow`` 2, their
+    mean, ``+ eps``, ``Sqrt``, divided or times the reciprocal, times the scale, plus the bias) becomes one
+    ``LayerNormalization``: onnxscript's fusion rules match it, at opset ``LAYER_NORM_OPSET`` (where ReduceMean reads
+    its axes as an input, the form they match; the file is converted when older)."""
+    if not _written_out_layer_norms(model):
+        return 0
+    before = ir.to_proto(model)
+    convert_opset(model, LAYER_NORM_OPSET)
+    for node in model.graph:  # the matcher asks for keepdims=1 stated; absent means the same (Paddle's export)
+        if node.op_type == "ReduceMean" and node.domain in DEFAULT_DOMAINS and "keepdims" not in node.attributes:
+            node.attributes["keepdims"] = ir.AttrInt64("keepdims", 1)
+    n = fuse_layer_normalization(model)
+    if not n:  # nothing of that form: the file as it came, at its own opset
+        replace_model(model, ir.from_proto(before))
+        return 0
+    onnxscript.optimizer.remove_unused_nodes(model)
+    drop_unused_initializers(model.graph)
+    return n
+
+
 def _values_per_sample(value: ir.Value) -> int | None:
     """How many values one sample of ``value`` holds (None when a dim past the batch is not a number)."""
     if value.shape is None:
@@ -363,6 +393,78 @@ def batch_norm_written_out(model: ir.Model) -> int:
     return n
 
 
+def _slice_constants(node: ir.Node) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """A Slice's starts, ends, axes and steps when stored (opset 10+ inputs; axes and steps filled in)."""
+    values = []
+    for index in range(1, 5):
+        value = node.inputs[index] if len(node.inputs) > index else None
+        if value is None:
+            values.append(None)
+            continue
+        axes = constant_axes(value)
+        if axes is None:
+            return None
+        values.append(axes)
+    starts, ends, axes, steps = values
+    if starts is None or ends is None:
+        return None
+    axes = list(range(len(starts))) if axes is None else axes
+    return starts, ends, axes, [1] * len(starts) if steps is None else steps
+
+
+def slice_rank_lowered(limit: int):
+    """The pass body: a ``Slice`` of a rank-``R`` input (``R > limit``, a static shape) along one axis ``a`` becomes
+    ``Reshape`` to ``[d0 * .. * d(a-1), da, d(a+1) * .. * d(R-1)]``, the same ``Slice`` on axis 1 of that rank-3
+    view, and ``Reshape`` back to the slice's shape: the same elements in the same order (row-major), so the same
+    bytes. One view per input and axis, however many slices read it (an attention's q, k and v)."""
+
+    def run(model: ir.Model) -> int:
+        found = [s for s in model.graph if s.op_type == "Slice" and s.domain in DEFAULT_DOMAINS and s.inputs
+                 and s.inputs[0] is not None]
+        if any(s.inputs[0].shape is None for s in found):
+            replace_model(model, ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(model))))
+        graph = model.graph
+        views: dict[tuple[str, int], ir.Value] = {}
+        n = 0
+        for node in [s for s in graph if s.op_type == "Slice" and s.domain in DEFAULT_DOMAINS and s.inputs]:
+            x = node.inputs[0]
+            dims = None if x is None or x.shape is None else tuple(x.shape.dims)
+            constants = _slice_constants(node)
+            if (dims is None or len(dims) <= limit or not all(isinstance(d, int) for d in dims) or constants is None
+                    or len({a % len(dims) for a in constants[2]}) != 1 or len(constants[2]) != 1):
+                continue
+            (start,), (end,), (axis,), (step,) = constants
+            axis %= len(dims)
+            kept = len(range(*slice(start, end, step).indices(dims[axis])))
+            before, after = int(np.prod(dims[:axis], dtype=np.int64)), int(np.prod(dims[axis + 1:], dtype=np.int64))
+            key = (x.name, axis)
+            made = []
+            if key not in views:
+                shape = fresh_initializer(graph, f"{node.name}/view_shape", np.array([before, dims[axis], after]), np.int64)
+                view = ir.node("Reshape", [x, shape], name=f"{node.name}/view")
+                view.outputs[0].dtype, view.outputs[0].shape = x.dtype, ir.Shape((before, dims[axis], after))
+                made.append(view)
+                views[key] = view.outputs[0]
+            ints = {k: fresh_initializer(graph, f"{node.name}/{k}", np.array([v]), np.int64)
+                    for k, v in (("starts", start), ("ends", end), ("axes", 1), ("steps", step))}
+            part = ir.node("Slice", [views[key], ints["starts"], ints["ends"], ints["axes"], ints["steps"]],
+                           name=f"{node.name}/rank3")
+            part.outputs[0].dtype, part.outputs[0].shape = x.dtype, ir.Shape((before, kept, after))
+            out_dims = dims[:axis] + (kept,) + dims[axis + 1:]
+            back_shape = fresh_initializer(graph, f"{node.name}/back_shape", np.array(out_dims), np.int64)
+            back = ir.node("Reshape", [part.outputs[0], back_shape], name=f"{node.name}/back")
+            back.outputs[0].dtype, back.outputs[0].shape = x.dtype, ir.Shape(out_dims)
+            if made:  # the shared view, before the first slice that reads it
+                graph.insert_before(node, made)
+            _replace(graph, node, [part, back], node)
+            n += 1
+        if n:
+            drop_unused_initializers(graph)
+        return n
+
+    return run
+
+
 def passes_for(target: Target, sample: Feed | None, run_outputs) -> tuple[Pass, ...]:
     """The rewrites ``target`` needs, in order (none for a runtime that reads the file as is)."""
     passes = []
@@ -381,6 +483,12 @@ def passes_for(target: Target, sample: Feed | None, run_outputs) -> tuple[Pass, 
                            f"{target.name} has no HardSigmoid: HardSwish where it is one, else Mul/Add/Relu6/Mul"))
     if target.spatial_mean_as_global_pool:
         passes.append(_mean_pass(target, "float"))
+    if not target.runs_written_out_layer_norm:
+        passes.append(Pass("layer_norm_one_op", layer_norm_one_op, "float",
+                           f"{target.name} normalises a layer in one LayerNormalization kernel, not written out"))
+    if target.max_slice_rank is not None:
+        passes.append(Pass("slice_rank_lowered", slice_rank_lowered(target.max_slice_rank), "exact",
+                           f"{target.name} slices tensors of rank {target.max_slice_rank} at most: a rank-3 view"))
     return tuple(passes)
 
 

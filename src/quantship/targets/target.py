@@ -61,6 +61,8 @@ class Target(Preset):
     has_hard_sigmoid: bool = True
     runs_lone_batch_norm: bool = True  # False: BatchNormalization runs only folded into a Conv
     spatial_mean_as_global_pool: bool = False  # a mean over H and W of NCHW written as GlobalAveragePool
+    runs_written_out_layer_norm: bool = True  # False: a layer norm written out (Pow, Sqrt...) fused into one op
+    max_slice_rank: int | None = None  # the highest input rank its Slice kernel reads (None: any)
     prelu_slower_than_written_out: bool = False
     hard_swish_faster_as_one_op: bool = False
     weight_only_form: str | None = None  # its own weight-only operator ("MatMulNBits"); None: none

@@ -194,7 +194,7 @@ def _tigris_reason(path: str | Path) -> str:
 
 
 def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) -> list[list[np.ndarray]]:
-    """Compile a plan with the tigris CLI, then run it on the host runtime with NHWC inputs."""
+    """Compile a plan with the tigris CLI, then run it on the host runtime with channels-last inputs."""
     from tigris.runtime import Session
 
     names = [o.name for o in model.graph.output]
@@ -205,10 +205,9 @@ def run_tigris(path: str | Path, feeds: list[Inputs], model: onnx.ModelProto) ->
         _compile_plan(path, model, plan)
         results = []
         with Session(plan) as session:
+            wants = {info["name"]: tuple(info["shape"]) for info in session.inputs}
             for feed in feeds:
-                nhwc = {k: np.ascontiguousarray(v.transpose(0, 2, 3, 1)) if v.ndim == 4 else v
-                        for k, v in feed.items()}
-                out = session.run(nhwc)
+                out = session.run({k: channels_last(v, wants.get(k)) for k, v in feed.items()})
                 results.append([channels_first(out[n], declared.get(n)) for n in names])
         return results
 
@@ -241,6 +240,16 @@ RUNNERS: dict[str, Runner] = {
     "openvino-cpu": lambda path, feeds, model: run_openvino(path, feeds),
     "tigris-cli": run_tigris,
 }
+
+
+def channels_last(value: np.ndarray, wanted: tuple | None) -> np.ndarray:
+    """An input in the layout a TiGrIS plan reads: its channel axis (1) moved last where that gives the plan's shape
+    (NCHW -> NHWC; a rank-3 [N, C, L] -> [N, L, C] too), else as given."""
+    if value.ndim >= 3 and wanted is not None and tuple(value.shape) != wanted:
+        moved = np.moveaxis(value, 1, -1)
+        if tuple(moved.shape) == wanted:
+            return np.ascontiguousarray(moved)
+    return value
 
 
 def channels_first(out: np.ndarray, dims: tuple | None) -> np.ndarray:
