@@ -212,3 +212,25 @@ def test_detector_finds_the_lines_of_a_rendered_page():
     # the match can fail: boxes shifted by their own height do not count
     shifted = [b + np.array([0, 1, 0, 1], np.float32) * (b[:, 3:4] - b[:, 1:2]) for b in pages.boxes]
     assert ocr_det.recall_precision(found, shifted)[0].k == 0
+
+
+def test_the_recognizer_converts_to_pytorch_with_its_batch_norms_ranked():
+    """onnx2torch chooses BatchNorm1d/2d/3d from the input's rank; the recognizer's shape inference leaves three
+    without one (after Reshapes of a computed shape) and onnx2torch refused the file ("spatial rank == -2"). With the
+    ranks one ONNX Runtime run shows, the converted module reproduces the file."""
+    _need("rapidocr_onnxruntime")
+    _need("onnx2torch")
+    import onnx
+    import torch
+
+    from quantship.examples.real import ocr_rec
+    from quantship.examples.real.convert import lift_constants, rank_hints, to_torch
+
+    x = ocr_rec.make_lines(3, seed=7).x
+    model, _ = lift_constants(onnx.load(str(ocr_rec.model_path())))
+    assert rank_hints(model, x[:1]) == 3
+    module = to_torch(ocr_rec.model_path(), torch.from_numpy(x[:1]))
+    with torch.no_grad():
+        out = module(torch.from_numpy(x)).numpy()
+    reference = _session(ocr_rec.model_path()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out, reference, atol=1e-4)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx import helper
 
 from quantship.examples.real import require
 from quantship.export import ir_edit
+from quantship.inspect.run.consumers import ort_session
 
 
 def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -24,6 +26,27 @@ def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return ir.to_proto(graph), lifted
 
 
+def rank_hints(model: onnx.ModelProto, example) -> int:
+    """Give each BatchNormalization input that shape inference leaves without a rank (after a Reshape whose shape is
+    computed, as in the PP-OCRv4 recognizer) the rank one ONNX Runtime run of ``example`` (one input array) shows, as
+    symbolic dims: onnx2torch picks BatchNorm1d/2d/3d from it and refused the node without it. In place; how many."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    ranked = {v.name for v in inferred.graph.value_info if v.type.tensor_type.HasField("shape")
+              and len(v.type.tensor_type.shape.dim) > 0}
+    ranked |= {v.name for v in model.graph.input}
+    missing = sorted({n.input[0] for n in model.graph.node if n.op_type == "BatchNormalization"} - ranked)
+    if not missing:
+        return 0
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in missing)
+    outputs = ort_session(probe).run(missing, {model.graph.input[0].name: example})
+    for name, array in zip(missing, outputs):
+        model.graph.value_info.append(helper.make_tensor_value_info(
+            name, onnx.TensorProto.FLOAT, [f"{name}_d{i}" for i in range(array.ndim)]))
+    return len(missing)
+
+
 def to_torch(path: str | Path, example=None):
     """``onnx2torch.convert`` of the file with its Constants lifted and its constant shape arguments
     frozen (``freeze_shape_arguments``; ``example``, one input, lets it follow shapes computed from
@@ -32,6 +55,8 @@ def to_torch(path: str | Path, example=None):
     from onnx2torch import convert
 
     model, _ = lift_constants(onnx.load(str(path)))
+    if example is not None:
+        rank_hints(model, example.numpy() if hasattr(example, "numpy") else example)
     module = convert(model).eval()
     freeze_shape_arguments(module, example)
     return module
