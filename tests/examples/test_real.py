@@ -217,7 +217,7 @@ def test_detector_finds_the_lines_of_a_rendered_page():
 def test_the_recognizer_converts_to_pytorch_with_its_batch_norms_ranked():
     """onnx2torch chooses BatchNorm1d/2d/3d from the input's rank; the recognizer's shape inference leaves three
     without one (after Reshapes of a computed shape) and onnx2torch refused the file ("spatial rank == -2"). With the
-    ranks one ONNX Runtime run shows, the converted module reproduces the file."""
+    ranks one ONNX Runtime run shows, the converted module reproduces the file, and torch.export can trace it."""
     _need("rapidocr_onnxruntime")
     _need("onnx2torch")
     import onnx
@@ -234,3 +234,7 @@ def test_the_recognizer_converts_to_pytorch_with_its_batch_norms_ranked():
         out = module(torch.from_numpy(x)).numpy()
     reference = _session(ocr_rec.model_path()).run(None, {"x": x})[0]
     np.testing.assert_allclose(out, reference, atol=1e-4)
+    # its Slices read stored starts and ends as Python numbers: torch.export traces it (onnx2torch's own Slice calls
+    # .numpy() on them at run time, which export refuses)
+    exported = torch.export.export(module, (torch.from_numpy(x[:1]),), strict=False)
+    assert any(n.target == torch.ops.aten.slice.Tensor for n in exported.graph.nodes)

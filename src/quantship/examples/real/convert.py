@@ -131,17 +131,39 @@ def _annotate_ranks(graph_module, example) -> None:
         Recorder(graph_module).run(example)
 
 
-def freeze_shape_arguments(graph_module, example=None) -> int:
-    """Replace onnx2torch ``Reshape``/``Resize`` modules whose shape/scales/sizes input is an initializer
-    with modules holding those values as Python numbers; returns how many were replaced.
+def _slice_index(graph_module, node) -> tuple | None:
+    """The Python index of an onnx2torch Slice whose starts, ends, axes and steps are stored (None: computed, a
+    negative step, or a negative axis of a tensor of unknown rank)."""
+    values = [_constant(graph_module, a) if a is not None else None for a in node.args[1:5]]
+    if len(values) < 2 or values[0] is None or values[1] is None or any(
+            a is not None and v is None for a, v in zip(node.args[1:5], values)):
+        return None
+    starts, ends = values[0].tolist(), values[1].tolist()
+    axes = values[2].tolist() if len(values) > 2 and values[2] is not None else list(range(len(starts)))
+    steps = values[3].tolist() if len(values) > 3 and values[3] is not None else [1] * len(starts)
+    rank = node.args[0].meta.get("rank") if hasattr(node.args[0], "meta") else None
+    if any(s < 0 for s in steps) or (any(a < 0 for a in axes) and rank is None):
+        return None
+    axes = [a % rank if a < 0 else a for a in axes]
+    index = [slice(None)] * (max(axes) + 1)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        index[axis] = slice(int(start), int(end), int(step))
+    return tuple(index)
 
-    onnx2torch reads such an input at run time (``torch.any(shape == 0)``, ``scales.tolist()``), a
+
+def freeze_shape_arguments(graph_module, example=None) -> int:
+    """Replace onnx2torch ``Reshape``/``Resize``/``Slice`` modules whose shape/scales/sizes/starts... inputs are
+    initializers with modules holding those values as Python numbers; returns how many were replaced.
+
+    onnx2torch reads such an input at run time (``torch.any(shape == 0)``, ``scales.tolist()``, a Slice's
+    ``.numpy()``), a
     data-dependent branch ``torch.export`` refuses; the values are constants of the file, so
     reading them once changes nothing the model computes.
     """
     import torch
     from onnx2torch.node_converters.reshape import OnnxReshape
     from onnx2torch.node_converters.resize import OnnxResize, _onnx_mode_to_torch_mode
+    from onnx2torch.node_converters.slice import OnnxSlice
 
     class ConstReshape(torch.nn.Module):
         def __init__(self, shape: list[int]):
@@ -171,6 +193,16 @@ def freeze_shape_arguments(graph_module, example=None) -> int:
         def forward(self, x, *refs):
             dims = [d if isinstance(d, int) else refs[d[0]].shape[d[1]] for d in self.spec]
             return x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(dims)])
+
+    class ConstSlice(torch.nn.Module):
+        """A Slice of stored starts, ends, axes and steps: one Python index."""
+
+        def __init__(self, index: tuple):
+            super().__init__()
+            self.index = index
+
+        def forward(self, x):
+            return x[self.index]
 
     if example is not None:
         _annotate_ranks(graph_module, example)
@@ -213,6 +245,15 @@ def freeze_shape_arguments(graph_module, example=None) -> int:
         graph_module.add_submodule(node.target, new)
         node.args, node.kwargs = (node.args[0],), {}
         replaced += 1
+    graph_module.graph.eliminate_dead_code()
+    # then the slices left (those of a shape the Reshapes above read are gone with them)
+    for node in list(graph_module.graph.nodes):
+        if node.op == "call_module" and isinstance(graph_module.get_submodule(node.target), OnnxSlice):
+            index = _slice_index(graph_module, node)
+            if index is not None:
+                graph_module.add_submodule(node.target, ConstSlice(index))
+                node.args, node.kwargs = (node.args[0],), {}
+                replaced += 1
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
     return replaced
