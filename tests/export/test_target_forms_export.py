@@ -418,3 +418,47 @@ def test_same_op_steps_reads_each_rewritten_op_alone_and_tells_another_op_apart(
     assert same_op_steps(produced, replaced("GlobalAveragePool"), [x]) == 1
     assert same_op_steps(produced, replaced("GlobalMaxPool"), [x]) > 1
     assert same_op_steps(produced, replaced("GlobalAveragePool", reader="Relu"), [x]) is None
+
+
+class WrittenNorm(torch.nn.Module):
+    """Linear -> a layer norm written out as onnx2torch converts Paddle's (mean, sub, pow by a stored 2, mean, add a
+    stored eps, sqrt, div, times the scale, plus the bias) -> Linear, on [n, tokens, width]."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+        self.register_buffer("two", torch.tensor(2.0))
+        self.register_buffer("eps", torch.tensor(1e-5))
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.bias = torch.nn.Parameter(torch.full((16,), 0.1))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        d = h - h.mean(-1, keepdim=True)
+        normalised = d / torch.sqrt(d.pow(self.two).mean(-1, keepdim=True) + self.eps)
+        return self.fc2(normalised * self.scale + self.bias)
+
+
+@pytest.mark.parametrize("target", ["tensorrt", "tigris"])
+def test_a_written_out_layer_norm_is_one_op_where_its_statistics_cannot_stay_float(target, tmp_path):
+    """A fully quantized runtime cannot keep the norm's statistics float and int8 kills its variance: the annotator
+    writes the norm as one aten.layer_norm (``decompose.layer_norm_as_one_op``), one LayerNormalization in the file.
+    The tensorrt file was refused before (its five Sqrt values float outside any pair, on the PP-OCRv4 recognizer).
+    ONNX Runtime, which keeps them float, gets the norm as written."""
+    torch.manual_seed(0)
+    calib = [torch.randn(8, 6, 8) for _ in range(2)]
+    sample = calib[0][:1]
+    model = WrittenNorm().eval()
+    quantizer = Quantizer.for_target(target)
+    qmodel = quantizer.quantize(model, calib)
+    assert quantizer.report.layer_norms == 1
+    path = export_qdq(qmodel, sample, tmp_path / f"{target}.onnx", target=target)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("LayerNormalization") == 1 and not {"Sqrt", "Pow", "ReduceMean"} & set(ops)
+    inputs = torch.randn(3, 1, 6, 8, generator=torch.Generator().manual_seed(1)).numpy()
+    report = check_file(path, target, run=True, inputs=list(inputs))
+    assert report.verdict in ("accepted", "not run"), report.summary()
+    mixed = Quantizer.for_target("onnxruntime-cpu")
+    mixed.quantize(model, calib)
+    assert mixed.report.layer_norms == 0

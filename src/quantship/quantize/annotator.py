@@ -52,6 +52,7 @@ from quantship.quantize.decompose import (
     decompose_einsum,
     flatten_linear_inputs,
     hard_swish_as_one_op,
+    layer_norm_as_one_op,
     linear_from_matmul,
     out_of_place_on_constants,
     scalars_as_constants,
@@ -245,6 +246,7 @@ class AnnotationReport:
     float_outputs: list[str] = field(default_factory=list)  # outputs only convs kept float read: no pair
     hard_swishes: int = 0  # hard swishes written out, made one aten.hardswish (decompose.hard_swish_as_one_op)
     batch_norms_as_affine: int = 0  # lone batch norms written as mul + add (decompose.batch_norm_as_affine)
+    layer_norms: int = 0  # layer norms written out, made one aten.layer_norm (decompose.layer_norm_as_one_op)
     int16_values: list[str] = field(default_factory=list)  # values stored in 16 bits (``int16``), graph order
 
     @property
@@ -269,7 +271,8 @@ class AnnotationReport:
                 "n_float_select": self.n_float_select, "float_ops": self.float_ops_by_module(),
                 "kept_float": dict(self.kept_float), "functions_of_one_tensor": dict(self.functions),
                 "float_outputs": list(self.float_outputs), "hard_swishes_as_one_op": self.hard_swishes,
-                "batch_norms_as_affine": self.batch_norms_as_affine, "int16_values": list(self.int16_values)}
+                "batch_norms_as_affine": self.batch_norms_as_affine, "layer_norms_as_one_op": self.layer_norms,
+                "int16_values": list(self.int16_values)}
 
 
 class QuantshipQuantizer(Quantizer):
@@ -290,6 +293,9 @@ class QuantshipQuantizer(Quantizer):
         self.one_op_hard_swish = self.mixed and target.hard_swish_faster_as_one_op
         # a runtime that runs BatchNormalization only folded into a conv gets a lone one as a quantized mul + add
         self.affine_batch_norm = target is not None and not target.runs_lone_batch_norm
+        # a layer norm written out as one op where its statistics cannot stay float (a fully quantized runtime) or the
+        # runtime reads it only as one op
+        self.one_op_layer_norm = target is not None and (not self.mixed or not target.runs_written_out_layer_norm)
         self.float_rules: tuple[FloatRule, ...] = target.float_rules if self.mixed else ()
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
@@ -405,13 +411,16 @@ class QuantshipQuantizer(Quantizer):
         built from arange (RoPE tables, position ids), make products by a constant [in, out] weight (GPT-2's
         Conv1D) linears, and give N-D linears a 2-D view so that each exports as one Gemm reading its dequantized weight; make in-place ops on
         constants functional, so that convert_pt2e folds the whole constant subgraph; for a target that runs
-        BatchNormalization only folded into a conv, write a lone batch norm as a per-channel mul and add."""
+        BatchNormalization only folded into a conv, write a lone batch norm as a per-channel mul and add; for one that
+        cannot keep a written-out layer norm's statistics float, make it one layer_norm."""
         decompose_attention(model)
         decompose_einsum(model)
         if self.one_op_hard_swish:
             self.report.hard_swishes = hard_swish_as_one_op(model)
         if self.affine_batch_norm:
             self.report.batch_norms_as_affine = batch_norm_as_affine(model, CONV_BN_PRODUCERS)
+        if self.one_op_layer_norm:
+            self.report.layer_norms = layer_norm_as_one_op(model)
         if not self.spec.symmetric:
             # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
             # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured), and

@@ -498,3 +498,88 @@ def batch_norm_as_affine(model: GraphModule, folds_into: set) -> int:
     if n:
         graph.eliminate_dead_code()
     return _recompiled(model, n)
+
+
+def _last_axis_mean(node: object, x: object) -> bool:
+    """``node`` is ``mean(x, [-1], keepdim=True)`` (the last axis, by either spelling)."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is aten.mean.dim
+            and len(node.args) >= 3 and node.args[0] is x and node.args[2] is True and not node.kwargs):
+        return False
+    rank = x.meta["val"].dim() if isinstance(x, Node) and isinstance(x.meta.get("val"), torch.Tensor) else None
+    return list(node.args[1]) in ([-1], [rank - 1] if rank else [-1])
+
+
+def _stored_row(model: GraphModule, value: object, width: int) -> bool:
+    """``value`` reads a stored tensor of ``width`` values along the last axis (a layer norm's scale or bias)."""
+    if not (isinstance(value, Node) and value.op == "get_attr"):
+        return False
+    stored = attribute(model, str(value.target))
+    return isinstance(stored, torch.Tensor) and stored.dim() >= 1 and stored.numel() == width \
+        and stored.shape[-1] == width
+
+
+def _written_out_layer_norm(model: GraphModule, root: Node) -> tuple[Node, float, Node, Node | None, Node] | None:
+    """(x, eps, scale, bias or None, the last node) when ``root`` is the Sqrt of ``x``'s layer norm written out:
+    ``d = x - mean(x)``, ``sqrt(mean(d ** 2) + eps)`` (or ``d * d``), ``d / that * scale (+ bias)``, over the last
+    axis, every inner value read only inside the pattern."""
+    plus = root.args[0]
+    if not _only_user(plus, root) or plus.target is not aten.add.Tensor or len(plus.args) != 2:
+        return None
+    variance, eps = next(((v, _number(model, e)) for v, e in (plus.args, plus.args[::-1])
+                          if _number(model, e) is not None and isinstance(v, Node)), (None, None))
+    if variance is None or not _only_user(variance, plus):
+        return None
+    square = variance.args[0]
+    if not _only_user(square, variance):
+        return None
+    if square.target in (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar) and _number(model, square.args[1]) == 2.0:
+        d = square.args[0]
+    elif square.target is aten.mul.Tensor and square.args[0] is square.args[1]:
+        d = square.args[0]
+    else:
+        return None
+    if not (isinstance(d, Node) and d.target is aten.sub.Tensor and len(d.args) == 2 and _last_axis_mean(variance, square)):
+        return None
+    x, mean = d.args
+    if not (_only_user(mean, d) and _last_axis_mean(mean, x)) or len(root.users) != 1:
+        return None
+    divided = next(iter(root.users))
+    if divided.target is not aten.div.Tensor or divided.args != (d, root) or set(d.users) != {square, divided}:
+        return None
+    width = x.meta["val"].shape[-1] if isinstance(x.meta.get("val"), torch.Tensor) else None
+    scaled = next(iter(divided.users)) if len(divided.users) == 1 else None
+    if width is None or scaled is None or scaled.target is not aten.mul.Tensor:
+        return None
+    scale = next((s for v, s in (scaled.args, scaled.args[::-1]) if v is divided and _stored_row(model, s, width)), None)
+    if scale is None:
+        return None
+    shifted = next(iter(scaled.users)) if len(scaled.users) == 1 else None
+    bias = None
+    if shifted is not None and shifted.target is aten.add.Tensor and len(shifted.args) == 2:
+        bias = next((b for v, b in (shifted.args, shifted.args[::-1]) if v is scaled and _stored_row(model, b, width)),
+                    None)
+    return x, eps, scale, bias, shifted if bias is not None else scaled
+
+
+def layer_norm_as_one_op(model: GraphModule) -> int:
+    """Replace each layer norm written out over the last axis (``_written_out_layer_norm``: a model converted from
+    ONNX, Paddle's export) by one ``aten.layer_norm``; return how many. For a target whose runtime cannot keep its
+    statistics float between integer ops, or reads the norm only as one op (``Target.runs_written_out_layer_norm``):
+    quantized piece by piece, its variance dies at one int8 scale; as one op, the file carries one
+    LayerNormalization between two pairs, as the ONNX path writes it for TiGrIS."""
+    graph = model.graph
+    n = 0
+    for root in list(graph.nodes):
+        if root.op != "call_function" or root.target is not aten.sqrt.default:
+            continue
+        found = _written_out_layer_norm(model, root)
+        if found is None:
+            continue
+        x, eps, scale, bias, end = found
+        width = int(x.meta["val"].shape[-1])
+        with graph.inserting_before(end):
+            norm = _insert(graph, aten.layer_norm.default, (x, [width], scale, bias, eps), end)
+        end.replace_all_uses_with(norm)
+        graph.eliminate_dead_code()
+        n += 1
+    return _recompiled(model, n)
