@@ -462,3 +462,38 @@ def test_a_written_out_layer_norm_is_one_op_where_its_statistics_cannot_stay_flo
     mixed = Quantizer.for_target("onnxruntime-cpu")
     mixed.quantize(model, calib)
     assert mixed.report.layer_norms == 0
+
+
+class SplitAttention(torch.nn.Module):
+    """One q/k/v projection reshaped to [n, tokens, 3, heads, width], permuted to [3, n, heads, tokens, width] and
+    sliced on its first axis (slices of a rank-5 tensor, as onnx2torch converts the PP-OCRv4 recognizer's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        t = self.qkv(x).reshape(x.shape[0], 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        q, k, v = (t[i:i + 1].squeeze(0) for i in range(3))
+        attention = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        return self.out(attention.permute(0, 2, 1, 3).reshape(x.shape[0], 6, 8))
+
+
+def test_slices_of_a_rank_5_tensor_are_taken_from_a_rank_3_view_for_tigris_and_tigris_runs_the_file(tmp_path):
+    """TiGrIS's Slice reads rank 4 at most (``Target.max_slice_rank``): the annotator takes each slice from a rank-3
+    reshape of its input (``decompose.slices_within_rank``), the same elements; the file was refused before ('Slice of
+    a rank-5 input'). ONNX Runtime's file keeps its rank-5 slices."""
+    torch.manual_seed(0)
+    calib = [torch.randn(1, 6, 8) for _ in range(8)]
+    model = SplitAttention().eval()
+    quantizer = Quantizer.for_target("tigris")
+    qmodel = quantizer.quantize(model, calib)
+    assert quantizer.report.slices_lowered == 3
+    path = export_qdq(qmodel, calib[0], tmp_path / "tigris.onnx", target="tigris")
+    inputs = torch.randn(3, 1, 6, 8, generator=torch.Generator().manual_seed(1)).numpy()
+    report = check_file(path, "tigris", run=True, inputs=list(inputs))
+    assert report.verdict in ("accepted", "not run"), report.summary()
+    mixed = Quantizer.for_target("onnxruntime-cpu")
+    mixed.quantize(model, calib)
+    assert mixed.report.slices_lowered == 0

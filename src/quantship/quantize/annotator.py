@@ -53,6 +53,7 @@ from quantship.quantize.decompose import (
     flatten_linear_inputs,
     hard_swish_as_one_op,
     layer_norm_as_one_op,
+    slices_within_rank,
     linear_from_matmul,
     out_of_place_on_constants,
     scalars_as_constants,
@@ -247,6 +248,7 @@ class AnnotationReport:
     hard_swishes: int = 0  # hard swishes written out, made one aten.hardswish (decompose.hard_swish_as_one_op)
     batch_norms_as_affine: int = 0  # lone batch norms written as mul + add (decompose.batch_norm_as_affine)
     layer_norms: int = 0  # layer norms written out, made one aten.layer_norm (decompose.layer_norm_as_one_op)
+    slices_lowered: int = 0  # slices of a rank above the target's, taken from a rank-3 view (decompose)
     int16_values: list[str] = field(default_factory=list)  # values stored in 16 bits (``int16``), graph order
 
     @property
@@ -272,6 +274,7 @@ class AnnotationReport:
                 "kept_float": dict(self.kept_float), "functions_of_one_tensor": dict(self.functions),
                 "float_outputs": list(self.float_outputs), "hard_swishes_as_one_op": self.hard_swishes,
                 "batch_norms_as_affine": self.batch_norms_as_affine, "layer_norms_as_one_op": self.layer_norms,
+                "slices_lowered": self.slices_lowered,
                 "int16_values": list(self.int16_values)}
 
 
@@ -296,6 +299,7 @@ class QuantshipQuantizer(Quantizer):
         # a layer norm written out as one op where its statistics cannot stay float (a fully quantized runtime) or the
         # runtime reads it only as one op
         self.one_op_layer_norm = target is not None and (not self.mixed or not target.runs_written_out_layer_norm)
+        self.max_slice_rank = None if target is None else target.max_slice_rank
         self.float_rules: tuple[FloatRule, ...] = target.float_rules if self.mixed else ()
         if spec.backend != "pt2e":
             raise ValueError(f"QuantshipQuantizer applies pt2e specs, got backend={spec.backend!r}")
@@ -421,6 +425,8 @@ class QuantshipQuantizer(Quantizer):
             self.report.batch_norms_as_affine = batch_norm_as_affine(model, CONV_BN_PRODUCERS)
         if self.one_op_layer_norm:
             self.report.layer_norms = layer_norm_as_one_op(model)
+        if self.max_slice_rank is not None:
+            self.report.slices_lowered = slices_within_rank(model, self.max_slice_rank)
         if not self.spec.symmetric:
             # uint8 files (ONNX Runtime, OpenVINO): the op becomes QLinearMul/QLinearAdd. Symmetric int8
             # keeps the literal: TiGrIS's runtime misreads a stored 0-d Mul/Add operand (107 LSB measured), and

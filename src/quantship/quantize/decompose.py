@@ -583,3 +583,33 @@ def layer_norm_as_one_op(model: GraphModule) -> int:
         graph.eliminate_dead_code()
         n += 1
     return _recompiled(model, n)
+
+
+def slices_within_rank(model: GraphModule, limit: int) -> int:
+    """Write each ``slice`` of a tensor of rank above ``limit`` as the same slice of a rank-3 view: ``reshape`` to
+    ``[d0 * .. * d(a-1), da, d(a+1) * ..]``, ``slice`` on axis 1, ``reshape`` back; return how many. The same elements
+    in the same order, for a runtime whose Slice reads rank ``limit`` at most (``Target.max_slice_rank``: TiGrIS, the
+    recognizer's q, k, v split), as the ONNX path's ``slice_rank_lowered`` writes it."""
+    graph = model.graph
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.slice.Tensor or node.kwargs:
+            continue
+        x = node.args[0]
+        val = x.meta.get("val") if isinstance(x, Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() <= limit:
+            continue
+        axis = (node.args[1] if len(node.args) > 1 else 0) % val.dim()
+        # one symbolic dim at most (the batch), not the sliced one: it is the -1 of each reshape
+        dims = [int(d) if isinstance(d, int) else -1 for d in val.shape]
+        if dims.count(-1) > 1 or dims[axis] == -1:
+            continue
+        before, after = (-1 if -1 in part else math.prod(part) for part in (dims[:axis], dims[axis + 1:]))
+        out = [int(d) if isinstance(d, int) else -1 for d in node.meta["val"].shape]
+        with graph.inserting_before(node):
+            view = _insert(graph, aten.reshape.default, (x, [before, dims[axis], after]), node)
+            part = _insert(graph, aten.slice.Tensor, (view, 1, *node.args[2:]), node)
+            back = _insert(graph, aten.reshape.default, (part, out), node)
+        _swap(graph, node, back)
+        n += 1
+    return _recompiled(model, n)
