@@ -53,10 +53,10 @@ from quantship.quantize.decompose import (
     flatten_linear_inputs,
     hard_swish_as_one_op,
     layer_norm_as_one_op,
-    slices_within_rank,
     linear_from_matmul,
     out_of_place_on_constants,
     scalars_as_constants,
+    slices_within_rank,
 )
 from quantship.quantize.histogram_search import HistogramSearchObserver
 from quantship.targets import FloatRule, Target
