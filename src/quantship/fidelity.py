@@ -56,8 +56,7 @@ METADATA_KEY = "quantship.fidelity"
 SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
 MIN_DECISIONS = 20  # an agreement over fewer decisions is reported, not judged: a flip or two proves nothing
 # an agreement misses when the minimum is above the upper end of its Wilson 50% interval (the file is more likely
-# below the minimum than not, 3 to 1): at 95% a file agreeing 0.855 over 130 decisions met 0.9, and the PP-OCRv4
-# recognizer read 492 of 600 lines where FP32 reads 580 (docs/fidelity.md)
+# below the minimum than not, 3 to 1); why not 95%: docs/fidelity.md, "The budget"
 AGREEMENT_Z = 0.6744897501960817
 PART_RATIO = 10.0  # channels in [0, 1] beside channels this many times larger are judged apart (output_parts)
 MAX_PARTS = 4  # more runs of alternating kinds than this is not a concatenation of parts: judged whole
