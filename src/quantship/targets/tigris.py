@@ -25,7 +25,7 @@ TARGET = Target(
     # 0.12.1 refused the PP-OCR classifier's squeeze-excitation means (ReduceMean over H, W, from the PyTorch
     # path) after some producers ("needs one rank-3 input"); the same file with GlobalAveragePool compiles
     spatial_mean_as_global_pool=True,
-    # tigris compile 0.12.1: "StridedSlice supports rank at most 4" (inspect.read.forms.MAX_SLICE_RANK, the rule)
+    # tigris compile 0.12.1: "StridedSlice supports rank at most 4" (also the tigris_kernels rule's bound)
     max_slice_rank=4,
     # no Pow kernel and int8 reductions only on quantized tensors; it has LayerNormalization (operator contract)
     runs_written_out_layer_norm=False,

@@ -10,9 +10,10 @@ import numpy as np
 import onnx
 
 from quantship.inspect.read.view import GraphView, node_label
+from quantship.targets import tigris
 
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"})
-MAX_SLICE_RANK = 4
+MAX_SLICE_RANK = tigris.TARGET.max_slice_rank  # the fact is the target's (its passes rewrite such a slice)
 
 
 def _bound(view: GraphView, node: onnx.NodeProto, index: int, attribute: str) -> float | None | str:
