@@ -50,7 +50,10 @@ if TYPE_CHECKING:
 # detections) misses on its scores' positives (0.758); the collapses seen lose the task at 7.4 dB (a real audio
 # model) and below (the notes example: 4.7-5.9 dB, 29.5 points).
 DEFAULT_MIN_SQNR_DB = 10.0
-DEFAULT_MIN_AGREEMENT = 0.9
+DEFAULT_MIN_AGREEMENT = 0.9  # rules over elements (positives, sign): a pixel or a value is not the task's unit
+# rules whose each decision is one of the task's answers (a sample's class, a sequence position's symbol): a
+# file that changes more than 2 in 100 of them is not within a point or two of FP32 on the task (docs/fidelity.md)
+DEFAULT_MIN_DECISION_AGREEMENT = 0.98
 HELD_OUT_MAX = 64  # samples held out from calibration to judge fidelity on (export.data.split_held_out)
 METADATA_KEY = "quantship.fidelity"
 SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
@@ -63,6 +66,7 @@ MAX_PARTS = 4  # more runs of alternating kinds than this is not a concatenation
 POSITIVES = "positives > 0.5"  # the rule of probabilities that are not a distribution
 FOREGROUND = "foreground argmax"  # distributions along a sequence whose most common answer is background
 BACKGROUND_SHARE = 0.5  # a class that is FP32's answer at more than this share of a sequence output's positions
+DECISION_RULES = ("argmax", FOREGROUND)  # held to DEFAULT_MIN_DECISION_AGREEMENT unless the user sets a minimum
 
 MET, MISSED, INCONCLUSIVE, NOT_JUDGED = "met", "missed", "inconclusive", "not judged"
 
@@ -108,23 +112,44 @@ def output_sqnr_db(reference: np.ndarray, out: np.ndarray) -> float:
 
 @dataclass(frozen=True)
 class Budget:
-    """The least fidelity a file must keep: output SQNR in dB and agreement in [0, 1], each output."""
+    """The least fidelity a file must keep: output SQNR in dB and agreement in [0, 1], each output. A
+    ``min_agreement`` of None holds each rule to its default (``agreement_minimum``); a number holds every rule
+    to it."""
 
     min_sqnr_db: float = DEFAULT_MIN_SQNR_DB
-    min_agreement: float = DEFAULT_MIN_AGREEMENT
+    min_agreement: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_sqnr_db, bool) or not isinstance(self.min_sqnr_db, (int, float)) \
                 or not 0.0 <= self.min_sqnr_db < 200.0:
             raise DataRefused(f"minimum SQNR {self.min_sqnr_db!r} dB: give a number of dB in [0, 200) (default "
                               f"{DEFAULT_MIN_SQNR_DB:g})")
-        if isinstance(self.min_agreement, bool) or not isinstance(self.min_agreement, (int, float)) \
-                or not 0.0 <= self.min_agreement <= 1.0:
+        if self.min_agreement is not None and (
+                isinstance(self.min_agreement, bool) or not isinstance(self.min_agreement, (int, float))
+                or not 0.0 <= self.min_agreement <= 1.0):
             raise DataRefused(f"minimum agreement {self.min_agreement!r}: give a fraction in [0, 1] (default "
-                              f"{DEFAULT_MIN_AGREEMENT:g})")
+                              f"{default_agreements()})")
+
+    def agreement_minimum(self, rule: str) -> float:
+        """The least agreement an output judged by ``rule`` must keep."""
+        if self.min_agreement is not None:
+            return self.min_agreement
+        return DEFAULT_MIN_DECISION_AGREEMENT if rule in DECISION_RULES else DEFAULT_MIN_AGREEMENT
 
     def describe(self) -> str:
-        return f"SQNR >= {self.min_sqnr_db:g} dB and agreement >= {self.min_agreement:g}, every output"
+        agreement = f"{self.min_agreement:g}" if self.min_agreement is not None else default_agreements()
+        return f"SQNR >= {self.min_sqnr_db:g} dB and agreement >= {agreement}, every output"
+
+    def as_dict(self) -> dict:
+        """The budget as stored in reports and metadata: the minimum of every rule, as applied."""
+        rules = (*DECISION_RULES, POSITIVES, "sign")
+        return {"min_sqnr_db": self.min_sqnr_db, "min_agreement": self.min_agreement,
+                "min_agreement_by_rule": {rule: self.agreement_minimum(rule) for rule in rules}}
+
+
+def default_agreements() -> str:
+    return (f"{DEFAULT_MIN_DECISION_AGREEMENT:g} for decisions ({', '.join(DECISION_RULES)}), "
+            f"{DEFAULT_MIN_AGREEMENT:g} for elements ({POSITIVES}, sign)")
 
 
 @dataclass(frozen=True)
@@ -151,7 +176,7 @@ class OutputFidelity:
         upper end against the minimum), the worse."""
         margins = [self.sqnr_db - budget.min_sqnr_db]
         if self.agreement is not None and self.n_decisions >= MIN_DECISIONS:
-            margins.append(100.0 * (self.agreement_upper - budget.min_agreement))
+            margins.append(100.0 * (self.agreement_upper - budget.agreement_minimum(self.rule)))
         return min(margins)
 
     def describe(self) -> str:
@@ -228,7 +253,7 @@ class Fidelity:
     def as_dict(self) -> dict:
         return {"status": self.status, "sqnr_db": _finite(self.sqnr_db), "data": self.data, "runtime": self.runtime,
                 "n_samples": self.n_samples, "agreement_judged": not self.unjudged,
-                "budget": asdict(self.budget) if self.budget is not None else None,
+                "budget": self.budget.as_dict() if self.budget is not None else None,
                 "outputs": [{**asdict(o), "sqnr_db": _finite(o.sqnr_db)} for o in self.outputs], **self.extra}
 
     def metadata(self) -> str:
@@ -446,5 +471,4 @@ def budget_from(min_sqnr_db: float | None, min_agreement: float | None, *, judge
     """The budget of a request: the defaults where a bound is not given; None when fidelity is not judged."""
     if not judged:
         return None
-    return Budget(DEFAULT_MIN_SQNR_DB if min_sqnr_db is None else min_sqnr_db,
-                  DEFAULT_MIN_AGREEMENT if min_agreement is None else min_agreement)
+    return Budget(DEFAULT_MIN_SQNR_DB if min_sqnr_db is None else min_sqnr_db, min_agreement)

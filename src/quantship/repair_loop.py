@@ -102,7 +102,7 @@ class Repair:
         return {METADATA_KEY: json.dumps(self.as_dict(), sort_keys=True, default=str)}
 
     def as_dict(self) -> dict:
-        return {"budget": {"min_sqnr_db": self.budget.min_sqnr_db, "min_agreement": self.budget.min_agreement},
+        return {"budget": self.budget.as_dict(),
                 "met": self.met, "chosen": self.chosen, "stopped": self.stopped, "order": list(self.order),
                 "set_aside": list(self.set_aside),
                 "steps": [s.as_dict() for s in self.steps]}

@@ -9,14 +9,15 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, repairs: bool = True) -> None:
-    from quantship.fidelity import DEFAULT_MIN_AGREEMENT, DEFAULT_MIN_SQNR_DB, HELD_OUT_MAX  # a leaf: numpy only
+    from quantship.fidelity import DEFAULT_MIN_SQNR_DB, HELD_OUT_MAX, default_agreements  # a leaf: numpy only
 
     parser.add_argument("--min-sqnr", type=float, default=None, metavar="DB",
                         help=f"fidelity budget: least SQNR of every output against the float model, in dB "
                              f"(default {DEFAULT_MIN_SQNR_DB:g})")
     parser.add_argument("--min-agreement", type=float, default=None, metavar="P",
                         help=f"fidelity budget: least agreement with the float model (argmax, thresholded "
-                             f"probabilities or signs, by output kind), in [0, 1] (default {DEFAULT_MIN_AGREEMENT:g})")
+                             f"probabilities or signs, by output kind), in [0, 1], every output (default "
+                             f"{default_agreements()})")
     parser.add_argument("--no-fidelity", action="store_true",
                         help="do not judge fidelity to the float model (faster; the file is then accepted on the "
                              "runtime check alone, and the report says fidelity was not judged)")
