@@ -28,6 +28,11 @@ from quantship.targets import get
 from tests.quantize_onnx.test_fidelity_repair import Collapsing
 from tests.sixteen import INT16_KERNELS
 
+# The elements' minimum agreement (0.9), not the default 0.98 of argmax decisions: this model's class scores are
+# near-ties on random inputs (its 16-bit file keeps 40 dB and agrees 0.925), and the test is about which repair
+# the loop reaches first, not about where the default budget stops it.
+MECHANISM = Budget(min_agreement=0.9)
+
 
 class ConvLinear(torch.nn.Module):
     def __init__(self):
@@ -94,7 +99,7 @@ def test_the_repair_tries_16_bits_before_float_where_the_runtime_computes_on_the
     said: list[str] = []
     judged = quantize_export_judged(Collapsing().eval(), [data[:32]], data[:1], tmp_path / "r.onnx",
                                     target=INT16_KERNELS, overrides={}, held=[data[32:]], held_label="held",
-                                    budget=Budget(), make_quantizer=Quantizer.for_target, log=said.append, speed=False)
+                                    budget=MECHANISM, make_quantizer=Quantizer.for_target, log=said.append, speed=False)
     chosen = judged.repair.steps[judged.repair.chosen]
     assert judged.repair.steps[0].status == "missed" and chosen.status == "met"
     assert chosen.int16 == ("front",) and chosen.excluded == ()  # 16 bits kept the budget: nothing kept float
@@ -104,7 +109,7 @@ def test_the_repair_tries_16_bits_before_float_where_the_runtime_computes_on_the
 def test_on_onnx_runtime_cpu_the_repair_keeps_float_what_16_bits_would_run_in_float(tmp_path, data):
     judged = quantize_export_judged(Collapsing().eval(), [data[:32]], data[:1], tmp_path / "r.onnx",
                                     target=get("onnxruntime-cpu"), overrides={}, held=[data[32:]], held_label="held",
-                                    budget=Budget(), make_quantizer=Quantizer.for_target, speed=False)
+                                    budget=MECHANISM, make_quantizer=Quantizer.for_target, speed=False)
     steps = judged.repair.steps
     assert steps[judged.repair.chosen].excluded == ("front",) and steps[judged.repair.chosen].status == "met"
     assert not any(s.int16 for s in steps) and INT16_KEY not in _props(judged.path)  # no 16-bit step tried
@@ -140,7 +145,7 @@ def test_a_16_bit_module_the_profile_keeps_float_is_float(tmp_path, data):
     modules, the file 0.91x FP32 at batch 1 with the placement refused, 1.14x with them float)."""
     judged = quantize_export_judged(Collapsing().eval(), [data[:32]], data[:1], tmp_path / "p.onnx",
                                     target=INT16_KERNELS, overrides={}, held=[data[32:]], held_label="held",
-                                    budget=Budget(), make_quantizer=Quantizer.for_target)
+                                    budget=MECHANISM, make_quantizer=Quantizer.for_target)
     profile = judged.profile
     assert judged.repair.steps[judged.repair.chosen].int16 == ("front",)
     if "front" not in profile.as_dict()["candidates"] and "node_conv2d" not in profile.as_dict()["candidates"]:
