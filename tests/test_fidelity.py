@@ -113,6 +113,9 @@ def test_the_default_minimum_follows_what_a_decision_is():
     assert budget["min_agreement_by_rule"][POSITIVES] == 0.9 and budget["min_agreement_by_rule"][FOREGROUND] == 0.98
     assert "0.98 for decisions" in Budget().describe() and "agreement >= 0.5," in Budget(10.0, 0.5).describe()
     assert set(Budget(10.0, 0.5).as_dict()["min_agreement_by_rule"].values()) == {0.5}
+    # a verdict names the minimum of the rules it judged
+    assert "(SQNR >= 10 dB and agreement >= 0.98 (argmax), every output)" in _judge(LOGITS, LOGITS).describe()
+    assert "agreement >= 0.9 (positives > 0.5), every output" in judged.describe()
 
 
 def _reversed(changed):

@@ -136,8 +136,17 @@ class Budget:
             return self.min_agreement
         return DEFAULT_MIN_DECISION_AGREEMENT if rule in DECISION_RULES else DEFAULT_MIN_AGREEMENT
 
-    def describe(self) -> str:
-        agreement = f"{self.min_agreement:g}" if self.min_agreement is not None else default_agreements()
+    def describe(self, rules: Sequence[str] | None = None) -> str:
+        """The budget in words; given the ``rules`` of the outputs judged, only their minimums (by default the
+        rules' minimums differ)."""
+        if self.min_agreement is not None:
+            agreement = f"{self.min_agreement:g}"
+        elif rules is None:
+            agreement = default_agreements()
+        elif not rules:
+            return f"SQNR >= {self.min_sqnr_db:g} dB, every output (no agreement rule applies)"
+        else:
+            agreement = ", ".join(f"{self.agreement_minimum(r):g} ({r})" for r in sorted(set(rules)))
         return f"SQNR >= {self.min_sqnr_db:g} dB and agreement >= {agreement}, every output"
 
     def as_dict(self) -> dict:
@@ -236,9 +245,10 @@ class Fidelity:
         """One line: the worst output's figures, where they were measured, the verdict."""
         w = self.worst
         where = f"{w.name}: " if len(self.outputs) > 1 else ""
-        verdict = {MET: (self._met_on_sqnr_alone() if self.unjudged else f"within the budget ({self.budget.describe()})")
-                   if self.budget else "",
-                   MISSED: f"MISSED the budget ({self.budget.describe()})" if self.budget else "",
+        rules = [o.rule for o in self.outputs if o.agreement is not None]
+        verdict = {MET: (self._met_on_sqnr_alone() if self.unjudged else
+                         f"within the budget ({self.budget.describe(rules)})") if self.budget else "",
+                   MISSED: f"MISSED the budget ({self.budget.describe(rules)})" if self.budget else "",
                    INCONCLUSIVE: "inconclusive: the float output is the same for every input (give real inputs)",
                    NOT_JUDGED: "not judged (no budget)"}[self.status]
         return f"{where}{w.describe()}; {self.runtime}, {self.data}; {verdict}"
