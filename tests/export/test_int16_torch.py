@@ -28,7 +28,7 @@ from quantship.targets import get
 from tests.quantize_onnx.test_fidelity_repair import Collapsing
 from tests.sixteen import INT16_KERNELS
 
-# The elements' minimum agreement (0.9), not the default 0.98 of argmax decisions: this model's class scores are
+# The elements' minimum agreement (0.9), not the default 0.96 of argmax decisions: this model's class scores are
 # near-ties on random inputs (its 16-bit file keeps 40 dB and agrees 0.925), and the test is about which repair
 # the loop reaches first, not about where the default budget stops it.
 MECHANISM = Budget(min_agreement=0.9)

@@ -82,7 +82,7 @@ def test_rows_are_named_by_op_inside_a_module_of_several_and_a_magnified_loss_by
 
 
 def _repaired(model: nn.Module, data: torch.Tensor, path, target) -> object:
-    """The repair of ``model`` held to 0.9 agreement (not argmax's default 0.98): the test is about which op the
+    """The repair of ``model`` held to 0.9 agreement (not argmax's default 0.96): the test is about which op the
     loop widens or keeps float, on class scores that are near-ties on random inputs."""
     return quantize_export_judged(model, [data[:32]], data[:1], path, target=target, overrides={}, held=[data[32:]],
                                   held_label="held", budget=Budget(min_agreement=0.9),
