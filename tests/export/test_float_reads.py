@@ -85,3 +85,34 @@ def test_the_float_rules_depthwise_5x5_before_a_relu_stays_float(tmp_path):
     assert "dw" in done.as_dict()["plan"]["kept_float"]  # the rule's choice
     _assert_float_in_runtime(done.path, x[32:])
     assert onnx.load(str(done.path)).opset_import[0].version >= 13
+
+
+def test_two_excluded_convs_reading_one_tensor_get_one_read_and_a_valid_file(tmp_path):
+    """Two float convs reading the same dequantized tensor (a detector's two branches after one activation): each
+    once got its own per-axis read under the same output name, a file that breaks ONNX's single assignment (seen on
+    nudenet's repair, "float for 16 node(s) gives no file"). They share one read now: the channels are the tensor's."""
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1")]
+    for branch in ("a", "b"):
+        nodes += [helper.make_node("Conv", ["r1", f"w_{branch}"], [f"c_{branch}"], name=f"conv_{branch}",
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c_{branch}"], [f"r_{branch}"], name=f"relu_{branch}"),
+                  helper.make_node("Conv", [f"r_{branch}", f"w_{branch}2"], [f"y_{branch}"], name=f"head_{branch}")]
+    nodes.append(helper.make_node("Add", ["y_a", "y_b"], ["y"], name="add"))
+    inits = [graphs.weight(16, 3, 3, 3, name="w1"), graphs.weight(16, 16, 3, 3, name="w_a"),
+             graphs.weight(16, 16, 3, 3, name="w_b"), graphs.weight(4, 16, 1, 1, name="w_a2"),
+             graphs.weight(4, 16, 1, 1, name="w_b2")]
+    graphs.save(graphs.model(nodes, [graphs.value("x", ["n", 3, 16, 16])], [graphs.value("y", ["n", 4, 16, 16])],
+                             inits), tmp_path / "float.onnx")
+    x = graphs.images(40, shape=(3, 16, 16))
+    done = quantize_onnx_file(tmp_path / "float.onnx", tmp_path / "q.onnx", x[:32], target="onnxruntime-cpu",
+                              exclude=["conv_a", "conv_b"])
+    written = onnx.load(str(done.path))
+    onnx.checker.check_model(written, full_check=True)
+    outputs = [o for n in written.graph.node for o in n.output]
+    assert len(outputs) == len(set(outputs))  # single static assignment
+    reads = [n for n in written.graph.node if n.name.endswith("_float_read")]
+    assert len(reads) == 1 and len({n.input[0] for n in reads}) == 1
+    assert ort_optimized_ops(done.path)["Conv"] == 2  # both branches' convs run float in ONNX Runtime
+    literal, fused = _runs(done.path, x[32:])
+    assert np.isfinite(literal).all() and np.isfinite(fused).all()

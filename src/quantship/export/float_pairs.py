@@ -90,6 +90,7 @@ def float_reads_per_axis(model: ir.Model) -> int:
     graph, changed = model.graph, 0
     if int(model.opset_imports.get("", 0)) < 13:  # per-axis DequantizeLinear: opset 13
         return 0
+    reads: dict[str, ir.Value] = {}  # one read per tensor: its readers share it (axis 1 is the tensor's channels)
     for node in [n for n in graph if n.op_type in WEIGHT_QUANTIZED_BY_RUNTIME and n.domain in ("", "ai.onnx")]:
         x, w = (node.inputs[0], node.inputs[1]) if len(node.inputs) > 1 else (None, None)
         dq = x.producer() if x is not None else None
@@ -101,12 +102,15 @@ def float_reads_per_axis(model: ir.Model) -> int:
         if len(stored) != len(given) or not stored or any(a.size != 1 for a in stored) or channels is None \
                 or not _one_path_to_quantize(node):
             continue
-        per_axis = [fresh_initializer(graph, f"{x.name}_{what}_per_axis", np.full(channels, a.item(), a.dtype), a.dtype)
-                    for what, a in zip(("scale", "zero_point"), stored)]
-        read = ir.node("DequantizeLinear", [dq.inputs[0], *per_axis], attributes={"axis": 1}, name=f"{node.name}_float_read")
-        read.outputs[0].name, read.outputs[0].type, read.outputs[0].shape = f"{x.name}_float_read", x.type, x.shape
-        graph.insert_before(node, read)
-        node.replace_input_with(0, read.outputs[0])
+        if x.name not in reads:
+            per_axis = [fresh_initializer(graph, f"{x.name}_{what}_per_axis", np.full(channels, a.item(), a.dtype),
+                                          a.dtype) for what, a in zip(("scale", "zero_point"), stored)]
+            read = ir.node("DequantizeLinear", [dq.inputs[0], *per_axis], attributes={"axis": 1},
+                           name=f"{node.name}_float_read")
+            read.outputs[0].name, read.outputs[0].type, read.outputs[0].shape = f"{x.name}_float_read", x.type, x.shape
+            graph.insert_before(node, read)
+            reads[x.name] = read.outputs[0]
+        node.replace_input_with(0, reads[x.name])
         changed += 1
     return changed
 
