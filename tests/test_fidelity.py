@@ -118,6 +118,19 @@ def test_the_default_minimum_follows_what_a_decision_is():
     assert "agreement >= 0.9 (positives > 0.5), every output" in judged.describe()
 
 
+def test_a_missed_reading_names_the_bounds_that_would_keep_it():
+    """What a refusal offers a user who judges the task can afford it: bounds rounded down (0.1 dB, 0.01), which the
+    same reading then keeps; a reading that keeps its budget offers nothing."""
+    out = _reversed(30) + 0.3 * np.random.default_rng(5).standard_normal(LOGITS.shape)
+    lowered = _judge(LOGITS, out, Budget(min_sqnr_db=20.0))
+    bounds = lowered.bounds_that_keep_it()
+    assert lowered.status == MISSED and set(bounds) == {"min_sqnr", "min_agreement"}
+    assert bounds["min_sqnr"] <= lowered.sqnr_db < bounds["min_sqnr"] + 0.1
+    assert bounds["min_agreement"] <= lowered.worst.agreement_upper < bounds["min_agreement"] + 0.01
+    kept = _judge(LOGITS, out, Budget(bounds["min_sqnr"], bounds["min_agreement"]))
+    assert kept.status == MET and kept.bounds_that_keep_it() == {}
+
+
 def _reversed(changed):
     """LOGITS with its first ``changed`` rows reversed: a reversed row of 10 scores has its argmax elsewhere."""
     moved = LOGITS.copy()

@@ -190,8 +190,10 @@ def test_the_labelled_variant_refuses_with_every_step_when_the_budget_is_missed(
 
 def _fidelity(options, excluded, wide, goal):
     margin = _score(options, excluded, wide) - goal
-    return SimpleNamespace(sqnr_db=margin + goal, margin=margin, status=MET if margin >= 0 else MISSED,
-                           worst=SimpleNamespace(agreement=None))
+    sqnr = margin + goal
+    return SimpleNamespace(sqnr_db=sqnr, margin=margin, status=MET if margin >= 0 else MISSED,
+                           worst=SimpleNamespace(agreement=None, describe=lambda: f"SQNR {sqnr:.1f} dB"),
+                           bounds_that_keep_it=lambda: {"min_sqnr": sqnr} if margin < 0 else {})
 
 
 def test_the_repair_tries_options_then_the_fewest_float_nodes_and_records_each_step():
@@ -208,9 +210,12 @@ def test_the_repair_tries_options_then_the_fewest_float_nodes_and_records_each_s
         ("as asked", ()), ("halve", ("halve",)), ("double", ("double",)), ("float for 1 node(s)", ("halve",)),
         ("float for 2 node(s)", ("halve",))]
     assert record.met and record.chosen == 4 and chosen == ("file", ("a", "b"))
-    with pytest.raises(FidelityMissed, match="max-steps 1 reached"):
+    with pytest.raises(FidelityMissed, match="max-steps 1 reached") as refused:
         repair(attempt, budget=Budget(20.0, 0.5), options={"scale": 1.0}, max_steps=1,
                algorithm_steps=[("double", {"scale": 2.0})], order=lambda artifact, options: ["a"])
+    # the refusal names its closest file and the bound that would keep it: step 0 (doubling did worse)
+    assert f"The closest: step 0, as asked (SQNR {_score({'scale': 1.0}, (), ()):.1f} dB); `--min-sqnr" \
+        in str(refused.value)
 
 
 def test_both_front_ends_read_the_one_table_of_algorithm_steps():

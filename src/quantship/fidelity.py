@@ -253,6 +253,21 @@ class Fidelity:
                    NOT_JUDGED: "not judged (no budget)"}[self.status]
         return f"{where}{w.describe()}; {self.runtime}, {self.data}; {verdict}"
 
+    def bounds_that_keep_it(self) -> dict[str, float]:
+        """The budget bounds this reading would keep, for the ones it misses: ``{"min_sqnr": dB}`` (rounded down to
+        0.1 dB) and ``{"min_agreement": P}`` (the lowest upper end of a judged agreement's interval, rounded down to
+        0.01): what a refusal tells a user who judges the task can afford it. Empty when nothing misses."""
+        if self.status != MISSED:
+            return {}
+        bounds: dict[str, float] = {}
+        if self.sqnr_db < self.budget.min_sqnr_db:
+            bounds["min_sqnr"] = math.floor(self.sqnr_db * 10.0) / 10.0 if math.isfinite(self.sqnr_db) else 0.0
+        missing = [o.agreement_upper for o in self.outputs if o.agreement is not None
+                   and o.n_decisions >= MIN_DECISIONS and o.agreement_upper < self.budget.agreement_minimum(o.rule)]
+        if missing:
+            bounds["min_agreement"] = math.floor(min(missing) * 100.0) / 100.0
+        return bounds
+
     def _met_on_sqnr_alone(self) -> str:
         few = min(self.unjudged, key=lambda o: o.n_decisions)
         where = f"{few.name} counts" if len(self.outputs) > 1 else "it counts"

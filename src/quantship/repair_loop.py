@@ -143,11 +143,22 @@ def repair(attempt: Attempt, *, budget: Budget, options: dict, base: tuple = (),
             record.stopped = "every step tried" if enabled else "repair off (--no-repair)"
         raise FidelityMissed(
             f"no file kept the fidelity budget ({budget.describe()}): {record.summary()}; stopped: "
-            f"{record.stopped}; nothing written. Give more or more representative calibration data, keep the "
-            "nodes that lose the signal float (--exclude), or lower the budget (--min-sqnr / --min-agreement) "
-            "if the task allows it", record.as_dict())
+            f"{record.stopped}; nothing written.{_closest(engine)} Give more or more representative calibration "
+            "data, keep the nodes that lose the signal float (--exclude), or lower the budget (--min-sqnr / "
+            "--min-agreement) if the task allows it", record.as_dict())
     record.chosen = engine.steps.index(chosen)
     return record, chosen.artifact
+
+
+def _closest(engine: Engine) -> str:
+    """The refused repair's closest file (the step of highest margin) and the bounds that would keep it."""
+    tried = [s for s in engine.steps if s.measured is not None and s.measured.status == MISSED]
+    if not tried:
+        return ""
+    best = max(tried, key=lambda s: s.measured.margin)
+    flags = " ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in best.measured.bounds_that_keep_it().items())
+    keeps = f"; `{flags}` would keep it" if flags else ""
+    return f" The closest: step {engine.steps.index(best)}, {best.what} ({best.measured.worst.describe()}){keeps}."
 
 
 def dropping_uncovered(make: Callable[[tuple], Any], wide: tuple) -> Any:
