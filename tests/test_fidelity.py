@@ -131,6 +131,24 @@ def test_a_missed_reading_names_the_bounds_that_would_keep_it():
     assert kept.status == MET and kept.bounds_that_keep_it() == {}
 
 
+def test_held_out_decisions_too_few_to_resolve_the_minimum_are_judged_with_the_calibration_samples():
+    """95 of 100 held-out answers kept: on those alone the interval reaches 0.96 and the file passes; 100 decisions
+    cannot resolve 0.96 to a point (175 can), so the 200 calibration rows join, and 285 of 300 miss it. So it went on
+    the PP-OCRv4 recognizer: 12 held-out lines, 122 characters, passed a file that read 566 of 600 lines."""
+    from quantship.fidelity import decisions_to_resolve, widened
+
+    assert decisions_to_resolve(Budget(), "argmax") == 175 and decisions_to_resolve(Budget(), POSITIVES) == 410
+    assert decisions_to_resolve(None, "argmax") == MIN_DECISIONS == decisions_to_resolve(Budget(0.0, 1.0), "argmax")
+    calib_ref = np.random.default_rng(7).standard_normal((200, 10))
+    calib_out = calib_ref.copy()
+    calib_out[:10] = calib_out[:10, ::-1]
+    alone = _judge(LOGITS[:100], _reversed(5)[:100], Budget(min_sqnr_db=0.0))
+    assert alone.status == MET and alone.worst.agreement == 0.95 and not alone.unjudged
+    joined = widened(alone, ["out"], [LOGITS[:100]], [_reversed(5)[:100]], lambda: ([calib_ref], [calib_out], 200))
+    assert joined.worst.n_decisions == 300 and joined.worst.agreement == 0.95 and joined.status == MISSED
+    assert "count 100 decision(s), fewer than 175 to judge agreement on" in joined.data
+
+
 def _reversed(changed):
     """LOGITS with its first ``changed`` rows reversed: a reversed row of 10 scores has its argmax elsewhere."""
     moved = LOGITS.copy()
@@ -171,7 +189,7 @@ def test_too_few_held_out_decisions_are_judged_with_the_calibration_samples():
     assert judged.worst.n_decisions == 40 and judged.worst.agreement == 0.0 and judged.sqnr_db > 60.0
     assert judged.status == MISSED and not judged.unjudged
     assert judged.data == ("test + 32 calibration sample(s) (in-sample: FP32's outputs on the held-out ones count 8 "
-                           "decision(s), fewer than 20 to judge agreement on)")
+                           "decision(s), fewer than 175 to judge agreement on)")
     # FP32's decisions decide, not the file's: 10 positives in FP32, 30 in the file (a union of 30, judged on the
     # held-out samples alone) still widen, so that every file a repair makes is judged on the same samples
     probs = np.full((8, 8), 0.1)

@@ -58,6 +58,7 @@ HELD_OUT_MAX = 64  # samples held out from calibration to judge fidelity on (exp
 METADATA_KEY = "quantship.fidelity"
 SIGN_FLOOR = 0.1  # sign agreement counts values whose magnitude is at least this fraction of the output's rms
 MIN_DECISIONS = 20  # an agreement over fewer decisions is reported, not judged: a flip or two proves nothing
+RESOLUTION = 0.01  # held-out decisions fewer than resolve the minimum to one point are judged with calibration's too
 # an agreement misses when the minimum is above the upper end of its Wilson 50% interval (the file is more likely
 # below the minimum than not, 3 to 1); why not 95%: docs/fidelity.md, "The budget"
 AGREEMENT_Z = 0.6744897501960817
@@ -393,8 +394,9 @@ def widened(held: Fidelity, names: Sequence[str], reference: Sequence[np.ndarray
 
     if calibration is None:
         return held
-    counts = _reference_decisions(reference)
-    if not held.unjudged and not (counts and min(counts) < MIN_DECISIONS):
+    short = [(count, needed) for rule, count in _reference_decisions(reference)
+             if count < (needed := decisions_to_resolve(held.budget, rule))]
+    if not held.unjudged and not short:
         return held
     calib_reference, calib_outputs, n_calib = calibration()
     joined_reference, joined_outputs = [], []
@@ -404,15 +406,26 @@ def widened(held: Fidelity, names: Sequence[str], reference: Sequence[np.ndarray
             return held
         joined_reference.append(np.concatenate([ref, c_ref]))
         joined_outputs.append(np.concatenate([out, c_out]))
-    few = min(counts or [o.n_decisions for o in held.unjudged])
+    few, needed = min(short or [(o.n_decisions, MIN_DECISIONS) for o in held.unjudged])
     data = (f"{held.data} + {n_calib} calibration sample(s) (in-sample: FP32's outputs on the held-out ones count "
-            f"{few} decision(s), fewer than {MIN_DECISIONS} to judge agreement on)")
+            f"{few} decision(s), fewer than {needed} to judge agreement on)")
     return measure(names, joined_reference, joined_outputs, budget=held.budget, data=data, runtime=held.runtime)
 
 
-def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
+def decisions_to_resolve(budget: Budget | None, rule: str) -> int:
+    """How many decisions judge an agreement under ``rule`` against the budget's minimum to within a point: where the
+    Wilson 50% interval of an agreement at the minimum is ``RESOLUTION`` wide on each side (0.96: 175; 0.9: 410),
+    else ``MIN_DECISIONS``. Fewer held-out decisions cannot tell a file a point under the minimum from one at it:
+    twelve text lines (122 characters) held out let a file agreeing 0.951 pass 0.96 (docs/fidelity.md)."""
+    if budget is None:
+        return MIN_DECISIONS
+    minimum = budget.agreement_minimum(rule)
+    return max(MIN_DECISIONS, math.ceil(AGREEMENT_Z ** 2 * minimum * (1.0 - minimum) / RESOLUTION ** 2))
+
+
+def _reference_decisions(reference: Sequence[np.ndarray]) -> list[tuple[str, int]]:
     """The decisions FP32's outputs count under each output part's rule (argmax: rows; positives: FP32's positive
-    elements; sign: the values counted), the least an INT8 file's agreement can count."""
+    elements; sign: the values counted), the least an INT8 file's agreement can count, with the rule."""
     import numpy as np  # measuring only (module docstring)
 
     counts = []
@@ -422,14 +435,14 @@ def _reference_decisions(reference: Sequence[np.ndarray]) -> list[int]:
             ref = whole[index]
             rule = agreement_rule(ref)
             if rule == "argmax":
-                counts.append(int(np.prod(ref.shape[:-1])))
+                counts.append((rule, int(np.prod(ref.shape[:-1]))))
             elif rule == FOREGROUND:
                 best = ref.argmax(-1)
-                counts.append(int((best != _background(best)).sum()))
+                counts.append((rule, int((best != _background(best)).sum())))
             elif rule == POSITIVES:
-                counts.append(int((ref > 0.5).sum()))
+                counts.append((rule, int((ref > 0.5).sum())))
             elif rule == "sign":
-                counts.append(int(_sign_counted(ref).sum()))
+                counts.append((rule, int(_sign_counted(ref).sum())))
     return counts
 
 
