@@ -440,7 +440,9 @@ def quantship_cli(task: Task, out: Path, preset: str, extra: tuple[str, ...] = (
             ln for ln in lines if re.match(r"^(error|quantship|refused)", ln, re.I)]
         message = (errors or lines or ["no message"])[-1].replace(str(task.float_path), task.float_path.name)
         message = re.sub(r"^quantship quantize-onnx: (error: )?", "", message)
-        raise Refused(f"`quantize-onnx` refused (exit {done.returncode}): {message[:400]}")
+        closest = re.search(r"The closest: .*?(would keep it)?\.(?= |$)", message)  # the repair's nearest file
+        tail = f" ... {closest.group(0)}" if closest and closest.start() >= 400 else ""
+        raise Refused(f"`quantize-onnx` refused (exit {done.returncode}): {message[:400]}{tail}")
     return ""
 
 
