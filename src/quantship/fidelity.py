@@ -44,11 +44,8 @@ from quantship.intervals import wilson_interval
 if TYPE_CHECKING:
     import numpy as np
 
-# The default budget, from measurements (docs/fidelity.md, bench/fidelity.py): every real model's default file
-# keeps at least 12.3 dB (the PP-OCR detector's tigris file, its recall inside FP32's interval) and agrees at
-# least 0.958 on held-out inputs (its onnxruntime-cpu file, by its positives); nudenet's default file (109/118
-# detections) misses on its scores' positives (0.758); the collapses seen lose the task at 7.4 dB (a real audio
-# model) and below (the notes example: 4.7-5.9 dB, 29.5 points).
+# The default budget comes from measurements on REAL.md's models and the collapses seen (docs/fidelity.md, "The
+# budget", and bench/fidelity.py): an SQNR between the good files' and the collapses', an agreement per rule.
 DEFAULT_MIN_SQNR_DB = 10.0
 DEFAULT_MIN_AGREEMENT = 0.9  # rules over elements (positives, sign): a pixel or a value is not the task's unit
 # rules whose each decision is one of the task's answers (a sample's class, a sequence position's symbol): a file
