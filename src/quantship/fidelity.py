@@ -155,6 +155,7 @@ class Budget:
 
 
 def default_agreements() -> str:
+    """The default minimum agreements in words, by kind of decision (the CLI's help, a refused budget's message)."""
     return (f"{DEFAULT_MIN_DECISION_AGREEMENT:g} for decisions ({', '.join(DECISION_RULES)}), "
             f"{DEFAULT_MIN_AGREEMENT:g} for elements ({POSITIVES}, sign)")
 
